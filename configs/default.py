@@ -1,0 +1,92 @@
+"""Base recipe: the selective-attention paper's C4 language model (section 5).
+
+Every recipe in configs/ starts from this file and edits it. Sizes follow the paper's
+single knob d: d_model = 64 d, n_heads = n_layers = d. A field set to 0 is derived.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  """The default (C4, d=8) configuration."""
+  config = ml_collections.ConfigDict()
+
+  config.seed = 0                       # Seeds parameters, dropout and the data order.
+
+  # Model.
+  config.model = model = ml_collections.ConfigDict()
+  model.d = 8                           # Size knob: d_model = 64 d, n_heads = n_layers = d.
+  model.d_model = 0                     # Residual width; 0 = 64 d.
+  model.n_heads = 0                     # Heads per layer; 0 = d.
+  model.n_layers = 0                    # Blocks; 0 = d.
+  model.head_dim = 0                    # Per-head width; 0 = d_model / n_heads.
+  model.mlp_dim = 0                     # SwiGLU width; 0 = 8/3 d_model rounded up to 64.
+  model.vocab_size = 8192               # Token ids (the 8K SentencePiece vocabulary).
+  model.max_len = 512                   # Learned position table size (>= seq_len).
+  model.attention = 'dense'             # Registry name, or a comma list with one name per layer.
+  model.attention_impl = 'xla'          # 'xla' einsum reference, 'fused' (jax.nn.dot_product_attention), 'cudnn'.
+  model.qk_norm = True                  # RMS-normalize queries and keys.
+  model.tied_embeddings = False         # Share input embedding and output projection.
+  model.dropout_rate = 0.0              # Residual dropout (the paper uses none).
+  model.dtype = 'bfloat16'              # Compute dtype.
+  model.param_dtype = 'float32'         # Parameter (and optimizer state) dtype.
+  model.remat = 'none'                  # 'none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable'.
+  model.scan_layers = True              # nn.scan over identical layers (faster compiles).
+
+  # Data.
+  config.data = data = ml_collections.ConfigDict()
+  data.name = 'c4'                      # 'c4' (TFDS) or a synthetic task: 'variable_assignment', 'copy', 'parity'.
+  data.tfds_name = 'c4/en:3.0.1'        # TFDS dataset for data.name = 'c4'.
+  data.data_dir = ''                    # TFDS data_dir (local path or gs://); '' = TFDS default.
+  # Synthetic-task hyper-parameters (selective-attention paper, appendix A.1-A.2).
+  data.num_variables = 3                # Variable Assignment: distinct variables.
+  data.num_values = 1000                # Variable Assignment: possible values.
+  data.num_assignments = 128            # Variable Assignment: assignments per example.
+  data.num_symbols = 64                 # Copy: alphabet size.
+  data.max_length = 24                  # Copy: longest string (L_max).
+  data.num_bits = 32                    # Parity: random bits per example.
+
+  # Optimization (paper: AdamW beta2 0.999, 1,000 warm-up steps, lr 0.005, cosine decay).
+  config.total_steps = 524_288          # Optimizer steps.
+  config.batch_size = 256               # Global batch, in sequences.
+  config.seq_len = 512                  # Tokens per sequence (text data).
+  config.grad_accum_steps = 1           # Micro-batches per step (batch_size must divide).
+  config.learning_rate = 0.005          # Peak learning rate.
+  config.warmup_steps = 1000            # Linear warm-up steps.
+  config.end_learning_rate_fraction = 0.0  # Cosine decay ends at this fraction of the peak.
+  config.adam_b1 = 0.9                  # AdamW beta1.
+  config.adam_b2 = 0.999                # AdamW beta2.
+  config.adam_eps = 1e-8                # AdamW epsilon.
+  config.weight_decay = 0.1             # Decoupled weight decay on matrices (not norms).
+  config.clip_grad_norm = 1.0           # Global-norm clipping; 0 disables.
+
+  # Logging, evaluation and checkpoints.
+  config.log_every_steps = 100          # Console/TensorBoard train metrics interval.
+  config.eval_every_steps = 5000        # Evaluation interval; 0 disables periodic eval.
+  config.eval_steps = 20                # Validation batches per evaluation.
+  config.eval_batch_size = 0            # Validation batch; 0 = batch_size.
+  config.checkpoint_every_steps = 5000  # Checkpoint interval (always also at the end and on SIGTERM).
+  config.keep_checkpoints = 3           # Checkpoints kept on disk (the latest ones).
+  config.async_checkpointing = True     # Write checkpoints in the background.
+  config.peak_tflops_per_device = 0.0   # Peak for MFU; 0 = device table, else a measured matmul peak.
+
+  # Sharding: mesh sizes (-1 = all remaining devices) and the logical-to-mesh rule table.
+  config.mesh = mesh = ml_collections.ConfigDict()
+  mesh.data = -1                        # Pure data parallelism.
+  mesh.fsdp = 1                         # Parameters and optimizer state sharded (ZeRO-3 style).
+  mesh.tensor = 1                       # Heads and MLP width split (Megatron style).
+  config.logical_axis_rules = [
+      ('batch', ('data', 'fsdp')),
+      ('embed', 'fsdp'),
+      ('heads', 'tensor'),
+      ('mlp', 'tensor'),
+      ('vocab', 'tensor'),
+      ('kv', None),
+      ('length', None),
+      ('qkv', None),
+      ('gate', None),
+      ('layers', None),
+      ('norm', None),
+      ('length_table', None),
+  ]
+  return config

@@ -1,0 +1,63 @@
+"""Entry point: train or evaluate a decoder-only model of the attention zoo.
+
+  python main.py --config=configs/tiny.py --workdir=/tmp/tiny
+  python main.py --config=configs/tiny.py --workdir=/tmp/tiny --mode=eval
+  python main.py --config=configs/default.py --workdir=gs://bucket/run --config.model.attention=dense
+"""
+
+import os
+import sys
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # TensorFlow (event files) C++ chatter.
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string('workdir', None, 'Checkpoints, TensorBoard events and eval results go here.')
+flags.DEFINE_enum('mode', 'train', ['train', 'eval'], 'train: train (resuming from the latest '
+                  'checkpoint); eval: evaluate the latest checkpoint and write JSON.')
+config_flags.DEFINE_config_file('config', os.path.join(os.path.dirname(__file__), 'configs/tiny.py'),
+                                'Recipe file (a get_config() in configs/); override fields with '
+                                '--config.key=value.', lock_config=True)
+
+
+def _quiet_libraries():
+  """Orbax logs every save step at INFO; keep its warnings, drop the chatter."""
+  import logging as py_logging
+
+  class _Filter(py_logging.Filter):
+    def filter(self, record):
+      return record.levelno >= py_logging.WARNING or '/orbax/' not in record.pathname
+
+  for handler in py_logging.getLogger().handlers + py_logging.getLogger('absl').handlers:
+    handler.addFilter(_Filter())
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  _quiet_libraries()
+  import jax
+  if os.environ.get('JAX_COORDINATOR_ADDRESS') or os.environ.get('TPU_WORKER_HOSTNAMES'):
+    jax.distributed.initialize()  # Multi-host: one process per host.
+  from training import train
+  recipe = os.path.splitext(os.path.basename(config_flags.get_config_filename(FLAGS['config'])))[0]
+  workdir = FLAGS.workdir or os.path.join('runs', recipe)
+  logging.info('JAX %s, %d devices (%s), process %d/%d; workdir %s', jax.__version__,
+               jax.device_count(), jax.devices()[0].device_kind, jax.process_index(),
+               jax.process_count(), workdir)
+  try:
+    if FLAGS.mode == 'train':
+      train.train_and_evaluate(FLAGS.config, workdir)
+    else:
+      train.evaluate(FLAGS.config, workdir)
+  except (ValueError, NotImplementedError, PermissionError, FileNotFoundError, FloatingPointError,
+          train.checkpoints.CheckpointError) as e:
+    logging.error('%s: %s', type(e).__name__, e)
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(1)
+
+
+if __name__ == '__main__':
+  app.run(main)

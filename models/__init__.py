@@ -1,0 +1,1 @@
+"""Flax linen modules of the zoo: no data, no optimizer, no I/O."""

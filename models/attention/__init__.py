@@ -1,0 +1,15 @@
+"""Attention variants behind one interface.
+
+    y = attn(x, *, positions, segment_ids, cache=None, deterministic=True)
+
+`base.MultiHeadAttention` owns projections, QK-norm, head split/merge and the output
+projection; a variant subclasses it and overrides `attend`, which decides which keys
+each query sees and how the scores are shaped. Importing this package registers every
+variant; look one up with `get(name)`.
+"""
+
+from models.attention import dense  # noqa: F401  (registers 'dense')
+from models.attention.base import IMPLEMENTATIONS, MultiHeadAttention, causal_segment_mask
+from models.attention.registry import get, known, register
+
+__all__ = ['IMPLEMENTATIONS', 'MultiHeadAttention', 'causal_segment_mask', 'get', 'known', 'register']

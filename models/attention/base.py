@@ -1,0 +1,132 @@
+"""Shared multi-head attention code; variants override `attend` only."""
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models import layers
+
+Dtype = Any
+
+# How a variant's scores are computed: 'xla' is the plain einsum reference that every fast
+# path is tested against; 'fused' is jax.nn.dot_product_attention (XLA picks the kernel);
+# 'cudnn' forces the cuDNN flash kernel on NVIDIA GPUs.
+IMPLEMENTATIONS = ('xla', 'fused', 'cudnn')
+
+# Masked logits get this instead of -inf so a fully masked row (padding) gives a uniform
+# distribution rather than NaN; such rows carry zero loss weight.
+NEG_INF = -1e30
+
+
+def causal_segment_mask(segment_ids: jax.Array) -> jax.Array:
+  """Boolean (batch, q, k) mask: key j is visible to query i iff j <= i and same document.
+
+  Args:
+    segment_ids: (batch, length) int document ids of packed sequences (0 = padding).
+
+  Returns:
+    (batch, length, length) bool mask.
+  """
+  n = segment_ids.shape[-1]
+  causal = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]
+  same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
+  return causal[None] & same_doc
+
+
+def reference_attention(q, k, v, mask, *, scale, dtype):
+  """softmax(q k^T * scale + mask) v with float32 scores: the dense reference path.
+
+  Args:
+    q: (batch, q_len, heads, head_dim) queries.
+    k: (batch, k_len, heads, head_dim) keys.
+    v: (batch, k_len, heads, head_dim) values.
+    mask: bool, broadcastable to (batch, heads, q_len, k_len).
+    scale: multiplier of the logits.
+    dtype: dtype of the probabilities fed to the value matmul.
+
+  Returns:
+    (batch, q_len, heads, head_dim) attention output.
+  """
+  logits = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32) * scale
+  logits = jnp.where(mask, logits, NEG_INF)
+  probs = jax.nn.softmax(logits, axis=-1).astype(dtype)
+  return jnp.einsum('bhqk,bkhd->bqhd', probs, v)
+
+
+class MultiHeadAttention(nn.Module):
+  """Projections, QK-norm, head split/merge and output projection shared by all variants.
+
+  Subclasses override `attend(q, k, v, *, positions, segment_ids, deterministic)`; they may
+  create parameters there (it runs inside the compact `__call__`), `self.sow('losses', ...)`
+  auxiliary losses and `self.sow('intermediates', ...)` statistics.
+
+  Attributes:
+    num_heads: number of attention heads.
+    head_dim: width of each head.
+    qk_norm: RMS-normalize queries and keys per head (Dehghani et al., 2023).
+    impl: one of IMPLEMENTATIONS.
+    layer_index: index of the layer holding this module (per-layer patterns use it).
+    dtype: computation dtype.
+    param_dtype: parameter dtype.
+  """
+  num_heads: int
+  head_dim: int
+  qk_norm: bool = True
+  impl: str = 'xla'
+  layer_index: int = 0
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, *, positions, segment_ids, cache=None, deterministic=True):
+    """Self-attention over x.
+
+    Args:
+      x: (batch, length, d_model) inputs.
+      positions: (batch, length) int positions within each document.
+      segment_ids: (batch, length) int document ids (0 = padding).
+      cache: decoding state; variants that support decoding define its form.
+      deterministic: disables dropout-like randomness when True.
+
+    Returns:
+      (batch, length, d_model) outputs.
+    """
+    if cache is not None:
+      raise NotImplementedError(f'{type(self).__name__} does not support cached decoding yet')
+    d_model = x.shape[-1]
+    # One fused matmul for q, k and v.
+    w_qkv = self.param('qkv', nn.with_logical_partitioning(
+        layers.default_kernel_init, ('embed', 'qkv', 'heads', 'kv')),
+        (d_model, 3, self.num_heads, self.head_dim), self.param_dtype)
+    qkv = jnp.einsum('btd,dphk->pbthk', x.astype(self.dtype), w_qkv.astype(self.dtype))
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    if self.qk_norm:
+      q = layers.RMSNorm(dtype=self.dtype, param_dtype=self.param_dtype, axis_name='kv', name='q_norm')(q)
+      k = layers.RMSNorm(dtype=self.dtype, param_dtype=self.param_dtype, axis_name='kv', name='k_norm')(k)
+    q = nn.with_logical_constraint(q, ('batch', 'length', 'heads', 'kv'))
+    k = nn.with_logical_constraint(k, ('batch', 'length', 'heads', 'kv'))
+    v = nn.with_logical_constraint(v, ('batch', 'length', 'heads', 'kv'))
+
+    out = self.attend(q, k, v, positions=positions, segment_ids=segment_ids,
+                      deterministic=deterministic)
+
+    w_o = self.param('out', nn.with_logical_partitioning(
+        layers.default_kernel_init, ('heads', 'kv', 'embed')),
+        (self.num_heads, self.head_dim, d_model), self.param_dtype)
+    return jnp.einsum('bthk,hkd->btd', out.astype(self.dtype), w_o.astype(self.dtype))
+
+  def attend(self, q, k, v, *, positions, segment_ids, deterministic):
+    """Which keys each query sees and how scores are shaped: the variant's whole job.
+
+    Args:
+      q, k, v: (batch, length, heads, head_dim) after projection and QK-norm.
+      positions: (batch, length) int positions within each document.
+      segment_ids: (batch, length) int document ids.
+      deterministic: True at eval.
+
+    Returns:
+      (batch, length, heads, head_dim).
+    """
+    raise NotImplementedError

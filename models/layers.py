@@ -1,0 +1,114 @@
+"""Backbone layers: RMSNorm, SwiGLU, embeddings and learned absolute positions.
+
+Every parameter carries logical axis names (`nn.with_logical_partitioning`); the
+training code maps them onto the device mesh with the rule table in the config.
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Dtype = Any
+
+default_kernel_init = nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal')
+default_embed_init = nn.initializers.normal(stddev=0.02)
+
+
+class RMSNorm(nn.Module):
+  """Root-mean-square layer norm (Zhang & Sennrich, 2019), no bias.
+
+  Attributes:
+    epsilon: added to the mean square before the square root.
+    dtype: computation dtype; the statistic is always computed in float32.
+    param_dtype: dtype of the scale parameter.
+    axis_name: logical name of the normalized axis.
+  """
+  epsilon: float = 1e-6
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+  axis_name: str = 'norm'
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+                       (x.shape[-1],), self.param_dtype)
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+    return (y * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+class SwiGLU(nn.Module):
+  """Gated feed-forward block (Shazeer, 2020): W_o (silu(x W_g) * (x W_u)), no biases.
+
+  Attributes:
+    hidden_dim: width of the gated hidden layer.
+    dtype: computation dtype.
+    param_dtype: parameter dtype.
+  """
+  hidden_dim: int
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    d_model = x.shape[-1]
+    # Gate and up projections as one kernel: one matmul instead of two.
+    w_in = self.param('wi', nn.with_logical_partitioning(
+        default_kernel_init, ('embed', 'gate', 'mlp')), (d_model, 2, self.hidden_dim), self.param_dtype)
+    h = jnp.einsum('btd,dgf->btgf', x.astype(self.dtype), w_in.astype(self.dtype))
+    h = nn.silu(h[..., 0, :]) * h[..., 1, :]
+    h = nn.with_logical_constraint(h, ('batch', 'length', 'mlp'))
+    w_out = self.param('wo', nn.with_logical_partitioning(default_kernel_init, ('mlp', 'embed')),
+                       (self.hidden_dim, d_model), self.param_dtype)
+    return jnp.einsum('btf,fd->btd', h, w_out.astype(self.dtype))
+
+
+class Embed(nn.Module):
+  """Token embedding table, usable as the (tied) output projection too.
+
+  Attributes:
+    num_embeddings: vocabulary size.
+    features: embedding width (d_model).
+    dtype: computation dtype.
+    param_dtype: parameter dtype.
+  """
+  num_embeddings: int
+  features: int
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  def setup(self):
+    self.embedding = self.param(
+        'embedding', nn.with_logical_partitioning(default_embed_init, ('vocab', 'embed')),
+        (self.num_embeddings, self.features), self.param_dtype)
+
+  def __call__(self, ids):
+    return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
+
+  def attend(self, x):
+    """Logits x E^T against the table (tied output projection)."""
+    return jnp.einsum('btd,vd->btv', x.astype(self.dtype), self.embedding.astype(self.dtype))
+
+
+class LearnedPositions(nn.Module):
+  """Learned absolute position embeddings (the selective-attention backbone).
+
+  Attributes:
+    max_len: size of the position table; longer inputs are rejected at config time.
+    features: embedding width.
+    dtype: computation dtype.
+    param_dtype: parameter dtype.
+  """
+  max_len: int
+  features: int
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, positions):
+    table = self.param('pos_embedding', nn.with_logical_partitioning(
+        default_embed_init, ('length_table', 'embed')),
+        (self.max_len, self.features), self.param_dtype)
+    return jnp.take(table, positions, axis=0).astype(self.dtype)

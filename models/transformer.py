@@ -1,0 +1,253 @@
+"""Decoder-only Pre-LN transformer: embed -> N x Block -> RMSNorm -> logits.
+
+The backbone of the selective-attention paper (section 5): Pre-LN, RMSNorm, SwiGLU,
+QK-norm, no biases, learned absolute positions, d_model = 64 d and n_heads = n_layers = d.
+"""
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from models import attention, layers
+
+Dtype = Any
+REMAT_POLICIES = ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable')
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Resolved model hyper-parameters; build it with `from_config`.
+
+  Attributes:
+    vocab_size: number of token ids.
+    d_model: residual width.
+    n_heads: attention heads per layer.
+    n_layers: number of blocks.
+    head_dim: width of each head.
+    mlp_dim: SwiGLU hidden width.
+    max_len: size of the learned position table.
+    attention: registry name per layer (a tuple of length n_layers).
+    attention_impl: implementation switch, one of attention.IMPLEMENTATIONS.
+    qk_norm: RMS-normalize queries and keys.
+    tied_embeddings: reuse the input embedding as output projection.
+    dropout_rate: residual dropout (0 in the paper).
+    dtype: computation dtype.
+    param_dtype: parameter dtype.
+    remat: rematerialization policy, one of REMAT_POLICIES.
+    scan_layers: run the blocks under nn.scan (one compiled block; needs identical layers).
+  """
+  vocab_size: int
+  d_model: int
+  n_heads: int
+  n_layers: int
+  head_dim: int
+  mlp_dim: int
+  max_len: int
+  attention: tuple[str, ...]
+  attention_impl: str = 'xla'
+  qk_norm: bool = True
+  tied_embeddings: bool = False
+  dropout_rate: float = 0.0
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+  remat: str = 'none'
+  scan_layers: bool = True
+
+  def __post_init__(self):
+    for name in ('vocab_size', 'd_model', 'n_heads', 'n_layers', 'head_dim', 'mlp_dim', 'max_len'):
+      if getattr(self, name) < 1:
+        raise ValueError(f'model.{name} must be >= 1, got {getattr(self, name)}')
+    if len(self.attention) != self.n_layers:
+      raise ValueError(f'model.attention lists {len(self.attention)} layers but n_layers is '
+                       f'{self.n_layers}')
+    for name in set(self.attention):
+      attention.get(name)  # Raises with the list of known names.
+    if self.attention_impl not in attention.IMPLEMENTATIONS:
+      raise ValueError(f'unknown model.attention_impl {self.attention_impl!r}; known: '
+                       f'{", ".join(attention.IMPLEMENTATIONS)}')
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f'unknown model.remat {self.remat!r}; known: {", ".join(REMAT_POLICIES)}')
+    if not 0.0 <= self.dropout_rate < 1.0:
+      raise ValueError(f'model.dropout_rate must be in [0, 1), got {self.dropout_rate}')
+
+  @property
+  def homogeneous(self) -> bool:
+    """True when every layer uses the same variant (so the layers can be scanned)."""
+    return len(set(self.attention)) == 1
+
+  @classmethod
+  def from_config(cls, model_cfg) -> 'TransformerConfig':
+    """Resolves the `d` size knob and defaults of a `config.model` section.
+
+    d_model = 64 d and n_heads = n_layers = d unless overridden; head_dim = d_model / n_heads;
+    mlp_dim = 8/3 d_model rounded up to a multiple of 64 (keeps SwiGLU at ~8 d_model^2 params,
+    so a block has ~12 d_model^2 parameters as in the paper's table 8).
+
+    Args:
+      model_cfg: mapping with the keys of configs/default.py's `model` section.
+
+    Returns:
+      The validated TransformerConfig.
+    """
+    m = dict(model_cfg)
+    d = m.get('d') or 0
+    d_model = m.get('d_model') or 64 * d
+    n_heads = m.get('n_heads') or d
+    n_layers = m.get('n_layers') or d
+    if not (d_model and n_heads and n_layers):
+      raise ValueError('set model.d (size knob) or all of model.d_model, model.n_heads, model.n_layers')
+    head_dim = m.get('head_dim')
+    if not head_dim:
+      if d_model % n_heads:
+        raise ValueError(f'model.d_model={d_model} is not divisible by model.n_heads={n_heads}; '
+                         'change one of them or set model.head_dim explicitly')
+      head_dim = d_model // n_heads
+    mlp_dim = m.get('mlp_dim') or 64 * math.ceil(8 * d_model / 3 / 64)
+    att = m.get('attention', 'dense')
+    if isinstance(att, str):
+      names = [a.strip() for a in att.split(',') if a.strip()]
+      att = tuple(names * n_layers if len(names) == 1 else names)
+    return cls(
+        vocab_size=m['vocab_size'], d_model=d_model, n_heads=n_heads, n_layers=n_layers,
+        head_dim=head_dim, mlp_dim=mlp_dim, max_len=m['max_len'], attention=tuple(att),
+        attention_impl=m.get('attention_impl', 'xla'), qk_norm=m.get('qk_norm', True),
+        tied_embeddings=m.get('tied_embeddings', False), dropout_rate=m.get('dropout_rate', 0.0),
+        dtype=jnp.dtype(m.get('dtype', 'float32')), param_dtype=jnp.dtype(m.get('param_dtype', 'float32')),
+        remat=m.get('remat', 'none'), scan_layers=m.get('scan_layers', True))
+
+  def num_params(self) -> int:
+    """Exact number of trainable parameters."""
+    block = (self.d_model * 3 * self.n_heads * self.head_dim   # qkv
+             + self.n_heads * self.head_dim * self.d_model     # out
+             + 3 * self.d_model * self.mlp_dim                 # SwiGLU
+             + 2 * self.d_model                                # two RMSNorms
+             + (2 * self.head_dim if self.qk_norm else 0))
+    embed = self.vocab_size * self.d_model + self.max_len * self.d_model
+    head = 0 if self.tied_embeddings else self.d_model * self.vocab_size
+    return self.n_layers * block + embed + head + self.d_model
+
+  def train_flops_per_token(self, seq_len: int) -> float:
+    """Training FLOPs per token: 6 N_matmul + 12 L H d_head T (PaLM, appendix B).
+
+    N_matmul counts the weights used in matmuls (blocks and output projection, not the
+    embedding lookups); the attention term counts the full T x T score matrix as PaLM does.
+
+    Args:
+      seq_len: training sequence length T.
+
+    Returns:
+      FLOPs for a forward and backward pass per token.
+    """
+    matmul = self.n_layers * (4 * self.n_heads * self.head_dim * self.d_model
+                              + 3 * self.d_model * self.mlp_dim) + self.d_model * self.vocab_size
+    return 6.0 * matmul + 12.0 * self.n_layers * self.n_heads * self.head_dim * seq_len
+
+
+class Block(nn.Module):
+  """Pre-LN block: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)).
+
+  Attributes:
+    config: the model config.
+    attention_name: registry name of this layer's variant.
+    layer_index: position of the block in the stack.
+    deterministic: disables dropout.
+  """
+  config: TransformerConfig
+  attention_name: str
+  layer_index: int = 0
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, x, positions, segment_ids):
+    cfg = self.config
+    norm = lambda name: layers.RMSNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
+    attn_cls = attention.get(self.attention_name)
+    h = attn_cls(num_heads=cfg.n_heads, head_dim=cfg.head_dim, qk_norm=cfg.qk_norm,
+                 impl=cfg.attention_impl, layer_index=self.layer_index, dtype=cfg.dtype,
+                 param_dtype=cfg.param_dtype, name='attention')(
+                     norm('pre_attention_norm')(x), positions=positions, segment_ids=segment_ids,
+                     deterministic=self.deterministic)
+    x = x + nn.Dropout(cfg.dropout_rate)(h, deterministic=self.deterministic)
+    h = layers.SwiGLU(cfg.mlp_dim, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name='mlp')(
+        norm('pre_mlp_norm')(x))
+    x = x + nn.Dropout(cfg.dropout_rate)(h, deterministic=self.deterministic)
+    return nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
+
+
+class ScannedBlock(Block):
+  """Block with the (carry, output) signature nn.scan needs."""
+
+  def __call__(self, x, positions, segment_ids):
+    return super().__call__(x, positions, segment_ids), None
+
+
+def _remat(cls, policy: str, scanned: bool):
+  if policy == 'none':
+    return cls
+  jax_policy = None if policy == 'full' else getattr(__import__('jax').checkpoint_policies, policy)
+  return nn.remat(cls, policy=jax_policy, prevent_cse=not scanned)
+
+
+class Decoder(nn.Module):
+  """Decoder-only language model.
+
+  Attributes:
+    config: the model config.
+  """
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, inputs, *, positions=None, segment_ids=None, deterministic=True):
+    """Next-token logits.
+
+    Args:
+      inputs: (batch, length) int token ids.
+      positions: (batch, length) positions within each document; defaults to 0..length-1.
+      segment_ids: (batch, length) document ids for packed rows (0 = padding); defaults to 1.
+      deterministic: disables dropout.
+
+    Returns:
+      (batch, length, vocab_size) float32 logits.
+    """
+    cfg = self.config
+    b, n = inputs.shape
+    if n > cfg.max_len:
+      raise ValueError(f'sequence length {n} exceeds the position table (model.max_len={cfg.max_len})')
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    if segment_ids is None:
+      segment_ids = jnp.ones((b, n), jnp.int32)
+
+    embed = layers.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                         name='token_embed')
+    x = embed(inputs) + layers.LearnedPositions(cfg.max_len, cfg.d_model, dtype=cfg.dtype,
+                                                param_dtype=cfg.param_dtype, name='pos_embed')(positions)
+    x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+    x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
+
+    if cfg.scan_layers and cfg.homogeneous:
+      stack = nn.scan(
+          _remat(ScannedBlock, cfg.remat, scanned=True),
+          variable_axes={'params': 0, 'losses': 0, 'intermediates': 0},
+          split_rngs={'params': True, 'dropout': True},
+          in_axes=(nn.broadcast, nn.broadcast), length=cfg.n_layers,
+          metadata_params={nn.PARTITION_NAME: 'layers'})
+      x, _ = stack(cfg, cfg.attention[0], deterministic=deterministic, name='blocks')(
+          x, positions, segment_ids)
+    else:
+      block_cls = _remat(Block, cfg.remat, scanned=False)
+      for i, name in enumerate(cfg.attention):
+        x = block_cls(cfg, name, layer_index=i, deterministic=deterministic, name=f'block_{i}')(
+            x, positions, segment_ids)
+
+    x = layers.RMSNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype, name='final_norm')(x)
+    if cfg.tied_embeddings:
+      logits = embed.attend(x)
+    else:
+      w = self.param('logits_kernel', nn.with_logical_partitioning(
+          layers.default_kernel_init, ('embed', 'vocab')), (cfg.d_model, cfg.vocab_size), cfg.param_dtype)
+      logits = jnp.einsum('btd,dv->btv', x, w.astype(cfg.dtype))
+    return nn.with_logical_constraint(logits.astype(jnp.float32), ('batch', 'length', 'vocab'))

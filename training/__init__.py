@@ -1,0 +1,1 @@
+"""Training: steps, loop, optimizer, sharding, checkpoints and metrics."""

@@ -1,0 +1,55 @@
+"""Console progress lines and TensorBoard scalars (through clu metric writers)."""
+
+import time
+
+import jax
+from absl import logging
+from clu import metric_writers
+
+
+class MetricLogger:
+  """Writes scalars to TensorBoard (process 0) and a progress line with ETA to the console.
+
+  Args:
+    workdir: TensorBoard event files go to `workdir/tensorboard`.
+    total_steps: last step of the run (for the ETA).
+  """
+
+  def __init__(self, workdir: str, total_steps: int):
+    # The console line below replaces clu's LoggingWriter, so only event files are written.
+    writers = []
+    if jax.process_index() == 0:
+      writers.append(metric_writers.AsyncWriter(metric_writers.SummaryWriter(f'{workdir}/tensorboard')))
+    self._writer = metric_writers.MultiWriter(writers)
+    self._total = total_steps
+    self._start = time.time()
+    self._start_step = None
+
+  def write(self, step: int, scalars: dict[str, float], prefix: str = 'train') -> None:
+    """Logs `scalars` at `step` under `prefix/`."""
+    self._writer.write_scalars(step, {f'{prefix}/{k}': v for k, v in scalars.items()})
+    if prefix == 'train':
+      if self._start_step is None:
+        self._start_step, self._start = step, time.time()
+      done = step - self._start_step
+      eta = (time.time() - self._start) / done * (self._total - step) if done > 0 else float('nan')
+      logging.info('step %d/%d  loss %.4f  acc %.3f  lr %.2e  |g| %.3f  tok/s %.0f  MFU %.1f%%  ETA %s',
+                   step, self._total, scalars['loss'], scalars['accuracy'], scalars['learning_rate'],
+                   scalars['grad_norm'], scalars['tokens_per_sec'], 100 * scalars['mfu'],
+                   _fmt_time(eta))
+    else:
+      logging.info('%s step %d  %s', prefix, step,
+                   '  '.join(f'{k} {v:.4f}' for k, v in sorted(scalars.items())))
+
+  def close(self) -> None:
+    """Flushes and closes the writers."""
+    self._writer.flush()
+    self._writer.close()
+
+
+def _fmt_time(seconds: float) -> str:
+  if seconds != seconds:  # NaN
+    return '?'
+  m, s = divmod(int(seconds), 60)
+  h, m = divmod(m, 60)
+  return f'{h}:{m:02d}:{s:02d}'

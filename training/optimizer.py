@@ -1,0 +1,45 @@
+"""AdamW with linear warm-up and cosine decay, global-norm clipping and a decay mask."""
+
+import jax
+import optax
+
+
+def make_schedule(config) -> optax.Schedule:
+  """Linear warm-up from 0 to `learning_rate`, then cosine decay to `end_learning_rate_fraction`.
+
+  Args:
+    config: the run config (learning_rate, warmup_steps, total_steps, end_learning_rate_fraction).
+
+  Returns:
+    step -> learning rate.
+  """
+  warmup = min(config.warmup_steps, config.total_steps)
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=config.learning_rate, warmup_steps=warmup,
+      decay_steps=max(config.total_steps, warmup + 1),
+      end_value=config.learning_rate * config.end_learning_rate_fraction)
+
+
+def decay_mask(params):
+  """Weight decay on matrices only: norm scales (1-D) are not decayed."""
+  return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(config) -> optax.GradientTransformation:
+  """The optimizer of the selective-attention recipe (AdamW, beta2 0.999).
+
+  Args:
+    config: the run config.
+
+  Returns:
+    clip_by_global_norm (if clip_grad_norm > 0) followed by AdamW with the schedule.
+  """
+  for name in ('learning_rate', 'weight_decay', 'clip_grad_norm'):
+    if getattr(config, name) < 0:
+      raise ValueError(f'{name} must be >= 0, got {getattr(config, name)}')
+  chain = []
+  if config.clip_grad_norm > 0:
+    chain.append(optax.clip_by_global_norm(config.clip_grad_norm))
+  chain.append(optax.adamw(make_schedule(config), b1=config.adam_b1, b2=config.adam_b2,
+                           eps=config.adam_eps, weight_decay=config.weight_decay, mask=decay_mask))
+  return optax.chain(*chain)

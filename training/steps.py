@@ -1,0 +1,129 @@
+"""Pure train and eval steps; `training/train.py` jits them with mesh shardings."""
+
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+Batch = dict[str, jax.Array]
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a checkpoint holds.
+
+  Attributes:
+    step: optimizer steps taken (int32 scalar).
+    params: model parameters.
+    opt_state: optimizer state.
+  """
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+def weighted_sums(logits, batch: Batch) -> dict[str, jax.Array]:
+  """Summed cross-entropy, correct predictions and weight over the scored positions.
+
+  Args:
+    logits: (batch, length, vocab) float32.
+    batch: dict with 'targets' and 'weights' of shape (batch, length).
+
+  Returns:
+    dict with 'loss_sum', 'correct_sum' and 'weight_sum' scalars.
+  """
+  w = batch['weights']
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
+  correct = (jnp.argmax(logits, -1) == batch['targets']).astype(jnp.float32)
+  return {'loss_sum': jnp.sum(ce * w), 'correct_sum': jnp.sum(correct * w), 'weight_sum': jnp.sum(w)}
+
+
+def sum_collection(tree) -> jax.Array:
+  """Sum of every element of a sown collection ('losses'): the auxiliary loss."""
+  return sum((jnp.sum(x) for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32))
+
+
+def _forward(model: nn.Module, params, batch: Batch, *, train: bool, rng=None):
+  logits, mutated = model.apply(
+      {'params': params}, batch['inputs'], positions=batch['positions'],
+      segment_ids=batch['segment_ids'], deterministic=not train,
+      rngs={'dropout': rng} if rng is not None else None, mutable=['losses'])
+  return logits, sum_collection(mutated.get('losses', {}))
+
+
+def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule,
+                    grad_accum_steps: int = 1):
+  """Builds train_step(state, batch, rng) -> (state, metrics).
+
+  The objective is mean cross-entropy over the scored positions of the whole batch plus the
+  auxiliary losses sown into 'losses'. With gradient accumulation the batch is split into
+  micro-batches whose gradients are summed; each micro-batch's cross-entropy is divided by
+  the weight of the whole batch, so the update equals the one-shot update up to float
+  rounding.
+
+  Args:
+    model: the Decoder.
+    tx: the optimizer.
+    schedule: step -> learning rate (for logging).
+    grad_accum_steps: number of micro-batches.
+
+  Returns:
+    The un-jitted step function.
+  """
+
+  def train_step(state: TrainState, batch: Batch, rng: jax.Array):
+    rng = jax.random.fold_in(rng, state.step)
+    total_weight = jnp.maximum(jnp.sum(batch['weights']), 1.0)
+
+    def micro_loss(params, micro, micro_rng):
+      logits, aux = _forward(model, params, micro, train=True, rng=micro_rng)
+      sums = weighted_sums(logits, micro)
+      objective = sums['loss_sum'] / total_weight + aux / grad_accum_steps
+      return objective, (sums, aux)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    if grad_accum_steps == 1:
+      (_, (sums, aux)), grads = grad_fn(state.params, batch, rng)
+    else:
+      micro_batches = jax.tree.map(
+          lambda x: x.reshape((grad_accum_steps, -1) + x.shape[1:]), batch)
+
+      def accumulate(carry, xs):
+        micro, i = xs
+        (_, (s, a)), g = grad_fn(state.params, micro, jax.random.fold_in(rng, i))
+        return jax.tree.map(jnp.add, carry, (g, s, a)), None
+
+      zero = jnp.zeros((), jnp.float32)
+      zeros = (jax.tree.map(jnp.zeros_like, state.params),
+               {'loss_sum': zero, 'correct_sum': zero, 'weight_sum': zero}, zero)
+      (grads, sums, aux), _ = jax.lax.scan(
+          accumulate, zeros, (micro_batches, jnp.arange(grad_accum_steps)))
+      aux = aux / grad_accum_steps
+
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    loss = sums['loss_sum'] / total_weight
+    metrics = {
+        'loss': loss,
+        'aux_loss': aux,
+        'accuracy': sums['correct_sum'] / total_weight,
+        'grad_norm': optax.global_norm(grads),
+        'learning_rate': schedule(state.step),
+        'scored_tokens': sums['weight_sum'],
+    }
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+  return train_step
+
+
+def make_eval_step(model: nn.Module):
+  """Builds eval_step(params, batch) -> summed loss, correct and weight."""
+
+  def eval_step(params, batch: Batch):
+    logits, _ = _forward(model, params, batch, train=False)
+    return weighted_sums(logits, batch)
+
+  return eval_step

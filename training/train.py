@@ -1,0 +1,312 @@
+"""The training loop and evaluation: setup, sharded jit steps, checkpoints, preemption."""
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import logging
+
+import input_pipeline
+from models import transformer
+from training import checkpoints, flops, metrics as metrics_lib, optimizer, sharding, steps
+
+
+@dataclasses.dataclass
+class Setup:
+  """Everything built from a config before any compute.
+
+  Attributes:
+    config: the run config.
+    model_config: the resolved TransformerConfig.
+    model: the Decoder.
+    data: the DataSource.
+    mesh: the device mesh.
+    rules: logical axis rules.
+    tx: the optimizer.
+    schedule: the learning-rate schedule.
+    abstract_state: TrainState of ShapeDtypeStructs carrying the target shardings.
+    state_sharding: shardings of the TrainState.
+    batch_sharding: sharding of every batch array.
+    init_fn: rng -> freshly initialized (unboxed) TrainState.
+  """
+  config: ml_collections.ConfigDict
+  model_config: transformer.TransformerConfig
+  model: transformer.Decoder
+  data: input_pipeline.DataSource
+  mesh: jax.sharding.Mesh
+  rules: Any
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  abstract_state: steps.TrainState
+  state_sharding: Any
+  batch_sharding: jax.sharding.NamedSharding
+  init_fn: Any
+
+
+def check_workdir(workdir: str) -> None:
+  """Creates `workdir` and proves it is writable, before any compute."""
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    probe = os.path.join(workdir, f'.write_probe_{jax.process_index()}')
+    with open(probe, 'w') as f:
+      f.write('ok')
+    os.remove(probe)
+  except OSError as e:
+    raise PermissionError(f'workdir {workdir!r} is not writable: {e}') from e
+
+
+def build(config: ml_collections.ConfigDict, devices=None) -> Setup:
+  """Validates the config and builds model, data, mesh, optimizer and state shardings.
+
+  Every check that can fail on a bad config runs here, before any compute.
+
+  Args:
+    config: the run config.
+    devices: devices for the mesh; defaults to all.
+
+  Returns:
+    The Setup.
+  """
+  data = input_pipeline.make_source(
+      config, process_index=jax.process_index(), process_count=jax.process_count())
+  model_cfg = dict(config.model)
+  model_cfg['vocab_size'] = config.model.vocab_size or data.vocab_size
+  model_cfg['max_len'] = config.model.max_len or data.seq_len
+  model_config = transformer.TransformerConfig.from_config(model_cfg)
+  if data.seq_len > model_config.max_len:
+    raise ValueError(f'sequence length {data.seq_len} is longer than the position table '
+                     f'(model.max_len={model_config.max_len})')
+  if data.vocab_size > model_config.vocab_size:
+    raise ValueError(f'the data uses {data.vocab_size} token ids but model.vocab_size is '
+                     f'{model_config.vocab_size}')
+
+  mesh = sharding.make_mesh(config.mesh, devices)
+  data_parallel = mesh.shape['data'] * mesh.shape['fsdp']
+  if config.batch_size % config.grad_accum_steps:
+    raise ValueError(f'batch_size={config.batch_size} is not divisible by '
+                     f'grad_accum_steps={config.grad_accum_steps}')
+  for name, rows in (('batch_size / grad_accum_steps', config.batch_size // config.grad_accum_steps),
+                     ('eval batch size', config.eval_batch_size or config.batch_size)):
+    if rows % data_parallel:
+      raise ValueError(f'{name}={rows} is not divisible by the {data_parallel} data-parallel '
+                       f'devices of the mesh {dict(mesh.shape)}')
+  for name in ('total_steps', 'log_every_steps', 'checkpoint_every_steps', 'keep_checkpoints'):
+    if config[name] < 1:
+      raise ValueError(f'{name} must be >= 1, got {config[name]}')
+
+  rules = sharding.rules_from_config(config.logical_axis_rules)
+  model = transformer.Decoder(model_config)
+  schedule = optimizer.make_schedule(config)
+  tx = optimizer.make_optimizer(config)
+
+  def init_boxed(rng):
+    dummy = jnp.zeros((1, data.seq_len), jnp.int32)
+    params = model.init(rng, dummy)['params']
+    return steps.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+  boxed = jax.eval_shape(init_boxed, jax.random.key(0))
+  state_sharding = sharding.logical_shardings(boxed, mesh, rules)
+  abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                nn.unbox(boxed), state_sharding)
+  setup = Setup(config=config, model_config=model_config, model=model, data=data, mesh=mesh,
+                rules=rules, tx=tx, schedule=schedule, abstract_state=abstract_state,
+                state_sharding=state_sharding, batch_sharding=sharding.batch_sharding(mesh),
+                init_fn=lambda rng: nn.unbox(init_boxed(rng)))
+  return setup
+
+
+def init_state(setup: Setup, seed: int) -> steps.TrainState:
+  """Initializes parameters and optimizer state directly into their shardings."""
+  with sharding.activate(setup.mesh, setup.rules):
+    return jax.jit(setup.init_fn, out_shardings=setup.state_sharding)(jax.random.key(seed))
+
+
+def device_batch(setup: Setup, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+  """Assembles the global batch from this process's rows."""
+  return {k: jax.make_array_from_process_local_data(setup.batch_sharding, v)
+          for k, v in local.items()}
+
+
+def jit_train_step(setup: Setup):
+  """The sharded, donated train step."""
+  fn = steps.make_train_step(setup.model, setup.tx, setup.schedule, setup.config.grad_accum_steps)
+  replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
+  return jax.jit(fn, in_shardings=(setup.state_sharding, setup.batch_sharding, replicated),
+                 out_shardings=(setup.state_sharding, replicated), donate_argnums=(0,))
+
+
+def jit_eval_step(setup: Setup):
+  """The sharded eval step over parameters only."""
+  replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
+  return jax.jit(steps.make_eval_step(setup.model),
+                 in_shardings=(setup.state_sharding.params, setup.batch_sharding),
+                 out_shardings=replicated)
+
+
+def run_eval(setup: Setup, eval_step, params) -> dict[str, float]:
+  """Loss, perplexity and accuracy over the validation batches."""
+  totals = {'loss_sum': 0.0, 'correct_sum': 0.0, 'weight_sum': 0.0}
+  with sharding.activate(setup.mesh, setup.rules):
+    for local in setup.data.eval_batches():
+      out = jax.device_get(eval_step(params, device_batch(setup, local)))
+      for k in totals:
+        totals[k] += float(out[k])
+  w = max(totals['weight_sum'], 1.0)
+  loss = totals['loss_sum'] / w
+  return {'loss': loss, 'perplexity': float(np.exp(min(loss, 80.0))),
+          'accuracy': totals['correct_sum'] / w, 'scored_tokens': totals['weight_sum']}
+
+
+class _Preemption:
+  """SIGTERM (a TPU/cloud preemption notice) sets a flag the loop checks after each step."""
+
+  def __init__(self):
+    self._event = threading.Event()
+    self._previous = None
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, lambda *_: self._event.set())
+    return self
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+  def requested(self, step: int) -> bool:
+    if jax.process_count() > 1:  # All hosts must agree to stop at the same step.
+      from jax.experimental import multihost_utils
+      return bool(multihost_utils.reached_preemption_sync_point(step)) or bool(
+          multihost_utils.process_allgather(np.array(self._event.is_set())).any())
+    return self._event.is_set()
+
+
+def _check_finite(step: int, host_metrics: dict[str, float], ckpt: checkpoints.Checkpointer):
+  bad = [k for k in ('loss', 'grad_norm') if not np.isfinite(host_metrics[k])]
+  if bad:
+    ckpt.wait()  # Let the last good checkpoint finish writing.
+    raise FloatingPointError(
+        f'non-finite {" and ".join(bad)} at step {step} '
+        f'({", ".join(f"{k}={host_metrics[k]}" for k in bad)}); stopping without saving. The '
+        f'last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}. Lower the '
+        'learning rate, enable clipping or check the data.')
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> steps.TrainState:
+  """Trains to config.total_steps, resuming from the latest checkpoint in `workdir`.
+
+  Args:
+    config: the run config.
+    workdir: checkpoints, TensorBoard events and eval JSON go here.
+
+  Returns:
+    The final TrainState.
+  """
+  check_workdir(workdir)
+  setup = build(config)
+  mc = setup.model_config
+  n_params = mc.num_params()
+  flops_per_token = mc.train_flops_per_token(setup.data.seq_len)
+  peak, peak_source = flops.peak_flops_per_device(config.peak_tflops_per_device, mc.dtype)
+  logging.info('model: %d layers x %d heads, d_model %d, %s attention; %.2fM parameters; '
+               '%.3g training FLOPs/token; peak %.3g FLOP/s/device (%s); mesh %s',
+               mc.n_layers, mc.n_heads, mc.d_model, ','.join(sorted(set(mc.attention))),
+               n_params / 1e6, flops_per_token, peak, peak_source, dict(setup.mesh.shape))
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, 'config.json'), 'w') as f:
+      f.write(config.to_json_best_effort(indent=2))
+
+  ckpt = checkpoints.Checkpointer(workdir, keep=config.keep_checkpoints,
+                                  async_save=config.async_checkpointing)
+  if ckpt.latest_step() is not None:
+    state = ckpt.restore(setup.abstract_state)
+    logging.info('resumed from checkpoint step %d', int(state.step))
+  else:
+    state = init_state(setup, config.seed)
+  train_step, eval_step = jit_train_step(setup), jit_eval_step(setup)
+  rng = jax.random.key(config.seed + 1)
+  logger = metrics_lib.MetricLogger(workdir, config.total_steps)
+  tokens_per_step = config.batch_size * setup.data.seq_len
+
+  step = int(state.step)
+  sums, count, t0 = {}, 0, time.time()
+  with sharding.activate(setup.mesh, setup.rules), _Preemption() as preemption:
+    pending = None  # Metrics of the previous step, fetched one step late to keep dispatch async.
+    while step < config.total_steps:
+      state, step_metrics = train_step(state, device_batch(setup, setup.data.train_batch(step)), rng)
+      step += 1
+      if pending is not None:
+        _accumulate(sums, pending[1], pending[0], ckpt)
+        count += 1
+      pending = (step, step_metrics)
+      stop = preemption.requested(step)
+      last = step == config.total_steps
+      if step % config.log_every_steps == 0 or last or stop:
+        _accumulate(sums, step_metrics, step, ckpt)
+        count += 1
+        pending = None
+        dt = time.time() - t0
+        scalars = {k: v / count for k, v in sums.items()}
+        scalars['learning_rate'] = float(step_metrics['learning_rate'])
+        scalars['tokens_per_sec'] = count * tokens_per_step / dt
+        scalars['mfu'] = scalars['tokens_per_sec'] * flops_per_token / (peak * jax.device_count())
+        logger.write(step, scalars)
+        sums, count, t0 = {}, 0, time.time()
+      if config.eval_every_steps and (step % config.eval_every_steps == 0 or last):
+        logger.write(step, run_eval(setup, eval_step, state.params), prefix='eval')
+      if step % config.checkpoint_every_steps == 0 or last or stop:
+        if pending is not None:
+          _accumulate(sums, pending[1], pending[0], ckpt)
+          count += 1
+          pending = None
+        ckpt.save(step, state)
+      if stop:
+        logging.warning('preemption requested: saved step %d, exiting', step)
+        break
+  ckpt.close()
+  logger.close()
+  return state
+
+
+def _accumulate(sums: dict, device_metrics, step: int, ckpt: checkpoints.Checkpointer) -> None:
+  host = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+  _check_finite(step, host, ckpt)
+  for k, v in host.items():
+    if k != 'learning_rate':
+      sums[k] = sums.get(k, 0.0) + v
+
+
+def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+  """Restores the latest checkpoint of `workdir` onto this machine's mesh and evaluates it.
+
+  Writes `workdir/eval_step_<step>.json` with step, loss, perplexity and accuracy.
+
+  Args:
+    config: the run config (its model must match the checkpoint).
+    workdir: the training run's workdir.
+
+  Returns:
+    The metrics written.
+  """
+  check_workdir(workdir)
+  setup = build(config)
+  ckpt = checkpoints.Checkpointer(workdir, keep=config.keep_checkpoints, async_save=False)
+  state = ckpt.restore(setup.abstract_state)
+  result = {'step': int(state.step), **run_eval(setup, jit_eval_step(setup), state.params)}
+  if jax.process_index() == 0:
+    path = os.path.join(workdir, f'eval_step_{result["step"]}.json')
+    with open(path, 'w') as f:
+      json.dump(result, f, indent=2)
+    logging.info('eval at step %d: %s -> %s', result['step'], result, path)
+  ckpt.close()
+  return result
