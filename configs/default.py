@@ -24,7 +24,8 @@ def get_config() -> ml_collections.ConfigDict:
   model.vocab_size = 8192               # Token ids (the 8K SentencePiece vocabulary).
   model.max_len = 512                   # Learned position table size (>= seq_len).
   model.attention = 'dense'             # Registry name, or a comma list with one name per layer.
-  model.attention_impl = 'xla'          # 'xla' einsum reference, 'fused' (jax.nn.dot_product_attention), 'cudnn'.
+  model.attention_impl = 'blocksparse'  # 'xla' (einsum reference), 'blocksparse', 'fused', 'cudnn'.
+  model.attention_block_size = 128      # Query/key block length of 'blocksparse'.
   model.qk_norm = True                  # RMS-normalize queries and keys.
   model.tied_embeddings = False         # Share input embedding and output projection.
   model.dropout_rate = 0.0              # Residual dropout (the paper uses none).

@@ -31,6 +31,7 @@ class TransformerConfig:
     max_len: size of the learned position table.
     attention: registry name per layer (a tuple of length n_layers).
     attention_impl: implementation switch, one of attention.IMPLEMENTATIONS.
+    attention_block_size: block length of the 'blocksparse' implementation.
     qk_norm: RMS-normalize queries and keys.
     tied_embeddings: reuse the input embedding as output projection.
     dropout_rate: residual dropout (0 in the paper).
@@ -48,6 +49,7 @@ class TransformerConfig:
   max_len: int
   attention: tuple[str, ...]
   attention_impl: str = 'xla'
+  attention_block_size: int = 128
   qk_norm: bool = True
   tied_embeddings: bool = False
   dropout_rate: float = 0.0
@@ -57,7 +59,8 @@ class TransformerConfig:
   scan_layers: bool = True
 
   def __post_init__(self):
-    for name in ('vocab_size', 'd_model', 'n_heads', 'n_layers', 'head_dim', 'mlp_dim', 'max_len'):
+    for name in ('vocab_size', 'd_model', 'n_heads', 'n_layers', 'head_dim', 'mlp_dim', 'max_len',
+                 'attention_block_size'):
       if getattr(self, name) < 1:
         raise ValueError(f'model.{name} must be >= 1, got {getattr(self, name)}')
     if len(self.attention) != self.n_layers:
@@ -75,8 +78,15 @@ class TransformerConfig:
 
   @property
   def homogeneous(self) -> bool:
-    """True when every layer uses the same variant (so the layers can be scanned)."""
+    """True when every layer uses the same variant."""
     return len(set(self.attention)) == 1
+
+  @property
+  def scanned(self) -> bool:
+    """Whether the blocks run under nn.scan: requested, identical layers, and a variant that
+    does not depend on its (then traced) layer index."""
+    return (self.scan_layers and self.homogeneous
+            and not attention.get(self.attention[0]).uses_layer_index)
 
   @classmethod
   def from_config(cls, model_cfg) -> 'TransformerConfig':
@@ -113,7 +123,8 @@ class TransformerConfig:
     return cls(
         vocab_size=m['vocab_size'], d_model=d_model, n_heads=n_heads, n_layers=n_layers,
         head_dim=head_dim, mlp_dim=mlp_dim, max_len=m['max_len'], attention=tuple(att),
-        attention_impl=m.get('attention_impl', 'xla'), qk_norm=m.get('qk_norm', True),
+        attention_impl=m.get('attention_impl', 'xla'),
+        attention_block_size=m.get('attention_block_size', 128), qk_norm=m.get('qk_norm', True),
         tied_embeddings=m.get('tied_embeddings', False), dropout_rate=m.get('dropout_rate', 0.0),
         dtype=jnp.dtype(m.get('dtype', 'float32')), param_dtype=jnp.dtype(m.get('param_dtype', 'float32')),
         remat=m.get('remat', 'none'), scan_layers=m.get('scan_layers', True))
@@ -166,8 +177,9 @@ class Block(nn.Module):
     norm = lambda name: layers.RMSNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
     attn_cls = attention.get(self.attention_name)
     h = attn_cls(num_heads=cfg.n_heads, head_dim=cfg.head_dim, qk_norm=cfg.qk_norm,
-                 impl=cfg.attention_impl, layer_index=self.layer_index, dtype=cfg.dtype,
-                 param_dtype=cfg.param_dtype, name='attention')(
+                 impl=cfg.attention_impl, block_size=cfg.attention_block_size,
+                 layer_index=self.layer_index, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                 name='attention')(
                      norm('pre_attention_norm')(x), positions=positions, segment_ids=segment_ids,
                      deterministic=self.deterministic)
     x = x + nn.Dropout(cfg.dropout_rate)(h, deterministic=self.deterministic)
@@ -228,7 +240,7 @@ class Decoder(nn.Module):
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
     x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
 
-    if cfg.scan_layers and cfg.homogeneous:
+    if cfg.scanned:
       stack = nn.scan(
           _remat(ScannedBlock, cfg.remat, scanned=True),
           variable_axes={'params': 0, 'losses': 0, 'intermediates': 0},

@@ -110,7 +110,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
         'loss': loss,
         'aux_loss': aux,
         'accuracy': sums['correct_sum'] / total_weight,
-        'grad_norm': optax.global_norm(grads),
+        'grad_norm': optax.tree.norm(grads),
         'learning_rate': schedule(state.step),
         'scored_tokens': sums['weight_sum'],
     }

@@ -1,6 +1,6 @@
 """Shared multi-head attention code; variants override `attend` only."""
 
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -11,9 +11,10 @@ from models import layers
 Dtype = Any
 
 # How a variant's scores are computed: 'xla' is the plain einsum reference that every fast
-# path is tested against; 'fused' is jax.nn.dot_product_attention (XLA picks the kernel);
+# path is tested against; 'blocksparse' computes only the key blocks a query block can see
+# (plain JAX, any backend); 'fused' is jax.nn.dot_product_attention (XLA picks the kernel);
 # 'cudnn' forces the cuDNN flash kernel on NVIDIA GPUs.
-IMPLEMENTATIONS = ('xla', 'fused', 'cudnn')
+IMPLEMENTATIONS = ('xla', 'blocksparse', 'fused', 'cudnn')
 
 # Masked logits get this instead of -inf so a fully masked row (padding) gives a uniform
 # distribution rather than NaN; such rows carry zero loss weight.
@@ -55,6 +56,44 @@ def reference_attention(q, k, v, mask, *, scale, dtype):
   return jnp.einsum('bhqk,bkhd->bqhd', probs, v)
 
 
+def block_attention(q, k, v, segment_ids, *, key_range, allowed, block_size, scale, dtype):
+  """Attention computed query block by query block over a static range of keys.
+
+  For each query block [s, e), only keys in key_range(s, e) are multiplied; `allowed`
+  masks inside that range. The work is proportional to the blocks the pattern touches,
+  not to n^2 (for causal attention it is about half of the dense work). Queries never see
+  keys of another document.
+
+  Args:
+    q: (batch, length, heads, head_dim) queries.
+    k: (batch, length, heads, head_dim) keys.
+    v: (batch, length, heads, head_dim) values.
+    segment_ids: (batch, length) document ids.
+    key_range: (q_start, q_end) -> (k_start, k_end), Python ints: the keys any query of
+      the block may see.
+    allowed: (i, j) -> (q, k) bool pattern for absolute query indices i (shape (q, 1)) and
+      key indices j (shape (1, k)).
+    block_size: query block length.
+    scale: multiplier of the logits.
+    dtype: dtype of the probabilities fed to the value matmul.
+
+  Returns:
+    (batch, length, heads, head_dim).
+  """
+  n = q.shape[1]
+  if block_size < 1:
+    raise ValueError(f'attention block size must be >= 1, got {block_size}')
+  outputs = []
+  for qs in range(0, n, block_size):
+    qe = min(qs + block_size, n)
+    ks, ke = key_range(qs, qe)
+    same_doc = segment_ids[:, None, qs:qe, None] == segment_ids[:, None, None, ks:ke]
+    mask = allowed(jnp.arange(qs, qe)[:, None], jnp.arange(ks, ke)[None, :]) & same_doc
+    outputs.append(reference_attention(q[:, qs:qe], k[:, ks:ke], v[:, ks:ke], mask,
+                                       scale=scale, dtype=dtype))
+  return jnp.concatenate(outputs, axis=1)
+
+
 class MultiHeadAttention(nn.Module):
   """Projections, QK-norm, head split/merge and output projection shared by all variants.
 
@@ -67,14 +106,19 @@ class MultiHeadAttention(nn.Module):
     head_dim: width of each head.
     qk_norm: RMS-normalize queries and keys per head (Dehghani et al., 2023).
     impl: one of IMPLEMENTATIONS.
-    layer_index: index of the layer holding this module (per-layer patterns use it).
+    block_size: query/key block length of the 'blocksparse' implementation.
+    layer_index: index of the layer holding this module; only variants that set the class
+      flag `uses_layer_index` may read it (the decoder then unrolls instead of scanning).
     dtype: computation dtype.
     param_dtype: parameter dtype.
   """
+  uses_layer_index: ClassVar[bool] = False
+
   num_heads: int
   head_dim: int
   qk_norm: bool = True
   impl: str = 'xla'
+  block_size: int = 128
   layer_index: int = 0
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32

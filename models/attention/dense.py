@@ -1,7 +1,6 @@
 """Dense causal softmax attention (Vaswani et al., 2017): the zoo's baseline."""
 
 import jax
-import jax.numpy as jnp
 
 from models.attention import base
 from models.attention.registry import register
@@ -17,6 +16,11 @@ class DenseAttention(base.MultiHeadAttention):
   def attend(self, q, k, v, *, positions, segment_ids, deterministic):
     del positions, deterministic
     scale = q.shape[-1] ** -0.5
+    if self.impl == 'blocksparse':
+      # Query block [s, e) sees keys [0, e): the blocks above the diagonal are never computed.
+      return base.block_attention(
+          q, k, v, segment_ids, key_range=lambda s, e: (0, e), allowed=lambda i, j: i >= j,
+          block_size=self.block_size, scale=scale, dtype=self.dtype)
     mask = base.causal_segment_mask(segment_ids)  # (b, q, k)
     if self.impl == 'xla':
       return base.reference_attention(q, k, v, mask[:, None], scale=scale, dtype=self.dtype)
