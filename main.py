@@ -13,6 +13,10 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # TensorFlow (event files) C
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from training import xla_flags
+
+xla_flags.set_cpu_defaults()
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Checkpoints, TensorBoard events and eval results go here.')
 flags.DEFINE_enum('mode', 'train', ['train', 'eval'], 'train: train (resuming from the latest '

@@ -60,6 +60,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.adam_eps = 1e-8                # AdamW epsilon.
   config.weight_decay = 0.1             # Decoupled weight decay on matrices (not norms).
   config.clip_grad_norm = 1.0           # Global-norm clipping; 0 disables.
+  config.loss_chunk_len = 128           # Positions per chunk of the fused output projection + CE.
 
   # Logging, evaluation and checkpoints.
   config.log_every_steps = 100          # Console/TensorBoard train metrics interval.

@@ -66,7 +66,7 @@ class SwiGLU(nn.Module):
 
 
 class Embed(nn.Module):
-  """Token embedding table, usable as the (tied) output projection too.
+  """Token embedding table; its transpose is the output projection when tied.
 
   Attributes:
     num_embeddings: vocabulary size.
@@ -86,10 +86,6 @@ class Embed(nn.Module):
 
   def __call__(self, ids):
     return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
-
-  def attend(self, x):
-    """Logits x E^T against the table (tied output projection)."""
-    return jnp.einsum('btd,vd->btv', x.astype(self.dtype), self.embedding.astype(self.dtype))
 
 
 class LearnedPositions(nn.Module):

@@ -212,7 +212,8 @@ class Decoder(nn.Module):
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, inputs, *, positions=None, segment_ids=None, deterministic=True):
+  def __call__(self, inputs, *, positions=None, segment_ids=None, deterministic=True,
+               return_hidden=False):
     """Next-token logits.
 
     Args:
@@ -220,9 +221,12 @@ class Decoder(nn.Module):
       positions: (batch, length) positions within each document; defaults to 0..length-1.
       segment_ids: (batch, length) document ids for packed rows (0 = padding); defaults to 1.
       deterministic: disables dropout.
+      return_hidden: return (final hidden states, output projection) instead of logits, for
+        a loss that fuses the projection (training/losses.py).
 
     Returns:
-      (batch, length, vocab_size) float32 logits.
+      (batch, length, vocab_size) float32 logits, or ((batch, length, d_model) hidden states,
+      (d_model, vocab_size) projection) in the compute dtype.
     """
     cfg = self.config
     b, n = inputs.shape
@@ -257,9 +261,13 @@ class Decoder(nn.Module):
 
     x = layers.RMSNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype, name='final_norm')(x)
     if cfg.tied_embeddings:
-      logits = embed.attend(x)
+      w = embed.embedding.T
     else:
       w = self.param('logits_kernel', nn.with_logical_partitioning(
-          layers.default_kernel_init, ('embed', 'vocab')), (cfg.d_model, cfg.vocab_size), cfg.param_dtype)
-      logits = jnp.einsum('btd,dv->btv', x, w.astype(cfg.dtype))
-    return nn.with_logical_constraint(logits.astype(jnp.float32), ('batch', 'length', 'vocab'))
+          layers.default_kernel_init, ('embed', 'vocab')), (cfg.d_model, cfg.vocab_size),
+          cfg.param_dtype)
+    w = w.astype(cfg.dtype)
+    if return_hidden:
+      return x, w
+    logits = jnp.einsum('btd,dv->btv', x, w, preferred_element_type=jnp.float32)
+    return nn.with_logical_constraint(logits, ('batch', 'length', 'vocab'))

@@ -20,7 +20,7 @@ _PEAK_TFLOPS = {
 }
 
 
-def measure_matmul_peak(n: int = 2048, dtype=jnp.float32, repeats: int = 5,
+def measure_matmul_peak(n: int = 1024, dtype=jnp.float32, repeats: int = 10,
                         device: jax.Device | None = None) -> float:
   """Best achieved FLOP/s of an n x n x n matmul on one device.
 

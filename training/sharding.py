@@ -73,6 +73,26 @@ def logical_shardings(abstract_tree, mesh: Mesh, rules):
   return nn.logical_to_mesh_sharding(specs, mesh, rules)
 
 
+def check_divisible(abstract_tree, shardings) -> None:
+  """Raises a ValueError naming the first array whose sharded axes do not divide evenly.
+
+  Args:
+    abstract_tree: tree of arrays or ShapeDtypeStructs.
+    shardings: matching tree of NamedSharding.
+  """
+  flat, _ = jax.tree_util.tree_flatten_with_path(abstract_tree)
+  for (path, leaf), s in zip(flat, jax.tree.leaves(shardings)):
+    for dim, axes in zip(leaf.shape, tuple(s.spec) + (None,) * (len(leaf.shape) - len(s.spec))):
+      axes = (axes,) if isinstance(axes, str) else (axes or ())
+      parts = int(np.prod([s.mesh.shape[a] for a in axes]))
+      if dim % parts:
+        raise ValueError(
+            f'parameter {jax.tree_util.keystr(path)} of shape {leaf.shape} cannot be split by '
+            f'the mesh: an axis of size {dim} is sharded {parts} ways over {axes} (spec '
+            f'{s.spec}, mesh {dict(s.mesh.shape)}). Change the mesh, the model size or '
+            'config.logical_axis_rules.')
+
+
 @contextlib.contextmanager
 def activate(mesh: Mesh, rules):
   """Context in which jit tracing resolves logical activation constraints."""

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from training import losses
+
 Batch = dict[str, jax.Array]
 
 
@@ -25,37 +27,40 @@ class TrainState:
   opt_state: Any
 
 
-def weighted_sums(logits, batch: Batch) -> dict[str, jax.Array]:
-  """Summed cross-entropy, correct predictions and weight over the scored positions.
-
-  Args:
-    logits: (batch, length, vocab) float32.
-    batch: dict with 'targets' and 'weights' of shape (batch, length).
-
-  Returns:
-    dict with 'loss_sum', 'correct_sum' and 'weight_sum' scalars.
-  """
-  w = batch['weights']
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
-  correct = (jnp.argmax(logits, -1) == batch['targets']).astype(jnp.float32)
-  return {'loss_sum': jnp.sum(ce * w), 'correct_sum': jnp.sum(correct * w), 'weight_sum': jnp.sum(w)}
-
-
 def sum_collection(tree) -> jax.Array:
   """Sum of every element of a sown collection ('losses'): the auxiliary loss."""
   return sum((jnp.sum(x) for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32))
 
 
-def _forward(model: nn.Module, params, batch: Batch, *, train: bool, rng=None):
-  logits, mutated = model.apply(
+def forward_sums(model: nn.Module, params, batch: Batch, *, train: bool, rng=None,
+                 loss_chunk_len: int = 128):
+  """Runs the model on a batch.
+
+  Args:
+    model: the Decoder.
+    params: its parameters.
+    batch: dict with 'inputs', 'targets', 'weights', 'positions' and 'segment_ids'.
+    train: enables dropout (with `rng`).
+    rng: dropout key.
+    loss_chunk_len: sequence positions per chunk of the fused projection + cross-entropy.
+
+  Returns:
+    (sums, aux): sums has 'loss_sum' (weighted cross-entropy), 'correct_sum' and
+    'weight_sum'; aux is the sum of the 'losses' collection.
+  """
+  (hidden, w_out), mutated = model.apply(
       {'params': params}, batch['inputs'], positions=batch['positions'],
-      segment_ids=batch['segment_ids'], deterministic=not train,
+      segment_ids=batch['segment_ids'], deterministic=not train, return_hidden=True,
       rngs={'dropout': rng} if rng is not None else None, mutable=['losses'])
-  return logits, sum_collection(mutated.get('losses', {}))
+  loss_sum, correct_sum = losses.linear_cross_entropy(
+      hidden, w_out, batch['targets'], batch['weights'], loss_chunk_len)
+  sums = {'loss_sum': loss_sum, 'correct_sum': correct_sum,
+          'weight_sum': jnp.sum(batch['weights'])}
+  return sums, sum_collection(mutated.get('losses', {}))
 
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule,
-                    grad_accum_steps: int = 1):
+                    grad_accum_steps: int = 1, loss_chunk_len: int = 128):
   """Builds train_step(state, batch, rng) -> (state, metrics).
 
   The objective is mean cross-entropy over the scored positions of the whole batch plus the
@@ -69,6 +74,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     tx: the optimizer.
     schedule: step -> learning rate (for logging).
     grad_accum_steps: number of micro-batches.
+    loss_chunk_len: sequence positions per chunk of the fused projection + cross-entropy.
 
   Returns:
     The un-jitted step function.
@@ -79,8 +85,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     total_weight = jnp.maximum(jnp.sum(batch['weights']), 1.0)
 
     def micro_loss(params, micro, micro_rng):
-      logits, aux = _forward(model, params, micro, train=True, rng=micro_rng)
-      sums = weighted_sums(logits, micro)
+      sums, aux = forward_sums(model, params, micro, train=True, rng=micro_rng,
+                               loss_chunk_len=loss_chunk_len)
       objective = sums['loss_sum'] / total_weight + aux / grad_accum_steps
       return objective, (sums, aux)
 
@@ -119,11 +125,10 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
   return train_step
 
 
-def make_eval_step(model: nn.Module):
+def make_eval_step(model: nn.Module, loss_chunk_len: int = 128):
   """Builds eval_step(params, batch) -> summed loss, correct and weight."""
 
   def eval_step(params, batch: Batch):
-    logits, _ = _forward(model, params, batch, train=False)
-    return weighted_sums(logits, batch)
+    return forward_sums(model, params, batch, train=False, loss_chunk_len=loss_chunk_len)[0]
 
   return eval_step

@@ -79,8 +79,11 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Setup:
   """
   data = input_pipeline.make_source(
       config, process_index=jax.process_index(), process_count=jax.process_count())
+  mesh = sharding.make_mesh(config.mesh, devices)
   model_cfg = dict(config.model)
-  model_cfg['vocab_size'] = config.model.vocab_size or data.vocab_size
+  # A vocabulary taken from the data is padded so the 'vocab' axis splits over 'tensor'.
+  tensor = mesh.shape['tensor']
+  model_cfg['vocab_size'] = config.model.vocab_size or -(-data.vocab_size // tensor) * tensor
   model_cfg['max_len'] = config.model.max_len or data.seq_len
   model_config = transformer.TransformerConfig.from_config(model_cfg)
   if data.seq_len > model_config.max_len:
@@ -90,7 +93,6 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Setup:
     raise ValueError(f'the data uses {data.vocab_size} token ids but model.vocab_size is '
                      f'{model_config.vocab_size}')
 
-  mesh = sharding.make_mesh(config.mesh, devices)
   data_parallel = mesh.shape['data'] * mesh.shape['fsdp']
   if config.batch_size % config.grad_accum_steps:
     raise ValueError(f'batch_size={config.batch_size} is not divisible by '
@@ -116,6 +118,7 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Setup:
 
   boxed = jax.eval_shape(init_boxed, jax.random.key(0))
   state_sharding = sharding.logical_shardings(boxed, mesh, rules)
+  sharding.check_divisible(nn.unbox(boxed).params, state_sharding.params)
   abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                 nn.unbox(boxed), state_sharding)
   setup = Setup(config=config, model_config=model_config, model=model, data=data, mesh=mesh,
@@ -139,7 +142,8 @@ def device_batch(setup: Setup, local: dict[str, np.ndarray]) -> dict[str, jax.Ar
 
 def jit_train_step(setup: Setup):
   """The sharded, donated train step."""
-  fn = steps.make_train_step(setup.model, setup.tx, setup.schedule, setup.config.grad_accum_steps)
+  fn = steps.make_train_step(setup.model, setup.tx, setup.schedule,
+                             setup.config.grad_accum_steps, setup.config.loss_chunk_len)
   replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
   return jax.jit(fn, in_shardings=(setup.state_sharding, setup.batch_sharding, replicated),
                  out_shardings=(setup.state_sharding, replicated), donate_argnums=(0,))
@@ -148,7 +152,7 @@ def jit_train_step(setup: Setup):
 def jit_eval_step(setup: Setup):
   """The sharded eval step over parameters only."""
   replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
-  return jax.jit(steps.make_eval_step(setup.model),
+  return jax.jit(steps.make_eval_step(setup.model, setup.config.loss_chunk_len),
                  in_shardings=(setup.state_sharding.params, setup.batch_sharding),
                  out_shardings=replicated)
 
@@ -228,62 +232,85 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> steps
 
   ckpt = checkpoints.Checkpointer(workdir, keep=config.keep_checkpoints,
                                   async_save=config.async_checkpointing)
-  if ckpt.latest_step() is not None:
-    state = ckpt.restore(setup.abstract_state)
-    logging.info('resumed from checkpoint step %d', int(state.step))
-  else:
-    state = init_state(setup, config.seed)
+  logger = metrics_lib.MetricLogger(workdir, config.total_steps)
+  try:
+    if ckpt.latest_step() is not None:
+      state = ckpt.restore(setup.abstract_state)
+      logging.info('resumed from checkpoint step %d', int(state.step))
+    else:
+      state = init_state(setup, config.seed)
+    return _train_loop(setup, state, ckpt, logger, flops_per_token, peak)
+  finally:  # Also on errors: pending checkpoint writes finish, event files are flushed.
+    ckpt.close()
+    logger.close()
+
+
+class _MetricWindow:
+  """Train metrics since the last log line.
+
+  Each step's metrics are fetched one step late, so the host never waits for the step it
+  just dispatched; every fetched step is checked for NaN/inf.
+  """
+
+  def __init__(self, ckpt: checkpoints.Checkpointer):
+    self._ckpt = ckpt
+    self._pending = None
+    self.last = {}
+    self.reset()
+
+  def reset(self) -> None:
+    self.sums, self.count, self.start = {}, 0, time.time()
+
+  def add(self, step: int, device_metrics) -> None:
+    self.flush()
+    self._pending = (step, device_metrics)
+
+  def flush(self) -> None:
+    if self._pending is None:
+      return
+    step, device_metrics = self._pending
+    self._pending = None
+    host = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+    _check_finite(step, host, self._ckpt)
+    self.last = host
+    for k, v in host.items():
+      self.sums[k] = self.sums.get(k, 0.0) + v
+    self.count += 1
+
+
+def _train_loop(setup: Setup, state, ckpt, logger, flops_per_token: float, peak: float):
+  config = setup.config
   train_step, eval_step = jit_train_step(setup), jit_eval_step(setup)
   rng = jax.random.key(config.seed + 1)
-  logger = metrics_lib.MetricLogger(workdir, config.total_steps)
   tokens_per_step = config.batch_size * setup.data.seq_len
-
+  window = _MetricWindow(ckpt)
   step = int(state.step)
-  sums, count, t0 = {}, 0, time.time()
   with sharding.activate(setup.mesh, setup.rules), _Preemption() as preemption:
-    pending = None  # Metrics of the previous step, fetched one step late to keep dispatch async.
     while step < config.total_steps:
-      state, step_metrics = train_step(state, device_batch(setup, setup.data.train_batch(step)), rng)
+      batch = device_batch(setup, setup.data.train_batch(step))
+      state, step_metrics = train_step(state, batch, rng)
       step += 1
-      if pending is not None:
-        _accumulate(sums, pending[1], pending[0], ckpt)
-        count += 1
-      pending = (step, step_metrics)
+      window.add(step, step_metrics)
       stop = preemption.requested(step)
       last = step == config.total_steps
       if step % config.log_every_steps == 0 or last or stop:
-        _accumulate(sums, step_metrics, step, ckpt)
-        count += 1
-        pending = None
-        dt = time.time() - t0
-        scalars = {k: v / count for k, v in sums.items()}
-        scalars['learning_rate'] = float(step_metrics['learning_rate'])
-        scalars['tokens_per_sec'] = count * tokens_per_step / dt
+        window.flush()
+        scalars = {k: v / window.count for k, v in window.sums.items()}
+        scalars['learning_rate'] = window.last['learning_rate']
+        scalars['perplexity'] = float(np.exp(min(scalars['loss'], 80.0)))
+        scalars['tokens_per_sec'] = window.count * tokens_per_step / (time.time() - window.start)
         scalars['mfu'] = scalars['tokens_per_sec'] * flops_per_token / (peak * jax.device_count())
         logger.write(step, scalars)
-        sums, count, t0 = {}, 0, time.time()
+        window.reset()
       if config.eval_every_steps and (step % config.eval_every_steps == 0 or last):
         logger.write(step, run_eval(setup, eval_step, state.params), prefix='eval')
       if step % config.checkpoint_every_steps == 0 or last or stop:
-        if pending is not None:
-          _accumulate(sums, pending[1], pending[0], ckpt)
-          count += 1
-          pending = None
+        window.flush()  # Never save a state whose last step has not been checked.
         ckpt.save(step, state)
       if stop:
         logging.warning('preemption requested: saved step %d, exiting', step)
         break
-  ckpt.close()
-  logger.close()
   return state
-
-
-def _accumulate(sums: dict, device_metrics, step: int, ckpt: checkpoints.Checkpointer) -> None:
-  host = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
-  _check_finite(step, host, ckpt)
-  for k, v in host.items():
-    if k != 'learning_rate':
-      sums[k] = sums.get(k, 0.0) + v
 
 
 def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
@@ -301,12 +328,14 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float
   check_workdir(workdir)
   setup = build(config)
   ckpt = checkpoints.Checkpointer(workdir, keep=config.keep_checkpoints, async_save=False)
-  state = ckpt.restore(setup.abstract_state)
+  try:
+    state = ckpt.restore(setup.abstract_state)
+  finally:
+    ckpt.close()
   result = {'step': int(state.step), **run_eval(setup, jit_eval_step(setup), state.params)}
   if jax.process_index() == 0:
     path = os.path.join(workdir, f'eval_step_{result["step"]}.json')
     with open(path, 'w') as f:
       json.dump(result, f, indent=2)
     logging.info('eval at step %d: %s -> %s', result['step'], result, path)
-  ckpt.close()
   return result

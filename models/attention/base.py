@@ -51,9 +51,12 @@ def reference_attention(q, k, v, mask, *, scale, dtype):
     (batch, q_len, heads, head_dim) attention output.
   """
   logits = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32) * scale
-  logits = jnp.where(mask, logits, NEG_INF)
-  probs = jax.nn.softmax(logits, axis=-1).astype(dtype)
-  return jnp.einsum('bhqk,bkhd->bqhd', probs, v)
+  return jnp.einsum('bhqk,bkhd->bqhd', masked_softmax(logits, mask, dtype), v)
+
+
+def masked_softmax(logits, mask, dtype):
+  """softmax over the last axis of float32 logits where `mask` is True, cast to `dtype`."""
+  return jax.nn.softmax(jnp.where(mask, logits, NEG_INF), axis=-1).astype(dtype)
 
 
 def block_attention(q, k, v, segment_ids, *, key_range, allowed, block_size, scale, dtype):
@@ -83,15 +86,19 @@ def block_attention(q, k, v, segment_ids, *, key_range, allowed, block_size, sca
   n = q.shape[1]
   if block_size < 1:
     raise ValueError(f'attention block size must be >= 1, got {block_size}')
+  # Head-major once, so that slicing blocks along the sequence needs no further transposes.
+  qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # (b, h, n, d)
   outputs = []
   for qs in range(0, n, block_size):
     qe = min(qs + block_size, n)
     ks, ke = key_range(qs, qe)
     same_doc = segment_ids[:, None, qs:qe, None] == segment_ids[:, None, None, ks:ke]
     mask = allowed(jnp.arange(qs, qe)[:, None], jnp.arange(ks, ke)[None, :]) & same_doc
-    outputs.append(reference_attention(q[:, qs:qe], k[:, ks:ke], v[:, ks:ke], mask,
-                                       scale=scale, dtype=dtype))
-  return jnp.concatenate(outputs, axis=1)
+    logits = jnp.einsum('bhqd,bhkd->bhqk', qh[:, :, qs:qe], kh[:, :, ks:ke],
+                        preferred_element_type=jnp.float32) * scale
+    outputs.append(jnp.einsum('bhqk,bhkd->bhqd', masked_softmax(logits, mask, dtype),
+                              vh[:, :, ks:ke]))
+  return jnp.swapaxes(jnp.concatenate(outputs, axis=2), 1, 2)
 
 
 class MultiHeadAttention(nn.Module):
@@ -144,8 +151,8 @@ class MultiHeadAttention(nn.Module):
     w_qkv = self.param('qkv', nn.with_logical_partitioning(
         layers.default_kernel_init, ('embed', 'qkv', 'heads', 'kv')),
         (d_model, 3, self.num_heads, self.head_dim), self.param_dtype)
-    qkv = jnp.einsum('btd,dphk->pbthk', x.astype(self.dtype), w_qkv.astype(self.dtype))
-    q, k, v = qkv[0], qkv[1], qkv[2]
+    qkv = jnp.einsum('btd,dphk->btphk', x.astype(self.dtype), w_qkv.astype(self.dtype))
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     if self.qk_norm:
       q = layers.RMSNorm(dtype=self.dtype, param_dtype=self.param_dtype, axis_name='kv', name='q_norm')(q)
       k = layers.RMSNorm(dtype=self.dtype, param_dtype=self.param_dtype, axis_name='kv', name='k_norm')(k)

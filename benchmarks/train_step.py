@@ -1,0 +1,108 @@
+"""Train-step throughput and MFU against a matmul peak measured on the same machine.
+
+  python benchmarks/train_step.py                       # d=4 and d=8, seq 512, batch 8
+  python benchmarks/train_step.py --d=8 --batch=16 --dtype=bfloat16
+
+Builds the real sharded train step of training/train.py for the C4 recipe's architecture
+(vocab 8192) and times it on random tokens (token values do not change the step time).
+MFU = training FLOPs/token (6 N_matmul + 12 L H d_head T) x tokens/s / peak, where the peak
+is the best of jitted square float matmuls of several sizes on the same device.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from training import xla_flags  # noqa: E402
+
+xla_flags.set_cpu_defaults()  # As main.py does, before JAX starts its backend.
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from configs import default  # noqa: E402
+from training import flops, sharding, train  # noqa: E402,I100
+
+
+def matmul_peak(dtype) -> tuple[float, int]:
+  """Best FLOP/s over square matmul sizes, and the size that reached it."""
+  best = max((flops.measure_matmul_peak(n, dtype=dtype, repeats=10), n) for n in (1024, 2048, 4096))
+  return best
+
+
+def bench_step(d: int, seq_len: int, batch: int, dtype: str, impl: str, remat: str,
+               scan: bool, iters: int) -> dict:
+  """Times one configuration's train step."""
+  config = default.get_config()
+  config.model.d = d
+  config.model.dtype = dtype
+  config.model.attention_impl = impl
+  config.model.remat = remat
+  config.model.scan_layers = scan
+  config.model.max_len = seq_len
+  config.data.name = 'parity'            # Any embedded source: only shapes matter here.
+  config.data.num_bits = seq_len // 2    # Parity gives sequences of 2 * num_bits inputs.
+  config.batch_size = batch
+  config.total_steps = 10**6
+  setup = train.build(config)
+  state = train.init_state(setup, 0)
+  step = train.jit_train_step(setup)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, setup.model_config.vocab_size, (batch, seq_len + 1), dtype=np.int32)
+  local = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
+           'weights': np.ones((batch, seq_len), np.float32),
+           'positions': np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch, seq_len)).copy(),
+           'segment_ids': np.ones((batch, seq_len), np.int32)}
+  dev_batch = train.device_batch(setup, local)
+  key = jax.random.key(0)
+  holder = {'state': state}
+
+  def run():
+    holder['state'], m = step(holder['state'], dev_batch, key)
+    jax.block_until_ready(m['loss'])
+
+  with sharding.activate(setup.mesh, setup.rules):
+    t = common.time_fn(run, warmup=2, iters=iters)
+  mc = setup.model_config
+  fpt = mc.train_flops_per_token(seq_len)
+  tok_s = batch * seq_len / t['median_s']
+  return {'d': d, 'seq_len': seq_len, 'batch': batch, 'dtype': dtype, 'impl': impl, 'remat': remat,
+          'scan': scan,
+          'params_M': mc.num_params() / 1e6, 'flops_per_token': fpt, 'step_ms': 1e3 * t['median_s'],
+          'tokens_per_s': tok_s, 'achieved_tflops': fpt * tok_s / 1e12}
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument('--d', type=int, nargs='+', default=[4, 8], help='size knobs to run')
+  p.add_argument('--seq_len', type=int, default=512)
+  p.add_argument('--batch', type=int, default=8)
+  p.add_argument('--dtype', default='float32', help='compute dtype (float32 on CPU)')
+  p.add_argument('--impl', default='blocksparse', help="attention implementation ('xla', 'blocksparse', 'fused')")
+  p.add_argument('--remat', default='none')
+  p.add_argument('--scan', type=int, default=0,
+                 help='1: nn.scan over layers; 0: unrolled (faster on CPU: no per-layer copies)')
+  p.add_argument('--iters', type=int, default=10)
+  p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results', 'train_step.json'))
+  args = p.parse_args()
+
+  peak, peak_n = matmul_peak(jnp.dtype(args.dtype))
+  print(f'measured {args.dtype} matmul peak: {peak / 1e9:.1f} GFLOP/s (n={peak_n}) on '
+        f'{jax.devices()[0].device_kind} x{jax.device_count()}')
+  rows = []
+  for d in args.d:
+    row = bench_step(d, args.seq_len, args.batch, args.dtype, args.impl, args.remat, bool(args.scan),
+                     args.iters)
+    row['mfu'] = row['achieved_tflops'] * 1e12 / (peak * jax.device_count())
+    rows.append(row)
+  common.print_table(rows, ['d', 'seq_len', 'batch', 'dtype', 'impl', 'scan', 'params_M', 'step_ms',
+                            'tokens_per_s', 'achieved_tflops', 'mfu'])
+  common.write_json(args.out, {'matmul_peak_flops': peak, 'matmul_peak_n': peak_n, 'rows': rows})
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,150 @@
+"""A bad config or workdir is a clear error before any compute.
+
+In-process tests call train.train_and_evaluate with every compute entry point replaced by a
+function that fails the test, so the error must come from the up-front checks (check_workdir,
+build); one test goes through main.py for the exit code and the stderr line.
+"""
+
+import textwrap
+
+import pytest
+
+from training import flops, train
+
+_BAD_CONFIGS = {
+    'unknown_attention': (
+        {'model.attention': 'no_such_attention'},
+        r"unknown attention variant 'no_such_attention'; known variants: .*dense"),
+    'd_model_not_divisible_by_heads': (
+        {'model.d_model': 100, 'model.n_heads': 3},
+        r'model\.d_model=100 is not divisible by model\.n_heads=3'),
+    'sequence_longer_than_position_table': (
+        # The task's inputs are 2 * 8 + 2 = 18 tokens long.
+        {'model.max_len': 16},
+        r'sequence length 18 is longer than the position table \(model\.max_len=16\)'),
+    'batch_not_divisible_by_grad_accum': (
+        {'batch_size': 10, 'grad_accum_steps': 3},
+        r'batch_size=10 is not divisible by grad_accum_steps=3'),
+    'unknown_data_name': (
+        {'data.name': 'no_such_task'},
+        r"unknown data\.name 'no_such_task'; known: c4, copy, parity, variable_assignment"),
+}
+
+
+@pytest.fixture
+def no_compute(monkeypatch):
+  """Makes any compiled compute (or the matmul peak measurement) fail the test."""
+
+  def fail(*args, **kwargs):
+    del args, kwargs
+    pytest.fail('compute started before the bad input was reported')
+
+  for name in ('init_state', 'jit_train_step', 'jit_eval_step', 'run_eval'):
+    monkeypatch.setattr(train, name, fail)
+  monkeypatch.setattr(flops, 'measure_matmul_peak', fail)
+
+
+@pytest.mark.parametrize('case', sorted(_BAD_CONFIGS))
+def test_bad_config_fails_in_build(harness, no_compute, tmp_path, case):
+  extra, message = _BAD_CONFIGS[case]
+  config = harness.config({**extra, 'peak_tflops_per_device': 0.0})  # Table or measurement.
+  with pytest.raises(ValueError, match=message):
+    train.build(config)
+  with pytest.raises(ValueError, match=message):
+    train.train_and_evaluate(config, str(tmp_path / 'train'))
+  with pytest.raises(ValueError, match=message):
+    train.evaluate(config, str(tmp_path / 'eval'))
+  assert not (tmp_path / 'train' / 'checkpoints').exists()
+  assert not (tmp_path / 'train' / 'config.json').exists()
+
+
+def test_main_reports_unknown_attention_and_exits_nonzero(harness, tmp_path):
+  workdir = tmp_path / 'run'
+  proc = harness.run_main(workdir, {'model.attention': 'no_such_attention'})
+  assert proc.returncode != 0
+  assert 'Traceback' not in proc.stderr
+  errors = [line for line in proc.stderr.splitlines() if line.startswith('error: ')]
+  assert len(errors) == 1, proc.stderr[-3000:]
+  assert errors[0].startswith("error: unknown attention variant 'no_such_attention'; "), errors
+  known = [name.strip() for name in errors[0].split('known variants:')[1].split(',')]
+  assert 'dense' in known, errors
+  assert not (workdir / 'checkpoints').exists()
+
+
+def test_eval_without_checkpoint(harness, no_compute, tmp_path):
+  with pytest.raises(FileNotFoundError, match='no checkpoint found in'):
+    train.evaluate(harness.config(), str(tmp_path))
+
+
+def _unwritable_workdirs(tmp_path):
+  """Paths no process can create a directory at, even as root (a regular file is in the way)."""
+  blocker = tmp_path / 'a_file'
+  blocker.write_text('not a directory')
+  return {'parent_is_a_file': blocker / 'workdir', 'workdir_is_a_file': blocker}
+
+
+@pytest.mark.parametrize('kind', ['parent_is_a_file', 'workdir_is_a_file'])
+def test_unwritable_workdir(harness, no_compute, tmp_path, kind):
+  workdir = str(_unwritable_workdirs(tmp_path)[kind])
+  config = harness.config()
+  for fn in (train.check_workdir, lambda w: train.train_and_evaluate(config, w),
+             lambda w: train.evaluate(config, w)):
+    with pytest.raises(PermissionError, match='is not writable') as info:
+      fn(workdir)
+    assert repr(workdir) in str(info.value)
+  assert (tmp_path / 'a_file').read_text() == 'not a directory'
+
+
+def test_main_reports_unwritable_workdir(harness, tmp_path):
+  workdir = _unwritable_workdirs(tmp_path)['parent_is_a_file']
+  proc = harness.run_main(workdir)
+  assert proc.returncode != 0
+  assert 'Traceback' not in proc.stderr
+  errors = [line for line in proc.stderr.splitlines() if line.startswith('error: ')]
+  assert len(errors) == 1 and 'is not writable' in errors[0], proc.stderr[-3000:]
+
+
+_INDIVISIBLE_SCRIPT = textwrap.dedent('''\
+    """The tiny recipe on a tensor=2 mesh: an explicit 25-id vocabulary cannot split in 2;
+    the vocabulary derived from the data (model.vocab_size=0) is padded so that it does."""
+    import jax
+
+    from configs import tiny
+    from training import train
+
+    config = tiny.get_config()
+    config.peak_tflops_per_device = 1.0
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 2
+    assert jax.device_count() == 2
+    setup = train.build(config)
+    train.init_state(setup, 0)
+    print('PADDED_OK', setup.model_config.vocab_size)
+    config.model.vocab_size = 25
+    try:
+      setup = train.build(config)
+    except ValueError as e:
+      print('BUILD_ERROR', e)
+    else:
+      try:
+        train.init_state(setup, 0)
+      except Exception as e:  # pylint: disable=broad-except
+        print('INIT_ERROR', type(e).__name__, e)
+      else:
+        print('OK')
+    ''')
+
+
+def test_parameter_not_divisible_by_mesh_axis_fails_in_build(harness, tmp_path):
+  """tensor=2 with the 25-id Variable Assignment vocabulary (logits kernel (128, 25))."""
+  script = tmp_path / 'indivisible.py'
+  script.write_text(_INDIVISIBLE_SCRIPT)
+  proc = harness.run_script(script, devices=2)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  padded, out = proc.stdout.strip().splitlines()[-2:]
+  assert padded == 'PADDED_OK 26', padded
+  assert out.startswith('BUILD_ERROR'), (
+      'train.build accepted a mesh that cannot hold the parameters; the error only comes '
+      f'later, from compute: {out}')
+  # The message names the parameter (or its vocab axis) and the mesh axis.
+  assert 'tensor' in out, out
+  assert any(name in out for name in ('vocab', 'logits_kernel', 'token_embed')), out

@@ -1,0 +1,262 @@
+"""Checkpoints: preemption (SIGKILL and SIGTERM), keep-last-K, NaN, corruption and eval mode.
+
+Most tests run `main.py` in subprocesses on the tiny recipe with a small batch (see
+conftest.FAST); the subprocesses share one JAX compilation cache.
+"""
+
+import json
+import math
+import pathlib
+import shutil
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from training import checkpoints, train
+
+# SIGKILL test: a run to N steps saving every EVERY steps is killed once a checkpoint at a
+# step >= KILL_AFTER is on disk; N - KILL_AFTER steps are left so the run cannot finish
+# before the signal lands.
+N = 120
+EVERY = 5
+KILL_AFTER = 15
+# Largest parameter difference between the resumed run and the uninterrupted one.
+RESUME_TOL = 1e-6
+
+# SIGTERM test: total steps of the run, and the logged step after which SIGTERM is sent.
+TERM_TOTAL = 300
+TERM_AFTER = 10
+
+# Keep-last-K test (also the run that the corruption test damages).
+SHORT = {'total_steps': 10, 'checkpoint_every_steps': 2, 'keep_checkpoints': 2}
+
+EVAL_KEYS = {'step', 'loss', 'perplexity', 'accuracy'}
+# Eval on a differently sized mesh: same batches, only reduction orders differ.
+EVAL_RTOL = 1e-5
+
+
+def _log_text(path) -> str:
+  return pathlib.Path(path).read_text()
+
+
+@pytest.fixture(scope='module')
+def reference(harness, tmp_path_factory):
+  """An uninterrupted run to N steps on one device (one checkpoint, at the end)."""
+  workdir = tmp_path_factory.mktemp('reference')
+  proc = harness.run_main(workdir, {'total_steps': N, 'checkpoint_every_steps': N})
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  assert 'resumed from checkpoint' not in proc.stderr
+  assert harness.step_dirs(workdir) == [N]
+  return workdir
+
+
+def test_sigkill_and_restart_match_uninterrupted_run(harness, reference, tmp_path):
+  workdir, log = tmp_path / 'run', tmp_path / 'killed.log'
+  extra = {'total_steps': N, 'checkpoint_every_steps': EVERY}
+  proc = harness.start_main(workdir, log, extra)
+  try:
+    harness.wait_for(lambda: [s for s in harness.step_dirs(workdir) if s >= KILL_AFTER], proc,
+                     log, timeout=420, what=f'a checkpoint at step >= {KILL_AFTER}')
+    proc.send_signal(signal.SIGKILL)
+  finally:
+    proc.kill()
+    proc.wait()
+  assert proc.returncode == -signal.SIGKILL, (
+      f'the run ended by itself (rc {proc.returncode}) before SIGKILL; raise N:\n'
+      f'{_log_text(log)[-3000:]}')
+  assert f'step {N}/{N}' not in _log_text(log)
+  saved = harness.step_dirs(workdir)
+  assert saved and KILL_AFTER <= saved[-1] < N and saved[-1] % EVERY == 0, saved
+
+  restart = harness.run_main(workdir, extra)
+  assert restart.returncode == 0, restart.stderr[-5000:]
+  assert f'resumed from checkpoint step {saved[-1]}' in restart.stderr
+  assert harness.step_dirs(workdir)[-1] == N
+  assert harness.tmp_dirs(workdir) == []
+
+  resumed = harness.restore(workdir, extra)
+  uninterrupted = harness.restore(reference, {'total_steps': N})
+  assert int(resumed.step) == int(uninterrupted.step) == N
+  diff = harness.max_abs_diff(resumed.params, uninterrupted.params)
+  assert diff <= RESUME_TOL, f'resumed params differ from the uninterrupted run by {diff}'
+  assert harness.max_abs_diff(resumed.opt_state, uninterrupted.opt_state) <= RESUME_TOL
+
+
+def test_sigterm_saves_exits_zero_and_restart_finishes(harness, tmp_path):
+  workdir, log = tmp_path / 'run', tmp_path / 'term.log'
+  # Checkpoints only at the end or on SIGTERM; log every step to see the loop running (the
+  # SIGTERM handler is installed by then).
+  extra = {'total_steps': TERM_TOTAL, 'checkpoint_every_steps': 10 * TERM_TOTAL,
+           'log_every_steps': 1}
+  proc = harness.start_main(workdir, log, extra)
+  try:
+    harness.wait_for(lambda: f'step {TERM_AFTER}/{TERM_TOTAL}' in _log_text(log), proc, log,
+                     timeout=420, what=f'step {TERM_AFTER}')
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=120)
+  finally:
+    proc.kill()
+    proc.wait()
+  text = _log_text(log)
+  assert rc == 0, text[-5000:]
+  saved = harness.step_dirs(workdir)
+  assert len(saved) == 1 and TERM_AFTER <= saved[0] < TERM_TOTAL, (saved, text[-3000:])
+  stopped = saved[0]
+  assert f'preemption requested: saved step {stopped}, exiting' in text
+  assert harness.tmp_dirs(workdir) == []
+  assert int(harness.restore(workdir, extra).step) == stopped
+
+  restart = harness.run_main(workdir, extra)
+  assert restart.returncode == 0, restart.stderr[-5000:]
+  assert f'resumed from checkpoint step {stopped}' in restart.stderr
+  assert f'step {TERM_TOTAL}/{TERM_TOTAL}' in restart.stderr
+  assert harness.step_dirs(workdir)[-1] == TERM_TOTAL
+  assert int(harness.restore(workdir, extra).step) == TERM_TOTAL
+
+
+@pytest.fixture(scope='module')
+def short_run(harness, tmp_path_factory):
+  """Trains in-process for 10 steps, saving every 2 and keeping 2."""
+  workdir = tmp_path_factory.mktemp('short')
+  state = train.train_and_evaluate(harness.config(SHORT), str(workdir))
+  assert int(state.step) == SHORT['total_steps']
+  return workdir
+
+
+def test_keeps_only_the_last_k_checkpoints(harness, short_run):
+  assert harness.step_dirs(short_run) == [8, 10]
+  assert harness.tmp_dirs(short_run) == []
+  ckpt = checkpoints.Checkpointer(str(short_run), keep=2, async_save=False)
+  assert ckpt.latest_step() == 10
+  ckpt.close()
+
+
+def test_non_finite_loss_stops_with_error_and_keeps_checkpoints(harness, tmp_path):
+  # lr 1e6 without clipping: AdamW's decoupled weight decay alone multiplies every matrix by
+  # (1 - lr * wd) per step, so the parameters overflow within a few steps.
+  extra = {'total_steps': 40, 'checkpoint_every_steps': 2, 'learning_rate': 1e6,
+           'clip_grad_norm': 0.0, 'log_every_steps': 1}
+  proc = harness.run_main(tmp_path, extra)
+  assert proc.returncode != 0, proc.stderr[-5000:]
+  assert 'Traceback' not in proc.stderr
+  errors = [line for line in proc.stderr.splitlines() if line.startswith('error: ')]
+  assert len(errors) == 1, proc.stderr[-5000:]
+  assert 'non-finite' in errors[0], errors[0]
+  assert str(tmp_path / 'checkpoints') in errors[0]
+  saved = harness.step_dirs(tmp_path)
+  assert saved and saved[-1] < extra['total_steps'], saved
+  assert f'last good checkpoint is step {saved[-1]}' in errors[0]
+  assert harness.tmp_dirs(tmp_path) == []
+  for step in saved:  # Every checkpoint left behind restores and is finite.
+    state = harness.restore(tmp_path, extra, step=step)
+    assert int(state.step) == step
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state.params))
+
+
+def test_save_refuses_non_finite_params(harness, tmp_path):
+  setup = train.build(harness.config(), devices=jax.devices()[:1])
+  state = train.init_state(setup, 0)
+  ckpt = checkpoints.Checkpointer(str(tmp_path), keep=3, async_save=False)
+  ckpt.save(1, state)
+  leaves, treedef = jax.tree.flatten(state.params)
+  for i, bad_value in enumerate((jnp.nan, jnp.inf)):
+    bad_leaves = list(leaves)
+    bad_leaves[-1] = bad_leaves[-1].at[(0,) * bad_leaves[-1].ndim].set(bad_value)
+    bad = state.replace(step=state.step + 2 + i, params=jax.tree.unflatten(treedef, bad_leaves))
+    with pytest.raises(FloatingPointError, match='not finite'):
+      ckpt.save(2 + i, bad)
+  ckpt.wait()
+  assert ckpt.latest_step() == 1
+  ckpt.close()
+  assert harness.step_dirs(tmp_path) == [1]
+  assert harness.tmp_dirs(tmp_path) == []
+
+
+def _files(root: pathlib.Path) -> dict[str, int]:
+  return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob('*') if p.is_file()}
+
+
+def test_corrupt_checkpoint_raises_checkpoint_error_and_keeps_files(harness, short_run,
+                                                                    tmp_path):
+  workdir = tmp_path / 'run'
+  shutil.copytree(short_run, workdir)
+  step_dir = workdir / 'checkpoints' / '10'
+  # The OCDBT data files holding the arrays.
+  damaged = [p for p in step_dir.rglob('*') if p.is_file() and p.parent.name == 'd']
+  assert damaged, sorted(_files(step_dir))
+  for p in damaged:
+    p.write_bytes(b'\xde\xad\xbe\xef' * (p.stat().st_size // 4 + 1))
+  before = _files(workdir)
+  config = harness.config(SHORT)
+
+  with pytest.raises(checkpoints.CheckpointError) as info:
+    train.evaluate(config, str(workdir))
+  message = str(info.value)
+  assert str(workdir / 'checkpoints') in message and 'step 10' in message, message
+  # Training does not silently start over either.
+  with pytest.raises(checkpoints.CheckpointError):
+    train.train_and_evaluate(config, str(workdir))
+
+  after = _files(workdir)
+  missing = {k for k in before if k not in after}
+  assert not missing, f'files removed: {sorted(missing)}'
+  assert {k: after[k] for k in before} == before
+  assert not list(workdir.glob('eval_step_*.json'))
+  assert harness.step_dirs(workdir) == [8, 10]
+
+
+def test_checkpoint_of_another_model_raises_checkpoint_error(harness, short_run, tmp_path):
+  workdir = tmp_path / 'run'
+  shutil.copytree(short_run, workdir)
+  before = _files(workdir)
+  config = harness.config({**SHORT, 'model.d': 1})  # d_model 64 instead of 128.
+  with pytest.raises(checkpoints.CheckpointError, match='different model configuration') as info:
+    train.evaluate(config, str(workdir))
+  assert str(workdir / 'checkpoints') in str(info.value)
+  after = _files(workdir)
+  assert {k: after.get(k) for k in before} == before
+
+
+@pytest.fixture(scope='module')
+def eval_one_device(harness, reference, tmp_path_factory):
+  """`main.py --mode=eval` on one device over a copy of the reference run."""
+  workdir = tmp_path_factory.mktemp('eval1') / 'run'
+  shutil.copytree(reference, workdir)
+  proc = harness.run_main(workdir, {'total_steps': N, 'eval_steps': 2}, mode='eval')
+  return workdir, proc
+
+
+def test_eval_mode_writes_json(eval_one_device):
+  workdir, proc = eval_one_device
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  assert [p.name for p in workdir.glob('eval_step_*.json')] == [f'eval_step_{N}.json']
+  result = json.loads((workdir / f'eval_step_{N}.json').read_text())
+  assert EVAL_KEYS <= set(result), result
+  assert result['step'] == N
+  assert math.isfinite(result['loss']) and result['loss'] > 0
+  assert result['perplexity'] == pytest.approx(math.exp(result['loss']), rel=1e-6)
+  assert 0.0 <= result['accuracy'] <= 1.0
+
+
+@pytest.mark.parametrize('mesh', [
+    {'mesh.data': 8},
+    # The eval batch of 16 splits 8 ways and the parameters saved from one device are
+    # resharded over fsdp on restore.
+    {'mesh.data': 2, 'mesh.fsdp': 4},
+], ids=['data8', 'data2_fsdp4'])
+def test_eval_restores_onto_eight_devices(harness, reference, eval_one_device, tmp_path, mesh):
+  _, proc1 = eval_one_device
+  assert proc1.returncode == 0, proc1.stderr[-5000:]
+  loss1 = json.loads((eval_one_device[0] / f'eval_step_{N}.json').read_text())['loss']
+  workdir = tmp_path / 'run'
+  shutil.copytree(reference, workdir)
+  proc = harness.run_main(workdir, {'total_steps': N, 'eval_steps': 2, **mesh}, mode='eval',
+                          devices=8)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  assert '8 devices' in proc.stderr
+  result = json.loads((workdir / f'eval_step_{N}.json').read_text())
+  assert result['step'] == N
+  assert result['loss'] == pytest.approx(loss1, rel=EVAL_RTOL)
