@@ -26,8 +26,8 @@ VA_FAST_MAX_LOSS_FRACTION = 0.4    # Measured 0.22.
 VA_FAST_MIN_ACCURACY = 0.5         # Measured 0.71; chance 1/16.
 
 # configs/tiny.py exactly (slow: about 2 CPU minutes).
-VA_DEFAULT_MAX_LOSS_FRACTION = 0.3
-VA_DEFAULT_MIN_ACCURACY = 0.6
+VA_DEFAULT_MAX_LOSS_FRACTION = 0.3  # Measured 0.20 (eval loss 0.561).
+VA_DEFAULT_MIN_ACCURACY = 0.6        # Measured 0.73.
 
 COPY = {'data.name': 'copy', 'data.num_symbols': 16, 'data.max_length': 8, 'batch_size': 32,
         'total_steps': 300}
