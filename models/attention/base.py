@@ -151,7 +151,11 @@ class MultiHeadAttention(nn.Module):
     w_qkv = self.param('qkv', nn.with_logical_partitioning(
         layers.default_kernel_init, ('embed', 'qkv', 'heads', 'kv')),
         (d_model, 3, self.num_heads, self.head_dim), self.param_dtype)
-    qkv = jnp.einsum('btd,dphk->btphk', x.astype(self.dtype), w_qkv.astype(self.dtype))
+    b, t = x.shape[:2]
+    # Plain 2-D matmuls (parameter reshapes are free): XLA then needs no transposed copies.
+    qkv = jnp.dot(x.astype(self.dtype).reshape(b * t, d_model),
+                  w_qkv.astype(self.dtype).reshape(d_model, -1))
+    qkv = qkv.reshape(b, t, 3, self.num_heads, self.head_dim)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     if self.qk_norm:
       q = layers.RMSNorm(dtype=self.dtype, param_dtype=self.param_dtype, axis_name='kv', name='q_norm')(q)
@@ -166,7 +170,8 @@ class MultiHeadAttention(nn.Module):
     w_o = self.param('out', nn.with_logical_partitioning(
         layers.default_kernel_init, ('heads', 'kv', 'embed')),
         (self.num_heads, self.head_dim, d_model), self.param_dtype)
-    return jnp.einsum('bthk,hkd->btd', out.astype(self.dtype), w_o.astype(self.dtype))
+    return jnp.dot(out.astype(self.dtype).reshape(b * t, -1),
+                   w_o.astype(self.dtype).reshape(-1, d_model)).reshape(b, t, d_model)
 
   def attend(self, q, k, v, *, positions, segment_ids, deterministic):
     """Which keys each query sees and how scores are shaped: the variant's whole job.
