@@ -6,7 +6,7 @@ QK-norm, no biases, learned absolute positions, d_model = 64 d and n_heads = n_l
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
