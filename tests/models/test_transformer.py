@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from models import attention, transformer
+from models import attention, layers, transformer
 from models.attention import dense
 from training import steps
 
@@ -446,3 +446,13 @@ def test_bfloat16_compute_float32_params():
   err = np.abs(np.asarray(logits16) - logits32).max()
   assert err < 0.05 * scale, (err, scale)
   assert err > 0  # bfloat16 really was used for the computation.
+
+
+def test_swiglu_activation_matches_autodiff():
+  h = jax.random.normal(jax.random.key(3), (2, 5, 2, 7)) * 3.0
+  dy = jax.random.normal(jax.random.key(4), (2, 5, 7))
+  plain = lambda h: jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
+  np.testing.assert_allclose(layers.swiglu_activation(h), plain(h), rtol=1e-6)
+  _, vjp_custom = jax.vjp(layers.swiglu_activation, h)
+  _, vjp_plain = jax.vjp(plain, h)
+  np.testing.assert_allclose(vjp_custom(dy)[0], vjp_plain(dy)[0], rtol=1e-5, atol=1e-6)
