@@ -31,14 +31,15 @@ def _chunk_len(t: int, chunk: int) -> int:
 
 
 def _chunk_stats(x, w, t, wt):
-  """Loss and accuracy sums of one chunk, plus its logits and log-partition."""
+  """Loss and accuracy sums of one chunk, plus its softmax."""
   logits = jnp.einsum('bcd,dv->bcv', x, w, preferred_element_type=jnp.float32)
   m = jnp.max(logits, axis=-1)
-  lse = m + jnp.log(jnp.sum(jnp.exp(logits - m[..., None]), axis=-1))
+  e = jnp.exp(logits - m[..., None])
+  s = jnp.sum(e, axis=-1)
   target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
-  loss = jnp.sum(wt * (lse - target_logit))
+  loss = jnp.sum(wt * (m + jnp.log(s) - target_logit))
   correct = jnp.sum(wt * (target_logit >= m))  # The target is (one of) the arg-max.
-  return loss, correct, logits, lse
+  return loss, correct, e / s[..., None]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -59,7 +60,8 @@ def linear_cross_entropy(x, w, targets, weights, chunk: int = 128):
   chunk = _chunk_len(x.shape[1], chunk)
 
   def body(carry, xs):
-    loss, correct, _, _ = _chunk_stats(*xs[:1], w, *xs[1:])
+    xc, t, wt = xs
+    loss, correct, _ = _chunk_stats(xc, w, t, wt)
     return (carry[0] + loss, carry[1] + correct), None
 
   zero = jnp.zeros((), jnp.float32)
@@ -75,10 +77,10 @@ def _fwd(x, w, targets, weights, chunk):
   def body(carry, xs):
     loss_acc, correct_acc, dw = carry
     xc, t, wt = xs
-    loss, correct, logits, lse = _chunk_stats(xc, w, t, wt)
-    # dCE/dlogits = softmax - onehot(target), times the token's weight.
-    onehot = jax.nn.one_hot(t, logits.shape[-1], dtype=logits.dtype)
-    dlogits = ((jnp.exp(logits - lse[..., None]) - onehot) * wt[..., None]).astype(xc.dtype)
+    loss, correct, probs = _chunk_stats(xc, w, t, wt)
+    # dCE/dlogits = softmax - onehot(target), times the token's weight (one exp per logit).
+    onehot = jax.nn.one_hot(t, probs.shape[-1], dtype=probs.dtype)
+    dlogits = ((probs - onehot) * wt[..., None]).astype(xc.dtype)
     dx = jnp.einsum('bcv,dv->bcd', dlogits, w, preferred_element_type=jnp.float32)
     dw = dw + jnp.einsum('bcd,bcv->dv', xc, dlogits, preferred_element_type=jnp.float32)
     return (loss_acc + loss, correct_acc + correct, dw), dx.astype(xc.dtype)
