@@ -36,9 +36,28 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Data.
   config.data = data = ml_collections.ConfigDict()
-  data.name = 'c4'                      # 'c4' (TFDS) or a synthetic task: 'variable_assignment', 'copy', 'parity'.
-  data.tfds_name = 'c4/en:3.0.1'        # TFDS dataset for data.name = 'c4'.
+  data.name = 'c4'                      # 'c4'/'tfds' (data.tfds_name), 'local_text', or a synthetic task
+                                        # ('variable_assignment', 'copy', 'parity').
+  data.tfds_name = 'c4/en:3.0.1'        # TFDS dataset for 'c4'/'tfds' (prepared; never downloaded).
   data.data_dir = ''                    # TFDS data_dir (local path or gs://); '' = TFDS default.
+  data.train_split = 'train'            # TFDS split to train on (each process reads its slice).
+  data.eval_split = 'validation'        # TFDS split to evaluate on.
+  data.text_key = 'text'                # Feature holding the text.
+  data.tokenizer = 'sentencepiece'      # 'sentencepiece' or 'byte' (256 bytes + pad/bos/eos).
+  data.vocab_size = 8000                # SentencePiece pieces (paper: 8K); model.vocab_size pads it.
+  data.spm_model_type = 'unigram'       # SentencePiece model: 'unigram' or 'bpe'.
+  data.vocab_path = ''                  # SentencePiece model file (local or gs://); '' = workdir/vocab/.
+                                        # Trained there on first use, reused afterwards.
+  data.spm_sample_docs = 50_000         # Training-split documents SentencePiece learns from.
+  data.packing = 'packed'               # 'packed' (documents as segments) or 'concat' (chunked stream).
+  data.shuffle_buffer = 10_000          # Documents in the shuffle buffer (after the seeded file shuffle).
+  data.prefetch_batches = 4             # Batches prepared ahead of the train step.
+  # Local text corpora (data.name = 'local_text'), prepared as a TFDS dataset under data_dir.
+  data.files = ''                       # Comma-separated globs: one large file, or many documents.
+  data.corpus = 'local'                 # Name of the prepared dataset (a fingerprint is appended).
+  data.validation_fraction = 0.05       # Share of bytes (one file) or files (many) for validation.
+  data.test_fraction = 0.05             # Share for test (enwik8/text8: 90M/5M/5M bytes).
+  data.chunk_bytes = 1 << 20            # Bytes per stored example when a file is cut.
   # Synthetic-task hyper-parameters (selective-attention paper, appendix A.1-A.2).
   data.num_variables = 3                # Variable Assignment: distinct variables.
   data.num_values = 1000                # Variable Assignment: possible values.
@@ -50,7 +69,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Optimization (paper: AdamW beta2 0.999, 1,000 warm-up steps, lr 0.005, cosine decay).
   config.total_steps = 524_288          # Optimizer steps.
   config.batch_size = 256               # Global batch, in sequences.
-  config.seq_len = 512                  # Tokens per sequence (text data).
+  config.seq_len = 512                  # Tokens per row (text data).
   config.grad_accum_steps = 1           # Micro-batches per step (batch_size must divide).
   config.learning_rate = 0.005          # Peak learning rate.
   config.warmup_steps = 1000            # Linear warm-up steps.
@@ -65,7 +84,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Logging, evaluation and checkpoints.
   config.log_every_steps = 100          # Console/TensorBoard train metrics interval.
   config.eval_every_steps = 5000        # Evaluation interval; 0 disables periodic eval.
-  config.eval_steps = 20                # Validation batches per evaluation.
+  config.eval_steps = 20                # Validation batches per evaluation; 0 = the whole split.
   config.eval_batch_size = 0            # Validation batch; 0 = batch_size.
   config.checkpoint_every_steps = 5000  # Checkpoint interval (always also at the end and on SIGTERM).
   config.keep_checkpoints = 3           # Checkpoints kept on disk (the latest ones).

@@ -5,13 +5,14 @@ loss counts), 'positions' (within each document) and 'segment_ids' (document ids
 """
 
 import dataclasses
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from input_pipeline import synthetic
+from input_pipeline import packing, synthetic, text, tokenizers
 
 Batch = dict[str, np.ndarray]
+DataState = dict[str, Any]  # JSON-able position of a process's training stream.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,35 +22,52 @@ class DataSource:
   Attributes:
     vocab_size: token ids are in [0, vocab_size).
     seq_len: length of every example.
-    train_batch: step -> this process's rows of the global training batch for that step; a
-      pure function of (seed, step), so a restarted run sees the same batches.
-    eval_batches: () -> iterator over this process's rows of the fixed validation batches.
+    train_iter: (step, state) -> iterator of (this process's rows of the global batch, the
+      state after that batch), starting at `step` from `state` (None = from the start). A
+      restart given the state saved with a checkpoint continues with exactly the batches an
+      uninterrupted run would have seen.
+    eval_batches: () -> iterator over this process's rows of the validation batches.
+    train_batch: step -> this process's rows for that step, for sources where a batch is a
+      pure function of (seed, step) (the synthetic tasks); None otherwise.
     chance_loss: loss of a uniform guess over the answers, when the task defines one.
+    token_bytes: bytes of text each token id stands for (text data), for bits per byte.
+    eval_whole_split: the eval batches cover a whole split, so hosts may see different counts.
+    close: releases background readers.
   """
   vocab_size: int
   seq_len: int
-  train_batch: Callable[[int], Batch]
+  train_iter: Callable[[int, DataState | None], Iterator[tuple[Batch, DataState]]]
   eval_batches: Callable[[], Iterator[Batch]]
+  train_batch: Callable[[int], Batch] | None = None
   chance_loss: float | None = None
+  token_bytes: np.ndarray | None = None
+  eval_whole_split: bool = False
+  close: Callable[[], None] = lambda: None
 
 
 # Validation examples are drawn from a seed stream disjoint from any training seed < 10**6.
 EVAL_SEED_OFFSET = 10**6
 
 
-def make_source(config, *, process_index: int = 0, process_count: int = 1) -> DataSource:
+def make_source(config, *, process_index: int = 0, process_count: int = 1,
+                workdir: str | None = None) -> DataSource:
   """The data source named by `config.data.name`.
 
   Args:
     config: the run config.
     process_index: this host's index.
     process_count: number of hosts.
+    workdir: the run's folder; the SentencePiece model goes there unless data.vocab_path
+      names a file.
 
   Returns:
     A DataSource.
   """
   name = config.data.name
   if name in synthetic.TASKS:
+    if config.eval_every_steps and config.eval_steps < 1:
+      raise ValueError(f'eval_steps={config.eval_steps}: a synthetic task has no finite split; '
+                       'give the number of validation batches (>= 1)')
     fields = {f.name for f in dataclasses.fields(synthetic.TASKS[name])}
     task = synthetic.make_task(name, **{k: v for k, v in config.data.items() if k in fields})
     eval_batch = config.eval_batch_size or config.batch_size
@@ -59,12 +77,87 @@ def make_source(config, *, process_index: int = 0, process_count: int = 1) -> Da
       for i in range(config.eval_steps):
         yield task.batch(config.seed + EVAL_SEED_OFFSET, i, eval_batch, **shard)
 
+    def train_batch(step):
+      return task.batch(config.seed, step, config.batch_size, **shard)
+
+    def train_iter(step, state=None):
+      del state  # A batch is a pure function of (seed, step).
+      while True:
+        yield train_batch(step), {'step': step + 1}
+        step += 1
+
     return DataSource(
-        vocab_size=task.vocab_size, seq_len=task.seq_len,
-        train_batch=lambda step: task.batch(config.seed, step, config.batch_size, **shard),
-        eval_batches=eval_batches, chance_loss=task.chance_loss)
-  if name == 'c4':
-    raise NotImplementedError(
-        "data.name='c4' needs the TFDS streaming pipeline, which is not in this build yet; "
-        'train on a synthetic task instead, e.g. --config=configs/tiny.py')
-  raise ValueError(f'unknown data.name {name!r}; known: c4, {", ".join(sorted(synthetic.TASKS))}')
+        vocab_size=task.vocab_size, seq_len=task.seq_len, train_iter=train_iter,
+        eval_batches=eval_batches, train_batch=train_batch, chance_loss=task.chance_loss)
+  if name in text.TFDS_NAMES:
+    return _text_source(config, process_index, process_count, workdir)
+  raise ValueError(f'unknown data.name {name!r}; known: '
+                   f'{", ".join(text.TFDS_NAMES + tuple(sorted(synthetic.TASKS)))}')
+
+
+def _text_source(config, process_index, process_count, workdir) -> DataSource:
+  """C4 / any TFDS text dataset / local text files, tokenized and packed."""
+  data = config.data
+  for name, rows in (('batch_size', config.batch_size),
+                     ('eval batch size', config.eval_batch_size or config.batch_size)):
+    if rows % process_count:
+      raise ValueError(f'{name}={rows} is not divisible by the {process_count} processes')
+  if data.packing not in packing.MODES:
+    raise ValueError(f'data.packing must be one of {packing.MODES}, got {data.packing!r}')
+  if config.seq_len < 1:
+    raise ValueError(f'seq_len must be >= 1, got {config.seq_len}')
+  builder = text.make_builder(data, process_index=process_index)
+  text._check_split(builder, data.train_split, 'train')
+  text._check_split(builder, data.eval_split, 'eval')
+  import tensorflow_datasets as tfds
+  train_split = tfds.split_for_jax_process(data.train_split, process_index=process_index,
+                                           process_count=process_count)
+  eval_split = tfds.split_for_jax_process(data.eval_split, process_index=process_index,
+                                          process_count=process_count)
+  if data.tokenizer == 'byte':
+    tokenizer = tokenizers.ByteTokenizer()
+  elif data.tokenizer == 'sentencepiece':
+    path = data.vocab_path
+    if not path:
+      if not workdir:
+        raise ValueError('data.vocab_path is empty and there is no workdir to keep the '
+                         'SentencePiece model in')
+      path = tokenizers.default_vocab_path(workdir, data.vocab_size, data.spm_model_type)
+
+    def sample():
+      docs = text.documents(builder, train_split, text_key=data.text_key, seed=config.seed,
+                            shuffle=True)
+      return (d for _, d in zip(range(data.spm_sample_docs), docs))
+
+    tokenizer = tokenizers.get_sentencepiece(
+        path, vocab_size=data.vocab_size, model_type=data.spm_model_type, sample_fn=sample,
+        process_index=process_index)
+  else:
+    raise ValueError(f"data.tokenizer must be 'sentencepiece' or 'byte', got {data.tokenizer!r}")
+  local_rows = config.batch_size // process_count
+  local_eval_rows = (config.eval_batch_size or config.batch_size) // process_count
+  readers = []
+
+  def train_iter(step, state=None):
+    del step  # The cursor says where the stream is.
+    cursor = packing.Cursor(**state) if state else packing.Cursor()
+    it = text.Prefetch(
+        ((b, dataclasses.asdict(c)) for b, c in text.train_batches(
+            builder, tokenizer, data, split=train_split, seq_len=config.seq_len,
+            rows_per_batch=local_rows, seed=config.seed, cursor=cursor)),
+        depth=data.prefetch_batches)
+    readers.append(it)
+    return it
+
+  def eval_batches():
+    return text.eval_batches(builder, tokenizer, data, split=eval_split, seq_len=config.seq_len,
+                             rows_per_batch=local_eval_rows, max_batches=config.eval_steps)
+
+  def close():
+    for r in readers:
+      r.close()
+
+  return DataSource(vocab_size=tokenizer.vocab_size, seq_len=config.seq_len,
+                    train_iter=train_iter, eval_batches=eval_batches,
+                    token_bytes=tokenizer.token_bytes(), eval_whole_split=config.eval_steps <= 0,
+                    close=close)

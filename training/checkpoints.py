@@ -5,6 +5,7 @@ import os
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from absl import logging
 
 
@@ -26,7 +27,8 @@ class Checkpointer:
   """
 
   def __init__(self, workdir: str, *, keep: int = 3, async_save: bool = True):
-    self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+    self.directory = os.path.join(workdir if '://' in workdir else os.path.abspath(workdir),
+                                  'checkpoints')
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
@@ -36,12 +38,13 @@ class Checkpointer:
     """Step of the newest complete checkpoint, or None."""
     return self._manager.latest_step()
 
-  def save(self, step: int, state) -> None:
-    """Starts saving `state` at `step`; refuses a non-finite state.
+  def save(self, step: int, state, data_state: dict | None = None) -> None:
+    """Starts saving `state` (and the input stream's position) at `step`; refuses non-finite.
 
     Args:
       step: the optimizer step the state is at.
       state: the TrainState.
+      data_state: JSON-able position of every process's input stream after `step` batches.
 
     Raises:
       FloatingPointError: the state holds NaN or inf; nothing is written.
@@ -50,18 +53,22 @@ class Checkpointer:
       raise FloatingPointError(
           f'parameters at step {step} are not finite; no checkpoint written. The last good '
           f'checkpoint (step {self.latest_step()}) in {self.directory} is kept.')
-    self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
+    items = {'state': ocp.args.StandardSave(state)}
+    if data_state is not None:
+      items['data'] = ocp.args.JsonSave(data_state)
+    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
-  def restore(self, abstract_state, step: int | None = None):
+  def restore(self, abstract_state, step: int | None = None, *, with_data: bool = False):
     """Restores a state laid out like `abstract_state` (shapes, dtypes and shardings).
 
     Args:
       abstract_state: tree of jax.ShapeDtypeStruct with the target shardings; the saved
         arrays are resharded onto them, so the device count may differ from the saving run.
       step: which checkpoint; defaults to the latest.
+      with_data: also return the saved input-stream position (None if none was saved).
 
     Returns:
-      The restored state.
+      The restored state, or (state, data_state) with `with_data`.
 
     Raises:
       FileNotFoundError: there is no checkpoint.
@@ -70,12 +77,23 @@ class Checkpointer:
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f'no checkpoint found in {self.directory}')
+    items = {'state': ocp.args.StandardRestore(abstract_state)}
+    has_data = with_data and 'data' in self._item_names(step)
+    if has_data:
+      items['data'] = ocp.args.JsonRestore()
     try:
-      return self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+      restored = self._manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # Orbax raises many types; name the folder and the cause.
       raise CheckpointError(
           f'could not restore checkpoint step {step} from {self.directory}: it is corrupt or was '
           f'written by a different model configuration ({type(e).__name__}: {e})') from e
+    if not with_data:
+      return restored.state
+    return restored.state, (restored.data if has_data else None)
+
+  def _item_names(self, step: int) -> set[str]:
+    path = epath.Path(self.directory) / str(step)
+    return {child.name for child in path.iterdir()} if path.exists() else set()
 
   def wait(self) -> None:
     """Blocks until pending async saves are on disk."""

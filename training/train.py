@@ -65,7 +65,7 @@ def check_workdir(workdir: str) -> None:
     raise PermissionError(f'workdir {workdir!r} is not writable: {e}') from e
 
 
-def build(config: ml_collections.ConfigDict, devices=None) -> Setup:
+def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None = None) -> Setup:
   """Validates the config and builds model, data, mesh, optimizer and state shardings.
 
   Every check that can fail on a bad config runs here, before any compute.
@@ -73,12 +73,14 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Setup:
   Args:
     config: the run config.
     devices: devices for the mesh; defaults to all.
+    workdir: the run's folder (where a SentencePiece model is trained if none is given).
 
   Returns:
     The Setup.
   """
   data = input_pipeline.make_source(
-      config, process_index=jax.process_index(), process_count=jax.process_count())
+      config, process_index=jax.process_index(), process_count=jax.process_count(),
+      workdir=workdir)
   mesh = sharding.make_mesh(config.mesh, devices)
   model_cfg = dict(config.model)
   # A vocabulary taken from the data is padded so the 'vocab' axis splits over 'tensor'.
@@ -157,18 +159,49 @@ def jit_eval_step(setup: Setup):
                  out_shardings=replicated)
 
 
+def _eval_local_batches(setup: Setup):
+  """This process's eval batches; with a whole split on several hosts, every host runs the
+  same number of steps, feeding rows that score nothing once its own batches run out."""
+  batches = setup.data.eval_batches()
+  if not (setup.data.eval_whole_split and jax.process_count() > 1):
+    yield from batches
+    return
+  from jax.experimental import multihost_utils
+  template = None
+  while True:
+    local = next(batches, None)
+    if local is not None and template is None:
+      template = {k: np.zeros_like(v) for k, v in local.items()}
+    if not multihost_utils.process_allgather(np.array(local is not None)).any():
+      return
+    if local is None and template is None:  # This host had no eval data at all.
+      raise ValueError(f'process {jax.process_index()} has no rows of data.eval_split; use '
+                       'a larger split or a fixed config.eval_steps')
+    yield template if local is None else local
+
+
 def run_eval(setup: Setup, eval_step, params) -> dict[str, float]:
-  """Loss, perplexity and accuracy over the validation batches."""
+  """Loss, perplexity and accuracy over the validation batches, and bits per byte on text."""
   totals = {'loss_sum': 0.0, 'correct_sum': 0.0, 'weight_sum': 0.0}
+  text_bytes = 0.0
   with sharding.activate(setup.mesh, setup.rules):
-    for local in setup.data.eval_batches():
+    for local in _eval_local_batches(setup):
       out = jax.device_get(eval_step(params, device_batch(setup, local)))
       for k in totals:
         totals[k] += float(out[k])
+      if setup.data.token_bytes is not None:
+        text_bytes += float(np.sum(setup.data.token_bytes[local['targets']] * local['weights']))
   w = max(totals['weight_sum'], 1.0)
   loss = totals['loss_sum'] / w
-  return {'loss': loss, 'perplexity': float(np.exp(min(loss, 80.0))),
-          'accuracy': totals['correct_sum'] / w, 'scored_tokens': totals['weight_sum']}
+  result = {'loss': loss, 'perplexity': float(np.exp(min(loss, 80.0))),
+            'accuracy': totals['correct_sum'] / w, 'scored_tokens': totals['weight_sum']}
+  if setup.data.token_bytes is not None:
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      text_bytes = float(multihost_utils.process_allgather(np.array(text_bytes)).sum())
+    result['bits_per_byte'] = float(totals['loss_sum'] / np.log(2.0) / max(text_bytes, 1.0))
+    result['scored_bytes'] = text_bytes
+  return result
 
 
 class _Preemption:
@@ -217,7 +250,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> steps
     The final TrainState.
   """
   check_workdir(workdir)
-  setup = build(config)
+  setup = build(config, workdir=workdir)
   mc = setup.model_config
   n_params = mc.num_params()
   flops_per_token = mc.train_flops_per_token(setup.data.seq_len)
@@ -234,15 +267,45 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> steps
                                   async_save=config.async_checkpointing)
   logger = metrics_lib.MetricLogger(workdir, config.total_steps)
   try:
+    data_state = None
     if ckpt.latest_step() is not None:
-      state = ckpt.restore(setup.abstract_state)
-      logging.info('resumed from checkpoint step %d', int(state.step))
+      state, saved = ckpt.restore(setup.abstract_state, with_data=True)
+      data_state = _this_process_data_state(saved)
+      logging.info('resumed from checkpoint step %d (input stream at %s)', int(state.step),
+                   data_state)
     else:
       state = init_state(setup, config.seed)
-    return _train_loop(setup, state, ckpt, logger, flops_per_token, peak)
+    return _train_loop(setup, state, data_state, ckpt, logger, flops_per_token, peak)
   finally:  # Also on errors: pending checkpoint writes finish, event files are flushed.
+    setup.data.close()
     ckpt.close()
     logger.close()
+
+
+def _gather_data_state(state: dict) -> dict:
+  """Every process's input-stream position, as saved with a checkpoint."""
+  if jax.process_count() == 1:
+    return {'process_count': 1, 'processes': [state]}
+  from jax.experimental import multihost_utils
+  encoded = json.dumps(state).encode()
+  if len(encoded) > 1024:
+    raise ValueError(f'input stream state is too large to gather: {state}')
+  buf = np.zeros(1024, np.uint8)
+  buf[:len(encoded)] = np.frombuffer(encoded, np.uint8)
+  rows = multihost_utils.process_allgather(buf)
+  return {'process_count': jax.process_count(),
+          'processes': [json.loads(bytes(r).rstrip(b'\0')) for r in np.asarray(rows)]}
+
+
+def _this_process_data_state(saved: dict | None) -> dict | None:
+  if not saved:
+    return None
+  if saved['process_count'] != jax.process_count():
+    logging.warning('the checkpoint was written by %d processes and this run has %d: the input '
+                    'stream restarts from the beginning instead of resuming exactly',
+                    saved['process_count'], jax.process_count())
+    return None
+  return saved['processes'][jax.process_index()]
 
 
 class _MetricWindow:
@@ -278,16 +341,19 @@ class _MetricWindow:
     self.count += 1
 
 
-def _train_loop(setup: Setup, state, ckpt, logger, flops_per_token: float, peak: float):
+def _train_loop(setup: Setup, state, data_state, ckpt, logger, flops_per_token: float,
+                peak: float):
   config = setup.config
   train_step, eval_step = jit_train_step(setup), jit_eval_step(setup)
   rng = jax.random.key(config.seed + 1)
   tokens_per_step = config.batch_size * setup.data.seq_len
   window = _MetricWindow(ckpt)
   step = int(state.step)
+  batches = setup.data.train_iter(step, data_state)
   with sharding.activate(setup.mesh, setup.rules), _Preemption() as preemption:
     while step < config.total_steps:
-      batch = device_batch(setup, setup.data.train_batch(step))
+      local, data_state = next(batches)
+      batch = device_batch(setup, local)
       state, step_metrics = train_step(state, batch, rng)
       step += 1
       window.add(step, step_metrics)
@@ -306,7 +372,7 @@ def _train_loop(setup: Setup, state, ckpt, logger, flops_per_token: float, peak:
         logger.write(step, run_eval(setup, eval_step, state.params), prefix='eval')
       if step % config.checkpoint_every_steps == 0 or last or stop:
         window.flush()  # Never save a state whose last step has not been checked.
-        ckpt.save(step, state)
+        ckpt.save(step, state, _gather_data_state(data_state))
       if stop:
         logging.warning('preemption requested: saved step %d, exiting', step)
         break
@@ -326,12 +392,13 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float
     The metrics written.
   """
   check_workdir(workdir)
-  setup = build(config)
+  setup = build(config, workdir=workdir)
   ckpt = checkpoints.Checkpointer(workdir, keep=config.keep_checkpoints, async_save=False)
   try:
     state = ckpt.restore(setup.abstract_state)
   finally:
     ckpt.close()
+    setup.data.close()
   result = {'step': int(state.step), **run_eval(setup, jit_eval_step(setup), state.params)}
   if jax.process_index() == 0:
     path = os.path.join(workdir, f'eval_step_{result["step"]}.json')

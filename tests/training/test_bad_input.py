@@ -27,7 +27,8 @@ _BAD_CONFIGS = {
         r'batch_size=10 is not divisible by grad_accum_steps=3'),
     'unknown_data_name': (
         {'data.name': 'no_such_task'},
-        r"unknown data\.name 'no_such_task'; known: c4, copy, parity, variable_assignment"),
+        r"unknown data\.name 'no_such_task'; known: c4, tfds, local_text, copy, parity, "
+        r'variable_assignment'),
 }
 
 

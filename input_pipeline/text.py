@@ -1,0 +1,210 @@
+"""Text data streamed by TFDS: C4 (or any TFDS text dataset) and local corpora, one code path.
+
+  documents (tf.data: per-process split, seeded file shuffle, repeat, shuffle buffer, skip)
+    -> tokenizer (SentencePiece or bytes, batched on the host)
+    -> packing.rows (packed documents or concat-and-chunk)
+    -> per-process batches, built ahead of the train step by a background thread.
+
+Exact resume: the document order is a pure function of the seed (seeded file shuffle and
+shuffle buffer, deterministic tf.data), so the stream position after any batch is a
+`packing.Cursor` (document index, token offset). The training loop checkpoints the cursor of
+the last batch it consumed; a restart skips that many documents (read, not tokenized) and
+continues the same rows. Each process has its own cursor.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Iterator
+
+import numpy as np
+
+from input_pipeline import local_text, packing
+
+TFDS_NAMES = ('c4', 'tfds', 'local_text')
+_TOKENIZE_BATCH = 64  # Documents per tokenizer call.
+
+
+def _tfds():
+  import tensorflow_datasets as tfds
+  tfds.disable_progress_bar()
+  return tfds
+
+
+def make_builder(data_cfg, *, process_index: int = 0):
+  """The prepared TFDS builder for data.name 'c4'/'tfds' (data.tfds_name) or 'local_text'.
+
+  Raises:
+    FileNotFoundError: the dataset is not prepared under data.data_dir (nothing is downloaded).
+  """
+  tfds = _tfds()
+  if data_cfg.name == 'local_text':
+    return local_text.prepare(data_cfg, process_index=process_index)
+  where = data_cfg.data_dir or '(the TFDS default data_dir)'
+  if data_cfg.data_dir and not _exists(data_cfg.data_dir):
+    raise FileNotFoundError(f'data.data_dir={data_cfg.data_dir!r} does not exist')
+  try:
+    builder = tfds.builder(data_cfg.tfds_name, data_dir=data_cfg.data_dir or None)
+  except Exception as e:  # TFDS raises several types for unknown names or versions.
+    raise FileNotFoundError(f'TFDS dataset {data_cfg.tfds_name!r} not found in {where}: '
+                            f'{type(e).__name__}: {e}') from e
+  if not builder.is_prepared():
+    raise FileNotFoundError(
+        f'TFDS dataset {data_cfg.tfds_name!r} is not prepared in {where}. This code never '
+        'downloads: prepare it once (tfds build, or copy the prepared files) and point '
+        'data.data_dir at the folder or gs:// bucket holding '
+        f'{data_cfg.tfds_name.replace(":", "/")}/')
+  return builder
+
+
+def _exists(path: str) -> bool:
+  import tensorflow as tf
+  return tf.io.gfile.exists(path)
+
+
+def _check_split(builder, split: str, role: str) -> None:
+  base = split.split('[')[0]
+  if base not in builder.info.splits:
+    raise ValueError(f'data.{role}_split={split!r}: {builder.info.full_name} has splits '
+                     f'{sorted(builder.info.splits)}')
+  if builder.info.splits[base].num_examples == 0:
+    raise ValueError(f'the {base!r} split of {builder.info.full_name} is empty')
+
+
+def documents(builder, split: str, *, text_key: str = 'text', seed: int = 0,
+              shuffle: bool = False, repeat: bool = False, shuffle_buffer: int = 0,
+              skip: int = 0) -> Iterator[bytes]:
+  """Raw documents of `split`, in an order that depends only on the arguments.
+
+  Args:
+    builder: a prepared TFDS builder.
+    split: the TFDS split string (may be a per-process slice).
+    text_key: the feature holding the text.
+    seed: file-shuffle and shuffle-buffer seed.
+    shuffle: shuffle files and documents.
+    repeat: repeat forever (training).
+    shuffle_buffer: documents in the shuffle buffer (0 or 1: files are shuffled only).
+    skip: documents to skip first (resume); read but not tokenized.
+
+  Yields:
+    Document bytes.
+  """
+  import tensorflow as tf
+  tfds = _tfds()
+  read_config = tfds.ReadConfig(shuffle_seed=seed, shuffle_reshuffle_each_iteration=True,
+                                try_autocache=False)
+  ds = builder.as_dataset(split=split, shuffle_files=shuffle, read_config=read_config)
+  if text_key not in ds.element_spec:
+    raise ValueError(f'data.text_key={text_key!r} is not a feature of {builder.info.full_name}: '
+                     f'{sorted(ds.element_spec)}')
+  ds = ds.map(lambda ex: ex[text_key])
+  if repeat:
+    ds = ds.repeat()
+  if shuffle and shuffle_buffer > 1:
+    ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+  if skip:
+    ds = ds.skip(skip)
+  options = tf.data.Options()
+  options.deterministic = True
+  ds = ds.with_options(options).batch(_TOKENIZE_BATCH).prefetch(tf.data.AUTOTUNE)
+  for texts in ds.as_numpy_iterator():
+    yield from texts
+
+
+def tokenized(docs: Iterator[bytes], tokenizer) -> Iterator[np.ndarray]:
+  """Token arrays of the documents, encoded a few dozen at a time."""
+  pending = []
+  for doc in docs:
+    pending.append(doc)
+    if len(pending) == _TOKENIZE_BATCH:
+      yield from tokenizer.encode_batch(pending)
+      pending = []
+  if pending:
+    yield from tokenizer.encode_batch(pending)
+
+
+def train_batches(builder, tokenizer, data_cfg, *, split: str, seq_len: int, rows_per_batch: int,
+                  seed: int, cursor: packing.Cursor) -> Iterator[tuple[dict, packing.Cursor]]:
+  """Endless (batch, cursor after the batch) from `cursor` on; the same for the same arguments."""
+  docs = documents(builder, split, text_key=data_cfg.text_key, seed=seed, shuffle=True,
+                   repeat=True, shuffle_buffer=data_cfg.shuffle_buffer, skip=cursor.doc)
+  stream = packing.rows(tokenized(docs, tokenizer), seq_len, data_cfg.packing, cursor)
+  while True:
+    rows = []
+    for _ in range(rows_per_batch):
+      row, cursor = next(stream)
+      rows.append(row)
+    yield packing.stack(rows), cursor
+
+
+def eval_batches(builder, tokenizer, data_cfg, *, split: str, seq_len: int, rows_per_batch: int,
+                 max_batches: int) -> Iterator[dict]:
+  """The validation batches, in file order: the first `max_batches`, or all when it is <= 0.
+
+  The last batch of the split is filled with rows that score nothing.
+  """
+  docs = documents(builder, split, text_key=data_cfg.text_key)
+  stream = packing.rows(tokenized(docs, tokenizer), seq_len, 'packed')
+  count = 0
+  while max_batches <= 0 or count < max_batches:
+    rows = [row for row, _ in _take(stream, rows_per_batch)]
+    if not rows:
+      return
+    rows += [packing.padding_row(seq_len)] * (rows_per_batch - len(rows))
+    yield packing.stack(rows)
+    count += 1
+
+
+def _take(it, n):
+  for _ in range(n):
+    try:
+      yield next(it)
+    except StopIteration:
+      return
+
+
+class Prefetch:
+  """Runs an iterator in a background thread, `depth` items ahead of the consumer.
+
+  Errors in the producer are raised in the consumer; `close()` stops the thread.
+  """
+
+  _DONE = object()
+
+  def __init__(self, iterator, depth: int = 2):
+    self._queue = queue.Queue(maxsize=max(depth, 1))
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, args=(iterator,), daemon=True,
+                                    name='input-prefetch')
+    self._thread.start()
+
+  def _run(self, iterator):
+    try:
+      for item in iterator:
+        while not self._stop.is_set():
+          try:
+            self._queue.put((item, None), timeout=0.1)
+            break
+          except queue.Full:
+            continue
+        if self._stop.is_set():
+          return
+      self._queue.put((self._DONE, None))
+    except BaseException as e:  # Handed to the consumer.
+      self._queue.put((self._DONE, e))
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    item, error = self._queue.get()
+    if item is self._DONE:
+      self._queue.put((item, error))  # Later calls see the same end.
+      if error is not None:
+        raise error
+      raise StopIteration
+    return item
+
+  def close(self):
+    self._stop.set()
