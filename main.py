@@ -27,12 +27,13 @@ config_flags.DEFINE_config_file('config', os.path.join(os.path.dirname(__file__)
 
 
 def _quiet_libraries():
-  """Orbax logs every save step at INFO; keep its warnings, drop the chatter."""
+  """Orbax and TFDS log every save and read at INFO; keep their warnings, drop the chatter."""
   import logging as py_logging
 
   class _Filter(py_logging.Filter):
     def filter(self, record):
-      return record.levelno >= py_logging.WARNING or '/orbax/' not in record.pathname
+      return record.levelno >= py_logging.WARNING or not any(
+          lib in record.pathname for lib in ('/orbax/', '/tensorflow_datasets/'))
 
   for handler in py_logging.getLogger().handlers + py_logging.getLogger('absl').handlers:
     handler.addFilter(_Filter())

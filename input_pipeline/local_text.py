@@ -140,8 +140,8 @@ class LocalText(tfds.core.GeneratorBasedBuilder):
 def prepare(data_cfg, *, process_index: int = 0, wait_seconds: float = 3600.0) -> LocalText:
   """The prepared LocalText builder for `data_cfg`, building it on first use.
 
-  Process 0 writes the dataset under data_cfg.data_dir; the other processes wait for it (the
-  data_dir must be shared, e.g. gs://).
+  Process 0 writes the dataset under data_cfg.data_dir ('' = the TFDS default folder); the
+  other processes wait for it (on several hosts the data_dir must be shared, e.g. gs://).
 
   Args:
     data_cfg: the config's `data` block (files, corpus name, fractions, chunk_bytes, data_dir).
@@ -151,14 +151,11 @@ def prepare(data_cfg, *, process_index: int = 0, wait_seconds: float = 3600.0) -
   Returns:
     The builder, ready for `as_dataset`.
   """
-  if not data_cfg.data_dir:
-    raise ValueError("data.name='local_text' needs data.data_dir: the folder (or gs:// path) "
-                     'where the prepared dataset is written')
   config = LocalTextConfig(
       corpus=data_cfg.corpus, files=expand_files(data_cfg.files),
       validation_fraction=data_cfg.validation_fraction, test_fraction=data_cfg.test_fraction,
       chunk_bytes=data_cfg.chunk_bytes)
-  builder = LocalText(config=config, data_dir=data_cfg.data_dir)
+  builder = LocalText(config=config, data_dir=data_cfg.data_dir or None)
   if not builder.is_prepared():
     if process_index == 0:
       builder.download_and_prepare()
@@ -168,5 +165,5 @@ def prepare(data_cfg, *, process_index: int = 0, wait_seconds: float = 3600.0) -
         if time.time() > deadline:
           raise TimeoutError(f'waited {wait_seconds:.0f} s for process 0 to prepare {config.name}')
         time.sleep(2.0)
-        builder = LocalText(config=config, data_dir=data_cfg.data_dir)
+        builder = LocalText(config=config, data_dir=data_cfg.data_dir or None)
   return builder

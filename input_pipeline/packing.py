@@ -4,8 +4,11 @@ Two modes:
 
 * 'packed': several documents per row, each its own segment (segment_ids 1, 2, ...) with
   positions restarting at 0, so attention never crosses documents and the loss skips padding
-  (weights 0, segment id 0). A document is never split across rows unless it is longer than a
-  row; then it is cut into row-sized pieces, each a segment starting at position 0.
+  (weights 0, segment id 0). A document that does not fit in the room left in a row is cut to
+  fill it when at least `min_piece` tokens fit (the rest opens the next row as a new segment),
+  else the row is closed with padding; with min_piece = 0 documents are only cut when they are
+  longer than a row. Without cuts, C4-like ~2 KB documents at seq_len 512 leave a third of
+  every batch as padding.
 * 'concat': the documents are concatenated and the stream is chunked into rows of seq_len + 1
   tokens overlapping by one (GPT style): one segment per row, no padding.
 
@@ -41,7 +44,8 @@ def _empty_row(seq_len: int) -> dict[str, np.ndarray]:
 
 
 def rows(documents: Iterable[np.ndarray], seq_len: int, mode: str = 'packed',
-         start: Cursor = Cursor()) -> Iterator[tuple[dict[str, np.ndarray], Cursor]]:
+         start: Cursor = Cursor(), *,
+         min_piece: int = 0) -> Iterator[tuple[dict[str, np.ndarray], Cursor]]:
   """Yields (row, cursor after the row) for the documents `start.doc`, `start.doc + 1`, ...
 
   Args:
@@ -49,6 +53,8 @@ def rows(documents: Iterable[np.ndarray], seq_len: int, mode: str = 'packed',
     seq_len: tokens per row.
     mode: 'packed' or 'concat'.
     start: where to begin; `start.offset` is skipped in the first document.
+    min_piece: packed mode: cut a document to fill a row when at least this many (input,
+      target) pairs fit; 0 = never cut a document that fits in a row.
 
   Yields:
     A row (dict of (seq_len,) arrays) and the cursor where the following row starts.
@@ -57,11 +63,15 @@ def rows(documents: Iterable[np.ndarray], seq_len: int, mode: str = 'packed',
     raise ValueError(f'data.packing must be one of {MODES}, got {mode!r}')
   if seq_len < 1:
     raise ValueError(f'seq_len must be >= 1, got {seq_len}')
-  pack = _packed if mode == 'packed' else _concat
-  yield from pack(iter(documents), seq_len, start)
+  if mode == 'packed':
+    if min_piece < 0:
+      raise ValueError(f'data.pack_min_piece must be >= 0, got {min_piece}')
+    yield from _packed(iter(documents), seq_len, start, min_piece or seq_len + 1)
+  else:
+    yield from _concat(iter(documents), seq_len, start)
 
 
-def _packed(documents, seq_len, start):
+def _packed(documents, seq_len, start, min_piece):
   row, fill, segment = _empty_row(seq_len), 0, 0
   doc = start.doc
   offset = start.offset
@@ -69,9 +79,13 @@ def _packed(documents, seq_len, start):
     pairs_left = len(tokens) - 1 - offset
     while pairs_left > 0:
       n = min(pairs_left, seq_len)  # One piece: a whole document or a row-sized cut of one.
-      if n > seq_len - fill:        # Does not fit: close the row, the piece starts the next.
-        yield row, Cursor(doc, offset)
-        row, fill, segment = _empty_row(seq_len), 0, 0
+      room = seq_len - fill
+      if n > room:
+        if room >= min_piece:       # Cut the document to fill the row.
+          n = room
+        else:                       # Close the row; the piece starts the next one.
+          yield row, Cursor(doc, offset)
+          row, fill, segment = _empty_row(seq_len), 0, 0
       segment += 1
       span = slice(fill, fill + n)
       row['inputs'][span] = tokens[offset:offset + n]

@@ -94,7 +94,9 @@ def documents(builder, split: str, *, text_key: str = 'text', seed: int = 0,
   tfds = _tfds()
   read_config = tfds.ReadConfig(shuffle_seed=seed, shuffle_reshuffle_each_iteration=True,
                                 try_autocache=False)
-  ds = builder.as_dataset(split=split, shuffle_files=shuffle, read_config=read_config)
+  # Ordered datasets (local_text keeps file order) are shuffled by the buffer only.
+  shuffle_files = shuffle and not builder.info.disable_shuffling
+  ds = builder.as_dataset(split=split, shuffle_files=shuffle_files, read_config=read_config)
   if text_key not in ds.element_spec:
     raise ValueError(f'data.text_key={text_key!r} is not a feature of {builder.info.full_name}: '
                      f'{sorted(ds.element_spec)}')
@@ -129,7 +131,8 @@ def train_batches(builder, tokenizer, data_cfg, *, split: str, seq_len: int, row
   """Endless (batch, cursor after the batch) from `cursor` on; the same for the same arguments."""
   docs = documents(builder, split, text_key=data_cfg.text_key, seed=seed, shuffle=True,
                    repeat=True, shuffle_buffer=data_cfg.shuffle_buffer, skip=cursor.doc)
-  stream = packing.rows(tokenized(docs, tokenizer), seq_len, data_cfg.packing, cursor)
+  stream = packing.rows(tokenized(docs, tokenizer), seq_len, data_cfg.packing, cursor,
+                        min_piece=data_cfg.pack_min_piece)
   while True:
     rows = []
     for _ in range(rows_per_batch):
@@ -140,16 +143,17 @@ def train_batches(builder, tokenizer, data_cfg, *, split: str, seq_len: int, row
 
 def eval_batches(builder, tokenizer, data_cfg, *, split: str, seq_len: int, rows_per_batch: int,
                  max_batches: int) -> Iterator[dict]:
-  """The validation batches, in file order: the first `max_batches`, or all when it is <= 0.
+  """The validation batches, in file order: exactly `max_batches`, or the whole split if <= 0.
 
-  The last batch of the split is filled with rows that score nothing.
+  Rows that score nothing fill the last batch of the split and, with `max_batches`, any
+  batches past its end, so every host runs the same number of eval steps.
   """
   docs = documents(builder, split, text_key=data_cfg.text_key)
   stream = packing.rows(tokenized(docs, tokenizer), seq_len, 'packed')
   count = 0
   while max_batches <= 0 or count < max_batches:
     rows = [row for row, _ in _take(stream, rows_per_batch)]
-    if not rows:
+    if not rows and max_batches <= 0:
       return
     rows += [packing.padding_row(seq_len)] * (rows_per_batch - len(rows))
     yield packing.stack(rows)
