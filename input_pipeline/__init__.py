@@ -104,11 +104,16 @@ def _text_source(config, process_index, process_count, workdir) -> DataSource:
       raise ValueError(f'{name}={rows} is not divisible by the {process_count} processes')
   if data.packing not in packing.MODES:
     raise ValueError(f'data.packing must be one of {packing.MODES}, got {data.packing!r}')
+  if data.pack_min_piece < 0:
+    raise ValueError(f'data.pack_min_piece must be >= 0, got {data.pack_min_piece}')
   if config.seq_len < 1:
     raise ValueError(f'seq_len must be >= 1, got {config.seq_len}')
   builder = text.make_builder(data, process_index=process_index)
   text._check_split(builder, data.train_split, 'train')
   text._check_split(builder, data.eval_split, 'eval')
+  if data.text_key not in builder.info.features:
+    raise ValueError(f'data.text_key={data.text_key!r} is not a feature of '
+                     f'{builder.info.full_name}: {sorted(builder.info.features)}')
   import tensorflow_datasets as tfds
   train_split = tfds.split_for_jax_process(data.train_split, process_index=process_index,
                                            process_count=process_count)

@@ -4,10 +4,11 @@ Two layouts, chosen by how many files `files` matches:
 
 * one large file (enwik8, text8, a book): cut by bytes into train / validation / test the way
   the papers cut enwik8 and text8 (first 90%, next 5%, last 5% with the default fractions:
-  90M / 5M / 5M bytes of enwik8). Each split is stored as chunks of `chunk_bytes`.
+  90M / 5M / 5M bytes of enwik8; a cut inside a UTF-8 character moves to its start). Each split
+  is stored as chunks of about `chunk_bytes`, never ending inside a character.
 * many files: each file is a document (files over `chunk_bytes` are stored as several
-  chunks). A file's split is a hash of its path relative to the common folder, so adding files
-  never moves the others between splits.
+  chunks). A file's split is a hash of its path relative to the files' common folder, so
+  adding files under that folder never moves the others between splits.
 
 Examples have one feature, 'text' (the raw bytes; chunk edges may cut a UTF-8 character,
 which the byte tokenizer keeps exactly). The builder config's name carries a fingerprint of
@@ -110,7 +111,8 @@ class LocalText(tfds.core.GeneratorBasedBuilder):
       path = cfg.files[0]
       size = tf.io.gfile.stat(path).length
       for split, (lo, hi) in byte_ranges(size, cfg.validation_fraction, cfg.test_fraction).items():
-        plan[split] = [(path, lo, hi)]
+        # Split edges move to a character start (<= 3 bytes) so no split cuts a character.
+        plan[split] = [(path, _align(path, lo, size), _align(path, hi, size))]
     else:
       root = os.path.commonpath(cfg.files) if not cfg.files[0].startswith('gs://') else ''
       plan = {'train': [], 'validation': []}
@@ -132,9 +134,39 @@ class LocalText(tfds.core.GeneratorBasedBuilder):
     for path, lo, hi in ranges:
       with tf.io.gfile.GFile(path, 'rb') as f:
         f.seek(lo)
-        for start in range(lo, hi, step):
-          chunk = f.read(min(step, hi - start))
-          yield f'{path}:{start}', {'text': chunk}
+        start, carry = lo, b''
+        while start < hi:
+          data = carry + f.read(min(step, hi - start - len(carry)))
+          end = len(data) if start + len(data) >= hi else _complete_prefix(data)
+          if end == 0:  # A chunk shorter than one character: keep it whole.
+            end = len(data)
+          yield f'{path}:{start}', {'text': data[:end]}
+          carry = data[end:]
+          start += end
+
+
+def _complete_prefix(data: bytes) -> int:
+  """Length of the longest prefix of `data` that does not end inside a UTF-8 character."""
+  for back in range(1, min(4, len(data)) + 1):
+    lead = data[-back]
+    if lead & 0xC0 != 0x80:  # Not a continuation byte: a character starts here.
+      need = (1 if lead < 0x80 else 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110
+              else 4 if lead >> 3 == 0b11110 else 1)
+      return len(data) - back if need > back else len(data)
+  return len(data)  # Not UTF-8 here: any cut will do.
+
+
+def _align(path: str, offset: int, size: int) -> int:
+  """`offset` moved forward (at most 3 bytes) to the start of a UTF-8 character."""
+  if offset <= 0 or offset >= size:
+    return offset
+  with tf.io.gfile.GFile(path, 'rb') as f:
+    f.seek(offset)
+    head = f.read(4)
+  step = 0
+  while step < len(head) - 1 and head[step] & 0xC0 == 0x80:
+    step += 1
+  return offset + step
 
 
 def prepare(data_cfg, *, process_index: int = 0, wait_seconds: float = 3600.0) -> LocalText:

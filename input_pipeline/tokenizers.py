@@ -23,6 +23,7 @@ import numpy as np
 from input_pipeline.synthetic import BOS, EOS, PAD
 
 UNK = 3  # SentencePiece's unknown piece (never produced with byte fallback).
+_META = '\u2581'  # SentencePiece's whitespace symbol.
 
 
 class ByteTokenizer:
@@ -76,7 +77,21 @@ class SentencePieceTokenizer:
     """[BOS] + pieces + [EOS] for each text, as int32 arrays."""
     texts = [t.decode('utf-8', errors='replace') if isinstance(t, bytes) else t for t in texts]
     encoded = self._sp.encode(texts, add_bos=True, add_eos=True)
+    for n, t in enumerate(texts):
+      if _META in t:
+        encoded[n] = self._encode_with_meta(t)
     return [np.asarray(ids, np.int32) for ids in encoded]
+
+  def _encode_with_meta(self, text: str) -> list[int]:
+    # SentencePiece reads a literal U+2581 as its space symbol; spell it in byte pieces so
+    # that it decodes back to itself and counts its 3 bytes.
+    meta = [self._sp.piece_to_id(f'<0x{b:02X}>') for b in _META.encode('utf-8')]
+    ids = [BOS]
+    for n, part in enumerate(text.split(_META)):
+      if n:
+        ids += meta
+      ids += self._sp.encode(part)
+    return ids + [EOS]
 
   def decode(self, ids: Iterable[int]) -> str:
     """The text of `ids`; special ids are dropped."""
@@ -91,7 +106,7 @@ class SentencePieceTokenizer:
       if self._sp.is_byte(i):
         out[i] = 1
       else:
-        out[i] = len(self._sp.id_to_piece(i).replace('\u2581', ' ').encode('utf-8'))
+        out[i] = len(self._sp.id_to_piece(i).replace(_META, ' ').encode('utf-8'))
     return out
 
 
@@ -148,6 +163,11 @@ def train_sentencepiece(documents: Iterable[bytes | str], *, vocab_size: int,
   except RuntimeError as e:
     match = re.search(r'Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)',
                       str(e))
+    chars = re.search(r'Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)', str(e))
+    if chars:
+      raise ValueError(
+          f'data.vocab_size={vocab_size} is too small: the sample has {chars.group(2)} distinct '
+          f'characters and each needs a piece; raise data.vocab_size above that') from e
     if match:
       raise ValueError(
           f'data.vocab_size={vocab_size} is larger than the sample of {len(sentences)} lines '
