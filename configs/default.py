@@ -26,6 +26,17 @@ def get_config() -> ml_collections.ConfigDict:
   model.attention = 'dense'             # Registry name, or a comma list with one name per layer.
   model.attention_impl = 'blocksparse'  # 'xla' (einsum reference), 'blocksparse', 'fused', 'cudnn'.
   model.attention_block_size = 128      # Query/key block length of 'blocksparse'.
+  # Hyper-parameters of the sparse variants (models/attention/sparse.py); others ignore them.
+  model.attention_options = opts = ml_collections.ConfigDict()
+  opts.stride = 128                     # Sparse Transformer l: stride (strided) / block (fixed).
+  opts.summary = 16                     # Fixed: summary cells c per block (paper: 8, 16, 32).
+  opts.factorization = 'interleave'     # 'interleave' (A1/A2 by layer), 'merged', 'multihead'.
+  opts.distinct_heads = False           # Fixed: each head reads its own summary sub-block.
+  opts.window = 128                     # Local / local_global: sliding window w.
+  opts.local_block = 128                # Block_local: query block length b.
+  opts.memory = 128                     # Block_local: earlier positions m each block sees.
+  opts.global_every = 2                 # Local_global: every k-th layer is global.
+  opts.key_block = 16                   # Blocksparse key block for sparse patterns.
   model.qk_norm = True                  # RMS-normalize queries and keys.
   model.tied_embeddings = False         # Share input embedding and output projection.
   model.dropout_rate = 0.0              # Residual dropout (the paper uses none).

@@ -32,6 +32,7 @@ class TransformerConfig:
     attention: registry name per layer (a tuple of length n_layers).
     attention_impl: implementation switch, one of attention.IMPLEMENTATIONS.
     attention_block_size: block length of the 'blocksparse' implementation.
+    attention_options: variant hyper-parameters, sorted (name, value) pairs.
     qk_norm: RMS-normalize queries and keys.
     tied_embeddings: reuse the input embedding as output projection.
     dropout_rate: residual dropout (0 in the paper).
@@ -50,6 +51,7 @@ class TransformerConfig:
   attention: tuple[str, ...]
   attention_impl: str = 'xla'
   attention_block_size: int = 128
+  attention_options: tuple = ()
   qk_norm: bool = True
   tied_embeddings: bool = False
   dropout_rate: float = 0.0
@@ -66,8 +68,8 @@ class TransformerConfig:
     if len(self.attention) != self.n_layers:
       raise ValueError(f'model.attention lists {len(self.attention)} layers but n_layers is '
                        f'{self.n_layers}')
-    for name in set(self.attention):
-      attention.get(name)  # Raises with the list of known names.
+    for name in sorted(set(self.attention)):
+      attention.get(name).validate(dict(self.attention_options), self.n_heads, self.n_layers)
     if self.attention_impl not in attention.IMPLEMENTATIONS:
       raise ValueError(f'unknown model.attention_impl {self.attention_impl!r}; known: '
                        f'{", ".join(attention.IMPLEMENTATIONS)}')
@@ -124,7 +126,9 @@ class TransformerConfig:
         vocab_size=m['vocab_size'], d_model=d_model, n_heads=n_heads, n_layers=n_layers,
         head_dim=head_dim, mlp_dim=mlp_dim, max_len=m['max_len'], attention=tuple(att),
         attention_impl=m.get('attention_impl', 'xla'),
-        attention_block_size=m.get('attention_block_size', 128), qk_norm=m.get('qk_norm', True),
+        attention_block_size=m.get('attention_block_size', 128),
+        attention_options=tuple(sorted(dict(m.get('attention_options') or {}).items())),
+        qk_norm=m.get('qk_norm', True),
         tied_embeddings=m.get('tied_embeddings', False), dropout_rate=m.get('dropout_rate', 0.0),
         dtype=jnp.dtype(m.get('dtype', 'float32')), param_dtype=jnp.dtype(m.get('param_dtype', 'float32')),
         remat=m.get('remat', 'none'), scan_layers=m.get('scan_layers', True))
@@ -178,8 +182,8 @@ class Block(nn.Module):
     attn_cls = attention.get(self.attention_name)
     h = attn_cls(num_heads=cfg.n_heads, head_dim=cfg.head_dim, qk_norm=cfg.qk_norm,
                  impl=cfg.attention_impl, block_size=cfg.attention_block_size,
-                 layer_index=self.layer_index, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                 name='attention')(
+                 layer_index=self.layer_index, options=cfg.attention_options, dtype=cfg.dtype,
+                 param_dtype=cfg.param_dtype, name='attention')(
                      norm('pre_attention_norm')(x), positions=positions, segment_ids=segment_ids,
                      deterministic=self.deterministic)
     x = x + nn.Dropout(cfg.dropout_rate)(h, deterministic=self.deterministic)

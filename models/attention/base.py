@@ -121,6 +121,8 @@ class MultiHeadAttention(nn.Module):
     block_size: query/key block length of the 'blocksparse' implementation.
     layer_index: index of the layer holding this module; only variants that set the class
       flag `uses_layer_index` may read it (the decoder then unrolls instead of scanning).
+    options: variant hyper-parameters as sorted (name, value) pairs (config.model.
+      attention_options); read them with `option(name)`.
     dtype: computation dtype.
     param_dtype: parameter dtype.
   """
@@ -132,8 +134,22 @@ class MultiHeadAttention(nn.Module):
   impl: str = 'xla'
   block_size: int = 128
   layer_index: int = 0
+  options: tuple = ()
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
+
+  @classmethod
+  def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
+    """Raises ValueError for hyper-parameters the variant cannot use (before any compute)."""
+    del options, n_heads, n_layers
+
+  def option(self, name: str):
+    """The variant hyper-parameter `name` from config.model.attention_options."""
+    for key, value in self.options:
+      if key == name:
+        return value
+    raise ValueError(f'{type(self).__name__} needs model.attention_options.{name}; it has '
+                     f'{[k for k, _ in self.options]}')
 
   @nn.compact
   def __call__(self, x, *, positions, segment_ids, cache=None, deterministic=True):

@@ -1,0 +1,151 @@
+"""Block-sparse attention for static patterns: only the key blocks a query block touches.
+
+The layout (for each query block, which key blocks hold at least one allowed pair) is derived
+from the pattern's own `allowed(i, j)` function at trace time, so FLOPs and memory follow the
+pattern's non-empty blocks, not n^2. A pattern may be split into parts whose union is the
+pattern, each computed in its own order of positions and merged exactly with their softmax
+statistics (as in flash attention). The strided pattern's second part, {j : (i - j) mod l = 0},
+touches every key block in sequence order but is block-diagonal once positions are sorted by
+residue mod l (the Sparse Transformer's own implementation trick), so it runs in that order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NEG_INF = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+  """One part of a pattern: `allowed(i, j)` on original positions, computed in `order`.
+
+  Attributes:
+    allowed: (i, j) -> bool for broadcastable int arrays of original positions.
+    residue_stride: 0 = sequence order; l > 0 = positions sorted by (i mod l, i).
+  """
+  allowed: Callable
+  residue_stride: int = 0
+
+
+def residue_order(n: int, l: int) -> np.ndarray:
+  """Positions 0..n-1 sorted by (i mod l, i): each residue class becomes contiguous."""
+  i = np.arange(n)
+  return np.lexsort((i, i % l))
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(allowed, n: int, q_block: int, k_block: int, residue_stride: int):
+  order = residue_order(n, residue_stride) if residue_stride else np.arange(n)
+  keys_of_block = []
+  for qs in range(0, n, q_block):
+    qi = order[qs:qs + q_block][:, None]
+    hit = np.asarray(allowed(qi, order[None, :]), bool).any(axis=0)  # (n,) keys touched
+    nk = -(-n // k_block)
+    padded = np.zeros(nk * k_block, bool)
+    padded[:n] = hit
+    blocks = np.flatnonzero(padded.reshape(nk, k_block).any(axis=1))
+    idx = (blocks[:, None] * k_block + np.arange(k_block)[None, :]).reshape(-1)
+    keys_of_block.append(idx[idx < n])
+  return order, tuple(keys_of_block)
+
+
+def layout(part: Part, n: int, q_block: int, k_block: int):
+  """(order, key indices per query block) of `part` in its computation order.
+
+  Key indices index the reordered sequence; they cover whole key blocks of length k_block.
+  """
+  return _layout(part.allowed, n, q_block, k_block, part.residue_stride)
+
+
+def computed_pairs(parts, n: int, q_block: int, k_block: int) -> int:
+  """Query-key products the block-sparse path computes (for the FLOP ratio)."""
+  total = 0
+  for part in parts:
+    _, keys = layout(part, n, q_block, k_block)
+    for b, idx in enumerate(keys):
+      total += min(q_block, n - b * q_block) * len(idx)
+  return total
+
+
+def _part_stats(q, k, v, segment_ids, part: Part, *, q_block, k_block, scale, dtype):
+  """Unnormalized output, row max and row sum of one part, in sequence order.
+
+  q, k, v are head-major (b, h, n, d); returns o (b, h, n, d) f32, m and s (b, h, n, 1).
+  """
+  n = q.shape[2]
+  order, keys_of_block = layout(part, n, q_block, k_block)
+  reorder = part.residue_stride > 0
+  if reorder:
+    q, k, v = (jnp.take(a, order, axis=2) for a in (q, k, v))
+    segment_ids = jnp.take(segment_ids, order, axis=1)
+  outs, maxes, sums = [], [], []
+  for bi, idx in enumerate(keys_of_block):
+    qs, qe = bi * q_block, min((bi + 1) * q_block, n)
+    b, h, _, d = q.shape
+    if len(idx) == 0:  # No query of this block sees any key: zero contribution.
+      outs.append(jnp.zeros((b, h, qe - qs, d), jnp.float32))
+      maxes.append(jnp.full((b, h, qe - qs, 1), NEG_INF, jnp.float32))
+      sums.append(jnp.zeros((b, h, qe - qs, 1), jnp.float32))
+      continue
+    contiguous = idx[-1] - idx[0] + 1 == len(idx)
+    if contiguous:
+      kb, vb = k[:, :, idx[0]:idx[-1] + 1], v[:, :, idx[0]:idx[-1] + 1]
+      seg_k = segment_ids[:, idx[0]:idx[-1] + 1]
+    else:
+      kb, vb = jnp.take(k, idx, axis=2), jnp.take(v, idx, axis=2)
+      seg_k = jnp.take(segment_ids, idx, axis=1)
+    qpos, kpos = order[qs:qe], order[idx]
+    mask = jnp.asarray(np.asarray(part.allowed(qpos[:, None], kpos[None, :]), bool))
+    mask = mask[None, None] & (segment_ids[:, None, qs:qe, None] == seg_k[:, None, None, :])
+    logits = jnp.einsum('bhqd,bhkd->bhqk', q[:, :, qs:qe], kb,
+                        preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(mask, logits, NEG_INF)
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    e = jnp.where(mask, jnp.exp(logits - m), 0.0)
+    outs.append(jnp.einsum('bhqk,bhkd->bhqd', e.astype(dtype), vb,
+                           preferred_element_type=jnp.float32))
+    maxes.append(m)
+    sums.append(jnp.sum(e, axis=-1, keepdims=True))
+  o, m, s = (jnp.concatenate(x, axis=2) for x in (outs, maxes, sums))
+  if reorder:
+    inverse = np.argsort(order)
+    o, m, s = (jnp.take(x, inverse, axis=2) for x in (o, m, s))
+  return o, m, s
+
+
+def pattern_attention(q, k, v, segment_ids, parts, *, q_block: int, k_block: int, scale: float,
+                      dtype):
+  """softmax over the union of `parts` (which must be disjoint), block-sparse.
+
+  Args:
+    q, k, v: (batch, length, heads, head_dim).
+    segment_ids: (batch, length) document ids; keys of other documents are never seen.
+    parts: disjoint Parts whose union is the pattern.
+    q_block: query block length.
+    k_block: key block length (smaller blocks follow thin patterns more closely).
+    scale: logit multiplier.
+    dtype: dtype of the probabilities fed to the value matmul and of the output.
+
+  Returns:
+    (batch, length, heads, head_dim); a query that sees no key outputs zeros.
+  """
+  if q_block < 1 or k_block < 1:
+    raise ValueError(f'block sizes must be >= 1, got q_block={q_block}, k_block={k_block}')
+  qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
+  stats = [_part_stats(qh, kh, vh, segment_ids, p, q_block=q_block, k_block=k_block,
+                       scale=scale, dtype=dtype) for p in parts]
+  if len(stats) == 1:
+    o, m, s = stats[0]
+  else:  # Merge the parts' softmax statistics exactly.
+    m = functools.reduce(jnp.maximum, [st[1] for st in stats])
+    o = sum(st[0] * jnp.exp(st[1] - m) for st in stats)
+    s = sum(st[2] * jnp.exp(st[1] - m) for st in stats)
+  out = jnp.where(s > 0, o / jnp.where(s > 0, s, 1.0), 0.0)
+  return jnp.swapaxes(out, 1, 2).astype(dtype)

@@ -1,0 +1,138 @@
+"""Static connectivity patterns: ONE pure function each of (query i, key j, head, sizes).
+
+A pattern answers "may query i attend to key j?" for integer arrays i and j that broadcast
+(numpy or jax). Every consumer derives from that one function: the dense reference mask,
+the block layout of the block-sparse path, decoding caches, the plots of `--mode=inspect`
+and the tests. All patterns are causal (j <= i).
+
+Sparse Transformer (Child et al., 2019; ../shared/papers/fixed-factorized-attention.md and
+the survey's "Sparse Attention Matrix Factorization"), with stride / block length l:
+
+  strided  A1_i = {j : max(0, i - l) <= j <= i}          (the previous l positions)
+           A2_i = {j : (i - j) mod l = 0}
+  fixed    A1_i = {j : floor(j / l) = floor(i / l)}      (the same block of length l)
+           A2_i = {j : j mod l in {l - c, ..., l - 1}}   (the block's last c "summary" cells)
+
+Localized spans (survey, "Localized Attention Span"):
+
+  local        {j : i - w < j <= i}                      (sliding window of width w)
+  block_local  {j : floor(i / b) b - m <= j <= i}        (Image Transformer 1D: query blocks
+                                                          of length b plus m earlier cells)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+# Which part of a factorized pattern a head or layer uses.
+PARTS = ('a1', 'a2', 'union')
+
+
+def _check(name: str, value: int, minimum: int) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    raise ValueError(f'{name} must be an integer >= {minimum}, got {value!r}')
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense:
+  """Causal: every earlier position."""
+
+  def allowed(self, i, j, head: int = 0):
+    del head
+    return j <= i
+
+
+@dataclasses.dataclass(frozen=True)
+class Strided:
+  """Sparse Transformer strided attention with stride l (part 'a1', 'a2' or 'union')."""
+  l: int
+  part: str = 'union'
+
+  def __post_init__(self):
+    _check('stride l', self.l, 1)
+    if self.part not in PARTS:
+      raise ValueError(f'part must be one of {PARTS}, got {self.part!r}')
+
+  def allowed(self, i, j, head: int = 0):
+    del head
+    causal = j <= i
+    a1 = (i - j) <= self.l
+    a2 = (i - j) % self.l == 0
+    return causal & {'a1': a1, 'a2': a2, 'union': a1 | a2}[self.part]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fixed:
+  """Sparse Transformer fixed attention with block length l and c summary cells.
+
+  With `distinct_heads`, head h reads the summary sub-block
+  {l - (g + 1) c, ..., l - g c - 1} with g = h mod (l // c) instead of the last c cells
+  (the paper found distinct sub-blocks per head better than a shared one).
+  """
+  l: int
+  c: int
+  part: str = 'union'
+  distinct_heads: bool = False
+
+  def __post_init__(self):
+    _check('block length l', self.l, 1)
+    _check('summary width c', self.c, 1)
+    if self.c > self.l:
+      raise ValueError(f'fixed attention needs c <= l, got c={self.c} > l={self.l}')
+    if self.part not in PARTS:
+      raise ValueError(f'part must be one of {PARTS}, got {self.part!r}')
+
+  def summary_start(self, head: int = 0) -> int:
+    """First cell (mod l) of the summary sub-block that `head` reads."""
+    g = head % (self.l // self.c) if self.distinct_heads else 0
+    return self.l - (g + 1) * self.c
+
+  def allowed(self, i, j, head: int = 0):
+    causal = j <= i
+    a1 = (j // self.l) == (i // self.l)
+    t = self.summary_start(head)
+    a2 = ((j % self.l) >= t) & ((j % self.l) < t + self.c)
+    return causal & {'a1': a1, 'a2': a2, 'union': a1 | a2}[self.part]
+
+
+@dataclasses.dataclass(frozen=True)
+class Local:
+  """Sliding window: the w most recent positions, the query's own included."""
+  w: int
+
+  def __post_init__(self):
+    _check('window w', self.w, 1)
+
+  def allowed(self, i, j, head: int = 0):
+    del head
+    return (j <= i) & (i - j < self.w)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockLocal:
+  """Image Transformer 1D local attention: query blocks of length b, each seeing its own
+  block (causally) and the m positions before it."""
+  b: int
+  m: int
+
+  def __post_init__(self):
+    _check('query block b', self.b, 1)
+    _check('memory m', self.m, 0)
+
+  def allowed(self, i, j, head: int = 0):
+    del head
+    return (j <= i) & (j >= (i // self.b) * self.b - self.m)
+
+
+def mask(pattern, n: int, head: int = 0) -> np.ndarray:
+  """The (n, n) boolean connectivity matrix of `pattern` for one head."""
+  i = np.arange(n)[:, None]
+  j = np.arange(n)[None, :]
+  return np.asarray(pattern.allowed(i, j, head), bool)
+
+
+def density(pattern, n: int, head: int = 0) -> float:
+  """Fraction of the n (n + 1) / 2 causal pairs the pattern keeps."""
+  return float(mask(pattern, n, head).sum()) / (n * (n + 1) / 2)
