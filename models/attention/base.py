@@ -13,8 +13,9 @@ Dtype = Any
 # How a variant's scores are computed: 'xla' is the plain einsum reference that every fast
 # path is tested against; 'blocksparse' computes only the key blocks a query block can see
 # (plain JAX, any backend); 'fused' is jax.nn.dot_product_attention (XLA picks the kernel);
-# 'cudnn' forces the cuDNN flash kernel on NVIDIA GPUs.
-IMPLEMENTATIONS = ('xla', 'blocksparse', 'fused', 'cudnn')
+# 'cudnn' forces the cuDNN flash kernel on NVIDIA GPUs; 'splash' is the Pallas TPU kernel
+# (interpret mode elsewhere, for tests).
+IMPLEMENTATIONS = ('xla', 'blocksparse', 'fused', 'cudnn', 'splash')
 
 # Masked logits get this instead of -inf so a fully masked row (padding) gives a uniform
 # distribution rather than NaN; such rows carry zero loss weight.

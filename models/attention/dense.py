@@ -2,7 +2,7 @@
 
 import jax
 
-from models.attention import base
+from models.attention import base, patterns, splash
 from models.attention.registry import register
 
 
@@ -14,8 +14,12 @@ class DenseAttention(base.MultiHeadAttention):
   """
 
   def attend(self, q, k, v, *, positions, segment_ids, deterministic):
-    del positions, deterministic
+    del deterministic
     scale = q.shape[-1] ** -0.5
+    if self.impl == 'splash':
+      return splash.splash_attention(q, k, v, segment_ids, positions,
+                                     [patterns.Dense()] * q.shape[2], block_size=self.block_size,
+                                     scale=scale, dtype=self.dtype)
     if self.impl == 'blocksparse':
       # Query block [s, e) sees keys [0, e): the blocks above the diagonal are never computed.
       return base.block_attention(

@@ -126,6 +126,18 @@ class BlockLocal:
     return (j <= i) & (j >= (i // self.b) * self.b - self.m)
 
 
+def latest_allowed(pattern, n: int, head: int = 0, chunk: int = 512) -> np.ndarray:
+  """For each query i, the largest allowed key j (-1 if none): with documents packed as
+  contiguous runs, query i sees a key iff latest_allowed[i] >= i - position[i]."""
+  out = np.full(n, -1, np.int64)
+  j = np.arange(n)[None, :]
+  for s in range(0, n, chunk):
+    i = np.arange(s, min(s + chunk, n))[:, None]
+    hit = np.asarray(pattern.allowed(i, j, head), bool)
+    out[s:s + chunk] = np.where(hit.any(axis=1), n - 1 - np.argmax(hit[:, ::-1], axis=1), -1)
+  return out
+
+
 def mask(pattern, n: int, head: int = 0) -> np.ndarray:
   """The (n, n) boolean connectivity matrix of `pattern` for one head."""
   i = np.arange(n)[:, None]

@@ -6,6 +6,8 @@ pattern each layer and head uses, and how it is computed:
 * `attention_impl='xla'` (and 'fused'/'cudnn'): the dense reference, a mask on full scores.
 * `attention_impl='blocksparse'`: blocksparse.pattern_attention, only the key blocks the
   pattern touches (key blocks of `attention_options.key_block` positions).
+* `attention_impl='splash'`: the Pallas TPU splash kernel with a lazy mask from the same
+  pattern function (interpret mode off TPU).
 
 The Sparse Transformer's three ways to use a factorized pattern (A1, A2) are
 `attention_options.factorization`:
@@ -23,7 +25,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from models.attention import base, blocksparse, patterns
+from models.attention import base, blocksparse, patterns, splash
 from models.attention.registry import register
 
 FACTORIZATIONS = ('interleave', 'merged', 'multihead')
@@ -63,7 +65,7 @@ class PatternAttention(base.MultiHeadAttention):
     return [blocksparse.Part(HeadView(p, head if getattr(p, 'distinct_heads', False) else 0))]
 
   def attend(self, q, k, v, *, positions, segment_ids, deterministic):
-    del positions, deterministic
+    del deterministic
     scale = q.shape[-1] ** -0.5
     heads = q.shape[2]
     if self.impl == 'blocksparse':
@@ -84,6 +86,10 @@ class PatternAttention(base.MultiHeadAttention):
         for idx, h in enumerate(hs):
           outs[h] = out[:, :, idx]
       return jnp.stack([outs[h] for h in range(heads)], axis=2)
+    if self.impl == 'splash':
+      return splash.splash_attention(
+          q, k, v, segment_ids, positions, [self.head_pattern(h) for h in range(heads)],
+          block_size=self.block_size, scale=scale, dtype=self.dtype)
     n = q.shape[1]
     i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
     allowed = jnp.stack([self.head_pattern(h).allowed(i, j, h) for h in range(heads)])
