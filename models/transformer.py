@@ -169,11 +169,13 @@ class Block(nn.Module):
     attention_name: registry name of this layer's variant.
     layer_index: position of the block in the stack.
     deterministic: disables dropout.
+    decode: one-token decoding with the attention caches.
   """
   config: TransformerConfig
   attention_name: str
   layer_index: int = 0
   deterministic: bool = True
+  decode: bool = False
 
   @nn.compact
   def __call__(self, x, positions, segment_ids):
@@ -182,10 +184,11 @@ class Block(nn.Module):
     attn_cls = attention.get(self.attention_name)
     h = attn_cls(num_heads=cfg.n_heads, head_dim=cfg.head_dim, qk_norm=cfg.qk_norm,
                  impl=cfg.attention_impl, block_size=cfg.attention_block_size,
-                 layer_index=self.layer_index, options=cfg.attention_options, dtype=cfg.dtype,
+                 layer_index=self.layer_index, max_len=cfg.max_len,
+                 options=cfg.attention_options, dtype=cfg.dtype,
                  param_dtype=cfg.param_dtype, name='attention')(
                      norm('pre_attention_norm')(x), positions=positions, segment_ids=segment_ids,
-                     deterministic=self.deterministic)
+                     cache=self.decode or None, deterministic=self.deterministic)
     x = x + nn.Dropout(cfg.dropout_rate)(h, deterministic=self.deterministic)
     h = layers.SwiGLU(cfg.mlp_dim, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name='mlp')(
         norm('pre_mlp_norm')(x))
@@ -217,7 +220,7 @@ class Decoder(nn.Module):
 
   @nn.compact
   def __call__(self, inputs, *, positions=None, segment_ids=None, deterministic=True,
-               return_hidden=False):
+               return_hidden=False, decode=False):
     """Next-token logits.
 
     Args:
@@ -227,6 +230,8 @@ class Decoder(nn.Module):
       deterministic: disables dropout.
       return_hidden: return (final hidden states, output projection) instead of logits, for
         a loss that fuses the projection (training/losses.py).
+      decode: autoregressive decoding with the mutable 'cache' collection: an init call
+        creates the caches, then each call takes one token per row (models/decode.py).
 
     Returns:
       (batch, length, vocab_size) float32 logits, or ((batch, length, d_model) hidden states,
@@ -251,16 +256,18 @@ class Decoder(nn.Module):
     if cfg.scanned:
       stack = nn.scan(
           _remat(ScannedBlock, cfg.remat, scanned=True),
-          variable_axes={'params': 0, 'losses': 0, 'intermediates': 0},
+          variable_axes={'params': 0, 'losses': 0, 'intermediates': 0, 'cache': 0},
           split_rngs={'params': True, 'dropout': True},
           in_axes=(nn.broadcast, nn.broadcast), length=cfg.n_layers,
           metadata_params={nn.PARTITION_NAME: 'layers'})
-      x, _ = stack(cfg, cfg.attention[0], deterministic=deterministic, name='blocks')(
+      x, _ = stack(cfg, cfg.attention[0], deterministic=deterministic, decode=decode,
+                   name='blocks')(
           x, positions, segment_ids)
     else:
       block_cls = _remat(Block, cfg.remat, scanned=False)
       for i, name in enumerate(cfg.attention):
-        x = block_cls(cfg, name, layer_index=i, deterministic=deterministic, name=f'block_{i}')(
+        x = block_cls(cfg, name, layer_index=i, deterministic=deterministic, decode=decode,
+                      name=f'block_{i}')(
             x, positions, segment_ids)
 
     x = layers.RMSNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype, name='final_norm')(x)

@@ -5,8 +5,10 @@ from typing import Any, ClassVar
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models import layers
+from models.attention import patterns
 
 Dtype = Any
 
@@ -122,6 +124,7 @@ class MultiHeadAttention(nn.Module):
     block_size: query/key block length of the 'blocksparse' implementation.
     layer_index: index of the layer holding this module; only variants that set the class
       flag `uses_layer_index` may read it (the decoder then unrolls instead of scanning).
+    max_len: longest sequence (the position table); sizes decoding caches.
     options: variant hyper-parameters as sorted (name, value) pairs (config.model.
       attention_options); read them with `option(name)`.
     dtype: computation dtype.
@@ -135,6 +138,7 @@ class MultiHeadAttention(nn.Module):
   impl: str = 'xla'
   block_size: int = 128
   layer_index: int = 0
+  max_len: int = 0
   options: tuple = ()
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
@@ -160,14 +164,16 @@ class MultiHeadAttention(nn.Module):
       x: (batch, length, d_model) inputs.
       positions: (batch, length) int positions within each document.
       segment_ids: (batch, length) int document ids (0 = padding).
-      cache: decoding state; variants that support decoding define its form.
+      cache: True to decode one token with the mutable 'cache' collection (see
+        `decode_step`); None or False for a full-sequence forward.
       deterministic: disables dropout-like randomness when True.
 
     Returns:
       (batch, length, d_model) outputs.
     """
-    if cache is not None:
-      raise NotImplementedError(f'{type(self).__name__} does not support cached decoding yet')
+    if cache is not None and cache is not False and not isinstance(cache, bool):
+      raise ValueError(f'cache must be None, False or True (decode with the mutable "cache" '
+                       f'collection), got {cache!r}')
     d_model = x.shape[-1]
     # One fused matmul for q, k and v.
     w_qkv = self.param('qkv', nn.with_logical_partitioning(
@@ -186,14 +192,70 @@ class MultiHeadAttention(nn.Module):
     k = nn.with_logical_constraint(k, ('batch', 'length', 'heads', 'kv'))
     v = nn.with_logical_constraint(v, ('batch', 'length', 'heads', 'kv'))
 
-    out = self.attend(q, k, v, positions=positions, segment_ids=segment_ids,
-                      deterministic=deterministic)
+    if cache:
+      out = self.decode_step(q, k, v, positions)
+    else:
+      out = self.attend(q, k, v, positions=positions, segment_ids=segment_ids,
+                        deterministic=deterministic)
 
     w_o = self.param('out', nn.with_logical_partitioning(
         layers.default_kernel_init, ('heads', 'kv', 'embed')),
         (self.num_heads, self.head_dim, d_model), self.param_dtype)
     return jnp.dot(out.astype(self.dtype).reshape(b * t, -1),
                    w_o.astype(self.dtype).reshape(-1, d_model)).reshape(b, t, d_model)
+
+  def head_pattern(self, head: int):
+    """The static pattern of `head` (models/attention/patterns.py); causal by default."""
+    del head
+    return patterns.Dense()
+
+  def decode_step(self, q, k, v, positions):
+    """One token of autoregressive decoding over the 'cache' collection.
+
+    The cache holds only the keys the pattern can still attend to: key j stays until the last
+    query that may see it (patterns.cache_plan), so a sliding window keeps w entries and fixed
+    attention its current block plus the summary cells. The cache is created by an init call
+    with decoding on (its length is `max_len`); each later call takes one token per row, all
+    rows at the same step, one document per row.
+
+    Args:
+      q, k, v: (batch, 1, heads, head_dim).
+      positions: (batch, 1) the step's position (only used to check the shape).
+
+    Returns:
+      (batch, 1, heads, head_dim).
+    """
+    b, t, h, d = q.shape
+    n = self.max_len
+    if n < 1:
+      raise ValueError('decoding needs the attention module to know max_len')
+    plans = [patterns.cache_plan(self.head_pattern(i), n, i) for i in range(h)]
+    capacity = max(p[0] for p in plans)
+    slot_of = jnp.asarray(np.stack([p[1] for p in plans]))  # (h, n)
+    ck = self.variable('cache', 'key', jnp.zeros, (b, capacity, h, d), k.dtype)
+    cv = self.variable('cache', 'value', jnp.zeros, (b, capacity, h, d), v.dtype)
+    pos = self.variable('cache', 'position', lambda: jnp.full((capacity, h), -1, jnp.int32))
+    index = self.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
+    if self.is_initializing():  # Shapes only; the init call's outputs are not meaningful.
+      return jnp.zeros_like(q)
+    if t != 1:
+      raise ValueError(f'decoding takes one token per call, got {t}')
+    step = index.value
+    heads = jnp.arange(h)
+    slots = slot_of[:, jnp.minimum(step, n - 1)]  # (h,)
+    ck.value = ck.value.at[:, slots, heads].set(k[:, 0])
+    cv.value = cv.value.at[:, slots, heads].set(v[:, 0])
+    pos.value = pos.value.at[slots, heads].set(step)
+    index.value = step + 1
+    keys_pos = pos.value  # (capacity, h)
+    allowed = jnp.stack([self.head_pattern(i).allowed(step, keys_pos[:, i], i) & (keys_pos[:, i] >= 0)
+                         for i in range(h)], axis=0)  # (h, capacity)
+    logits = jnp.einsum('bhd,bchd->bhc', q[:, 0], ck.value,
+                        preferred_element_type=jnp.float32) * d ** -0.5
+    probs = masked_softmax(logits, allowed[None], self.dtype)
+    out = jnp.einsum('bhc,bchd->bhd', probs, cv.value)
+    out = jnp.where(allowed.any(axis=-1)[None, :, None], out, 0)
+    return out[:, None].astype(self.dtype)
 
   def attend(self, q, k, v, *, positions, segment_ids, deterministic):
     """Which keys each query sees and how scores are shaped: the variant's whole job.

@@ -23,6 +23,7 @@ Localized spans (survey, "Localized Attention Span"):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -136,6 +137,36 @@ def latest_allowed(pattern, n: int, head: int = 0, chunk: int = 512) -> np.ndarr
     hit = np.asarray(pattern.allowed(i, j, head), bool)
     out[s:s + chunk] = np.where(hit.any(axis=1), n - 1 - np.argmax(hit[:, ::-1], axis=1), -1)
   return out
+
+
+@functools.lru_cache(maxsize=256)
+def cache_plan(pattern, n: int, head: int = 0, chunk: int = 512) -> tuple[int, np.ndarray]:
+  """Decoding-cache layout derived from the pattern: (capacity, slot of each position).
+
+  Key j is kept from step j until the last query i < n with allowed(i, j); a slot freed by
+  a key no query needs any more is reused. The capacity is the most keys alive at once: w for
+  a sliding window, the block plus the summary cells for fixed attention, n for dense.
+  """
+  last_use = np.full(n, -1, np.int64)  # Last query that may see key j (-1: none).
+  i_all = np.arange(n)[:, None]
+  for s in range(0, n, chunk):
+    j = np.arange(s, min(s + chunk, n))[None, :]
+    hit = np.asarray(pattern.allowed(i_all, j, head), bool)  # (n, chunk)
+    last_use[s:s + chunk] = np.where(hit.any(axis=0), n - 1 - np.argmax(hit[::-1], axis=0), -1)
+  slot_of = np.zeros(n, np.int64)
+  free: list[int] = []
+  alive: list[tuple[int, int]] = []  # (last use, slot)
+  capacity = 0
+  for t in range(n):
+    still = []
+    for until, slot in alive:
+      (still if until >= t else free).append((until, slot) if until >= t else slot)
+    alive = still
+    slot = free.pop() if free else capacity
+    capacity = max(capacity, slot + 1)
+    slot_of[t] = slot
+    alive.append((max(int(last_use[t]), t), slot))
+  return capacity, slot_of
 
 
 def mask(pattern, n: int, head: int = 0) -> np.ndarray:

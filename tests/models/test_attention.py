@@ -148,11 +148,11 @@ def test_dense_module_matches_numpy(qk_norm):
   np.testing.assert_allclose(got, _np_mha(x, params, SEGMENT_IDS, qk_norm), atol=1e-5, rtol=1e-5)
 
 
-def test_dense_module_rejects_cache():
+def test_dense_module_rejects_a_cache_that_is_not_a_flag():
   x = _x()
   module = dense.DenseAttention(num_heads=HEADS, head_dim=HEAD_DIM)
   params = _init_module(module, x)
-  with pytest.raises(NotImplementedError, match='DenseAttention'):
+  with pytest.raises(ValueError, match='cache must be None, False or True'):
     module.apply({'params': params}, x, positions=POSITIONS, segment_ids=SEGMENT_IDS, cache={})
 
 
