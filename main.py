@@ -2,6 +2,7 @@
 
   python main.py --config=configs/tiny.py --workdir=/tmp/tiny
   python main.py --config=configs/tiny.py --workdir=/tmp/tiny --mode=eval
+  python main.py --config=configs/default.py --config.model.attention=fixed --mode=inspect
   python main.py --config=configs/default.py --workdir=gs://bucket/run --config.model.attention=dense
 """
 
@@ -19,8 +20,10 @@ xla_flags.set_cpu_defaults()
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Checkpoints, TensorBoard events and eval results go here.')
-flags.DEFINE_enum('mode', 'train', ['train', 'eval'], 'train: train (resuming from the latest '
-                  'checkpoint); eval: evaluate the latest checkpoint and write JSON.')
+flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'inspect'],
+                  'train: train (resuming from the latest checkpoint); eval: evaluate the latest '
+                  'checkpoint and write JSON; inspect: write what each layer and head attends to '
+                  '(WORKDIR/inspect/).')
 config_flags.DEFINE_config_file('config', os.path.join(os.path.dirname(__file__), 'configs/tiny.py'),
                                 'Recipe file (a get_config() in configs/); override fields with '
                                 '--config.key=value.', lock_config=True)
@@ -55,6 +58,9 @@ def main(argv):
   try:
     if FLAGS.mode == 'train':
       train.train_and_evaluate(FLAGS.config, workdir)
+    elif FLAGS.mode == 'inspect':
+      from training import inspect
+      inspect.inspect(FLAGS.config, workdir)
     else:
       train.evaluate(FLAGS.config, workdir)
   except (ValueError, NotImplementedError, PermissionError, FileNotFoundError, FloatingPointError,

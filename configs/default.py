@@ -102,6 +102,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = 5000  # Checkpoint interval (always also at the end and on SIGTERM).
   config.keep_checkpoints = 3           # Checkpoints kept on disk (the latest ones).
   config.async_checkpointing = True     # Write checkpoints in the background.
+  config.inspect_len = 256              # --mode=inspect: sequence length of the plotted masks; 0 = seq_len.
   config.peak_tflops_per_device = 0.0   # Peak for MFU; 0 = device table, else a measured matmul peak.
 
   # Sharding: mesh sizes (-1 = all remaining devices) and the logical-to-mesh rule table.
