@@ -1,0 +1,136 @@
+"""Time and memory of one attention layer (forward + backward) as the sequence grows.
+
+  python benchmarks/attention_scaling.py                          # n = 1K .. 16K on CPU
+  python benchmarks/attention_scaling.py --n 1024 2048 --heads 8
+
+Dense causal attention (the block engine, which already skips the blocks above the diagonal)
+against each sparse pattern computed block-sparse (l = 128, c = 16, w = 128). For each n:
+median time of the jitted forward + backward of softmax attention on (batch, n, heads, 64)
+inputs, XLA's compiled peak memory (arguments + outputs + temporaries), the ideal FLOP ratio
+(causal pairs / pairs the pattern allows) and the achieved speedup over dense. Targets (CPU):
+at 8K the achieved speedup is at least 70% of the FLOP ratio; the sparse paths' memory grows
+linearly in n.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from training import xla_flags  # noqa: E402
+
+xla_flags.set_cpu_defaults()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from models.attention import base, blocksparse, patterns, sparse  # noqa: E402
+
+
+def pattern_parts(name: str, l: int, c: int, w: int):
+  """(pattern for counting allowed pairs, block-sparse parts) of a benchmark row."""
+  if name == 'strided':
+    a1 = sparse.HeadView(patterns.Strided(l, 'a1'))
+    a2 = sparse.HeadView(patterns.Strided(l, 'a2'))
+    return patterns.Strided(l), [blocksparse.Part(a1),
+                                 blocksparse.Part(sparse.Minus(a2, a1), residue_stride=l)]
+  pattern = {'fixed': patterns.Fixed(l, c), 'local': patterns.Local(w),
+             'block_local': patterns.BlockLocal(l, l)}[name]
+  return pattern, [blocksparse.Part(sparse.HeadView(pattern))]
+
+
+def allowed_pairs(pattern, n: int, chunk: int = 1024) -> int:
+  total = 0
+  j = np.arange(n)[None, :]
+  for s in range(0, n, chunk):
+    i = np.arange(s, min(s + chunk, n))[:, None]
+    total += int(np.asarray(pattern.allowed(i, j), bool).sum())
+  return total
+
+
+def make_fn(name: str, args):
+  scale = args.head_dim ** -0.5
+  if name == 'dense':
+    def attend(q, k, v, seg):
+      return base.block_attention(q, k, v, seg, key_range=lambda s, e: (0, e),
+                                  allowed=lambda i, j: i >= j, block_size=args.block,
+                                  scale=scale, dtype=jnp.float32)
+  else:
+    _, parts = pattern_parts(name, args.l, args.c, args.w)
+
+    def attend(q, k, v, seg):
+      return blocksparse.pattern_attention(q, k, v, seg, parts, q_block=args.block,
+                                           k_block=args.key_block, scale=scale,
+                                           dtype=jnp.float32)
+
+  def loss(q, k, v, seg):
+    return jnp.sum(attend(q, k, v, seg) ** 2)
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def bench(name: str, n: int, args) -> dict:
+  rng = np.random.default_rng(0)
+  shape = (args.batch, n, args.heads, args.head_dim)
+  q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(3))
+  seg = jnp.ones((args.batch, n), jnp.int32)
+  fn = make_fn(name, args)
+  compiled = fn.lower(q, k, v, seg).compile()
+  mem = compiled.memory_analysis()
+  peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+          if mem is not None else float('nan'))
+  t = common.time_fn(lambda: jax.block_until_ready(compiled(q, k, v, seg)), warmup=1,
+                     iters=args.iters)
+  causal = n * (n + 1) // 2
+  if name == 'dense':
+    pairs = causal
+  else:
+    pattern, _ = pattern_parts(name, args.l, args.c, args.w)
+    pairs = allowed_pairs(pattern, n)
+  return {'pattern': name, 'n': n, 'time_ms': 1e3 * t['median_s'], 'peak_MiB': peak / 2**20,
+          'allowed_pairs': pairs, 'flop_ratio': causal / pairs}
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument('--n', type=int, nargs='+', default=[1024, 2048, 4096, 8192, 16384])
+  p.add_argument('--patterns', nargs='+', default=['strided', 'fixed', 'local', 'block_local'])
+  p.add_argument('--batch', type=int, default=1)
+  p.add_argument('--heads', type=int, default=4)
+  p.add_argument('--head_dim', type=int, default=64)
+  p.add_argument('--l', type=int, default=128, help='stride / block length')
+  p.add_argument('--c', type=int, default=16, help='fixed: summary cells')
+  p.add_argument('--w', type=int, default=128, help='local: window')
+  p.add_argument('--block', type=int, default=128, help='query block')
+  p.add_argument('--key_block', type=int, default=16, help='key block of the sparse paths')
+  p.add_argument('--iters', type=int, default=3)
+  p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
+                                               'attention_scaling.json'))
+  args = p.parse_args()
+  rows = []
+  for n in args.n:
+    dense = bench('dense', n, args)
+    dense['speedup'] = 1.0
+    dense['speedup_over_ideal'] = 1.0
+    rows.append(dense)
+    for name in args.patterns:
+      r = bench(name, n, args)
+      r['speedup'] = dense['time_ms'] / r['time_ms']
+      r['speedup_over_ideal'] = r['speedup'] / r['flop_ratio']
+      rows.append(r)
+    common.print_table(rows[-1 - len(args.patterns):],
+                       ['pattern', 'n', 'time_ms', 'peak_MiB', 'flop_ratio', 'speedup',
+                        'speedup_over_ideal'])
+    print(flush=True)
+  common.print_table(rows, ['pattern', 'n', 'time_ms', 'peak_MiB', 'flop_ratio', 'speedup',
+                            'speedup_over_ideal'])
+  common.write_json(args.out, {'config': vars(args), 'backend': jax.default_backend(),
+                               'rows': rows})
+
+
+if __name__ == '__main__':
+  main()
