@@ -456,3 +456,22 @@ def test_swiglu_activation_matches_autodiff():
   _, vjp_custom = jax.vjp(layers.swiglu_activation, h)
   _, vjp_plain = jax.vjp(plain, h)
   np.testing.assert_allclose(vjp_custom(dy)[0], vjp_plain(dy)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_swiglu_mlp_matches_autodiff():
+  k = jax.random.split(jax.random.key(5), 4)
+  x = jax.random.normal(k[0], (2, 5, 6))
+  w_in = jax.random.normal(k[1], (6, 2, 7)) * 0.5
+  w_out = jax.random.normal(k[2], (7, 6)) * 0.5
+  dy = jax.random.normal(k[3], (2, 5, 6))
+
+  def plain(x, w_in, w_out):
+    h = jnp.einsum('btd,dgf->btgf', x, w_in)
+    return jnp.einsum('btf,fd->btd', jax.nn.silu(h[..., 0, :]) * h[..., 1, :], w_out)
+
+  y, vjp_custom = jax.vjp(layers.swiglu_mlp, x, w_in, w_out)
+  y_plain, vjp_plain = jax.vjp(plain, x, w_in, w_out)
+  np.testing.assert_allclose(y, y_plain, rtol=1e-5, atol=1e-6)
+  for got, want in zip(vjp_custom(dy), vjp_plain(dy)):
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
