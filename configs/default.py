@@ -63,6 +63,8 @@ def get_config() -> ml_collections.ConfigDict:
   data.packing = 'packed'               # 'packed' (documents as segments) or 'concat' (chunked stream).
   data.pack_min_piece = 64              # 'packed': cut a document to fill a row if >= this many
                                         # tokens fit; 0 = only cut documents longer than a row.
+  data.pack_align = 1                   # 'packed': documents start at multiples of this (set it to
+                                        # the stride of fixed / block_local attention).
   data.shuffle_buffer = 10_000          # Documents in the shuffle buffer (after the seeded file shuffle).
   data.prefetch_batches = 4             # Batches prepared ahead of the train step.
   # Local text corpora (data.name = 'local_text'), prepared as a TFDS dataset under data_dir.

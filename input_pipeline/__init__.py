@@ -106,6 +106,9 @@ def _text_source(config, process_index, process_count, workdir) -> DataSource:
     raise ValueError(f'data.packing must be one of {packing.MODES}, got {data.packing!r}')
   if data.pack_min_piece < 0:
     raise ValueError(f'data.pack_min_piece must be >= 0, got {data.pack_min_piece}')
+  if data.pack_align < 1 or config.seq_len % data.pack_align:
+    raise ValueError(f'data.pack_align={data.pack_align} must be >= 1 and divide '
+                     f'seq_len={config.seq_len}')
   if config.seq_len < 1:
     raise ValueError(f'seq_len must be >= 1, got {config.seq_len}')
   builder = text.make_builder(data, process_index=process_index)

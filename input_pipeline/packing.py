@@ -44,8 +44,8 @@ def _empty_row(seq_len: int) -> dict[str, np.ndarray]:
 
 
 def rows(documents: Iterable[np.ndarray], seq_len: int, mode: str = 'packed',
-         start: Cursor = Cursor(), *,
-         min_piece: int = 0) -> Iterator[tuple[dict[str, np.ndarray], Cursor]]:
+         start: Cursor = Cursor(), *, min_piece: int = 0,
+         align: int = 1) -> Iterator[tuple[dict[str, np.ndarray], Cursor]]:
   """Yields (row, cursor after the row) for the documents `start.doc`, `start.doc + 1`, ...
 
   Args:
@@ -55,6 +55,9 @@ def rows(documents: Iterable[np.ndarray], seq_len: int, mode: str = 'packed',
     start: where to begin; `start.offset` is skipped in the first document.
     min_piece: packed mode: cut a document to fill a row when at least this many (input,
       target) pairs fit; 0 = never cut a document that fits in a row.
+    align: packed mode: every segment starts at a multiple of `align` in its row, so patterns
+      anchored to row positions (fixed, block_local with block l) see each document as if it
+      started the row.
 
   Yields:
     A row (dict of (seq_len,) arrays) and the cursor where the following row starts.
@@ -66,12 +69,14 @@ def rows(documents: Iterable[np.ndarray], seq_len: int, mode: str = 'packed',
   if mode == 'packed':
     if min_piece < 0:
       raise ValueError(f'data.pack_min_piece must be >= 0, got {min_piece}')
-    yield from _packed(iter(documents), seq_len, start, min_piece or seq_len + 1)
+    if align < 1 or seq_len % align:
+      raise ValueError(f'data.pack_align={align} must be >= 1 and divide seq_len={seq_len}')
+    yield from _packed(iter(documents), seq_len, start, min_piece or seq_len + 1, align)
   else:
     yield from _concat(iter(documents), seq_len, start)
 
 
-def _packed(documents, seq_len, start, min_piece):
+def _packed(documents, seq_len, start, min_piece, align):
   row, fill, segment = _empty_row(seq_len), 0, 0
   doc = start.doc
   offset = start.offset
@@ -79,9 +84,10 @@ def _packed(documents, seq_len, start, min_piece):
     pairs_left = len(tokens) - 1 - offset
     while pairs_left > 0:
       n = min(pairs_left, seq_len)  # One piece: a whole document or a row-sized cut of one.
+      fill = -(-fill // align) * align  # The segment starts on an aligned cell.
       room = seq_len - fill
       if n > room:
-        if room >= min_piece:       # Cut the document to fill the row.
+        if room >= min_piece and room > 0:  # Cut the document to fill the row.
           n = room
         else:                       # Close the row; the piece starts the next one.
           yield row, Cursor(doc, offset)

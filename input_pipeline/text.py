@@ -20,7 +20,7 @@ from typing import Iterator
 
 import numpy as np
 
-from input_pipeline import local_text, packing
+from input_pipeline import packing
 
 TFDS_NAMES = ('c4', 'tfds', 'local_text')
 _TOKENIZE_BATCH = 64  # Documents per tokenizer call.
@@ -40,6 +40,7 @@ def make_builder(data_cfg, *, process_index: int = 0):
   """
   tfds = _tfds()
   if data_cfg.name == 'local_text':
+    from input_pipeline import local_text  # TensorFlow loads only for text data.
     return local_text.prepare(data_cfg, process_index=process_index)
   where = data_cfg.data_dir or '(the TFDS default data_dir)'
   if data_cfg.data_dir and not _exists(data_cfg.data_dir):
@@ -132,7 +133,7 @@ def train_batches(builder, tokenizer, data_cfg, *, split: str, seq_len: int, row
   docs = documents(builder, split, text_key=data_cfg.text_key, seed=seed, shuffle=True,
                    repeat=True, shuffle_buffer=data_cfg.shuffle_buffer, skip=cursor.doc)
   stream = packing.rows(tokenized(docs, tokenizer), seq_len, data_cfg.packing, cursor,
-                        min_piece=data_cfg.pack_min_piece)
+                        min_piece=data_cfg.pack_min_piece, align=data_cfg.pack_align)
   while True:
     rows = []
     for _ in range(rows_per_batch):
@@ -149,7 +150,8 @@ def eval_batches(builder, tokenizer, data_cfg, *, split: str, seq_len: int, rows
   batches past its end, so every host runs the same number of eval steps.
   """
   docs = documents(builder, split, text_key=data_cfg.text_key)
-  stream = packing.rows(tokenized(docs, tokenizer), seq_len, 'packed')
+  stream = packing.rows(tokenized(docs, tokenizer), seq_len, 'packed',
+                        align=data_cfg.pack_align)
   count = 0
   while max_batches <= 0 or count < max_batches:
     rows = [row for row, _ in _take(stream, rows_per_batch)]

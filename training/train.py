@@ -65,6 +65,21 @@ def check_workdir(workdir: str) -> None:
     raise PermissionError(f'workdir {workdir!r} is not writable: {e}') from e
 
 
+def _warn_unaligned_packing(config, model_config) -> None:
+  """Fixed and block_local blocks are anchored to row positions: packed documents must start
+  on block boundaries for training to see the pattern that decoding a document sees."""
+  if config.data.name not in input_pipeline.text.TFDS_NAMES or config.data.packing != 'packed':
+    return
+  options = dict(model_config.attention_options)
+  periods = {'fixed': options.get('stride'), 'block_local': options.get('local_block')}
+  for name in sorted(set(model_config.attention) & set(periods)):
+    if config.data.pack_align % periods[name]:
+      logging.warning('%s attention anchors its blocks (%d) to row positions, but packed '
+                      'documents start anywhere (data.pack_align=%d): set data.pack_align=%d so '
+                      'each document sees the pattern it would see alone', name, periods[name],
+                      config.data.pack_align, periods[name])
+
+
 def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None = None) -> Setup:
   """Validates the config and builds model, data, mesh, optimizer and state shardings.
 
@@ -95,6 +110,7 @@ def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None =
     raise ValueError(f'the data uses {data.vocab_size} token ids but model.vocab_size is '
                      f'{model_config.vocab_size}')
 
+  _warn_unaligned_packing(config, model_config)
   data_parallel = mesh.shape['data'] * mesh.shape['fsdp']
   if config.batch_size % config.grad_accum_steps:
     raise ValueError(f'batch_size={config.batch_size} is not divisible by '

@@ -3,10 +3,11 @@
 The layout (for each query block, which key blocks hold at least one allowed pair) is derived
 from the pattern's own `allowed(i, j)` function at trace time, so FLOPs and memory follow the
 pattern's non-empty blocks, not n^2. A pattern may be split into parts whose union is the
-pattern, each computed in its own order of positions and merged exactly with their softmax
-statistics (as in flash attention). The strided pattern's second part, {j : (i - j) mod l = 0},
-touches every key block in sequence order but is block-diagonal once positions are sorted by
-residue mod l (the Sparse Transformer's own implementation trick), so it runs in that order.
+pattern, each computed in its own way and merged exactly with their softmax statistics (as in
+flash attention). The strided pattern's second part, {j : (i - j) mod l = 0}, touches every
+key block in sequence order but only pairs positions of equal residue mod l (the Sparse
+Transformer's own implementation trick): it runs as one batched (n/l x n/l) attention per
+residue class.
 """
 
 from __future__ import annotations
@@ -68,10 +69,46 @@ def computed_pairs(parts, n: int, q_block: int, k_block: int) -> int:
   """Query-key products the block-sparse path computes (for the FLOP ratio)."""
   total = 0
   for part in parts:
+    if part.residue_stride:  # One (g x g) block per residue class, g = ceil(n / l).
+      g = -(-n // part.residue_stride)
+      total += part.residue_stride * g * g
+      continue
     _, keys = layout(part, n, q_block, k_block)
     for b, idx in enumerate(keys):
       total += min(q_block, n - b * q_block) * len(idx)
   return total
+
+
+def _residue_stats(q, k, v, segment_ids, part: Part, *, scale, dtype):
+  """`_part_stats` for a part that only pairs positions of equal residue mod l: one batched
+  (g x g) attention per residue class (g = ceil(n / l)), work n g = n^2 / l."""
+  l = part.residue_stride
+  b, h, n, d = q.shape
+  g = -(-n // l)
+  pad = g * l - n
+
+  def by_class(a):  # (b, h, n, d) -> (b, h, l, g, d): position t l + r goes to [r, t].
+    a = jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    return jnp.swapaxes(a.reshape(b, h, g, l, d), 2, 3)
+
+  qg, kg, vg = by_class(q), by_class(k), by_class(v)
+  seg = jnp.swapaxes(jnp.pad(segment_ids, ((0, 0), (0, pad))).reshape(b, g, l), 1, 2)  # (b, l, g)
+  pos = (np.arange(g)[None, :] * l + np.arange(l)[:, None])  # (l, g) original positions
+  real = pos < n
+  mask = (np.asarray(part.allowed(pos[:, :, None], pos[:, None, :]), bool)
+          & real[:, :, None] & real[:, None, :])
+  mask = jnp.asarray(mask)[None, None] & (seg[:, None, :, :, None] == seg[:, None, :, None, :])
+  logits = jnp.einsum('bhrtd,bhrsd->bhrts', qg, kg, preferred_element_type=jnp.float32) * scale
+  logits = jnp.where(mask, logits, NEG_INF)
+  m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  e = jnp.where(mask, jnp.exp(logits - m), 0.0)
+  o = jnp.einsum('bhrts,bhrsd->bhrtd', e.astype(dtype), vg, preferred_element_type=jnp.float32)
+  s = jnp.sum(e, axis=-1, keepdims=True)
+
+  def back(a):  # (b, h, l, g, x) -> (b, h, n, x)
+    return jnp.swapaxes(a, 2, 3).reshape(b, h, g * l, a.shape[-1])[:, :, :n]
+
+  return back(o), back(m), back(s)
 
 
 def _part_stats(q, k, v, segment_ids, part: Part, *, q_block, k_block, scale, dtype):
@@ -79,6 +116,8 @@ def _part_stats(q, k, v, segment_ids, part: Part, *, q_block, k_block, scale, dt
 
   q, k, v are head-major (b, h, n, d); returns o (b, h, n, d) f32, m and s (b, h, n, 1).
   """
+  if part.residue_stride:
+    return _residue_stats(q, k, v, segment_ids, part, scale=scale, dtype=dtype)
   n = q.shape[2]
   order, keys_of_block = layout(part, n, q_block, k_block)
   reorder = part.residue_stride > 0

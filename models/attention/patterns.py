@@ -18,6 +18,11 @@ Localized spans (survey, "Localized Attention Span"):
   local        {j : i - w < j <= i}                      (sliding window of width w)
   block_local  {j : floor(i / b) b - m <= j <= i}        (Image Transformer 1D: query blocks
                                                           of length b plus m earlier cells)
+
+i and j are positions in the row. strided and local depend only on i - j, so a packed
+document sees the same pattern wherever it starts; fixed and block_local are anchored to
+multiples of l (or b), so packed documents must start on those multiples (data.pack_align)
+to see what they would see alone, as in decoding.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ class Strided:
   part: str = 'union'
 
   def __post_init__(self):
-    _check('stride l', self.l, 1)
+    _check('attention_options.stride (l)', self.l, 1)
     if self.part not in PARTS:
       raise ValueError(f'part must be one of {PARTS}, got {self.part!r}')
 
@@ -78,10 +83,11 @@ class Fixed:
   distinct_heads: bool = False
 
   def __post_init__(self):
-    _check('block length l', self.l, 1)
-    _check('summary width c', self.c, 1)
+    _check('attention_options.stride (block length l)', self.l, 1)
+    _check('attention_options.summary (c)', self.c, 1)
     if self.c > self.l:
-      raise ValueError(f'fixed attention needs c <= l, got c={self.c} > l={self.l}')
+      raise ValueError(f'fixed attention needs c <= l (attention_options.summary <= stride), got '
+                       f'c={self.c} > l={self.l}')
     if self.part not in PARTS:
       raise ValueError(f'part must be one of {PARTS}, got {self.part!r}')
 
@@ -104,7 +110,7 @@ class Local:
   w: int
 
   def __post_init__(self):
-    _check('window w', self.w, 1)
+    _check('attention_options.window (w)', self.w, 1)
 
   def allowed(self, i, j, head: int = 0):
     del head
@@ -119,8 +125,8 @@ class BlockLocal:
   m: int
 
   def __post_init__(self):
-    _check('query block b', self.b, 1)
-    _check('memory m', self.m, 0)
+    _check('attention_options.local_block (b)', self.b, 1)
+    _check('attention_options.memory (m)', self.m, 0)
 
   def allowed(self, i, j, head: int = 0):
     del head

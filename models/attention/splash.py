@@ -8,8 +8,6 @@ so no (n x n) array is built for long sequences.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,7 +33,6 @@ class PatternMask(sm._ComputableMask):  # The public lazy masks (CausalMask, ...
     return hash((type(self), self.shape, self.pattern, self.head))
 
 
-@functools.lru_cache(maxsize=64)
 def _kernel(head_patterns: tuple, n: int, block: int, interpret: bool):
   mask = sm.MultiHeadMask([PatternMask(p, n, h) for h, p in enumerate(head_patterns)])
   sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,

@@ -85,7 +85,7 @@ def test_copy_learns_well_below_chance(tmp_path):
 @pytest.mark.slow
 def test_default_tiny_recipe_learns_below_chance(tmp_path):
   config = _config({})
-  assert config.total_steps == 600 and config.data.name == 'variable_assignment'
+  assert config.total_steps == 400 and config.data.name == 'variable_assignment'
   result, chance = _train_and_eval(config, tmp_path)
   assert chance == pytest.approx(math.log(16))
   summary = _report('configs/tiny.py', result, chance)
