@@ -23,6 +23,8 @@ def get_config() -> ml_collections.ConfigDict:
   model.mlp_dim = 0                     # SwiGLU width; 0 = 8/3 d_model rounded up to 64.
   model.vocab_size = 8192               # Token ids (the 8K SentencePiece vocabulary).
   model.max_len = 512                   # Learned position table size (>= seq_len).
+  model.position_embedding = 'learned'  # 'learned' absolute positions or 'none' (variants with
+                                        # relative positions, e.g. adaptive_span).
   model.attention = 'dense'             # Registry name, or a comma list with one name per layer.
   model.attention_impl = 'blocksparse'  # 'xla' (einsum reference), 'blocksparse', 'fused', 'cudnn'.
   model.attention_block_size = 128      # Query/key block length of 'blocksparse'.
@@ -37,6 +39,16 @@ def get_config() -> ml_collections.ConfigDict:
   opts.memory = 128                     # Block_local: earlier positions m each block sees.
   opts.global_every = 2                 # Local_global: every k-th layer is global.
   opts.key_block = 16                   # Blocksparse key block for sparse patterns.
+  # Adaptive / dynamic attention span (models/attention/adaptive_span.py).
+  opts.span_limit = 1024                # S: the longest span a head may learn.
+  opts.span_ramp = 32                   # R: width of the soft mask's ramp.
+  opts.span_init = 0.0                  # z' = z / S at init (paper: 0).
+  opts.span_penalty = 2e-6              # lambda of the L1 penalty (lambda / M) sum z.
+  opts.span_block = 64                  # Trimmed span T is rounded up to a multiple of this.
+  opts.span_learned = True              # False: z = S for every head (fixed-span baseline).
+  opts.span_memory = False              # Attend into the previous segment (needs data.packing=
+                                        # 'stream'; the loop carries the 'memory' collection).
+  opts.dynamic_span_bias = -4.0         # Dynamic span: b at init (z_t = S sigmoid(v.x + b)).
   model.qk_norm = True                  # RMS-normalize queries and keys.
   model.tied_embeddings = False         # Share input embedding and output projection.
   model.dropout_rate = 0.0              # Residual dropout (the paper uses none).

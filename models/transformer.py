@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from models import attention, layers
 
 Dtype = Any
+POSITION_EMBEDDINGS = ('learned', 'none')
 REMAT_POLICIES = ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable')
 
 
@@ -28,7 +29,8 @@ class TransformerConfig:
     n_layers: number of blocks.
     head_dim: width of each head.
     mlp_dim: SwiGLU hidden width.
-    max_len: size of the learned position table.
+    max_len: size of the learned position table (and of decoding caches).
+    position_embedding: 'learned' absolute positions, or 'none' (relative-position variants).
     attention: registry name per layer (a tuple of length n_layers).
     attention_impl: implementation switch, one of attention.IMPLEMENTATIONS.
     attention_block_size: block length of the 'blocksparse' implementation.
@@ -49,6 +51,7 @@ class TransformerConfig:
   mlp_dim: int
   max_len: int
   attention: tuple[str, ...]
+  position_embedding: str = 'learned'
   attention_impl: str = 'xla'
   attention_block_size: int = 128
   attention_options: tuple = ()
@@ -73,6 +76,9 @@ class TransformerConfig:
     if self.attention_impl not in attention.IMPLEMENTATIONS:
       raise ValueError(f'unknown model.attention_impl {self.attention_impl!r}; known: '
                        f'{", ".join(attention.IMPLEMENTATIONS)}')
+    if self.position_embedding not in POSITION_EMBEDDINGS:
+      raise ValueError(f'unknown model.position_embedding {self.position_embedding!r}; known: '
+                       f'{", ".join(POSITION_EMBEDDINGS)}')
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f'unknown model.remat {self.remat!r}; known: {", ".join(REMAT_POLICIES)}')
     if not 0.0 <= self.dropout_rate < 1.0:
@@ -82,6 +88,12 @@ class TransformerConfig:
   def homogeneous(self) -> bool:
     """True when every layer uses the same variant."""
     return len(set(self.attention)) == 1
+
+  @property
+  def uses_memory(self) -> bool:
+    """True if some layer carries previous-segment state (the 'memory' collection)."""
+    options = dict(self.attention_options)
+    return any(attention.get(name).uses_memory(options) for name in set(self.attention))
 
   @property
   def scanned(self) -> bool:
@@ -125,6 +137,7 @@ class TransformerConfig:
     return cls(
         vocab_size=m['vocab_size'], d_model=d_model, n_heads=n_heads, n_layers=n_layers,
         head_dim=head_dim, mlp_dim=mlp_dim, max_len=m['max_len'], attention=tuple(att),
+        position_embedding=m.get('position_embedding', 'learned'),
         attention_impl=m.get('attention_impl', 'xla'),
         attention_block_size=m.get('attention_block_size', 128),
         attention_options=tuple(sorted(dict(m.get('attention_options') or {}).items())),
@@ -140,7 +153,10 @@ class TransformerConfig:
              + 3 * self.d_model * self.mlp_dim                 # SwiGLU
              + 2 * self.d_model                                # two RMSNorms
              + (2 * self.head_dim if self.qk_norm else 0))
-    embed = self.vocab_size * self.d_model + self.max_len * self.d_model
+    embed = self.vocab_size * self.d_model
+    if self.position_embedding == 'learned':
+      embed += self.max_len * self.d_model
+    embed += sum(attention.get(name).extra_params(self) for name in self.attention)
     head = 0 if self.tied_embeddings else self.d_model * self.vocab_size
     return self.n_layers * block + embed + head + self.d_model
 
@@ -248,15 +264,18 @@ class Decoder(nn.Module):
 
     embed = layers.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                          name='token_embed')
-    x = embed(inputs) + layers.LearnedPositions(cfg.max_len, cfg.d_model, dtype=cfg.dtype,
-                                                param_dtype=cfg.param_dtype, name='pos_embed')(positions)
+    x = embed(inputs)
+    if cfg.position_embedding == 'learned':
+      x = x + layers.LearnedPositions(cfg.max_len, cfg.d_model, dtype=cfg.dtype,
+                                      param_dtype=cfg.param_dtype, name='pos_embed')(positions)
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
     x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
 
     if cfg.scanned:
       stack = nn.scan(
           _remat(ScannedBlock, cfg.remat, scanned=True),
-          variable_axes={'params': 0, 'losses': 0, 'intermediates': 0, 'cache': 0},
+          variable_axes={'params': 0, 'losses': 0, 'intermediates': 0, 'metrics': 0,
+                         'cache': 0, 'memory': 0},
           split_rngs={'params': True, 'dropout': True},
           in_axes=(nn.broadcast, nn.broadcast), length=cfg.n_layers,
           metadata_params={nn.PARTITION_NAME: 'layers'})

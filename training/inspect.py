@@ -4,10 +4,16 @@ Writes WORKDIR/inspect/connectivity.npz (one (n, n) boolean mask per layer and h
 `layer{L}_head{H}`) and connectivity.png, a grid of the masks like figure 10 of the survey
 (rows: layers, columns: heads; a dark cell (i, j) means query i may attend to key j). The
 masks come from the same pattern functions the attention code uses.
+
+Models with adaptive or dynamic spans also get, from the latest checkpoint of WORKDIR,
+spans.json and spans.png: each head's span per layer on a log scale (figure 4 of the
+adaptive-span paper; dynamic spans averaged over one validation batch), the average span, the
+attention FLOPs per token (table 1's columns) and the decoding cache against a full-span one.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import ml_collections
@@ -15,7 +21,9 @@ import numpy as np
 from absl import logging
 
 from models import attention, transformer
-from models.attention import patterns
+from models.attention import adaptive_span, patterns
+
+SPAN_VARIANTS = {'adaptive_span', 'dynamic_span'}
 
 
 def connectivity(model_config: transformer.TransformerConfig, n: int) -> dict[str, np.ndarray]:
@@ -55,8 +63,100 @@ def plot(masks: dict[str, np.ndarray], n_layers: int, n_heads: int, path: str,
   plt.close(fig)
 
 
+def span_report(model_config, head_spans: np.ndarray) -> dict:
+  """Average span, attention FLOPs per token and decoding cache of learned spans.
+
+  Args:
+    model_config: the TransformerConfig.
+    head_spans: (layers, heads) spans z.
+
+  Returns:
+    JSON-ready dict. FLOPs count q.k and a.v (2 x 2 head_dim FLOPs per key) of one predicted
+    token: `per_head` lets each head stop at z + R; `trimmed` computes a layer's heads
+    together up to its trimmed span T (what this code does); `full_span` uses S everywhere.
+  """
+  opts = dict(model_config.attention_options)
+  limit, ramp, block = opts['span_limit'], opts['span_ramp'], opts['span_block']
+  d = model_config.head_dim
+  reach = np.minimum(head_spans + ramp, limit)  # Keys with a non-zero mask.
+  trims = [adaptive_span.trimmed_span(float(z.max()), ramp=ramp, limit=limit, block=block)
+           for z in head_spans]
+  heads = model_config.n_heads
+  flops = {'per_head': float(4 * d * reach.sum()),
+           'trimmed': float(4 * d * heads * sum(trims)),
+           'full_span': float(4 * d * heads * limit * len(trims))}
+  kv_bytes = 2 * heads * d * 4  # float32 key and value per cached position
+  return {'span_limit': limit, 'average_span': float(head_spans.mean()),
+          'max_span': float(head_spans.max()),
+          'head_spans': head_spans.round(2).tolist(), 'trimmed_spans': trims,
+          'attention_flops_per_token': flops,
+          'flops_saved_vs_full_span': 1.0 - flops['trimmed'] / flops['full_span'],
+          'decode_cache_bytes_per_row': {'trimmed': kv_bytes * sum(trims),
+                                         'full_span': kv_bytes * limit * len(trims)}}
+
+
+def plot_spans(head_spans: np.ndarray, limit: int, path: str, title: str) -> None:
+  """Each head's span per layer, log scale (figure 4 of the adaptive-span paper)."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  layers, heads = head_spans.shape
+  fig, ax = plt.subplots(figsize=(1.0 + 0.5 * layers, 3.2))
+  width = 0.8 / heads
+  for h in range(heads):
+    ax.bar(np.arange(layers) + (h - (heads - 1) / 2) * width, np.maximum(head_spans[:, h], 1),
+           width, color=plt.cm.viridis(h / max(heads - 1, 1)))
+  ax.set_yscale('log')
+  ax.set_ylim(1, limit * 1.2)
+  ax.set_xticks(np.arange(layers), [str(i + 1) for i in range(layers)])
+  ax.set_xlabel('layer')
+  ax.set_ylabel('span z')
+  ax.set_title(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def learned_spans(config: ml_collections.ConfigDict, workdir: str):
+  """((layers, heads) spans from the latest checkpoint, model config); dynamic spans are
+  averaged over the first validation batch."""
+  import jax
+  from training import checkpoints, sharding, train
+  setup = train.build(config, workdir=workdir)
+  ckpt = checkpoints.Checkpointer(workdir, keep=config.keep_checkpoints, async_save=False)
+  try:
+    if ckpt.latest_step() is None:
+      raise FileNotFoundError(f'no checkpoint in {workdir}: train first, then inspect the spans')
+    state = ckpt.restore(setup.abstract_state)
+  finally:
+    ckpt.close()
+  try:
+    local = next(iter(setup.data.eval_batches()))
+  finally:
+    setup.data.close()
+  model = train.specialized_model(setup, state.params)
+  with sharding.activate(setup.mesh, setup.rules):
+    batch = train.device_batch(setup, local)
+    variables = {'params': state.params}
+    mutable = ['intermediates']
+    if setup.model_config.uses_memory:
+      variables['memory'] = train.fresh_memory(setup, local['inputs'].shape[0])
+      mutable.append('memory')
+    _, sown = jax.jit(lambda v, b: model.apply(
+        v, b['inputs'], positions=b['positions'], segment_ids=b['segment_ids'],
+        mutable=mutable))(variables, batch)
+  spans = []
+  for i, name in enumerate(setup.model_config.attention):
+    layer = sown['intermediates'].get(f'block_{i}', {}).get('attention', {})
+    if 'head_spans' not in layer:
+      raise ValueError(f'layer {i} ({name}) has no span to inspect')
+    spans.append(np.asarray(jax.device_get(layer['head_spans'][0]), np.float64))
+  return np.stack(spans), setup.model_config
+
+
 def inspect(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
-  """Writes the connectivity masks and their plot; returns the paths written."""
+  """Writes the connectivity masks and their plot (and the spans of span variants); returns
+  the paths written."""
   model_cfg = dict(config.model)
   model_cfg['vocab_size'] = model_cfg.get('vocab_size') or 1  # Not needed for the masks.
   n = config.inspect_len or config.seq_len
@@ -74,4 +174,20 @@ def inspect(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
   logging.info('connectivity of %d layers x %d heads (n=%d): mean density %.3f of causal; '
                'wrote %s and %s', mc.n_layers, mc.n_heads, n, np.mean(list(density.values())),
                npz, png)
-  return {'npz': npz, 'png': png}
+  paths = {'npz': npz, 'png': png}
+  if set(mc.attention) & SPAN_VARIANTS:
+    head_spans, full_config = learned_spans(config, workdir)
+    report = span_report(full_config, head_spans)
+    paths['spans_json'] = os.path.join(out_dir, 'spans.json')
+    with open(paths['spans_json'], 'w') as f:
+      json.dump(report, f, indent=2)
+    paths['spans_png'] = os.path.join(out_dir, 'spans.png')
+    plot_spans(head_spans, report['span_limit'], paths['spans_png'],
+               f'{kinds}: average span {report["average_span"]:.0f} of S={report["span_limit"]}')
+    logging.info('spans: average %.1f (max %.0f) of S=%d; trimmed spans %s; attention FLOPs '
+                 'per token %.3g (full span %.3g, %.0f%% saved); wrote %s', report['average_span'],
+                 report['max_span'], report['span_limit'], report['trimmed_spans'],
+                 report['attention_flops_per_token']['trimmed'],
+                 report['attention_flops_per_token']['full_span'],
+                 100 * report['flops_saved_vs_full_span'], paths['spans_json'])
+  return paths

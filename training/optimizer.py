@@ -1,7 +1,11 @@
 """AdamW with linear warm-up and cosine decay, global-norm clipping and a decay mask."""
 
 import jax
+import jax.numpy as jnp
 import optax
+
+# Parameters kept inside a box after every update, by name: adaptive span's z' = z / S.
+BOXED_PARAMS = {'span_fraction': (0.0, 1.0)}
 
 
 def make_schedule(config) -> optax.Schedule:
@@ -25,6 +29,37 @@ def decay_mask(params):
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
+def keep_in_box(bounds: dict[str, tuple[float, float]] = BOXED_PARAMS
+                ) -> optax.GradientTransformation:
+  """Projects parameters named in `bounds` back into [lo, hi] after the update.
+
+  The last transform of a chain: the update u of such a parameter p becomes
+  clip(p + u, lo, hi) - p, so `optax.apply_updates` lands inside the box. Other parameters
+  pass through untouched.
+
+  Args:
+    bounds: leaf name -> (lo, hi).
+
+  Returns:
+    A stateless GradientTransformation that needs `params` in `update`.
+  """
+
+  def update(updates, state, params=None):
+    if params is None:
+      raise ValueError('keep_in_box needs params')
+
+    def project(path, u, p):
+      name = getattr(path[-1], 'key', None)
+      if name not in bounds:
+        return u
+      lo, hi = bounds[name]
+      return (jnp.clip(p + u, lo, hi) - p).astype(u.dtype)
+
+    return jax.tree_util.tree_map_with_path(project, updates, params), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(config) -> optax.GradientTransformation:
   """The optimizer of the selective-attention recipe (AdamW, beta2 0.999).
 
@@ -32,7 +67,8 @@ def make_optimizer(config) -> optax.GradientTransformation:
     config: the run config.
 
   Returns:
-    clip_by_global_norm (if clip_grad_norm > 0) followed by AdamW with the schedule.
+    clip_by_global_norm (if clip_grad_norm > 0), AdamW with the schedule, then
+    `keep_in_box` (adaptive span's z' stays in [0, 1]).
   """
   for name in ('learning_rate', 'weight_decay', 'clip_grad_norm'):
     if getattr(config, name) < 0:
@@ -42,4 +78,5 @@ def make_optimizer(config) -> optax.GradientTransformation:
     chain.append(optax.clip_by_global_norm(config.clip_grad_norm))
   chain.append(optax.adamw(make_schedule(config), b1=config.adam_b1, b2=config.adam_b2,
                            eps=config.adam_eps, weight_decay=config.weight_decay, mask=decay_mask))
+  chain.append(keep_in_box())
   return optax.chain(*chain)

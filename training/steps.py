@@ -21,10 +21,14 @@ class TrainState:
     step: optimizer steps taken (int32 scalar).
     params: model parameters.
     opt_state: optimizer state.
+    memory: the 'memory' collection of segment-recurrent attention (the previous segment's
+      layer inputs, one entry per batch row), carried to the next batch and checkpointed so
+      a resumed run continues the same streams; {} for every other model.
   """
   step: jax.Array
   params: Any
   opt_state: Any
+  memory: Any = flax.struct.field(default_factory=dict)
 
 
 def sum_collection(tree) -> jax.Array:
@@ -32,8 +36,25 @@ def sum_collection(tree) -> jax.Array:
   return sum((jnp.sum(x) for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32))
 
 
+def sown_metrics(tree) -> dict[str, jax.Array]:
+  """The 'metrics' collection as flat scalars named '<name>/<layer path>' (e.g.
+  'span_max/block_3'); values sown several times are averaged."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, tuple))[0]:
+    keys = [getattr(k, 'key', str(k)) for k in path]
+    name = f'{keys[-1]}/{"/".join(k for k in keys[:-1] if k != "attention")}'
+    values = jnp.stack([jnp.asarray(v, jnp.float32) for v in leaf])
+    if values.ndim > 1:  # Scanned layers: one value per layer.
+      for i, v in enumerate(jnp.moveaxis(values, 1, 0)):
+        out[f'{name}_{i}'] = jnp.mean(v)
+    else:
+      out[name] = jnp.mean(values)
+  return out
+
+
 def forward_sums(model: nn.Module, params, batch: Batch, *, train: bool, rng=None,
-                 loss_chunk_len: int = 128):
+                 loss_chunk_len: int = 128, memory=None):
   """Runs the model on a batch.
 
   Args:
@@ -43,20 +64,29 @@ def forward_sums(model: nn.Module, params, batch: Batch, *, train: bool, rng=Non
     train: enables dropout (with `rng`).
     rng: dropout key.
     loss_chunk_len: sequence positions per chunk of the fused projection + cross-entropy.
+    memory: the 'memory' collection of segment-recurrent attention, or None/{}.
 
   Returns:
-    (sums, aux): sums has 'loss_sum' (weighted cross-entropy), 'correct_sum' and
-    'weight_sum'; aux is the sum of the 'losses' collection.
+    (sums, aux, extra): sums has 'loss_sum' (weighted cross-entropy), 'correct_sum' and
+    'weight_sum'; aux is the sum of the 'losses' collection; extra has 'metrics' (the sown
+    'metrics' collection, flattened) and 'memory' (the updated memory, {} without).
   """
+  variables = {'params': params}
+  mutable = ['losses', 'metrics']
+  if memory:
+    variables['memory'] = memory
+    mutable.append('memory')
   (hidden, w_out), mutated = model.apply(
-      {'params': params}, batch['inputs'], positions=batch['positions'],
+      variables, batch['inputs'], positions=batch['positions'],
       segment_ids=batch['segment_ids'], deterministic=not train, return_hidden=True,
-      rngs={'dropout': rng} if rng is not None else None, mutable=['losses'])
+      rngs={'dropout': rng} if rng is not None else None, mutable=mutable)
   loss_sum, correct_sum = losses.linear_cross_entropy(
       hidden, w_out, batch['targets'], batch['weights'], loss_chunk_len)
   sums = {'loss_sum': loss_sum, 'correct_sum': correct_sum,
           'weight_sum': jnp.sum(batch['weights'])}
-  return sums, sum_collection(mutated.get('losses', {}))
+  extra = {'metrics': sown_metrics(mutated.get('metrics', {})),
+           'memory': mutated.get('memory', {}) if memory else {}}
+  return sums, sum_collection(mutated.get('losses', {})), extra
 
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule,
@@ -84,22 +114,26 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     rng = jax.random.fold_in(rng, state.step)
     total_weight = jnp.maximum(jnp.sum(batch['weights']), 1.0)
 
-    def micro_loss(params, micro, micro_rng):
-      sums, aux = forward_sums(model, params, micro, train=True, rng=micro_rng,
-                               loss_chunk_len=loss_chunk_len)
+    def micro_loss(params, micro, micro_rng, memory=None):
+      sums, aux, extra = forward_sums(model, params, micro, train=True, rng=micro_rng,
+                                      loss_chunk_len=loss_chunk_len, memory=memory)
       objective = sums['loss_sum'] / total_weight + aux / grad_accum_steps
-      return objective, (sums, aux)
+      return objective, (sums, aux, extra)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    extra = {'metrics': {}, 'memory': {}}
     if grad_accum_steps == 1:
-      (_, (sums, aux)), grads = grad_fn(state.params, batch, rng)
+      (_, (sums, aux, extra)), grads = grad_fn(state.params, batch, rng, state.memory)
     else:
+      if state.memory:
+        raise ValueError('segment memory (attention_options.span_memory) needs '
+                         'grad_accum_steps=1: micro-batches would split the streams')
       micro_batches = jax.tree.map(
           lambda x: x.reshape((grad_accum_steps, -1) + x.shape[1:]), batch)
 
       def accumulate(carry, xs):
         micro, i = xs
-        (_, (s, a)), g = grad_fn(state.params, micro, jax.random.fold_in(rng, i))
+        (_, (s, a, _)), g = grad_fn(state.params, micro, jax.random.fold_in(rng, i))
         return jax.tree.map(jnp.add, carry, (g, s, a)), None
 
       zero = jnp.zeros((), jnp.float32)
@@ -119,16 +153,22 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
         'grad_norm': optax.tree.norm(grads),
         'learning_rate': schedule(state.step),
         'scored_tokens': sums['weight_sum'],
+        **extra['metrics'],
     }
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                         memory=extra['memory']), metrics
 
   return train_step
 
 
 def make_eval_step(model: nn.Module, loss_chunk_len: int = 128):
-  """Builds eval_step(params, batch) -> summed loss, correct and weight."""
+  """Builds eval_step(params, batch, memory) -> (summed loss, correct and weight; memory).
 
-  def eval_step(params, batch: Batch):
-    return forward_sums(model, params, batch, train=False, loss_chunk_len=loss_chunk_len)[0]
+  `memory` is the segment memory carried from the previous eval batch ({} without)."""
+
+  def eval_step(params, batch: Batch, memory):
+    sums, _, extra = forward_sums(model, params, batch, train=False,
+                                  loss_chunk_len=loss_chunk_len, memory=memory)
+    return sums, extra['memory']
 
   return eval_step

@@ -18,6 +18,7 @@ from absl import logging
 
 import input_pipeline
 from models import transformer
+from models.attention import adaptive_span
 from training import checkpoints, flops, metrics as metrics_lib, optimizer, sharding, steps
 
 
@@ -80,6 +81,22 @@ def _warn_unaligned_packing(config, model_config) -> None:
                       config.data.pack_align, periods[name])
 
 
+def _check_memory(config, model_config) -> None:
+  """Segment memory needs consecutive segments of one stream in each batch row."""
+  if not model_config.uses_memory:
+    return
+  if config.data.name not in input_pipeline.text.TFDS_NAMES or config.data.packing != 'stream':
+    raise ValueError('attention_options.span_memory carries each row\'s previous segment to the '
+                     'next batch: it needs a text source with data.packing=\'stream\' (got '
+                     f'data.name={config.data.name!r}, data.packing={config.data.packing!r})')
+  if config.grad_accum_steps != 1:
+    raise ValueError('attention_options.span_memory needs grad_accum_steps=1 (micro-batches '
+                     'would split the streams)')
+  if model_config.position_embedding != 'none':
+    raise ValueError('data.packing=\'stream\' positions grow past the position table: set '
+                     'model.position_embedding=\'none\' (the variant has relative positions)')
+
+
 def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None = None) -> Setup:
   """Validates the config and builds model, data, mesh, optimizer and state shardings.
 
@@ -111,6 +128,7 @@ def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None =
                      f'{model_config.vocab_size}')
 
   _warn_unaligned_packing(config, model_config)
+  _check_memory(config, model_config)
   data_parallel = mesh.shape['data'] * mesh.shape['fsdp']
   if config.batch_size % config.grad_accum_steps:
     raise ValueError(f'batch_size={config.batch_size} is not divisible by '
@@ -130,9 +148,12 @@ def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None =
   tx = optimizer.make_optimizer(config)
 
   def init_boxed(rng):
-    dummy = jnp.zeros((1, data.seq_len), jnp.int32)
-    params = model.init(rng, dummy)['params']
-    return steps.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    # Segment memory has one row per batch row; parameters do not depend on the batch.
+    rows = config.batch_size if model_config.uses_memory else 1
+    variables = model.init(rng, jnp.zeros((rows, data.seq_len), jnp.int32))
+    params = variables['params']
+    return steps.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                            opt_state=tx.init(params), memory=variables.get('memory', {}))
 
   boxed = jax.eval_shape(init_boxed, jax.random.key(0))
   state_sharding = sharding.logical_shardings(boxed, mesh, rules)
@@ -158,21 +179,41 @@ def device_batch(setup: Setup, local: dict[str, np.ndarray]) -> dict[str, jax.Ar
           for k, v in local.items()}
 
 
-def jit_train_step(setup: Setup):
-  """The sharded, donated train step."""
-  fn = steps.make_train_step(setup.model, setup.tx, setup.schedule,
+def specialized_model(setup: Setup, params) -> transformer.Decoder:
+  """The Decoder with static values that follow the parameters: each adaptive-span layer's
+  trimmed span (a host copy of z'); `setup.model` for every other model."""
+  config = adaptive_span.with_trims(setup.model_config, params)
+  return setup.model if config == setup.model_config else transformer.Decoder(config)
+
+
+def jit_train_step(setup: Setup, model: transformer.Decoder | None = None):
+  """The sharded, donated train step of `model` (default `setup.model`)."""
+  fn = steps.make_train_step(model or setup.model, setup.tx, setup.schedule,
                              setup.config.grad_accum_steps, setup.config.loss_chunk_len)
   replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
   return jax.jit(fn, in_shardings=(setup.state_sharding, setup.batch_sharding, replicated),
                  out_shardings=(setup.state_sharding, replicated), donate_argnums=(0,))
 
 
-def jit_eval_step(setup: Setup):
-  """The sharded eval step over parameters only."""
+def jit_eval_step(setup: Setup, model: transformer.Decoder | None = None):
+  """The sharded eval step: (params, batch, memory) -> (sums, memory)."""
   replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
-  return jax.jit(steps.make_eval_step(setup.model, setup.config.loss_chunk_len),
-                 in_shardings=(setup.state_sharding.params, setup.batch_sharding),
-                 out_shardings=replicated)
+  memory = setup.state_sharding.memory if setup.model_config.uses_memory else replicated
+  return jax.jit(steps.make_eval_step(model or setup.model, setup.config.loss_chunk_len),
+                 in_shardings=(setup.state_sharding.params, setup.batch_sharding, memory),
+                 out_shardings=(replicated, memory))
+
+
+def fresh_memory(setup: Setup, rows: int):
+  """Empty segment memory for `rows` batch rows ({} for models without memory)."""
+  if not setup.model_config.uses_memory:
+    return {}
+  if rows != setup.config.batch_size:
+    raise ValueError(f'segment memory is laid out for batch_size={setup.config.batch_size} '
+                     f'rows; set eval_batch_size to the same ({rows} given)')
+  return jax.tree.map(
+      lambda a: jax.device_put(np.full(a.shape, -1 if a.dtype == np.int32 else 0, a.dtype),
+                               a.sharding), setup.abstract_state.memory)
 
 
 def _eval_local_batches(setup: Setup):
@@ -197,12 +238,17 @@ def _eval_local_batches(setup: Setup):
 
 
 def run_eval(setup: Setup, eval_step, params) -> dict[str, float]:
-  """Loss, perplexity and accuracy over the validation batches, and bits per byte on text."""
+  """Loss, perplexity and accuracy over the validation batches, and bits per byte on text.
+
+  Segment memory, if the model has it, starts empty and is carried across the eval batches.
+  """
   totals = {'loss_sum': 0.0, 'correct_sum': 0.0, 'weight_sum': 0.0}
   text_bytes = 0.0
+  memory = fresh_memory(setup, setup.config.eval_batch_size or setup.config.batch_size)
   with sharding.activate(setup.mesh, setup.rules):
     for local in _eval_local_batches(setup):
-      out = jax.device_get(eval_step(params, device_batch(setup, local)))
+      out, memory = eval_step(params, device_batch(setup, local), memory)
+      out = jax.device_get(out)
       for k in totals:
         totals[k] += float(out[k])
       if setup.data.token_bytes is not None:
@@ -357,10 +403,39 @@ class _MetricWindow:
     self.count += 1
 
 
+class _SpecializedSteps:
+  """Jitted train/eval steps per static specialization of the model (adaptive spans' trimmed
+  T per layer): a step is compiled again only when some layer's T changes."""
+
+  def __init__(self, setup: Setup):
+    self._setup = setup
+    self._dynamic = bool(adaptive_span.learned_layers(setup.model_config))
+    self._steps = {}
+    self._current = None
+
+  def _model(self, params):
+    if not self._dynamic:
+      return self._setup.model
+    return specialized_model(self._setup, params)
+
+  def update(self, params):
+    """Selects the steps for the current parameters; returns (train_step, eval_step)."""
+    model = self._model(params)
+    key = model.config.attention_options
+    if key not in self._steps:
+      if self._current is not None:
+        logging.info('attention spans changed: trimmed spans %s; compiling their step',
+                     dict(key).get('span_trim'))
+      self._steps[key] = (jit_train_step(self._setup, model), jit_eval_step(self._setup, model))
+    self._current = key
+    return self._steps[key]
+
+
 def _train_loop(setup: Setup, state, data_state, ckpt, logger, flops_per_token: float,
                 peak: float):
   config = setup.config
-  train_step, eval_step = jit_train_step(setup), jit_eval_step(setup)
+  specialized = _SpecializedSteps(setup)
+  train_step, eval_step = specialized.update(state.params)
   rng = jax.random.key(config.seed + 1)
   tokens_per_step = config.batch_size * setup.data.seq_len
   window = _MetricWindow(ckpt)
@@ -371,6 +446,7 @@ def _train_loop(setup: Setup, state, data_state, ckpt, logger, flops_per_token: 
       local, data_state = next(batches)
       batch = device_batch(setup, local)
       state, step_metrics = train_step(state, batch, rng)
+      train_step, eval_step = specialized.update(state.params)
       step += 1
       window.add(step, step_metrics)
       stop = preemption.requested(step)
@@ -415,7 +491,8 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float
   finally:
     ckpt.close()
     setup.data.close()
-  result = {'step': int(state.step), **run_eval(setup, jit_eval_step(setup), state.params)}
+  model = specialized_model(setup, state.params)
+  result = {'step': int(state.step), **run_eval(setup, jit_eval_step(setup, model), state.params)}
   if jax.process_index() == 0:
     path = os.path.join(workdir, f'eval_step_{result["step"]}.json')
     with open(path, 'w') as f:

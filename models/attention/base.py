@@ -148,6 +148,18 @@ class MultiHeadAttention(nn.Module):
     """Raises ValueError for hyper-parameters the variant cannot use (before any compute)."""
     del options, n_heads, n_layers
 
+  @classmethod
+  def uses_memory(cls, options: dict) -> bool:
+    """True if the variant keeps previous-segment state in the 'memory' collection."""
+    del options
+    return False
+
+  @classmethod
+  def extra_params(cls, config) -> int:
+    """Parameters one layer of the variant adds to the shared projections and norms."""
+    del config
+    return 0
+
   def option(self, name: str):
     """The variant hyper-parameter `name` from config.model.attention_options."""
     for key, value in self.options:
@@ -174,8 +186,27 @@ class MultiHeadAttention(nn.Module):
     if cache is not None and cache is not False and not isinstance(cache, bool):
       raise ValueError(f'cache must be None, False or True (decode with the mutable "cache" '
                        f'collection), got {cache!r}')
+    q, k, v = self.project(x)
+    if cache:
+      out = self.decode_step(q, k, v, positions)
+    else:
+      out = self.attend(q, k, v, positions=positions, segment_ids=segment_ids,
+                        deterministic=deterministic)
+    return self.project_out(out, x.shape[-1])
+
+  def project(self, x):
+    """Queries, keys and values of x: one fused matmul, then QK-norm.
+
+    Called once from a variant's compact `__call__` (it creates the 'qkv' kernel and the
+    norms).
+
+    Args:
+      x: (batch, length, d_model).
+
+    Returns:
+      q, k, v: (batch, length, heads, head_dim) each.
+    """
     d_model = x.shape[-1]
-    # One fused matmul for q, k and v.
     w_qkv = self.param('qkv', nn.with_logical_partitioning(
         layers.default_kernel_init, ('embed', 'qkv', 'heads', 'kv')),
         (d_model, 3, self.num_heads, self.head_dim), self.param_dtype)
@@ -186,23 +217,21 @@ class MultiHeadAttention(nn.Module):
     qkv = qkv.reshape(b, t, 3, self.num_heads, self.head_dim)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     if self.qk_norm:
-      q = layers.RMSNorm(dtype=self.dtype, param_dtype=self.param_dtype, axis_name='kv', name='q_norm')(q)
-      k = layers.RMSNorm(dtype=self.dtype, param_dtype=self.param_dtype, axis_name='kv', name='k_norm')(k)
-    q = nn.with_logical_constraint(q, ('batch', 'length', 'heads', 'kv'))
-    k = nn.with_logical_constraint(k, ('batch', 'length', 'heads', 'kv'))
-    v = nn.with_logical_constraint(v, ('batch', 'length', 'heads', 'kv'))
+      q = layers.RMSNorm(dtype=self.dtype, param_dtype=self.param_dtype, axis_name='kv',
+                         name='q_norm')(q)
+      k = layers.RMSNorm(dtype=self.dtype, param_dtype=self.param_dtype, axis_name='kv',
+                         name='k_norm')(k)
+    constrain = lambda a: nn.with_logical_constraint(a, ('batch', 'length', 'heads', 'kv'))
+    return constrain(q), constrain(k), constrain(v)
 
-    if cache:
-      out = self.decode_step(q, k, v, positions)
-    else:
-      out = self.attend(q, k, v, positions=positions, segment_ids=segment_ids,
-                        deterministic=deterministic)
-
+  def project_out(self, out, d_model: int):
+    """(batch, length, heads, head_dim) head outputs -> (batch, length, d_model)."""
+    b, t = out.shape[:2]
     w_o = self.param('out', nn.with_logical_partitioning(
         layers.default_kernel_init, ('heads', 'kv', 'embed')),
         (self.num_heads, self.head_dim, d_model), self.param_dtype)
     return jnp.dot(out.astype(self.dtype).reshape(b * t, -1),
-                   w_o.astype(self.dtype).reshape(-1, d_model)).reshape(b, t, d_model)
+                   w_o.astype(self.dtype).reshape(-1, d_model)).reshape(b, t, -1)
 
   def head_pattern(self, head: int):
     """The static pattern of `head` (models/attention/patterns.py); causal by default."""

@@ -1,0 +1,349 @@
+"""Adaptive attention span (Sukhbaatar et al., 2019): learned and dynamic spans.
+
+Every head attends to the keys r in [t - S, t - 1] (eq. 2-3: a token does not see itself)
+with the scores of eq. 1,
+
+    s_tr = q_t . (k_r + p_{t-r}),   p: relative position embeddings shared by the heads,
+
+and a soft mask on the distance x = t - r (section 2.2),
+
+    m_z(x) = clamp((R + z - x) / R, 0, 1),   a_tr = m_z(t-r) exp(s_tr) / sum_q m_z(t-q) exp(s_tq).
+
+'adaptive_span': z = S z' per head, z' in [0, 1] a parameter ('span_fraction', kept in the box
+by training/optimizer.py after every update). 'dynamic_span': z_t = S sigmoid(v . x_t + b) per
+token and head, b initialized to -4. Both sow the L1 penalty (lambda / M) sum_i z_i into
+'losses' (M = heads per layer; the dynamic penalty averages z_t over the scored tokens).
+
+Trimmed compute: a key at distance x >= R + z has weight 0, so only the last T keys are
+computed, T = ceil(max_h z_h + R) rounded up to `span_block` (`trimmed_span`). T is static:
+the training loop reads z after each update and recompiles only when a layer's T changes
+(attention_options.span_trim carries the per-layer T; absent, T = S). The queries of a block
+only multiply the keys within T of them, so the work is n T instead of n^2.
+
+Segment cache (Dai et al., 2019): with `span_memory`, each layer keeps the last S inputs of the
+previous segment in the 'memory' collection (stop-gradient) and attends into them, so queries
+see up to S tokens back across segment boundaries; data.packing='stream' gives consecutive
+segments of one text to each batch row, and the training loop carries the collection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.attention import base
+from models.attention import registry
+from models.attention.registry import register
+
+# Logical axes of the cached segment inputs.
+MEMORY_AXES = ('batch', 'length', 'embed')
+
+
+def soft_mask(x, z, ramp: float):
+  """m_z(x) = clamp((R + z - x) / R, 0, 1) (section 2.2); differentiable in z on the ramp."""
+  return jnp.clip((ramp + z - x) / ramp, 0.0, 1.0)
+
+
+def trimmed_span(max_z: float, *, ramp: int, limit: int, block: int) -> int:
+  """Keys a head with span <= max_z can weigh (x < R + z), rounded up to `block`, <= S."""
+  needed = max(1, math.ceil(max_z + ramp))
+  return int(min(limit, -(-needed // block) * block))
+
+
+def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span: int,
+                   block: int, scale: float, dtype):
+  """Soft-masked attention over the keys 1..`span` positions back, query block by block.
+
+  Args:
+    q: (batch, n, heads, head_dim) queries of the n current positions.
+    k, v: (batch, m + n, heads, head_dim): m cached positions, then the n current ones.
+    q_segments: (batch, n) document ids of the queries (0 = padding).
+    k_segments: (batch, m + n) document ids of the keys (-1 = empty cache slot).
+    rel: (>= span, head_dim) relative embeddings; row x - 1 is distance x (eq. 1's p_x).
+    z: spans, (heads,) or (batch, n, heads) per token.
+    ramp: R.
+    span: T, the farthest distance computed; exact when T >= ceil(max z + R) - 1.
+    block: query block length.
+    scale: logit multiplier.
+    dtype: dtype of the weights fed to the value matmul and of the output.
+
+  Returns:
+    (batch, n, heads, head_dim); a query with no key in reach outputs zeros.
+  """
+  b, n, h, d = q.shape
+  m = k.shape[1] - n
+  qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # (b, h, len, d)
+  z = jnp.asarray(z, jnp.float32)
+  zh = z[None, :, None, None] if z.ndim == 1 else jnp.swapaxes(z, 1, 2)[..., None]
+  p = rel[:span].astype(dtype)
+  outputs = []
+  for qs in range(0, n, block):
+    qe = min(qs + block, n)
+    # Query i is key index m + i; it sees keys m + i - T .. m + i - 1.
+    ks, ke = max(0, m + qs - span), m + qe - 1
+    if ke <= ks:
+      outputs.append(jnp.zeros((b, h, qe - qs, d), dtype))
+      continue
+    x = (m + np.arange(qs, qe))[:, None] - np.arange(ks, ke)[None, :]  # distances (q, k)
+    in_reach = jnp.asarray((x >= 1) & (x <= span))
+    same_doc = q_segments[:, None, qs:qe, None] == k_segments[:, None, None, ks:ke]
+    z_block = zh if z.ndim == 1 else zh[:, :, qs:qe]
+    live = in_reach & same_doc & (x < ramp + z_block)  # m_z(x) > 0
+    qb = qh[:, :, qs:qe]
+    logits = jnp.einsum('bhqd,bhkd->bhqk', qb, kh[:, :, ks:ke],
+                        preferred_element_type=jnp.float32)
+    # q . p_x for every distance once, then placed at each key (eq. 1's relative term).
+    qp = jnp.einsum('bhqd,xd->bhqx', qb, p, preferred_element_type=jnp.float32)
+    rows = np.arange(qe - qs)[:, None]
+    logits = (logits + qp[:, :, rows, np.clip(x - 1, 0, span - 1)]) * scale
+    logits = jnp.where(live, logits, base.NEG_INF)
+    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    w = jnp.where(live, soft_mask(x, z_block, ramp) * jnp.exp(logits - top), 0.0)
+    o = jnp.einsum('bhqk,bhkd->bhqd', w.astype(dtype), vh[:, :, ks:ke],
+                   preferred_element_type=jnp.float32)
+    s = jnp.sum(w, axis=-1, keepdims=True)
+    outputs.append(jnp.where(s > 0, o / jnp.where(s > 0, s, 1.0), 0.0).astype(dtype))
+  return jnp.swapaxes(jnp.concatenate(outputs, axis=2), 1, 2)
+
+
+def learned_layers(config) -> list[int]:
+  """Layers whose trimmed span follows their learned z (adaptive_span with span_learned)."""
+  if not dict(config.attention_options).get('span_learned', True):
+    return []
+  return [i for i, name in enumerate(config.attention)
+          if registry.get(name) is AdaptiveSpanAttention]
+
+
+def with_trims(config, params):
+  """`config` with attention_options.span_trim set from the current z' of each layer.
+
+  Reads one (heads,) vector per adaptive-span layer from `params` (a device-to-host copy);
+  layers without a learned span keep T = S.
+
+  Args:
+    config: a TransformerConfig.
+    params: the Decoder's (unboxed) parameters.
+
+  Returns:
+    The config, unchanged when no layer learns its span.
+  """
+  layers = learned_layers(config)
+  if not layers:
+    return config
+  opts = dict(config.attention_options)
+  limit = opts['span_limit']
+  fractions = jax.device_get([params[f'block_{i}']['attention']['span_fraction'] for i in layers])
+  trims = [limit] * config.n_layers
+  for i, frac in zip(layers, fractions):
+    trims[i] = trimmed_span(limit * float(np.max(frac)), ramp=opts['span_ramp'], limit=limit,
+                            block=opts['span_block'])
+  opts['span_trim'] = tuple(trims)
+  return dataclasses.replace(config, attention_options=tuple(sorted(opts.items())))
+
+
+@register('adaptive_span')
+class AdaptiveSpanAttention(base.MultiHeadAttention):
+  """Per-head learned span z = S z' (section 2.2).
+
+  Options (config.model.attention_options): span_limit S, span_ramp R, span_init (z' at
+  init), span_penalty lambda, span_block (trim granularity), span_learned (False: z = S, a
+  fixed-span baseline with the same machinery), span_memory (segment cache), span_trim
+  (per-layer T, set by the training loop).
+  """
+  # The trimmed span T differs between layers and is static: the decoder unrolls its layers.
+  uses_layer_index: ClassVar[bool] = True
+  dynamic: ClassVar[bool] = False
+
+  @classmethod
+  def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
+    del n_heads
+    limit, ramp = options.get('span_limit', 0), options.get('span_ramp', 0)
+    if limit < 1:
+      raise ValueError(f'attention_options.span_limit (S) must be >= 1, got {limit}')
+    if ramp < 1:
+      raise ValueError(f'attention_options.span_ramp (R) must be >= 1, got {ramp}')
+    if not 0.0 <= options.get('span_init', 0.0) <= 1.0:
+      raise ValueError(f'attention_options.span_init (z\' at init) must be in [0, 1], got '
+                       f'{options.get("span_init")}')
+    if options.get('span_penalty', 0.0) < 0:
+      raise ValueError(f'attention_options.span_penalty must be >= 0, got '
+                       f'{options.get("span_penalty")}')
+    if options.get('span_block', 0) < 1:
+      raise ValueError(f'attention_options.span_block must be >= 1, got '
+                       f'{options.get("span_block")}')
+    trim = options.get('span_trim')
+    if trim is not None and (len(trim) != n_layers or any(not 1 <= t <= limit for t in trim)):
+      raise ValueError(f'attention_options.span_trim={trim} must give each of the {n_layers} '
+                       f'layers a span in [1, span_limit={limit}]')
+
+  @classmethod
+  def extra_params(cls, config) -> int:
+    opts = dict(config.attention_options)
+    return opts['span_limit'] * config.head_dim + config.n_heads  # p_1..p_S and z'
+
+  @property
+  def limit(self) -> int:
+    return self.option('span_limit')
+
+  @property
+  def trim(self) -> int:
+    """T of this layer: the keys computed per query."""
+    for key, value in self.options:
+      if key == 'span_trim' and value is not None:
+        return value[self.layer_index]
+    return self.limit
+
+  @classmethod
+  def uses_memory(cls, options: dict) -> bool:
+    return bool(options.get('span_memory'))
+
+  def spans(self, x, segment_ids):
+    """z: (heads,) here; (batch, n, heads) for the dynamic span. Sows the L1 penalty."""
+    del x
+    init = self.option('span_init')
+    z_frac = self.param('span_fraction', nn.with_logical_partitioning(
+        nn.initializers.constant(init), ('heads',)), (self.num_heads,), jnp.float32)
+    if not self.option('span_learned'):
+      z = jnp.full((self.num_heads,), float(self.limit))
+      self.sow('intermediates', 'head_spans', z)
+      return z
+    z = self.limit * z_frac
+    # L = -log P + (lambda / M) sum_i z_i  (section 2.2)
+    self.sow('losses', 'span_penalty', self.option('span_penalty') / self.num_heads * jnp.sum(z))
+    self.sow('metrics', 'span_mean', jnp.mean(z))
+    self.sow('metrics', 'span_max', jnp.max(z))
+    self.sow('intermediates', 'head_spans', z)
+    return z
+
+  @nn.compact
+  def __call__(self, x, *, positions, segment_ids, cache=None, deterministic=True):
+    del deterministic
+    b, n, d_model = x.shape
+    z = self.spans(x, segment_ids)
+    rel = self.param('rel_pos', nn.with_logical_partitioning(
+        nn.initializers.normal(1.0), (None, 'kv')), (self.limit, self.head_dim),
+        self.param_dtype)  # p_1 .. p_S, shared by the heads (section 3).
+    if cache:
+      q, k, v = self.project(x)
+      return self.project_out(self.decode_step(q, k, v, z, rel), d_model)
+    k_segments, context = segment_ids, x
+    if self.uses_memory(dict(self.options)):
+      context, k_segments = self._with_memory(x, segment_ids)
+    q, k, v = self.project(context)
+    q = q[:, context.shape[1] - n:]
+    impl_block = n if self.impl == 'xla' else self.block_size
+    out = span_attention(q, k, v, segment_ids, k_segments, rel, z,
+                         ramp=self.option('span_ramp'), span=self.trim, block=impl_block,
+                         scale=self.head_dim ** -0.5, dtype=self.dtype)
+    return self.project_out(out, d_model)
+
+  def _with_memory(self, x, segment_ids):
+    """[last T cached inputs; x] and their document ids; caches the last S inputs of x."""
+    b, n, d_model = x.shape
+    limit, trim = self.limit, self.trim
+    hidden = self.variable('memory', 'hidden', nn.with_logical_partitioning(
+        jnp.zeros, MEMORY_AXES), (b, limit, d_model), self.dtype)
+    ids = self.variable('memory', 'segment_ids', nn.with_logical_partitioning(
+        lambda shape: jnp.full(shape, -1, jnp.int32), ('batch', 'length')), (b, limit))
+    past, past_ids = nn.unbox(hidden.value), nn.unbox(ids.value)
+    if past.shape[0] != b:
+      raise ValueError(f'the segment cache holds {past.shape[0]} rows but the batch has {b}: '
+                       'carry the memory of the same batch size (attention_options.span_memory)')
+    context = jnp.concatenate([jax.lax.stop_gradient(past[:, limit - trim:]).astype(self.dtype),
+                               x.astype(self.dtype)], axis=1)
+    k_segments = jnp.concatenate([past_ids[:, limit - trim:], segment_ids], axis=1)
+    if self.is_mutable_collection('memory') and not self.is_initializing():
+      hidden.value = jax.lax.stop_gradient(
+          jnp.concatenate([past, x.astype(past.dtype)], axis=1)[:, -limit:])
+      ids.value = jnp.concatenate([past_ids, segment_ids], axis=1)[:, -limit:]
+    return context, k_segments
+
+  def decode_step(self, q, k, v, z, rel):
+    """One token; the cache keeps the last T keys (T = this layer's trimmed span).
+
+    Args:
+      q, k, v: (batch, 1, heads, head_dim).
+      z: (heads,) or (batch, 1, heads) spans.
+      rel: (S, head_dim) relative embeddings.
+
+    Returns:
+      (batch, 1, heads, head_dim).
+    """
+    b, t, h, d = q.shape
+    trim = self.trim
+    ck = self.variable('cache', 'key', jnp.zeros, (b, trim, h, d), k.dtype)
+    cv = self.variable('cache', 'value', jnp.zeros, (b, trim, h, d), v.dtype)
+    pos = self.variable('cache', 'position', lambda: jnp.full((trim,), -1, jnp.int32))
+    index = self.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
+    if self.is_initializing():
+      return jnp.zeros_like(q)
+    if t != 1:
+      raise ValueError(f'decoding takes one token per call, got {t}')
+    step = index.value
+    x = (step - pos.value).astype(jnp.float32)  # (trim,) distances of the cached keys
+    live = (pos.value >= 0)[None, None, :]
+    z = jnp.asarray(z, jnp.float32)
+    z = z[None, :, None] if z.ndim == 1 else z[:, 0, :, None]  # (b or 1, h, 1)
+    live = live & (x[None, None, :] < self.option('span_ramp') + z)
+    qp = jnp.einsum('bhd,xd->bhx', q[:, 0], rel[:trim].astype(q.dtype),
+                    preferred_element_type=jnp.float32)
+    slot_distance = jnp.clip(x.astype(jnp.int32) - 1, 0, trim - 1)
+    logits = (jnp.einsum('bhd,bchd->bhc', q[:, 0], ck.value, preferred_element_type=jnp.float32)
+              + qp[:, :, slot_distance]) * d ** -0.5
+    logits = jnp.where(live, logits, base.NEG_INF)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    w = jnp.where(live, soft_mask(x[None, None], z, self.option('span_ramp'))
+                  * jnp.exp(logits - top), 0.0)
+    s = jnp.sum(w, axis=-1, keepdims=True)
+    out = jnp.einsum('bhc,bchd->bhd', (w / jnp.where(s > 0, s, 1.0)).astype(self.dtype), cv.value)
+    # The token joins the cache after attending (it does not see itself).
+    slot = step % trim
+    ck.value = ck.value.at[:, slot].set(k[:, 0])
+    cv.value = cv.value.at[:, slot].set(v[:, 0])
+    pos.value = pos.value.at[slot].set(step)
+    index.value = step + 1
+    return out[:, None].astype(self.dtype)
+
+
+@register('dynamic_span')
+class DynamicSpanAttention(AdaptiveSpanAttention):
+  """Per-token span z_t = S sigmoid(v . x_t + b) (section 2.2, 'Dynamic attention span').
+
+  z_t depends on the input, so no static trim below S exists: every query computes the S
+  keys before it (still n S work, not n^2).
+  """
+  dynamic: ClassVar[bool] = True
+
+  @classmethod
+  def extra_params(cls, config) -> int:
+    opts = dict(config.attention_options)
+    return opts['span_limit'] * config.head_dim + (config.d_model + 1) * config.n_heads
+
+  @property
+  def trim(self) -> int:
+    return self.limit
+
+  def spans(self, x, segment_ids):
+    w = self.param('span_v', nn.with_logical_partitioning(
+        nn.initializers.zeros, ('embed', 'heads')), (x.shape[-1], self.num_heads), jnp.float32)
+    bias = self.param('span_b', nn.with_logical_partitioning(
+        nn.initializers.constant(self.option('dynamic_span_bias')), ('heads',)),
+        (self.num_heads,), jnp.float32)
+    z = self.limit * jax.nn.sigmoid(
+        jnp.einsum('bnd,dh->bnh', x.astype(jnp.float32), w) + bias)  # z_t = S sigma(v.x_t + b)
+    real = (segment_ids > 0).astype(jnp.float32)[..., None]
+    mean_z = jnp.sum(z * real, axis=(0, 1)) / jnp.maximum(jnp.sum(real), 1.0)  # (h,)
+    self.sow('losses', 'span_penalty',
+             self.option('span_penalty') / self.num_heads * jnp.sum(mean_z))
+    self.sow('metrics', 'span_mean', jnp.mean(mean_z))
+    self.sow('metrics', 'span_max', jnp.max(jnp.where(real > 0, z, 0.0)))
+    self.sow('intermediates', 'head_spans', mean_z)
+    self.sow('intermediates', 'token_spans', jnp.mean(z, axis=-1))  # figure 5
+    return z
+

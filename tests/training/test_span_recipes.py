@@ -1,0 +1,65 @@
+"""Adaptive and dynamic spans in the real training loop (configs/tiny.py, Variable Assignment).
+
+Spans start at z = 2 (reach z + R = 6, trimmed span T = 8 with span_block 4) under a strong
+L1 penalty (lambda = 1), so they shrink to the box's floor z = 0 within ~15 steps; when a
+layer's z + R falls to 4 its T crosses a block and the loop compiles the step for the new T
+(and only then). Measured on 2 CPU cores (about 10 s a run).
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from training import train
+
+STEPS = 40
+OPTIONS = {'span_limit': 16, 'span_ramp': 4, 'span_init': 0.125, 'span_block': 4,
+           'span_penalty': 1.0, 'span_memory': False}
+
+
+def _run(harness, tmp_path, name, monkeypatch):
+  compiled = []
+  original = train.jit_train_step
+
+  def counting(setup, model=None):
+    compiled.append(dict((model or setup.model).config.attention_options).get('span_trim'))
+    return original(setup, model)
+
+  monkeypatch.setattr(train, 'jit_train_step', counting)
+  extra = {'model.attention': name, 'model.position_embedding': 'none', 'total_steps': STEPS,
+           'learning_rate': 0.01, 'warmup_steps': 5, 'checkpoint_every_steps': STEPS,
+           'model.attention_block_size': 8}
+  extra.update({f'model.attention_options.{k}': v for k, v in OPTIONS.items()})
+  config = harness.config(extra)
+  state = train.train_and_evaluate(config, str(tmp_path))
+  return state, compiled
+
+
+def test_adaptive_span_trains_and_recompiles_only_when_a_span_crosses_a_block(
+    harness, tmp_path, monkeypatch):
+  state, compiled = _run(harness, tmp_path, 'adaptive_span', monkeypatch)
+  assert int(state.step) == STEPS
+  fractions = np.stack([np.asarray(jax.device_get(
+      state.params[f'block_{i}']['attention']['span_fraction'])) for i in range(2)])
+  assert np.all((fractions >= 0) & (fractions <= 1))
+  assert np.all(fractions == 0.0), fractions  # Pushed down to the floor and kept there.
+  # T = 8 per layer at first (ceil(2 + 4) rounded up to 4), then 4 once z + R <= 4; one
+  # compile per distinct trim, never one per step.
+  assert compiled[0] == (8, 8) and compiled[-1] == (4, 4), compiled
+  assert len(set(compiled)) == len(compiled) <= 3, compiled
+
+
+def test_dynamic_span_trains(harness, tmp_path, monkeypatch):
+  state, compiled = _run(harness, tmp_path, 'dynamic_span', monkeypatch)
+  assert int(state.step) == STEPS and compiled == [None]  # No trim: one compile.
+  assert np.isfinite(np.asarray(jax.device_get(state.params['block_0']['attention']['span_b']))).all()
+
+
+@pytest.mark.parametrize('extra,match', [
+    ({'model.attention_options.span_memory': True}, "data.packing='stream'"),
+])
+def test_memory_needs_a_stream(harness, tmp_path, extra, match):
+  config = harness.config({'model.attention': 'adaptive_span',
+                           'model.position_embedding': 'none', **extra})
+  with pytest.raises(ValueError, match=match):
+    train.build(config)
