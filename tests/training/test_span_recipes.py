@@ -6,11 +6,14 @@ layer's z + R falls to 4 its T crosses a block and the loop compiles the step fo
 (and only then). Measured on 2 CPU cores (about 10 s a run).
 """
 
+import json
+import os
+
 import jax
 import numpy as np
 import pytest
 
-from training import train
+from training import inspect, train
 
 STEPS = 40
 OPTIONS = {'span_limit': 16, 'span_ramp': 4, 'span_init': 0.125, 'span_block': 4,
@@ -47,6 +50,21 @@ def test_adaptive_span_trains_and_recompiles_only_when_a_span_crosses_a_block(
   # compile per distinct trim, never one per step.
   assert compiled[0] == (8, 8) and compiled[-1] == (4, 4), compiled
   assert len(set(compiled)) == len(compiled) <= 3, compiled
+
+  # --mode=inspect reads the checkpoint: spans per head (all 0 here), FLOPs and cache.
+  config = harness.config({'model.attention': 'adaptive_span',
+                           'model.position_embedding': 'none',
+                           **{f'model.attention_options.{k}': v for k, v in OPTIONS.items()}})
+  paths = inspect.inspect(config, str(tmp_path))
+  with open(paths['spans_json']) as f:
+    report = json.load(f)
+  assert report['head_spans'] == [[0.0, 0.0], [0.0, 0.0]] and report['trimmed_spans'] == [4, 4]
+  heads, d = 2, 64
+  assert report['attention_flops_per_token']['trimmed'] == 4 * d * heads * (4 + 4)
+  assert report['attention_flops_per_token']['full_span'] == 4 * d * heads * 16 * 2
+  assert report['decode_cache_bytes_per_row'] == {'trimmed': 2 * heads * d * 4 * 8,
+                                                  'full_span': 2 * heads * d * 4 * 32}
+  assert os.path.getsize(paths['spans_png']) > 0
 
 
 def test_dynamic_span_trains(harness, tmp_path, monkeypatch):
