@@ -154,6 +154,9 @@ def _text_source(config, process_index, process_count, workdir) -> DataSource:
   stream = data.packing == 'stream'
   # Over several processes the state is gathered as <= packing.STATE_BYTES of JSON each.
   state_limit = packing.STATE_BYTES if process_count > 1 else None
+  if stream and state_limit:  # Fail now if even the smallest state of local_rows cannot fit.
+    packing.StreamState(local_rows, tuple(
+        (d, 0, packing.segment_id(d)) for d in range(local_rows))).to_json(state_limit)
 
   def to_json(cursor):
     return cursor.to_json(state_limit) if stream else dataclasses.asdict(cursor)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import json
 from typing import Iterable, Iterator
 
@@ -204,9 +205,13 @@ class StreamState:
     """The first document a resume reads: the oldest open one, else the next unread one."""
     return min((s[0] for s in self.streams if s), default=self.next)
 
+  @functools.cached_property
+  def _open(self) -> frozenset[int]:
+    return frozenset(s[0] for s in self.streams if s)
+
   def needs(self, doc: int) -> bool:
     """Whether document `doc` (>= first) is read on resume: open in a stream, or not dealt."""
-    return doc >= self.next or doc in {s[0] for s in self.streams if s}
+    return doc >= self.next or doc in self._open
 
   def to_json(self, limit: int | None = STATE_BYTES) -> dict:
     """The state as a small JSON-able dict.

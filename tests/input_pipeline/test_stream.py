@@ -307,6 +307,15 @@ def test_eval_covers_the_split_once_in_stream_layout(c4, spm_path, kit, tmp_path
       assert np.all(b['inputs'] == PAD)
 
 
+def test_too_many_rows_per_process_for_the_gathered_state(c4, spm_path, kit, tmp_path):
+  config = kit.config({'data.data_dir': c4.data_dir, 'data.vocab_path': spm_path,
+                       'data.packing': 'stream', 'batch_size': 2 * 400})
+  with pytest.raises(ValueError, match=r"data\.packing='stream'.*fewer rows per process"):
+    input_pipeline.make_source(config, workdir=str(tmp_path), process_count=2)
+  # One process gathers nothing: any number of rows works.
+  input_pipeline.make_source(config, workdir=str(tmp_path)).close()
+
+
 def test_stream_with_a_synthetic_task_is_refused(kit):
   for task in ('parity', 'copy'):
     config = kit.config({'data.name': task, 'data.packing': 'stream', 'eval_steps': 1})
