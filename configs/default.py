@@ -72,7 +72,9 @@ def get_config() -> ml_collections.ConfigDict:
   data.vocab_path = ''                  # SentencePiece model file (local or gs://); '' = workdir/vocab/.
                                         # Trained there on first use, reused afterwards.
   data.spm_sample_docs = 50_000         # Training-split documents SentencePiece learns from.
-  data.packing = 'packed'               # 'packed' (documents as segments) or 'concat' (chunked stream).
+  data.packing = 'packed'               # 'packed' | 'concat' | 'stream' (row r of consecutive
+                                        # batches continues one text stream: for segment-recurrent
+                                        # attention).
   data.pack_min_piece = 64              # 'packed': cut a document to fill a row if >= this many
                                         # tokens fit; 0 = only cut documents longer than a row.
   data.pack_align = 1                   # 'packed': documents start at multiples of this (set it to

@@ -2,6 +2,8 @@
 
 A batch is a dict of (rows, seq_len) arrays: 'inputs', 'targets', 'weights' (1 where the
 loss counts), 'positions' (within each document) and 'segment_ids' (document ids, 0 = pad).
+With data.packing='stream' (text sources), row r of consecutive training batches continues one
+text stream, for segment-level recurrence; see input_pipeline/packing.py.
 """
 
 import dataclasses
@@ -64,7 +66,12 @@ def make_source(config, *, process_index: int = 0, process_count: int = 1,
     A DataSource.
   """
   name = config.data.name
+  if config.data.packing not in packing.MODES:
+    raise ValueError(f'data.packing must be one of {packing.MODES}, got {config.data.packing!r}')
   if name in synthetic.TASKS:
+    if config.data.packing == 'stream':
+      raise ValueError(f"data.packing='stream' needs a text source ({', '.join(text.TFDS_NAMES)}); "
+                       f'the synthetic task {name!r} has independent examples')
     if config.eval_every_steps and config.eval_steps < 1:
       raise ValueError(f'eval_steps={config.eval_steps}: a synthetic task has no finite split; '
                        'give the number of validation batches (>= 1)')
@@ -102,8 +109,6 @@ def _text_source(config, process_index, process_count, workdir) -> DataSource:
                      ('eval batch size', config.eval_batch_size or config.batch_size)):
     if rows % process_count:
       raise ValueError(f'{name}={rows} is not divisible by the {process_count} processes')
-  if data.packing not in packing.MODES:
-    raise ValueError(f'data.packing must be one of {packing.MODES}, got {data.packing!r}')
   if data.pack_min_piece < 0:
     raise ValueError(f'data.pack_min_piece must be >= 0, got {data.pack_min_piece}')
   if data.pack_align < 1 or config.seq_len % data.pack_align:
@@ -146,11 +151,27 @@ def _text_source(config, process_index, process_count, workdir) -> DataSource:
   local_eval_rows = (config.eval_batch_size or config.batch_size) // process_count
   readers = []
 
+  stream = data.packing == 'stream'
+  # Over several processes the state is gathered as <= packing.STATE_BYTES of JSON each.
+  state_limit = packing.STATE_BYTES if process_count > 1 else None
+  if stream and state_limit:  # Fail now if even the smallest state of local_rows cannot fit.
+    packing.StreamState(local_rows, tuple(
+        (d, 0, packing.segment_id(d)) for d in range(local_rows))).to_json(state_limit)
+
+  def to_json(cursor):
+    return cursor.to_json(state_limit) if stream else dataclasses.asdict(cursor)
+
   def train_iter(step, state=None):
     del step  # The cursor says where the stream is.
-    cursor = packing.Cursor(**state) if state else packing.Cursor()
+    if stream:
+      cursor = packing.StreamState.from_json(state) if state else packing.StreamState()
+    elif state and set(state) != {'doc', 'offset'}:
+      raise ValueError(f'data state {state!r} is not a data.packing={data.packing!r} state (was '
+                       'the checkpoint written with another data.packing?)')
+    else:
+      cursor = packing.Cursor(**state) if state else packing.Cursor()
     it = text.Prefetch(
-        ((b, dataclasses.asdict(c)) for b, c in text.train_batches(
+        ((b, to_json(c)) for b, c in text.train_batches(
             builder, tokenizer, data, split=train_split, seq_len=config.seq_len,
             rows_per_batch=local_rows, seed=config.seed, cursor=cursor)),
         depth=data.prefetch_batches)

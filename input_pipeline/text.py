@@ -2,14 +2,18 @@
 
   documents (tf.data: per-process split, seeded file shuffle, repeat, shuffle buffer, skip)
     -> tokenizer (SentencePiece or bytes, batched on the host)
-    -> packing.rows (packed documents or concat-and-chunk)
+    -> packing.rows (packed documents or concat-and-chunk), or packing.stream_batches
+       (data.packing='stream': row r of consecutive batches continues one text stream)
     -> per-process batches, built ahead of the train step by a background thread.
 
 Exact resume: the document order is a pure function of the seed (seeded file shuffle and
 shuffle buffer, deterministic tf.data), so the stream position after any batch is a
 `packing.Cursor` (document index, token offset). The training loop checkpoints the cursor of
 the last batch it consumed; a restart skips that many documents (read, not tokenized) and
-continues the same rows. Each process has its own cursor.
+continues the same rows. Each process has its own cursor. With data.packing='stream' the
+position is a `packing.StreamState` (next unread document; per row, its open document and
+offset): a restart re-reads from the oldest open document, tokenizing only the open ones and
+those not dealt yet. Eval in that layout deals the validation split to the rows in order.
 """
 
 from __future__ import annotations
@@ -128,8 +132,16 @@ def tokenized(docs: Iterator[bytes], tokenizer) -> Iterator[np.ndarray]:
 
 
 def train_batches(builder, tokenizer, data_cfg, *, split: str, seq_len: int, rows_per_batch: int,
-                  seed: int, cursor: packing.Cursor) -> Iterator[tuple[dict, packing.Cursor]]:
-  """Endless (batch, cursor after the batch) from `cursor` on; the same for the same arguments."""
+                  seed: int, cursor: packing.Cursor | packing.StreamState
+                  ) -> Iterator[tuple[dict, packing.Cursor | packing.StreamState]]:
+  """Endless (batch, cursor after the batch) from `cursor` on; the same for the same arguments.
+
+  With data.packing='stream', `cursor` and the yielded positions are `packing.StreamState`s.
+  """
+  if data_cfg.packing == 'stream':
+    yield from _stream_train_batches(builder, tokenizer, data_cfg, split=split, seq_len=seq_len,
+                                     rows_per_batch=rows_per_batch, seed=seed, state=cursor)
+    return
   docs = documents(builder, split, text_key=data_cfg.text_key, seed=seed, shuffle=True,
                    repeat=True, shuffle_buffer=data_cfg.shuffle_buffer, skip=cursor.doc)
   stream = packing.rows(tokenized(docs, tokenizer), seq_len, data_cfg.packing, cursor,
@@ -142,14 +154,40 @@ def train_batches(builder, tokenizer, data_cfg, *, split: str, seq_len: int, row
     yield packing.stack(rows), cursor
 
 
+def _stream_train_batches(builder, tokenizer, data_cfg, *, split, seq_len, rows_per_batch, seed,
+                          state: packing.StreamState):
+  start = state.first
+  docs = documents(builder, split, text_key=data_cfg.text_key, seed=seed, shuffle=True,
+                   repeat=True, shuffle_buffer=data_cfg.shuffle_buffer, skip=start)
+  # Documents dealt before `state` and since consumed are read but not tokenized.
+  needed = (d for i, d in enumerate(docs, start) if state.needs(i))
+  yield from packing.stream_batches(tokenized(needed, tokenizer), seq_len, rows_per_batch, state)
+
+
 def eval_batches(builder, tokenizer, data_cfg, *, split: str, seq_len: int, rows_per_batch: int,
                  max_batches: int) -> Iterator[dict]:
   """The validation batches, in file order: exactly `max_batches`, or the whole split if <= 0.
 
   Rows that score nothing fill the last batch of the split and, with `max_batches`, any
-  batches past its end, so every host runs the same number of eval steps.
+  batches past its end, so every host runs the same number of eval steps. With
+  data.packing='stream' the documents are dealt to the rows as in training (row r of
+  consecutive batches continues one stream) until every stream has run out; the pair (EOS,
+  next BOS) is not scored, so the scored pairs are those of 'packed' eval.
   """
   docs = documents(builder, split, text_key=data_cfg.text_key)
+  if data_cfg.packing == 'stream':
+    batches = (b for b, _ in packing.stream_batches(
+        tokenized(docs, tokenizer), seq_len, rows_per_batch, score_boundaries=False))
+    count = 0
+    for batch in batches:
+      if 0 < max_batches <= count:
+        return
+      yield batch
+      count += 1
+    while count < max_batches:
+      yield packing.stack([packing.padding_row(seq_len)] * rows_per_batch)
+      count += 1
+    return
   stream = packing.rows(tokenized(docs, tokenizer), seq_len, 'packed',
                         align=data_cfg.pack_align)
   count = 0

@@ -102,7 +102,8 @@ def test_unknown_packing_mode(c4, spm_path, kit, no_compute, tmp_path):
   config = kit.config({'data.data_dir': c4.data_dir, 'data.vocab_path': spm_path,
                        'data.packing': 'pack'})
   _fails_before_compute(config, tmp_path / 'run', ValueError,
-                        r"data\.packing must be one of \('packed', 'concat'\), got 'pack'")
+                        r"data\.packing must be one of "
+                        r"\('packed', 'concat', 'stream'\), got 'pack'")
 
 
 def test_negative_pack_min_piece(c4, spm_path, kit, no_compute, tmp_path):
