@@ -82,7 +82,12 @@ def _warn_unaligned_packing(config, model_config) -> None:
 
 
 def _check_memory(config, model_config) -> None:
-  """Segment memory needs consecutive segments of one stream in each batch row."""
+  """Segment memory needs consecutive segments of one stream in each batch row; stream rows
+  carry document positions longer than any position table."""
+  if config.data.packing == 'stream' and model_config.position_embedding != 'none':
+    raise ValueError('data.packing=\'stream\' positions grow past the position table: set '
+                     'model.position_embedding=\'none\' and use a variant with relative '
+                     'positions (adaptive_span)')
   if not model_config.uses_memory:
     return
   if config.data.name not in input_pipeline.text.TFDS_NAMES or config.data.packing != 'stream':
@@ -92,9 +97,6 @@ def _check_memory(config, model_config) -> None:
   if config.grad_accum_steps != 1:
     raise ValueError('attention_options.span_memory needs grad_accum_steps=1 (micro-batches '
                      'would split the streams)')
-  if model_config.position_embedding != 'none':
-    raise ValueError('data.packing=\'stream\' positions grow past the position table: set '
-                     'model.position_embedding=\'none\' (the variant has relative positions)')
 
 
 def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None = None) -> Setup:

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+from configs import adaptive_span_char
 from training import inspect, train
 
 STEPS = 40
@@ -81,3 +82,39 @@ def test_memory_needs_a_stream(harness, tmp_path, extra, match):
                            'model.position_embedding': 'none', **extra})
   with pytest.raises(ValueError, match=match):
     train.build(config)
+
+
+def _stream_config(tmp_path, total_steps):
+  text = tmp_path / 'corpus.txt'
+  if not text.exists():
+    rng = np.random.default_rng(0)
+    words = ['alpha', 'beta', 'gamma', 'delta', 'to', 'be', 'or', 'not', 'the', 'question']
+    text.write_text(' '.join(rng.choice(words, 6000)))
+  config = adaptive_span_char.get_config()
+  config.data.files = str(text)
+  config.data.data_dir = str(tmp_path / 'tfds')
+  config.data.chunk_bytes = 2048
+  config.data.prefetch_batches = 1
+  config.model.update(d_model=32, n_heads=2, n_layers=2, attention_block_size=8)
+  config.model.attention_options.update(span_limit=24, span_ramp=4, span_block=8,
+                                        span_init=0.3, span_penalty=0.01)
+  config.update(seq_len=16, batch_size=2, total_steps=total_steps, warmup_steps=2,
+                learning_rate=0.01, log_every_steps=2, eval_every_steps=0, eval_steps=2,
+                checkpoint_every_steps=3, peak_tflops_per_device=1.0,
+                async_checkpointing=False)
+  return config
+
+
+def test_segment_memory_is_carried_and_resumes_exactly(tmp_path):
+  """A run stopped at step 3 and resumed to 6 equals a run straight to 6: the checkpoint
+  holds the memory of every layer and the stream positions of every row."""
+  straight = train.train_and_evaluate(_stream_config(tmp_path, 6), str(tmp_path / 'straight'))
+  train.train_and_evaluate(_stream_config(tmp_path, 3), str(tmp_path / 'resumed'))
+  resumed = train.train_and_evaluate(_stream_config(tmp_path, 6), str(tmp_path / 'resumed'))
+  memory = straight.memory['block_1']['attention']
+  assert memory['hidden'].shape == (2, 24, 32)
+  assert np.all(np.asarray(memory['segment_ids']) > 0)  # Filled with the streams' documents.
+  for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+  result = train.evaluate(_stream_config(tmp_path, 6), str(tmp_path / 'straight'))
+  assert np.isfinite(result['bits_per_byte'])
