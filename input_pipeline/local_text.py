@@ -190,7 +190,12 @@ def prepare(data_cfg, *, process_index: int = 0, wait_seconds: float = 3600.0) -
   builder = LocalText(config=config, data_dir=data_cfg.data_dir or None)
   if not builder.is_prepared():
     if process_index == 0:
-      builder.download_and_prepare()
+      try:
+        builder.download_and_prepare()
+      except FileExistsError:  # Another job prepared the same files at the same time.
+        builder = LocalText(config=config, data_dir=data_cfg.data_dir or None)
+        if not builder.is_prepared():
+          raise
     else:
       deadline = time.time() + wait_seconds
       while not builder.is_prepared():

@@ -20,7 +20,6 @@ import tensorflow_datasets as tfds
 
 from configs import default
 from input_pipeline import tokenizers
-from training import flops, train
 
 tfds.disable_progress_bar()
 
@@ -239,14 +238,3 @@ def _compile_cache(_compile_cache_dir):
   compilation_cache.reset_cache()
 
 
-@pytest.fixture
-def no_compute(monkeypatch):
-  """Makes any compiled compute (or the matmul peak measurement) fail the test."""
-
-  def fail(*args, **kwargs):
-    del args, kwargs
-    pytest.fail('compute started before the bad input was reported')
-
-  for name in ('init_state', 'jit_train_step', 'jit_eval_step', 'run_eval'):
-    monkeypatch.setattr(train, name, fail)
-  monkeypatch.setattr(flops, 'measure_matmul_peak', fail)
