@@ -33,10 +33,10 @@ class MetricLogger:
         self._start_step, self._start = step, time.time()
       done = step - self._start_step
       eta = (time.time() - self._start) / done * (self._total - step) if done > 0 else float('nan')
-      logging.info('step %d/%d  loss %.4f  acc %.3f  lr %.2e  |g| %.3f  tok/s %.0f  MFU %.1f%%  ETA %s',
+      logging.info('step %d/%d  loss %.4f  acc %.3f  lr %.2e  |g| %.3f  tok/s %.0f  MFU %.1f%%  ETA %s%s',
                    step, self._total, scalars['loss'], scalars['accuracy'], scalars['learning_rate'],
                    scalars['grad_norm'], scalars['tokens_per_sec'], 100 * scalars['mfu'],
-                   _fmt_time(eta))
+                   _fmt_time(eta), _per_layer(scalars))
     else:
       logging.info('%s step %d  %s', prefix, step,
                    '  '.join(f'{k} {v:.4f}' for k, v in sorted(scalars.items())))
@@ -45,6 +45,22 @@ class MetricLogger:
     """Flushes and closes the writers."""
     self._writer.flush()
     self._writer.close()
+
+
+def _per_layer(scalars: dict[str, float]) -> str:
+  """Sown per-layer metrics ('span_max/block_0', ...) as '  span_max [12 40]'."""
+  groups: dict[str, list[tuple[str, float]]] = {}
+  for key, value in scalars.items():
+    if '/' in key:
+      name, layer = key.split('/', 1)
+      groups.setdefault(name, []).append((layer, value))
+
+  def order(item):  # block_2 before block_10
+    digits = ''.join(c for c in item[0] if c.isdigit())
+    return (int(digits) if digits else 0, item[0])
+
+  return ''.join(f'  {name} [{" ".join(f"{v:.0f}" for _, v in sorted(vals, key=order))}]'
+                 for name, vals in sorted(groups.items()))
 
 
 def _fmt_time(seconds: float) -> str:
