@@ -60,10 +60,9 @@ def _attend(q, k, v, segment_ids, impl='xla', selection=None, block=8, **opts):
   module = SEL.SelectiveAttention(num_heads=h, head_dim=d, qk_norm=False, impl=impl,
                                   block_size=block, max_len=n, num_layers=2,
                                   options=tuple(sorted({**ALL_ON, **opts}.items())))
-  out, sown = module.apply({}, q, k, v, positions=None, segment_ids=segment_ids,
-                           deterministic=True, selection=selection, method='attend',
-                           mutable=['losses', 'intermediates'])
-  return out, sown
+  return jax.jit(lambda q, k, v, seg, sel: module.apply(
+      {}, q, k, v, positions=None, segment_ids=seg, deterministic=True, selection=sel,
+      method='attend', mutable=['losses', 'intermediates']))(q, k, v, segment_ids, selection)
 
 
 @pytest.mark.parametrize('impl', ['xla', 'blocksparse', 'fused'])
@@ -130,16 +129,14 @@ def test_blocksparse_equals_reference_values_and_gradients(ablation):
     aux = sum(jnp.sum(x) for x in jax.tree.leaves(sown['losses']))
     return jnp.sum(jnp.sin(out) * (seg > 0)[..., None, None]) + 10 * aux
 
-  ref = jax.value_and_grad(lambda *a: loss('xla', *a), argnums=(0, 1, 2, 3, 4))(q, k, v, qs, ks)
-  blk = jax.value_and_grad(lambda *a: loss('blocksparse', *a), argnums=(0, 1, 2, 3, 4))(
+  ref = jax.jit(jax.value_and_grad(lambda *a: loss('xla', *a), argnums=(0, 1, 2, 3, 4)))(
+      q, k, v, qs, ks)
+  blk = jax.jit(jax.value_and_grad(lambda *a: loss('blocksparse', *a), argnums=(0, 1, 2, 3, 4)))(
       q, k, v, qs, ks)
   np.testing.assert_allclose(blk[0], ref[0], rtol=1e-5)
   for a, b in zip(ref[1], blk[1]):
     np.testing.assert_allclose(b, a, atol=1e-4, rtol=1e-4)
     assert float(jnp.abs(a).max()) > 0
-  # Head 0's gradient carries F's (the selection); the heads stay coupled only through it.
-  ref_head0 = jax.grad(lambda q: loss('xla', q, k, v, qs, ks))(q)
-  assert float(jnp.abs(ref_head0).max()) > 0
 
 
 def _m_loop(f, seg, tau):
@@ -169,15 +166,16 @@ def test_memory_loss_equals_eq_2_on_a_hand_built_f():
   model = _model(selective_lmem_eps=0.1)
   tokens = jnp.asarray(rng.integers(0, 40, (2, 8)))
   params = model.init(jax.random.key(0), tokens)['params']
-  _, sown = model.apply({'params': params}, tokens, segment_ids=jnp.asarray(seg),
-                        mutable=['losses', 'intermediates'])
+  _, sown = jax.jit(lambda p: model.apply({'params': p}, tokens, segment_ids=jnp.asarray(seg),
+                                          mutable=['losses', 'intermediates']))(params)
   n_real = int((seg > 0).sum())
   want = 0.0
   for layer in range(2):  # selection_F holds row 0 only: build the loss from row 0.
     fl = np.asarray(sown['intermediates'][f'block_{layer}']['attention']['selection_F'][0])
     want += 0.1 * _m_loop(fl[None], seg[:1], 1.0) / (2 * n_real)
-  _, sown0 = model.apply({'params': params}, tokens[:1], segment_ids=jnp.asarray(seg[:1]),
-                         mutable=['losses'])
+  _, sown0 = jax.jit(lambda p: model.apply({'params': p}, tokens[:1],
+                                           segment_ids=jnp.asarray(seg[:1]),
+                                           mutable=['losses']))(params)
   got = sum(float(jnp.sum(x)) for x in jax.tree.leaves(sown0['losses']))
   np.testing.assert_allclose(got, want * n_real / int((seg[:1] > 0).sum()), rtol=1e-5)
   assert got > 0
