@@ -318,3 +318,13 @@ def test_all_switch_combinations_build():
   for combo in itertools.product([False, True], repeat=4):
     opts = dict(zip(sorted(ALL_ON), combo))
     assert _model(**opts).config.attention == ('selective', 'selective')
+
+
+def test_separate_bilinear_adds_counted_parameters():
+  tokens = jnp.zeros((1, 8), jnp.int32)
+  for bilinear in (False, True):
+    model = _model(selective_separate_bilinear=bilinear)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens))['params']
+    count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    assert count == model.config.num_params()
+  assert count == _model().config.num_params() + 2 * (2 * 32 * 16 + 2 * 16)  # 2 layers
