@@ -221,10 +221,10 @@ class SelectiveAttention(base.MultiHeadAttention):
                      mask_diag=self.opt('selective_mask_diag'))
 
   def _sow_memory_loss(self, doc_max_total, segment_ids):
+    """eq. 2: eps sum_l max_i M^l_i / (L n_{!=pad}), this layer's share, into 'losses'."""
     eps = float(self.opt('selective_lmem_eps'))
-    if eps > 0:  # eq. 2: eps sum_l max_i M^l_i / (L n_{!=pad}), this layer's share.
-      n_real = jnp.maximum(jnp.sum(segment_ids > 0), 1).astype(jnp.float32)
-      self.sow('losses', 'selective_lmem', eps * doc_max_total / (self.num_layers * n_real))
+    n_real = jnp.maximum(jnp.sum(segment_ids > 0), 1).astype(jnp.float32)
+    self.sow('losses', 'selective_lmem', eps * doc_max_total / (self.num_layers * n_real))
 
   def attend(self, q, k, v, *, positions, segment_ids, deterministic, selection=None):
     del positions, deterministic
@@ -249,8 +249,9 @@ class SelectiveAttention(base.MultiHeadAttention):
     e = f - s                                                # sum_{k <= i-1} S_{k,j}
     if self.opt('selective_shift'):
       f = e
-    self._sow_memory_loss(memory_term(f, mask, segment_ids,
-                                      tau=float(self.opt('selective_lmem_tau'))), segment_ids)
+    if self.opt('selective_lmem_eps') > 0:
+      self._sow_memory_loss(memory_term(f, mask, segment_ids,
+                                        tau=float(self.opt('selective_lmem_tau'))), segment_ids)
     if self.is_mutable_collection('intermediates'):
       self.sow('intermediates', 'selection_F', f[0])
     if pruning:  # Section 4: the keys a budget of K_l would keep.
@@ -275,6 +276,7 @@ class SelectiveAttention(base.MultiHeadAttention):
     qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # (b, h, n, d)
     bos = bos_flags(segment_ids)
     tau = float(self.opt('selective_lmem_tau'))
+    lmem = self.opt('selective_lmem_eps') > 0
     carry = jnp.zeros((b, n), jnp.float32)  # sum over processed rows k of S_{k,j}
     outputs, m_rows, f_rows = [], [], []
     keep_f = self.is_mutable_collection('intermediates')
@@ -294,7 +296,8 @@ class SelectiveAttention(base.MultiHeadAttention):
       if self.opt('selective_shift'):
         f = f - s
       carry = carry.at[:, :qe].add(jnp.sum(s, axis=1))
-      m_rows.append(jnp.sum(jnp.where(mask, 1.0 - jnp.minimum(f, tau) / tau, 0.0), axis=-1))
+      if lmem:  # M_i of eq. 2 for the block's queries
+        m_rows.append(jnp.sum(jnp.where(mask, 1.0 - jnp.minimum(f, tau) / tau, 0.0), axis=-1))
       if keep_f:
         f_rows.append(jnp.pad(f[0], ((0, 0), (0, n - qe))))
       logits = jnp.where(mask[:, None], logits - f[:, None], base.NEG_INF)
@@ -302,8 +305,9 @@ class SelectiveAttention(base.MultiHeadAttention):
       out = jnp.einsum('bhqk,bhkd->bhqd', ex.astype(self.dtype), vh[:, :, :qe],
                        preferred_element_type=jnp.float32)
       outputs.append((out / jnp.sum(ex, axis=-1, keepdims=True)).astype(self.dtype))
-    self._sow_memory_loss(doc_max_sum(jnp.concatenate(m_rows, axis=1), segment_ids),
-                          segment_ids)
+    if lmem:
+      self._sow_memory_loss(doc_max_sum(jnp.concatenate(m_rows, axis=1), segment_ids),
+                            segment_ids)
     if keep_f:
       self.sow('intermediates', 'selection_F', jnp.concatenate(f_rows, axis=0))
     return jnp.swapaxes(jnp.concatenate(outputs, axis=2), 1, 2)
