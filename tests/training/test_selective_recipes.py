@@ -98,3 +98,16 @@ def test_allocate_and_evaluate_budgets(harness, trained):
   assert result['budgets'] == [18, 18] and result['memory_reduction'] == 1.0
   evaluated = pruning.evaluate_budgets(strict, str(workdir))
   assert evaluated['loss'] == pytest.approx(evaluated['unpruned_loss'], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_main_runs_the_pruning_modes(harness, tmp_path):
+  """main.py: train, --mode=allocate_budgets, --mode=eval_budgets, --mode=inspect."""
+  extra = {**EXTRA, 'pruning.tolerance': 0.05}
+  for mode in ('train', 'allocate_budgets', 'eval_budgets', 'inspect'):
+    proc = harness.run_main(tmp_path, extra, mode=mode)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(tmp_path / f'eval_budgets_step_{STEPS}.json') as f:
+    result = json.load(f)
+  assert result['memory_reduction'] >= 1.0 and np.isfinite(result['loss'])
+  assert (tmp_path / 'inspect' / 'selective_F.png').exists()
