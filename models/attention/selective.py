@@ -127,16 +127,18 @@ def kept_mask(e, bos, budget):
   b, n, _ = e.shape
   rows = jnp.arange(b)
 
-  def body(kept, i):
-    kept = jnp.where(bos[:, i][:, None], False, kept)  # A new document starts empty.
-    cand = jnp.where(kept & ~bos, e[:, i], _NEG)
-    evict = jnp.argmax(cand, axis=-1)
+  def body(kept, xs):
+    e_i, bos_i, i = xs  # (b, n) row i of E, (b,) query i starts a document, i
+    kept = jnp.where(bos_i[:, None], False, kept)  # A new document starts empty.
+    cand = jnp.where(kept & ~bos, e_i, _NEG)
+    evict = jnp.argmax(cand, axis=-1)  # highest F; ties: the earliest
     full = jnp.sum(kept, axis=-1) >= budget
     kept = kept.at[rows, evict].set(jnp.where(full, False, kept[rows, evict]))
     kept = kept.at[:, i].set(True)
     return kept, kept
 
-  _, out = jax.lax.scan(body, jnp.zeros((b, n), bool), jnp.arange(n))
+  _, out = jax.lax.scan(body, jnp.zeros((b, n), bool),
+                        (jnp.swapaxes(e, 0, 1), jnp.swapaxes(bos, 0, 1), jnp.arange(n)))
   return jnp.swapaxes(out, 0, 1)
 
 
