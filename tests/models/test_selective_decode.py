@@ -12,6 +12,7 @@ import pytest
 
 from models import decode, transformer
 from models.attention import selective as SEL
+from training import pruning
 
 ALL_ON = dict(selective_shift=True, selective_relu=True, selective_mask_bos=True,
               selective_mask_diag=True)
@@ -115,6 +116,10 @@ def test_pruned_decoding_respects_budgets_never_evicts_bos_and_evicts_the_highes
   np.testing.assert_allclose(_forward(model, params, tokens), stepped, atol=1e-4, rtol=1e-4)
   full = _forward(_model(selective_mask_bos=False), params, tokens)
   assert float(jnp.abs(full - stepped).max()) > 1e-3  # pruning changed something
+  # The KV cache shrinks by the reported factor sum_l N / sum_l K_l (48 / 10).
+  unlimited = decode.cache_bytes(decode.init_cache(_model(), params, 2))
+  pruned = decode.cache_bytes(decode.init_cache(model, params, 2))
+  assert unlimited / pruned == pytest.approx(pruning.memory_reduction(budgets, 24)) == 4.8
 
 
 def test_kept_mask_matches_a_loop():
