@@ -101,12 +101,15 @@ def memory_term(f, mask, segment_ids, *, tau: float):
 
 def doc_max_sum(m, segment_ids):
   """Sum over the non-pad documents of the batch of max of `m` (batch, n) in the document."""
-  b, n = segment_ids.shape
-  ids = (jnp.arange(b)[:, None] * (n + 1) + jnp.clip(segment_ids, 0, n)).reshape(-1)
-  top = jax.ops.segment_max(m.reshape(-1), ids, num_segments=b * (n + 1))
-  real = jnp.zeros((b * (n + 1),), bool).at[ids].set(True)
-  real = real & (jnp.arange(b * (n + 1)) % (n + 1) != 0)  # Segment 0 is padding.
-  return jnp.sum(jnp.where(real, top, 0.0))
+  n = m.shape[1]
+
+  def row(m_r, seg_r):  # one row at a time: the batch axis keeps its sharding
+    ids = jnp.clip(seg_r, 0, n)
+    top = jax.ops.segment_max(m_r, ids, num_segments=n + 1)
+    present = jnp.zeros((n + 1,), bool).at[ids].set(True) & (jnp.arange(n + 1) > 0)
+    return jnp.sum(jnp.where(present, top, 0.0))  # segment 0 is padding
+
+  return jnp.sum(jax.vmap(row)(m, segment_ids))
 
 
 def kept_mask(e, bos, budget):

@@ -111,3 +111,45 @@ def test_main_runs_the_pruning_modes(harness, tmp_path):
     result = json.load(f)
   assert result['memory_reduction'] >= 1.0 and np.isfinite(result['loss'])
   assert (tmp_path / 'inspect' / 'selective_F.png').exists()
+
+
+_SHARDED = '''
+import json, sys
+import jax
+from configs import tiny
+from training import sharding, train
+
+def run(data, fsdp, tensor, devices):
+  config = tiny.get_config()
+  config.model.update(d=2, vocab_size=32, attention='selective', dtype='float32')
+  config.model.attention_options.update(selective_lmem_eps=0.1,
+                                        selective_separate_bilinear=True)
+  config.update(batch_size=8, warmup_steps=0, adam_eps=1e-3, peak_tflops_per_device=1.0)
+  config.data.num_assignments = 8
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = data, fsdp, tensor
+  setup = train.build(config, devices=devices)
+  state = train.init_state(setup, config.seed)
+  step_fn = train.jit_train_step(setup)
+  out = []
+  with sharding.activate(setup.mesh, setup.rules):
+    for step in range(2):
+      batch = train.device_batch(setup, setup.data.train_batch(step))
+      state, m = step_fn(state, batch, jax.random.key(1))
+      out.append([float(m['loss']), float(m['aux_loss']), float(m['grad_norm'])])
+  return out
+
+json.dump({'one': run(1, 1, 1, jax.devices()[:1]), 'eight': run(2, 2, 2, jax.devices())},
+          open(sys.argv[1], 'w'))
+'''
+
+
+@pytest.mark.slow
+def test_selective_step_on_a_2x2x2_mesh_matches_one_device(harness, tmp_path):
+  script = tmp_path / 'sharded.py'
+  script.write_text(_SHARDED)
+  proc = harness.run_script(script, tmp_path / 'out.json', devices=8)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads((tmp_path / 'out.json').read_text())
+  one, eight = np.array(result['one']), np.array(result['eight'])
+  assert np.all(one[:, 1] > 0)  # L_mem is on
+  np.testing.assert_allclose(eight, one, rtol=1e-5, atol=1e-5)
