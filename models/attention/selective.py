@@ -50,7 +50,7 @@ DEFAULTS = {
 }
 _BOOLS = ('selective_shift', 'selective_relu', 'selective_mask_bos', 'selective_mask_diag',
           'selective_separate_bilinear')
-# Kept-token F below this never wins an eviction tie against a real candidate.
+# Eviction score of what may not be evicted (<BOS>, empty slots, other documents).
 _NEG = -jnp.inf
 
 
