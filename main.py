@@ -20,10 +20,13 @@ xla_flags.set_cpu_defaults()
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Checkpoints, TensorBoard events and eval results go here.')
-flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'inspect'],
+flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'inspect', 'allocate_budgets',
+                                    'eval_budgets'],
                   'train: train (resuming from the latest checkpoint); eval: evaluate the latest '
                   'checkpoint and write JSON; inspect: write what each layer and head attends to '
-                  '(WORKDIR/inspect/).')
+                  '(WORKDIR/inspect/); allocate_budgets: greedy per-layer context budgets of a '
+                  'selective model (WORKDIR/budgets.json); eval_budgets: loss and KV-cache '
+                  'reduction with those budgets.')
 config_flags.DEFINE_config_file('config', os.path.join(os.path.dirname(__file__), 'configs/tiny.py'),
                                 'Recipe file (a get_config() in configs/); override fields with '
                                 '--config.key=value.', lock_config=True)
@@ -61,6 +64,12 @@ def main(argv):
     elif FLAGS.mode == 'inspect':
       from training import inspect
       inspect.inspect(FLAGS.config, workdir)
+    elif FLAGS.mode == 'allocate_budgets':
+      from training import pruning
+      pruning.allocate_budgets(FLAGS.config, workdir)
+    elif FLAGS.mode == 'eval_budgets':
+      from training import pruning
+      pruning.evaluate_budgets(FLAGS.config, workdir)
     else:
       train.evaluate(FLAGS.config, workdir)
   except (ValueError, NotImplementedError, PermissionError, FileNotFoundError, FloatingPointError,

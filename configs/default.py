@@ -51,6 +51,15 @@ def get_config() -> ml_collections.ConfigDict:
   opts.span_memory = False              # Attend into the previous segment (needs data.packing=
                                         # 'stream'; the loop carries the 'memory' collection).
   opts.dynamic_span_bias = -4.0         # Dynamic span: b at init (z_t = S sigmoid(v.x + b)).
+  # Selective attention (models/attention/selective.py); the paper's setting is the default.
+  opts.selective_shift = True           # F_ij = sum_{k<=i-1} S_kj: no self-impact (A.4).
+  opts.selective_relu = True            # Constraint: S = relu(S) (A.5).
+  opts.selective_mask_bos = True        # Constraint: a document's <BOS> is never masked (A.5).
+  opts.selective_mask_diag = True       # Constraint: a token never masks itself (A.5).
+  opts.selective_separate_bilinear = False  # S from its own bilinear form, not head 0 (A.3).
+  opts.selective_lmem_eps = 0.0         # L_mem weight eps (eq. 2); 0 = off, paper: 0.1.
+  opts.selective_lmem_tau = 1.0         # L_mem clamp tau of F.
+  opts.selective_budgets = ()           # K_l per layer (context pruning); () = keep everything.
   model.qk_norm = True                  # RMS-normalize queries and keys.
   model.tied_embeddings = False         # Share input embedding and output projection.
   model.dropout_rate = 0.0              # Residual dropout (the paper uses none).
@@ -122,6 +131,15 @@ def get_config() -> ml_collections.ConfigDict:
   config.async_checkpointing = True     # Write checkpoints in the background.
   config.inspect_len = 256              # --mode=inspect: sequence length of the plotted masks; 0 = seq_len.
   config.peak_tflops_per_device = 0.0   # Peak for MFU; 0 = device table, else a measured matmul peak.
+
+  # Context pruning of selective attention (section 4; training/pruning.py).
+  config.pruning = pruning = ml_collections.ConfigDict()
+  pruning.budget_file = ''              # Budgets JSON written/read by the pruning modes;
+                                        # '' = WORKDIR/budgets.json.
+  pruning.step = 8                      # C: tokens cut from one layer per greedy iteration.
+  pruning.batches = 1                   # Training batches the greedy allocation measures.
+  pruning.tolerance = 0.0               # Stop when the loss exceeds the unpruned one by this.
+  pruning.target_loss = 0.0             # > 0: stop at this loss instead (e.g. a dense model's).
 
   # Sharding: mesh sizes (-1 = all remaining devices) and the logical-to-mesh rule table.
   config.mesh = mesh = ml_collections.ConfigDict()

@@ -200,7 +200,7 @@ class Block(nn.Module):
     attn_cls = attention.get(self.attention_name)
     h = attn_cls(num_heads=cfg.n_heads, head_dim=cfg.head_dim, qk_norm=cfg.qk_norm,
                  impl=cfg.attention_impl, block_size=cfg.attention_block_size,
-                 layer_index=self.layer_index, max_len=cfg.max_len,
+                 layer_index=self.layer_index, max_len=cfg.max_len, num_layers=cfg.n_layers,
                  options=cfg.attention_options, dtype=cfg.dtype,
                  param_dtype=cfg.param_dtype, name='attention')(
                      norm('pre_attention_norm')(x), positions=positions, segment_ids=segment_ids,

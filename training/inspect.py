@@ -5,6 +5,12 @@ Writes WORKDIR/inspect/connectivity.npz (one (n, n) boolean mask per layer and h
 (rows: layers, columns: heads; a dark cell (i, j) means query i may attend to key j). The
 masks come from the same pattern functions the attention code uses.
 
+Models with selective attention also get selective_F.npz (key `layer{L}`: the (n, n) F matrix
+of that layer for the first row of the first validation batch, NaN where the query cannot see
+the key) and selective_F.png (one panel per layer, greener = lower F, like figure 5 of the
+selective-attention paper), from the latest checkpoint of WORKDIR or, without one, from the
+initial parameters.
+
 Models with adaptive or dynamic spans also get, from the latest checkpoint of WORKDIR,
 spans.json and spans.png: each head's span per layer on a log scale (figure 4 of the
 adaptive-span paper; dynamic spans averaged over one validation batch), the average span, the
@@ -154,6 +160,61 @@ def learned_spans(config: ml_collections.ConfigDict, workdir: str):
   return np.stack(spans), setup.model_config
 
 
+def selection_matrices(config: ml_collections.ConfigDict, workdir: str):
+  """({'layer{L}': (n, n) F}, the example's tokens, checkpoint step or None) of a selective
+  model on the first row of the first validation batch."""
+  import jax
+  import jax.numpy as jnp
+  from training import checkpoints, sharding, train
+  setup = train.build(config, workdir=workdir)
+  ckpt = checkpoints.Checkpointer(workdir, keep=config.keep_checkpoints, async_save=False)
+  try:
+    step = ckpt.latest_step()
+    params = (ckpt.restore(setup.abstract_state).params if step is not None
+              else train.init_state(setup, config.seed).params)
+  finally:
+    ckpt.close()
+  try:
+    local = next(iter(setup.data.eval_batches()))
+  finally:
+    setup.data.close()
+  example = {k: np.asarray(v[:1]) for k, v in local.items()}
+  with sharding.activate(setup.mesh, setup.rules):
+    _, sown = jax.jit(lambda p, b: setup.model.apply(
+        {'params': p}, b['inputs'], positions=b['positions'], segment_ids=b['segment_ids'],
+        mutable=['intermediates']))(params, {k: jnp.asarray(v) for k, v in example.items()})
+  seg = example['segment_ids'][0]
+  n = seg.shape[0]
+  visible = (np.arange(n)[:, None] >= np.arange(n)[None, :]) & (seg[:, None] == seg[None, :])
+  out = {}
+  for i, name in enumerate(setup.model_config.attention):
+    layer = sown['intermediates'].get(f'block_{i}', {}).get('attention', {})
+    if 'selection_F' in layer:
+      f = np.asarray(jax.device_get(layer['selection_F'][0]), np.float32)
+      out[f'layer{i}'] = np.where(visible, f, np.nan)
+  return out, example['inputs'][0], step
+
+
+def plot_selection(matrices: dict[str, np.ndarray], path: str, title: str) -> None:
+  """One panel of F per layer, greener = lower (figure 5 of the selective-attention paper)."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  names = sorted(matrices, key=lambda k: int(k[5:]))
+  cols = min(4, len(names))
+  rows = -(-len(names) // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols, 3.0 * rows + 0.5), squeeze=False)
+  for ax in axes.flat:
+    ax.axis('off')
+  for ax, name in zip(axes.flat, names):
+    ax.imshow(matrices[name], cmap='RdYlGn_r', interpolation='nearest')
+    ax.set_title(f'layer {int(name[5:]) + 1}', fontsize=8)
+  fig.suptitle(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
 def inspect(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
   """Writes the connectivity masks and their plot (and the spans of span variants); returns
   the paths written."""
@@ -175,6 +236,16 @@ def inspect(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
                'wrote %s and %s', mc.n_layers, mc.n_heads, n, np.mean(list(density.values())),
                npz, png)
   paths = {'npz': npz, 'png': png}
+  if 'selective' in mc.attention:
+    matrices, tokens, step = selection_matrices(config, workdir)
+    paths['selective_npz'] = os.path.join(out_dir, 'selective_F.npz')
+    np.savez_compressed(paths['selective_npz'], tokens=tokens, **matrices)
+    paths['selective_png'] = os.path.join(out_dir, 'selective_F.png')
+    source = f'checkpoint step {step}' if step is not None else 'initial parameters'
+    plot_selection(matrices, paths['selective_png'], f'selective attention F ({source})')
+    logging.info('selective F of %d layers (%s): mean F %s; wrote %s', len(matrices), source,
+                 [round(float(np.nanmean(m)), 3) for m in matrices.values()],
+                 paths['selective_png'])
   if set(mc.attention) & SPAN_VARIANTS:
     head_spans, full_config = learned_spans(config, workdir)
     report = span_report(full_config, head_spans)

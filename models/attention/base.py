@@ -125,6 +125,7 @@ class MultiHeadAttention(nn.Module):
     layer_index: index of the layer holding this module; only variants that set the class
       flag `uses_layer_index` may read it (the decoder then unrolls instead of scanning).
     max_len: longest sequence (the position table); sizes decoding caches.
+    num_layers: layers of the decoder (selective attention's L_mem divides by it).
     options: variant hyper-parameters as sorted (name, value) pairs (config.model.
       attention_options); read them with `option(name)`.
     dtype: computation dtype.
@@ -139,6 +140,7 @@ class MultiHeadAttention(nn.Module):
   block_size: int = 128
   layer_index: int = 0
   max_len: int = 0
+  num_layers: int = 1
   options: tuple = ()
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32

@@ -1,0 +1,375 @@
+"""Selective attention (Leviathan et al., 2024): tokens mask later tokens' view of earlier ones.
+
+Section 3, eq. 1:  SelectiveAttention(Q, K, V) = softmax(Q K^T / sqrt(d_k) - F) V, with
+
+  S = head 0's scaled, causally masked logits          (3.1; a separate bilinear form, A.3)
+  S = Constrain(S): ReLU, zero the <BOS> column, zero the diagonal          (3.2, A.5)
+  F_{i,j} = sum_{k <= i-1} S_{k,j}   (shifted: a token's selection affects only later
+                                      queries; without the shift, sum_{k <= i}, A.4)
+
+F is subtracted from every head's logits. Packed rows: each document's first token is its
+<BOS>, and S is zero across documents (it is causally masked per document), so selection
+never crosses documents.
+
+Only head 0's logits (one (n, n) matrix per row, not per head) feed F. The 'blocksparse'
+implementation computes F query block by query block: the column sums of S over the rows
+already done are carried to the next block, so no (n, n) tensor beyond the current block
+exists.
+
+L_mem (eq. 2): L + eps sum_l max_i M^l_i / (L n_{!=pad}), M^l_i = i - sum_{k<=i} min(F_{i,k},
+tau) / tau, sown into 'losses' per layer (the max is taken per document).
+
+Context pruning (section 4): with a budget K_l, layer l keeps at most K_l tokens; each new
+token beyond K_l evicts the kept token with the highest F (never <BOS>). Decoding keeps a
+K_l-slot cache with F per kept token updated incrementally; the full forward applies the
+same eviction as a mask (`kept_mask`) so a budgeted loss is one batched pass.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models import layers
+from models.attention import base
+from models.attention.registry import register
+
+# attention_options read by this module and their defaults.
+DEFAULTS = {
+    'selective_shift': True,              # F_{i,j} = sum_{k <= i-1} S_{k,j} (A.4).
+    'selective_relu': True,               # Constraint 1: S = max(S, 0).
+    'selective_mask_bos': True,           # Constraint 2: S[:, <BOS>] = 0.
+    'selective_mask_diag': True,          # Constraint 3: S[i, i] = 0.
+    'selective_separate_bilinear': False,  # S from its own bilinear form (A.3).
+    'selective_lmem_eps': 0.0,            # eps of L_mem (eq. 2); 0 = off (paper: 0.1).
+    'selective_lmem_tau': 1.0,            # tau of L_mem's M^l_i.
+    'selective_budgets': (),              # K_l per layer (context pruning); () = unlimited.
+}
+_BOOLS = ('selective_shift', 'selective_relu', 'selective_mask_bos', 'selective_mask_diag',
+          'selective_separate_bilinear')
+# Kept-token F below this never wins an eviction tie against a real candidate.
+_NEG = -jnp.inf
+
+
+def bos_flags(segment_ids):
+  """(batch, n) bool: the first token of each document of a packed row (its <BOS>)."""
+  prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+  return segment_ids != prev
+
+
+def constrain(s, mask, bos_k, i, j, *, relu: bool, mask_bos: bool, mask_diag: bool):
+  """Section 3.2: zero S outside the causal same-document mask, then the constraints.
+
+  Args:
+    s: (batch, q, k) selection logits.
+    mask: (batch, q, k) bool causal same-document mask.
+    bos_k: (batch, k) bool: key is its document's <BOS>.
+    i, j: (q, 1) and (1, k) absolute query and key positions.
+    relu, mask_bos, mask_diag: the three constraints.
+
+  Returns:
+    (batch, q, k) constrained S.
+  """
+  s = jnp.where(mask, s, 0.0)
+  if relu:
+    s = jax.nn.relu(s)                               # 1. only reduce attention
+  if mask_bos:
+    s = jnp.where(bos_k[:, None, :], 0.0, s)         # 2. do not mask <BOS>
+  if mask_diag:
+    s = jnp.where((i == j)[None], 0.0, s)            # 3. do not mask self
+  return s
+
+
+def memory_term(f, mask, segment_ids, *, tau: float):
+  """Sum over documents of max_i M_i, M_i = sum_{k <= i} (1 - min(F_{i,k}, tau) / tau) (eq. 2).
+
+  Args:
+    f: (batch, n, n) F (or the per-row M summands' source).
+    mask: (batch, n, n) the keys each query sees (k <= i, same document).
+    segment_ids: (batch, n) document ids; 0 (padding) is not counted.
+    tau: clamp of F.
+
+  Returns:
+    Scalar: sum over the non-pad documents of the batch of max_i M_i.
+  """
+  m = jnp.sum(jnp.where(mask, 1.0 - jnp.minimum(f, tau) / tau, 0.0), axis=-1)  # (b, n)
+  return doc_max_sum(m, segment_ids)
+
+
+def doc_max_sum(m, segment_ids):
+  """Sum over the non-pad documents of the batch of max of `m` (batch, n) in the document."""
+  b, n = segment_ids.shape
+  ids = (jnp.arange(b)[:, None] * (n + 1) + jnp.clip(segment_ids, 0, n)).reshape(-1)
+  top = jax.ops.segment_max(m.reshape(-1), ids, num_segments=b * (n + 1))
+  real = jnp.zeros((b * (n + 1),), bool).at[ids].set(True)
+  real = real & (jnp.arange(b * (n + 1)) % (n + 1) != 0)  # Segment 0 is padding.
+  return jnp.sum(jnp.where(real, top, 0.0))
+
+
+def kept_mask(e, bos, budget):
+  """Which keys each query still sees after pruning with budget K (section 4).
+
+  Query i first evicts, if its document already keeps K tokens, the kept non-<BOS> token with
+  the highest F (ties: the earliest), then keeps itself. F here is what the query would
+  subtract before its own selection: sum_{k < i} S_{k,j}.
+
+  Args:
+    e: (batch, n, n) sum_{k < i} S_{k,j} (F with the shift).
+    bos: (batch, n) bool document starts.
+    budget: int scalar K >= 2 (may be traced).
+
+  Returns:
+    (batch, n, n) bool: key j is kept when query i attends.
+  """
+  b, n, _ = e.shape
+  rows = jnp.arange(b)
+
+  def body(kept, i):
+    kept = jnp.where(bos[:, i][:, None], False, kept)  # A new document starts empty.
+    cand = jnp.where(kept & ~bos, e[:, i], _NEG)
+    evict = jnp.argmax(cand, axis=-1)
+    full = jnp.sum(kept, axis=-1) >= budget
+    kept = kept.at[rows, evict].set(jnp.where(full, False, kept[rows, evict]))
+    kept = kept.at[:, i].set(True)
+    return kept, kept
+
+  _, out = jax.lax.scan(body, jnp.zeros((b, n), bool), jnp.arange(n))
+  return jnp.swapaxes(out, 0, 1)
+
+
+@register('selective')
+class SelectiveAttention(base.MultiHeadAttention):
+  """Selective attention; options `selective_*` (see DEFAULTS and configs/default.py)."""
+  # Per-layer budgets K_l are static in decoding: the decoder unrolls its layers.
+  uses_layer_index: ClassVar[bool] = True
+
+  @classmethod
+  def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
+    del n_heads
+    for name in _BOOLS:
+      if not isinstance(options.get(name, DEFAULTS[name]), bool):
+        raise ValueError(f'attention_options.{name} must be True or False, got '
+                         f'{options.get(name)!r}')
+    eps = options.get('selective_lmem_eps', 0.0)
+    if not isinstance(eps, (int, float)) or eps < 0:
+      raise ValueError(f'attention_options.selective_lmem_eps (eps of L_mem) must be >= 0, got '
+                       f'{eps!r}')
+    tau = options.get('selective_lmem_tau', 1.0)
+    if not isinstance(tau, (int, float)) or tau <= 0:
+      raise ValueError(f'attention_options.selective_lmem_tau (tau of L_mem) must be > 0, got '
+                       f'{tau!r}')
+    budgets = options.get('selective_budgets') or ()
+    if budgets and (not isinstance(budgets, tuple) or len(budgets) != n_layers
+                    or any(isinstance(k, bool) or not isinstance(k, int) or k < 2
+                           for k in budgets)):
+      raise ValueError(f'attention_options.selective_budgets={budgets!r} must be a tuple of '
+                       f'{n_layers} integers K_l >= 2 (one per layer; <BOS> and the current '
+                       f'token), or () for no pruning')
+
+  @classmethod
+  def extra_params(cls, config) -> int:
+    if not dict(config.attention_options).get('selective_separate_bilinear', False):
+      return 0
+    return 2 * config.d_model * config.head_dim + (2 * config.head_dim if config.qk_norm else 0)
+
+  def opt(self, name: str):
+    """attention_options[name], or its default."""
+    for key, value in self.options:
+      if key == name:
+        return value
+    return DEFAULTS[name]
+
+  @property
+  def budget(self) -> int:
+    """K_l of this layer (static); 0 = unlimited."""
+    budgets = self.opt('selective_budgets') or ()
+    return int(budgets[self.layer_index]) if budgets else 0
+
+  @nn.compact
+  def __call__(self, x, *, positions, segment_ids, cache=None, deterministic=True):
+    if cache is not None and cache is not False and not isinstance(cache, bool):
+      raise ValueError(f'cache must be None, False or True, got {cache!r}')
+    q, k, v = self.project(x)
+    sel = self.selection_projection(x) if self.opt('selective_separate_bilinear') else None
+    if cache:
+      out = self.decode_step(q, k, v, sel)
+    else:
+      out = self.attend(q, k, v, positions=positions, segment_ids=segment_ids,
+                        deterministic=deterministic, selection=sel)
+    return self.project_out(out, x.shape[-1])
+
+  def selection_projection(self, x):
+    """(q_s, k_s): (batch, n, head_dim) each, the separate bilinear form of appendix A.3."""
+    w = self.param('selection_qk', nn.with_logical_partitioning(
+        layers.default_kernel_init, ('embed', 'qkv', 'kv')),
+        (x.shape[-1], 2, self.head_dim), self.param_dtype)
+    qk = jnp.einsum('bnd,dte->bnte', x.astype(self.dtype), w.astype(self.dtype))
+    qs, ks = qk[:, :, 0], qk[:, :, 1]
+    if self.qk_norm:
+      qs = layers.RMSNorm(dtype=self.dtype, param_dtype=self.param_dtype, axis_name='kv',
+                          name='selection_q_norm')(qs)
+      ks = layers.RMSNorm(dtype=self.dtype, param_dtype=self.param_dtype, axis_name='kv',
+                          name='selection_k_norm')(ks)
+    return qs, ks
+
+  def _constrain(self, s, mask, bos_k, i, j):
+    return constrain(s, mask, bos_k, i, j, relu=self.opt('selective_relu'),
+                     mask_bos=self.opt('selective_mask_bos'),
+                     mask_diag=self.opt('selective_mask_diag'))
+
+  def _sow_memory_loss(self, doc_max_total, segment_ids):
+    eps = float(self.opt('selective_lmem_eps'))
+    if eps > 0:  # eq. 2: eps sum_l max_i M^l_i / (L n_{!=pad}), this layer's share.
+      n_real = jnp.maximum(jnp.sum(segment_ids > 0), 1).astype(jnp.float32)
+      self.sow('losses', 'selective_lmem', eps * doc_max_total / (self.num_layers * n_real))
+
+  def attend(self, q, k, v, *, positions, segment_ids, deterministic, selection=None):
+    del positions, deterministic
+    scale = q.shape[-1] ** -0.5
+    pruning = self.budget or self.has_variable('pruning', 'budget')
+    if self.impl == 'blocksparse' and not pruning:
+      return self._attend_blocks(q, k, v, segment_ids, selection, scale)
+    if self.impl == 'splash':
+      raise ValueError('selective attention subtracts F from the logits: use attention_impl '
+                       "'xla', 'blocksparse', 'fused' or 'cudnn', not 'splash'")
+    n = q.shape[1]
+    mask = base.causal_segment_mask(segment_ids)  # (b, n, n)
+    logits = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32) * scale
+    if selection is None:
+      s = logits[:, 0]                                       # S: head 0 (3.1)
+    else:
+      s = jnp.einsum('bqd,bkd->bqk', *selection, preferred_element_type=jnp.float32) * scale
+    i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+    bos = bos_flags(segment_ids)
+    s = self._constrain(s, mask, bos, i, j)
+    f = jnp.cumsum(s, axis=1)                                # F = sum_{k <= i} S_{k,j}
+    e = f - s                                                # sum_{k <= i-1} S_{k,j}
+    if self.opt('selective_shift'):
+      f = e
+    self._sow_memory_loss(memory_term(f, mask, segment_ids,
+                                      tau=float(self.opt('selective_lmem_tau'))), segment_ids)
+    if self.is_mutable_collection('intermediates'):
+      self.sow('intermediates', 'selection_F', f[0])
+    if pruning:  # Section 4: the keys a budget of K_l would keep.
+      budget = (self.get_variable('pruning', 'budget') if self.has_variable('pruning', 'budget')
+                else self.budget)
+      mask = mask & kept_mask(e, bos, budget)
+    logits = logits - f[:, None]                             # eq. 1: QK^T/sqrt(d) - F
+    if self.impl in ('fused', 'cudnn'):
+      return jax.nn.dot_product_attention(
+          q, k, v, bias=(-f[:, None]).astype(q.dtype), mask=mask[:, None], scale=scale,
+          implementation='cudnn' if self.impl == 'cudnn' else None).astype(self.dtype)
+    probs = base.masked_softmax(logits, mask[:, None], self.dtype)
+    return jnp.einsum('bhqk,bkhd->bqhd', probs, v).astype(self.dtype)
+
+  def _attend_blocks(self, q, k, v, segment_ids, selection, scale):
+    """Query block [s, e) against keys [0, e); F of the block = carried column sums of the
+    earlier rows of S plus the cumulative sum inside the block."""
+    b, n, h, d = q.shape
+    bs = self.block_size
+    if bs < 1:
+      raise ValueError(f'attention block size must be >= 1, got {bs}')
+    qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # (b, h, n, d)
+    bos = bos_flags(segment_ids)
+    tau = float(self.opt('selective_lmem_tau'))
+    carry = jnp.zeros((b, n), jnp.float32)  # sum over processed rows k of S_{k,j}
+    outputs, m_rows, f_rows = [], [], []
+    keep_f = self.is_mutable_collection('intermediates')
+    for qs in range(0, n, bs):
+      qe = min(qs + bs, n)
+      i, j = jnp.arange(qs, qe)[:, None], jnp.arange(qe)[None, :]
+      mask = (i >= j)[None] & (segment_ids[:, qs:qe, None] == segment_ids[:, None, :qe])
+      logits = jnp.einsum('bhqd,bhkd->bhqk', qh[:, :, qs:qe], kh[:, :, :qe],
+                          preferred_element_type=jnp.float32) * scale
+      if selection is None:
+        s = logits[:, 0]
+      else:
+        s = jnp.einsum('bqd,bkd->bqk', selection[0][:, qs:qe], selection[1][:, :qe],
+                       preferred_element_type=jnp.float32) * scale
+      s = self._constrain(s, mask, bos[:, :qe], i, j)
+      f = carry[:, None, :qe] + jnp.cumsum(s, axis=1)
+      if self.opt('selective_shift'):
+        f = f - s
+      carry = carry.at[:, :qe].add(jnp.sum(s, axis=1))
+      m_rows.append(jnp.sum(jnp.where(mask, 1.0 - jnp.minimum(f, tau) / tau, 0.0), axis=-1))
+      if keep_f:
+        f_rows.append(jnp.pad(f[0], ((0, 0), (0, n - qe))))
+      logits = jnp.where(mask[:, None], logits - f[:, None], base.NEG_INF)
+      ex = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
+      out = jnp.einsum('bhqk,bhkd->bhqd', ex.astype(self.dtype), vh[:, :, :qe],
+                       preferred_element_type=jnp.float32)
+      outputs.append((out / jnp.sum(ex, axis=-1, keepdims=True)).astype(self.dtype))
+    self._sow_memory_loss(doc_max_sum(jnp.concatenate(m_rows, axis=1), segment_ids),
+                          segment_ids)
+    if keep_f:
+      self.sow('intermediates', 'selection_F', jnp.concatenate(f_rows, axis=0))
+    return jnp.swapaxes(jnp.concatenate(outputs, axis=2), 1, 2)
+
+  def decode_step(self, q, k, v, selection=None):
+    """One token with a K_l-slot cache (section 4); F of each kept token kept incrementally.
+
+    Each call takes one token per row, all rows at the same step, one document per row (step
+    0 is its <BOS>). When the cache is full, the kept token with the highest F (never <BOS>;
+    ties: the earliest) makes room for the new one.
+
+    Args:
+      q, k, v: (batch, 1, heads, head_dim).
+      selection: (q_s, k_s) of the separate bilinear form, (batch, 1, head_dim) each, or None.
+
+    Returns:
+      (batch, 1, heads, head_dim).
+    """
+    b, t, h, d = q.shape
+    if self.max_len < 1:
+      raise ValueError('decoding needs the attention module to know max_len')
+    cap = min(self.budget or self.max_len, self.max_len)
+    ck = self.variable('cache', 'key', jnp.zeros, (b, cap, h, d), k.dtype)
+    cv = self.variable('cache', 'value', jnp.zeros, (b, cap, h, d), v.dtype)
+    if selection is not None:
+      cks = self.variable('cache', 'selection_key', jnp.zeros, (b, cap, d), selection[1].dtype)
+    pos = self.variable('cache', 'position', lambda: jnp.full((b, cap), -1, jnp.int32))
+    fc = self.variable('cache', 'F', lambda: jnp.zeros((b, cap), jnp.float32))
+    index = self.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
+    if self.is_initializing():
+      return jnp.zeros_like(q)
+    if t != 1:
+      raise ValueError(f'decoding takes one token per call, got {t}')
+    step = index.value
+    rows = jnp.arange(b)
+    # Evict the kept token with the highest F (not <BOS>, position 0); ties: earliest.
+    cand = jnp.where(pos.value > 0, fc.value, _NEG)
+    top = jnp.max(cand, axis=-1, keepdims=True)
+    evict = jnp.argmin(jnp.where(cand == top, pos.value, jnp.iinfo(jnp.int32).max), axis=-1)
+    slot = jnp.where(step >= cap, evict, jnp.minimum(step, cap - 1))
+    ck.value = ck.value.at[rows, slot].set(k[:, 0])
+    cv.value = cv.value.at[rows, slot].set(v[:, 0])
+    if selection is not None:
+      cks.value = cks.value.at[rows, slot].set(selection[1][:, 0])
+    pos.value = pos.value.at[rows, slot].set(step)
+    f = fc.value.at[rows, slot].set(0.0)
+    index.value = step + 1
+    live = pos.value >= 0  # (b, cap)
+    scale = d ** -0.5
+    logits = jnp.einsum('bhd,bchd->bhc', q[:, 0], ck.value,
+                        preferred_element_type=jnp.float32) * scale
+    if selection is None:
+      s = logits[:, 0]
+    else:
+      s = jnp.einsum('bd,bcd->bc', selection[0][:, 0], cks.value,
+                     preferred_element_type=jnp.float32) * scale
+    s = jnp.where(live, s, 0.0)
+    if self.opt('selective_relu'):
+      s = jax.nn.relu(s)
+    if self.opt('selective_mask_bos'):
+      s = jnp.where(pos.value == 0, 0.0, s)
+    if self.opt('selective_mask_diag'):
+      s = jnp.where(pos.value == step, 0.0, s)
+    if not self.opt('selective_shift'):
+      f = f + s                       # F_{t,j} = sum_{k <= t} S_{k,j}
+    probs = base.masked_softmax(logits - f[:, None], live[:, None], self.dtype)
+    out = jnp.einsum('bhc,bchd->bhd', probs, cv.value)
+    fc.value = f + s if self.opt('selective_shift') else f  # F_{t+1,j} for the next token
+    return out[:, None].astype(self.dtype)

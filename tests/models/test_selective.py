@@ -1,0 +1,330 @@
+"""Selective attention against the paper's figure 2 sketch, eq. 2 and section 4's pruning.
+
+The sketch is re-written here in numpy, line for line from figure 2 (with the constraint
+switches of appendix A.4-A.5), independently of models/attention/selective.py.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import decode, transformer
+from models.attention import selective as SEL
+
+ALL_ON = dict(selective_shift=True, selective_relu=True, selective_mask_bos=True,
+              selective_mask_diag=True)
+ABLATIONS = [{}, {'selective_shift': False}, {'selective_relu': False},
+             {'selective_mask_bos': False}, {'selective_mask_diag': False}]
+
+
+def _sketch(q, k, v, *, shift=True, relu=True, mask_bos=True, mask_diag=True, qs=None, ks=None):
+  """Figure 2 for one document: q, k, v (b, n, h, d); qs, ks (b, n, d): a separate form."""
+  q, k, v = (np.asarray(a, np.float64).transpose(0, 2, 1, 3) for a in (q, k, v))  # bhnd
+  n, dk = q.shape[2], q.shape[3]
+  causal_mask = np.tril(np.ones((n, n), bool))
+  attn_logits = np.einsum('bhnd,bhmd->bhnm', q, k) / np.sqrt(dk)
+  attn_logits = np.where(causal_mask, attn_logits, -np.inf)
+  if qs is None:
+    S = attn_logits[:, 0].copy()                          # Select head 0.
+  else:
+    S = np.einsum('bnd,bmd->bnm', np.asarray(qs, np.float64), np.asarray(ks, np.float64))
+    S = np.where(causal_mask, S / np.sqrt(dk), -np.inf)
+  if relu:
+    S = np.maximum(S, 0)                                  # Only positive selection.
+  else:
+    S = np.where(causal_mask, S, 0)                       # (ReLU zeroed the -inf entries.)
+  if mask_bos:
+    S[..., 0] = 0                                         # Do not mask <BOS>.
+  if mask_diag:
+    S = (1 - np.eye(n)) * S                               # Do not mask self.
+  if shift:
+    S = np.roll(S, 1, -2)
+    S[..., 0, :] = 0                                      # Mask strictly in the future.
+  F = np.cumsum(S, axis=-2)                               # Accumulate.
+  attn_logits = attn_logits - F[:, None]
+  w = np.exp(attn_logits - attn_logits.max(-1, keepdims=True))
+  w = w / w.sum(-1, keepdims=True)
+  return np.einsum('bhnm,bhmd->bnhd', w, v), F
+
+
+def _qkv(b=2, n=29, h=3, d=8, seed=0, scale=2.0):
+  rng = np.random.default_rng(seed)
+  return [jnp.asarray(scale * rng.normal(size=(b, n, h, d)), jnp.float32) for _ in 'qkv']
+
+
+def _attend(q, k, v, segment_ids, impl='xla', selection=None, block=8, **opts):
+  b, n, h, d = q.shape
+  module = SEL.SelectiveAttention(num_heads=h, head_dim=d, qk_norm=False, impl=impl,
+                                  block_size=block, max_len=n, num_layers=2,
+                                  options=tuple(sorted({**ALL_ON, **opts}.items())))
+  return jax.jit(lambda q, k, v, seg, sel: module.apply(
+      {}, q, k, v, positions=None, segment_ids=seg, deterministic=True, selection=sel,
+      method='attend', mutable=['losses', 'intermediates']))(q, k, v, segment_ids, selection)
+
+
+@pytest.mark.parametrize('impl', ['xla', 'blocksparse', 'fused'])
+@pytest.mark.parametrize('ablation', ABLATIONS, ids=lambda a: ','.join(a) or 'paper')
+def test_equals_the_figure_2_sketch(impl, ablation):
+  q, k, v = _qkv()
+  seg = jnp.ones(q.shape[:2], jnp.int32)
+  out, sown = _attend(q, k, v, seg, impl=impl, **ablation)
+  switches = {key.replace('selective_', ''): val for key, val in {**ALL_ON, **ablation}.items()}
+  want, f = _sketch(q, k, v, **switches)
+  np.testing.assert_allclose(out, want, atol=2e-5)
+  np.testing.assert_allclose(sown['intermediates']['selection_F'][0], f[0], rtol=1e-5,
+                             atol=1e-4)
+  # The switch matters: the paper's setting differs from this ablation's sketch.
+  if ablation:
+    other, _ = _sketch(q, k, v)
+    assert np.abs(other - want).max() > 1e-3
+
+
+@pytest.mark.parametrize('impl', ['xla', 'blocksparse'])
+def test_separate_bilinear_selection_equals_the_sketch(impl):
+  q, k, v = _qkv()
+  rng = np.random.default_rng(5)
+  qs, ks = (jnp.asarray(2 * rng.normal(size=q.shape[:2] + (q.shape[-1],)), jnp.float32)
+            for _ in 'qk')
+  seg = jnp.ones(q.shape[:2], jnp.int32)
+  out, _ = _attend(q, k, v, seg, impl=impl, selection=(qs, ks))
+  want, _ = _sketch(q, k, v, qs=qs, ks=ks)
+  np.testing.assert_allclose(out, want, atol=2e-5)
+  assert np.abs(_sketch(q, k, v)[0] - want).max() > 1e-3
+
+
+def _packed():
+  seg = np.ones((2, 29), np.int32)
+  seg[1, 11:] = 2  # Row 1 packs two documents; its second one starts at 11 (its <BOS>).
+  seg[1, 25:] = 0  # and ends with padding.
+  return jnp.asarray(seg)
+
+
+def test_packed_documents_select_only_inside_themselves():
+  q, k, v = _qkv()
+  seg = _packed()
+  out, _ = _attend(q, k, v, seg)
+  alone, _ = _attend(q[1:, 11:25], k[1:, 11:25], v[1:, 11:25], jnp.ones((1, 14), jnp.int32))
+  np.testing.assert_allclose(out[1, 11:25], alone[0], atol=2e-5)
+  first, _ = _attend(q[1:, :11], k[1:, :11], v[1:, :11], jnp.ones((1, 11), jnp.int32))
+  np.testing.assert_allclose(out[1, :11], first[0], atol=2e-5)
+  # Without the document start as <BOS>, the second document's output would differ.
+  unmasked, _ = _attend(q[1:, 11:25], k[1:, 11:25], v[1:, 11:25], jnp.ones((1, 14), jnp.int32),
+                        selective_mask_bos=False)
+  assert np.abs(unmasked[0] - alone[0]).max() > 1e-3
+
+
+@pytest.mark.parametrize('ablation', [{}, {'selective_shift': False}], ids=['shift', 'noshift'])
+def test_blocksparse_equals_reference_values_and_gradients(ablation):
+  q, k, v = _qkv()
+  seg = _packed()
+  rng = np.random.default_rng(3)
+  qs, ks = (jnp.asarray(rng.normal(size=(2, 29, 8)), jnp.float32) for _ in 'qk')
+  opts = {'selective_lmem_eps': 0.1, **ablation}
+
+  def loss(impl, q, k, v, qs, ks):
+    out, sown = _attend(q, k, v, seg, impl=impl, selection=(qs, ks), **opts)
+    aux = sum(jnp.sum(x) for x in jax.tree.leaves(sown['losses']))
+    return jnp.sum(jnp.sin(out) * (seg > 0)[..., None, None]) + 10 * aux
+
+  ref = jax.jit(jax.value_and_grad(lambda *a: loss('xla', *a), argnums=(0, 1, 2, 3, 4)))(
+      q, k, v, qs, ks)
+  blk = jax.jit(jax.value_and_grad(lambda *a: loss('blocksparse', *a), argnums=(0, 1, 2, 3, 4)))(
+      q, k, v, qs, ks)
+  np.testing.assert_allclose(blk[0], ref[0], rtol=1e-5)
+  for a, b in zip(ref[1], blk[1]):
+    np.testing.assert_allclose(b, a, atol=1e-4, rtol=1e-4)
+    assert float(jnp.abs(a).max()) > 0
+
+
+def _m_loop(f, seg, tau):
+  """M_i = i - sum_{k=1}^{i} min(F_{i,k}, tau) / tau per document, one entry at a time."""
+  total = 0.0
+  for b in range(seg.shape[0]):
+    for doc in sorted(set(seg[b].tolist()) - {0}):
+      idx = [t for t in range(seg.shape[1]) if seg[b, t] == doc]
+      best = -np.inf
+      for pos, i in enumerate(idx, start=1):  # i-th token of the document (1-based)
+        m = pos - sum(min(f[b, i, kk], tau) / tau for kk in idx[:pos])
+        best = max(best, m)
+      total += best
+  return total
+
+
+def test_memory_loss_equals_eq_2_on_a_hand_built_f():
+  rng = np.random.default_rng(0)
+  seg = np.array([[1, 1, 1, 1, 2, 2, 2, 0], [3, 3, 3, 3, 3, 3, 3, 3]], np.int32)
+  f = rng.uniform(0, 2.5, size=(2, 8, 8)).astype(np.float32)
+  f[0, 3, :4] = [0.0, 0.0, 0.2, 0.5]  # a low-F row: the max of document 1
+  mask = np.asarray(transformer.attention.causal_segment_mask(jnp.asarray(seg)))
+  for tau in (1.0, 0.5):
+    got = SEL.memory_term(jnp.asarray(f), jnp.asarray(mask), jnp.asarray(seg), tau=tau)
+    np.testing.assert_allclose(float(got), _m_loop(f, seg, tau), rtol=1e-6)
+  # Through the model: eps sum_l max_i M^l_i / (L n_{!=pad}) with each layer's F.
+  model = _model(selective_lmem_eps=0.1)
+  tokens = jnp.asarray(rng.integers(0, 40, (2, 8)))
+  params = model.init(jax.random.key(0), tokens)['params']
+  _, sown = jax.jit(lambda p: model.apply({'params': p}, tokens, segment_ids=jnp.asarray(seg),
+                                          mutable=['losses', 'intermediates']))(params)
+  n_real = int((seg > 0).sum())
+  want = 0.0
+  for layer in range(2):  # selection_F holds row 0 only: build the loss from row 0.
+    fl = np.asarray(sown['intermediates'][f'block_{layer}']['attention']['selection_F'][0])
+    want += 0.1 * _m_loop(fl[None], seg[:1], 1.0) / (2 * n_real)
+  _, sown0 = jax.jit(lambda p: model.apply({'params': p}, tokens[:1],
+                                           segment_ids=jnp.asarray(seg[:1]),
+                                           mutable=['losses']))(params)
+  got = sum(float(jnp.sum(x)) for x in jax.tree.leaves(sown0['losses']))
+  np.testing.assert_allclose(got, want * n_real / int((seg[:1] > 0).sum()), rtol=1e-5)
+  assert got > 0
+  off = _model().apply({'params': params}, tokens, mutable=['losses'])[1]
+  assert not jax.tree.leaves(off.get('losses', {}))  # eps = 0: no L_mem
+
+
+def _model(max_len=24, impl='xla', **opts):
+  cfg = transformer.TransformerConfig.from_config(dict(
+      d=0, d_model=32, n_heads=2, n_layers=2, vocab_size=40, max_len=max_len,
+      attention='selective', attention_impl=impl, attention_block_size=8,
+      attention_options={**ALL_ON, **opts}))
+  return transformer.Decoder(cfg)
+
+
+def _decode_all(model, params, tokens, inspect_cache=None):
+  cache = decode.init_cache(model, params, tokens.shape[0])
+  run = jax.jit(lambda c, tok, t: decode.step(model, params, c, tok, t))
+  out = []
+  for t in range(tokens.shape[1]):
+    if inspect_cache is not None:
+      inspect_cache(t, cache, 'before')
+    logits, cache = run(cache, tokens[:, t], t)
+    if inspect_cache is not None:
+      inspect_cache(t, cache, 'after')
+    out.append(logits)
+  return jnp.stack(out, 1), cache
+
+
+def _params(model, tokens, seed=0):
+  params = model.init(jax.random.key(seed), tokens)['params']
+  # Larger q/k weights make head 0 select strongly (F of order 1-10), as a trained model does.
+  return jax.tree_util.tree_map_with_path(
+      lambda p, a: a * 4 if 'qkv' in jax.tree_util.keystr(p) else a, params)
+
+
+@pytest.mark.parametrize('opts', [{}, {'selective_shift': False},
+                                  {'selective_separate_bilinear': True}],
+                         ids=['paper', 'noshift', 'bilinear'])
+def test_decoding_with_unlimited_budget_equals_the_full_forward(opts):
+  model = _model(**opts)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 24)))
+  params = _params(model, tokens)
+  full = model.apply({'params': params}, tokens)
+  stepped, _ = _decode_all(model, params, tokens)
+  np.testing.assert_allclose(stepped, full, atol=1e-5, rtol=1e-5)
+  # A budget of at least the context length changes nothing.
+  big = _model(selective_budgets=(24, 30), **opts)
+  np.testing.assert_allclose(_decode_all(big, params, tokens)[0], full, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(big.apply({'params': params}, tokens), full, atol=1e-5)
+
+
+def test_pruned_decoding_respects_budgets_never_evicts_bos_and_evicts_the_highest_f():
+  budgets = (4, 6)
+  # Without the <BOS> constraint the <BOS> can get the highest F: it must still stay.
+  model = _model(selective_budgets=budgets, selective_mask_bos=False)
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 40, (2, 24)))
+  params = _params(model, tokens)
+  seen = {'evictions': 0, 'bos_top': 0}
+  before = {}
+
+  def check(t, cache, when):
+    for layer, k_l in enumerate(budgets):
+      c = jax.device_get(cache[f'block_{layer}']['attention'])
+      pos, f = np.asarray(c['position']), np.asarray(c['F'])
+      assert pos.shape[1] == k_l  # the cache holds K_l slots, so at most K_l tokens
+      if when == 'before':
+        before[layer] = (pos.copy(), f.copy())
+        continue
+      kept = pos[pos >= 0].reshape(2, -1)
+      assert kept.shape[1] == min(t + 1, k_l)
+      assert np.all((pos == 0).sum(axis=1) == 1), f'<BOS> evicted at step {t}'
+      assert np.all((pos == t).sum(axis=1) == 1)
+      if t >= k_l:  # One eviction: the kept non-<BOS> token with the highest F.
+        old_pos, old_f = before[layer]
+        for row in range(2):
+          gone = sorted(set(old_pos[row]) - set(pos[row]))
+          assert len(gone) == 1
+          cand = {p: fv for p, fv in zip(old_pos[row], old_f[row]) if p > 0}
+          top = max(cand.values())
+          assert cand[gone[0]] == top and gone[0] == min(p for p, fv in cand.items() if fv == top)
+          seen['evictions'] += 1
+          bos_f = old_f[row][list(old_pos[row]).index(0)]
+          seen['bos_top'] += int(bos_f > top)
+
+  stepped, _ = _decode_all(model, params, tokens, check)
+  assert seen['evictions'] == 2 * sum(24 - k for k in budgets)
+  assert seen['bos_top'] > 0  # <BOS> had the highest F at least once and was kept.
+  # The pruned full forward (the kept mask) gives what decoding gives.
+  np.testing.assert_allclose(model.apply({'params': params}, tokens), stepped, atol=1e-4,
+                             rtol=1e-4)
+  full = _model(selective_mask_bos=False).apply({'params': params}, tokens)
+  assert float(jnp.abs(full - stepped).max()) > 1e-3  # pruning changed something
+
+
+def test_kept_mask_matches_a_loop():
+  rng = np.random.default_rng(2)
+  seg = np.array([[1] * 9 + [2] * 7 + [0] * 2], np.int32)
+  e = rng.uniform(0, 3, size=(1, 18, 18)).astype(np.float32)
+  bos = np.asarray(SEL.bos_flags(jnp.asarray(seg)))
+  got = np.asarray(SEL.kept_mask(jnp.asarray(e), jnp.asarray(bos), 3))
+  kept = []
+  for i in range(18):
+    if bos[0, i]:
+      kept = []
+    if len(kept) >= 3:
+      cand = [j for j in kept if not bos[0, j]]
+      kept.remove(max(cand, key=lambda j: (e[0, i, j], -j)))
+    kept.append(i)
+    want = np.zeros(18, bool)
+    want[kept] = True
+    np.testing.assert_array_equal(got[0, i], want)
+
+
+def test_budgets_through_the_pruning_collection_equal_static_budgets():
+  model = _model()
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 40, (2, 24)))
+  params = _params(model, tokens)
+  pruning = {f'block_{i}': {'attention': {'budget': jnp.asarray(k, jnp.int32)}}
+             for i, k in enumerate((5, 3))}
+  dynamic = model.apply({'params': params, 'pruning': pruning}, tokens)
+  static = _model(selective_budgets=(5, 3)).apply({'params': params}, tokens)
+  np.testing.assert_allclose(dynamic, static, atol=1e-6)
+
+
+def test_invalid_options_are_rejected():
+  for bad, match in [({'selective_shift': 1}, 'selective_shift'),
+                     ({'selective_lmem_eps': -0.1}, 'eps'),
+                     ({'selective_lmem_tau': 0.0}, 'tau'),
+                     ({'selective_budgets': (8,)}, 'selective_budgets'),
+                     ({'selective_budgets': (8, 1)}, 'selective_budgets')]:
+    with pytest.raises(ValueError, match=match):
+      _model(**bad)
+  with pytest.raises(ValueError, match='splash'):
+    q, k, v = _qkv(n=8)
+    _attend(q, k, v, jnp.ones((2, 8), jnp.int32), impl='splash')
+
+
+def test_all_switch_combinations_build():
+  for combo in itertools.product([False, True], repeat=4):
+    opts = dict(zip(sorted(ALL_ON), combo))
+    assert _model(**opts).config.attention == ('selective', 'selective')
+
+
+def test_separate_bilinear_adds_counted_parameters():
+  tokens = jnp.zeros((1, 8), jnp.int32)
+  for bilinear in (False, True):
+    model = _model(selective_separate_bilinear=bilinear)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens))['params']
+    count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    assert count == model.config.num_params()
+  assert count == _model().config.num_params() + 2 * (2 * 32 * 16 + 2 * 16)  # 2 layers

@@ -1,0 +1,198 @@
+"""Context pruning with selective attention (section 4): per-layer budgets K_l.
+
+`--mode=allocate_budgets`: the greedy allocation. Every selective layer starts at K_l = N
+(the context length); each iteration tries cutting C (config.pruning.step, paper: 8) from
+each layer in turn, measures the loss on a training sample (config.pruning.batches batches)
+and keeps the cut that hurts least, until the best cut would raise the loss above the target
+(config.pruning.target_loss, e.g. a dense model's loss; 0 = the unpruned loss plus
+config.pruning.tolerance). Writes WORKDIR/budgets.json (or config.pruning.budget_file).
+
+`--mode=eval_budgets`: the validation loss with those budgets (and without), and the KV-cache
+memory reduction factor sum_l N / sum_l K_l. Writes WORKDIR/eval_budgets_step_<step>.json.
+
+Loss with budgets runs the full forward with the eviction applied as a mask
+(models/attention/selective.py `kept_mask`), which equals token-by-token decoding with
+K_l-slot caches; the budgets enter through the 'pruning' collection, so the greedy search
+compiles one forward pass.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+
+from models.attention import selective
+from models.attention import registry
+from training import checkpoints, losses, sharding, train
+
+
+def selective_layers(model_config) -> list[int]:
+  """Indices of the layers using selective attention."""
+  return [i for i, name in enumerate(model_config.attention)
+          if registry.get(name) is selective.SelectiveAttention]
+
+
+def memory_reduction(budgets, context: int) -> float:
+  """KV-cache memory reduction factor: sum_l N / sum_l min(K_l, N)."""
+  return len(budgets) * context / sum(min(k, context) for k in budgets)
+
+
+def _restore(config, workdir):
+  setup = train.build(config, workdir=workdir)
+  if not selective_layers(setup.model_config):
+    raise ValueError('context pruning needs model.attention = \'selective\' (in some layer)')
+  ckpt = checkpoints.Checkpointer(workdir, keep=config.keep_checkpoints, async_save=False)
+  try:
+    if ckpt.latest_step() is None:
+      raise FileNotFoundError(f'no checkpoint in {workdir}: train a selective model first')
+    state = ckpt.restore(setup.abstract_state)
+  finally:
+    ckpt.close()
+  return setup, state
+
+
+def budget_path(config, workdir: str) -> str:
+  """config.pruning.budget_file, or WORKDIR/budgets.json."""
+  return config.pruning.budget_file or os.path.join(workdir, 'budgets.json')
+
+
+def make_loss_fn(setup):
+  """jit (params, batch, budgets (L,) int32) -> (loss_sum, weight_sum) with pruning."""
+  model, chunk = setup.model, setup.config.loss_chunk_len
+  layers = selective_layers(setup.model_config)
+
+  def loss_fn(params, batch, budgets):
+    pruning = {f'block_{i}': {'attention': {'budget': budgets[i]}} for i in layers}
+    hidden, w = model.apply({'params': params, 'pruning': pruning}, batch['inputs'],
+                            positions=batch['positions'], segment_ids=batch['segment_ids'],
+                            return_hidden=True)
+    loss_sum, _ = losses.linear_cross_entropy(hidden, w, batch['targets'], batch['weights'],
+                                              chunk)
+    return loss_sum, jnp.sum(batch['weights'])
+
+  return jax.jit(loss_fn)
+
+
+def greedy_budgets(loss_of, n_layers: int, layers: list[int], context: int, step: int,
+                   target_fn):
+  """Section 4's greedy allocation.
+
+  Args:
+    loss_of: budgets (list of n_layers ints) -> loss on the training sample.
+    n_layers: L.
+    layers: the layers whose budget may be cut (the others stay at N).
+    context: N, every budget's start.
+    step: C.
+    target_fn: unpruned loss -> the largest acceptable loss.
+
+  Returns:
+    (budgets, unpruned loss, final loss, target, history of (layer, budgets, loss)).
+  """
+  budgets = [context] * n_layers
+  base = loss_of(budgets)
+  target = target_fn(base)
+  current, history = base, []
+  while True:
+    trials = {}
+    for i in layers:
+      if budgets[i] - step >= 2:
+        trial = list(budgets)
+        trial[i] -= step
+        trials[i] = loss_of(trial)
+    if not trials:
+      break
+    best = min(trials, key=lambda i: (trials[i], i))
+    if trials[best] > target:
+      break
+    budgets[best] -= step
+    current = trials[best]
+    history.append({'layer': best, 'budgets': list(budgets), 'loss': current})
+    logging.info('pruning: cut layer %d -> budgets %s, loss %.4f (target %.4f)', best,
+                 budgets, current, target)
+  return budgets, base, current, target, history
+
+
+def allocate_budgets(config, workdir: str) -> dict:
+  """Greedy per-layer budgets on a training sample; writes the budget file (JSON)."""
+  train.check_workdir(workdir)
+  setup, state = _restore(config, workdir)
+  pc = config.pruning
+  if pc.step < 1 or pc.batches < 1:
+    raise ValueError(f'pruning.step (C) and pruning.batches must be >= 1, got {pc.step}, '
+                     f'{pc.batches}')
+  try:
+    it = setup.data.train_iter(0, None)
+    sample = [next(it)[0] for _ in range(pc.batches)]
+  finally:
+    setup.data.close()
+  loss_fn = make_loss_fn(setup)
+  mc = setup.model_config
+  context = setup.data.seq_len
+  with sharding.activate(setup.mesh, setup.rules):
+    batches = [train.device_batch(setup, local) for local in sample]
+
+    def loss_of(budgets):
+      arr = jnp.asarray(budgets, jnp.int32)
+      total, weight = 0.0, 0.0
+      for batch in batches:
+        s, w = jax.device_get(loss_fn(state.params, batch, arr))
+        total, weight = total + float(s), weight + float(w)
+      return total / max(weight, 1.0)
+
+    target_fn = (lambda base: float(pc.target_loss)) if pc.target_loss > 0 else (
+        lambda base: base + float(pc.tolerance))
+    budgets, base, final, target, history = greedy_budgets(
+        loss_of, mc.n_layers, selective_layers(mc), context, int(pc.step), target_fn)
+  result = {'budgets': budgets, 'context': context, 'step': int(pc.step),
+            'unpruned_loss': base, 'loss': final, 'target_loss': target,
+            'memory_reduction': memory_reduction(budgets, context),
+            'checkpoint_step': int(state.step), 'history': history}
+  path = budget_path(config, workdir)
+  if jax.process_index() == 0:
+    with open(path, 'w') as f:
+      json.dump(result, f, indent=2)
+  logging.info('budgets %s (memory reduction %.2fx), train-sample loss %.4f (unpruned %.4f, '
+               'target %.4f) -> %s', budgets, result['memory_reduction'], final, base, target,
+               path)
+  return result
+
+
+def evaluate_budgets(config, workdir: str) -> dict:
+  """Validation loss with the budget file's K_l and without; the memory reduction factor."""
+  train.check_workdir(workdir)
+  path = budget_path(config, workdir)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'no budget file {path}: run --mode=allocate_budgets first')
+  with open(path) as f:
+    budgets = tuple(int(k) for k in json.load(f)['budgets'])
+  setup, state = _restore(config, workdir)
+  setup.data.close()
+  unpruned = train.run_eval(setup, train.jit_eval_step(setup), state.params)
+  pruned_config = copy.deepcopy(config)
+  pruned_config.model.attention_options.selective_budgets = budgets
+  pruned_setup = train.build(pruned_config, workdir=workdir)
+  try:
+    pruned = train.run_eval(pruned_setup, train.jit_eval_step(pruned_setup), state.params)
+  finally:
+    pruned_setup.data.close()
+  context = setup.data.seq_len
+  result = {'step': int(state.step), 'budgets': list(budgets), 'context': context,
+            'loss': pruned['loss'], 'perplexity': pruned['perplexity'],
+            'accuracy': pruned['accuracy'], 'unpruned_loss': unpruned['loss'],
+            'unpruned_accuracy': unpruned['accuracy'],
+            'memory_reduction': memory_reduction(budgets, context)}
+  if 'bits_per_byte' in pruned:
+    result['bits_per_byte'] = pruned['bits_per_byte']
+  if jax.process_index() == 0:
+    out = os.path.join(workdir, f'eval_budgets_step_{result["step"]}.json')
+    with open(out, 'w') as f:
+      json.dump(result, f, indent=2)
+    logging.info('eval with budgets %s: loss %.4f (unpruned %.4f), KV-cache memory reduced '
+                 '%.2fx -> %s', list(budgets), result['loss'], result['unpruned_loss'],
+                 result['memory_reduction'], out)
+  return result
