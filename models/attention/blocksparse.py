@@ -122,6 +122,20 @@ def computed_pairs(parts, n: int, q_block: int, k_block: int, band_block: int = 
   return total
 
 
+def _masked_stats(q, k, v, mask, *, scale, dtype):
+  """Unnormalized softmax(q k^T scale) v over `mask`, its row max m and row sum s.
+
+  q (..., q, d), k and v (..., k, d), mask broadcastable to (..., q, k); a row with no allowed
+  key has m = NEG_INF and s = 0.
+  """
+  logits = jnp.einsum('...qd,...kd->...qk', q, k, preferred_element_type=jnp.float32) * scale
+  logits = jnp.where(mask, logits, NEG_INF)
+  m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  e = jnp.where(mask, jnp.exp(logits - m), 0.0)
+  o = jnp.einsum('...qk,...kd->...qd', e.astype(dtype), v, preferred_element_type=jnp.float32)
+  return o, m, jnp.sum(e, axis=-1, keepdims=True)
+
+
 def _residue_stats(q, k, v, segment_ids, part: Part, *, scale, dtype):
   """`_part_stats` for a part that only pairs positions of equal residue mod l: one batched
   (g x g) attention per residue class (g = ceil(n / l)), work n g = n^2 / l."""
@@ -141,12 +155,7 @@ def _residue_stats(q, k, v, segment_ids, part: Part, *, scale, dtype):
   mask = (np.asarray(part.allowed(pos[:, :, None], pos[:, None, :]), bool)
           & real[:, :, None] & real[:, None, :])
   mask = jnp.asarray(mask)[None, None] & (seg[:, None, :, :, None] == seg[:, None, :, None, :])
-  logits = jnp.einsum('bhrtd,bhrsd->bhrts', qg, kg, preferred_element_type=jnp.float32) * scale
-  logits = jnp.where(mask, logits, NEG_INF)
-  m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-  e = jnp.where(mask, jnp.exp(logits - m), 0.0)
-  o = jnp.einsum('bhrts,bhrsd->bhrtd', e.astype(dtype), vg, preferred_element_type=jnp.float32)
-  s = jnp.sum(e, axis=-1, keepdims=True)
+  o, m, s = _masked_stats(qg, kg, vg, mask, scale=scale, dtype=dtype)
 
   def back(a):  # (b, h, l, g, x) -> (b, h, n, x)
     return jnp.swapaxes(a, 2, 3).reshape(b, h, g * l, a.shape[-1])[:, :, :n]
@@ -179,12 +188,7 @@ def _band_stats(q, k, v, segment_ids, part: Part, *, width, band_block, scale, d
   mask = jnp.asarray(mask)[None, None] & (
       seg_q.reshape(b, nb, bb)[:, None, :, :, None] == seg_k[:, None, :, None, :])
   qb = jnp.pad(q, ((0, 0), (0, 0), (0, nb * bb - n), (0, 0))).reshape(b, h, nb, bb, d)
-  logits = jnp.einsum('bhtqd,bhtkd->bhtqk', qb, kw, preferred_element_type=jnp.float32) * scale
-  logits = jnp.where(mask, logits, NEG_INF)
-  m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-  e = jnp.where(mask, jnp.exp(logits - m), 0.0)
-  o = jnp.einsum('bhtqk,bhtkd->bhtqd', e.astype(dtype), vw, preferred_element_type=jnp.float32)
-  s = jnp.sum(e, axis=-1, keepdims=True)
+  o, m, s = _masked_stats(qb, kw, vw, mask, scale=scale, dtype=dtype)
 
   def back(a):  # (b, h, nb, B, x) -> (b, h, n, x)
     return a.reshape(b, h, nb * bb, a.shape[-1])[:, :, :n]
@@ -229,15 +233,10 @@ def _part_stats(q, k, v, segment_ids, part: Part, *, q_block, k_block, band_bloc
     qpos, kpos = order[qs:qe], order[idx]
     mask = jnp.asarray(np.asarray(part.allowed(qpos[:, None], kpos[None, :]), bool))
     mask = mask[None, None] & (segment_ids[:, None, qs:qe, None] == seg_k[:, None, None, :])
-    logits = jnp.einsum('bhqd,bhkd->bhqk', q[:, :, qs:qe], kb,
-                        preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(mask, logits, NEG_INF)
-    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    e = jnp.where(mask, jnp.exp(logits - m), 0.0)
-    outs.append(jnp.einsum('bhqk,bhkd->bhqd', e.astype(dtype), vb,
-                           preferred_element_type=jnp.float32))
+    o, m, s = _masked_stats(q[:, :, qs:qe], kb, vb, mask, scale=scale, dtype=dtype)
+    outs.append(o)
     maxes.append(m)
-    sums.append(jnp.sum(e, axis=-1, keepdims=True))
+    sums.append(s)
   o, m, s = (jnp.concatenate(x, axis=2) for x in (outs, maxes, sums))
   if reorder:
     inverse = np.argsort(order)
