@@ -39,6 +39,8 @@ def get_config() -> ml_collections.ConfigDict:
   opts.memory = 128                     # Block_local: earlier positions m each block sees.
   opts.global_every = 2                 # Local_global: every k-th layer is global.
   opts.key_block = 16                   # Blocksparse key block for sparse patterns.
+  opts.band_block = 64                  # Query block of the band path for near-diagonal
+                                        # patterns (local, strided A1); 0 = never use it.
   # Adaptive / dynamic attention span (models/attention/adaptive_span.py).
   opts.span_limit = 1024                # S: the longest span a head may learn.
   opts.span_ramp = 32                   # R: width of the soft mask's ramp.

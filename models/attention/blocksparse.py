@@ -7,7 +7,11 @@ pattern, each computed in its own way and merged exactly with their softmax stat
 flash attention). The strided pattern's second part, {j : (i - j) mod l = 0}, touches every
 key block in sequence order but only pairs positions of equal residue mod l (the Sparse
 Transformer's own implementation trick): it runs as one batched (n/l x n/l) attention per
-residue class.
+residue class. Parts whose pairs all lie within a short distance of the diagonal (a sliding
+window, the previous l positions, a block plus its memory) can instead run as a band: every
+query block of `band_block` positions sees the same number of keys just before it, so all
+blocks go through one batched matmul on a strided view of the keys. Whichever of the two
+computes fewer pairs is used.
 """
 
 from __future__ import annotations
@@ -57,6 +61,45 @@ def _layout(allowed, n: int, q_block: int, k_block: int, residue_stride: int):
   return order, tuple(keys_of_block)
 
 
+@functools.lru_cache(maxsize=256)
+def reach(allowed, n: int, chunk: int = 512) -> int:
+  """1 + the largest i - j over allowed pairs (0 if none); -1 if a pair has j > i."""
+  out = 0
+  j = np.arange(n)[None, :]
+  for s in range(0, n, chunk):
+    i = np.arange(s, min(s + chunk, n))[:, None]
+    hit = np.asarray(allowed(i, j), bool)
+    if np.any(hit & (j > i)):
+      return -1
+    if hit.any():
+      out = max(out, int(np.max(np.where(hit, i - j, -1))) + 1)
+  return out
+
+
+def band_width(part: Part, n: int, q_block: int, k_block: int, band_block: int) -> int:
+  """Keys W before each query block that the band computation of `part` covers (a multiple
+  of band_block); 0 when the blocked layout is used instead (band_block 0, residue order, a
+  non-causal part, or a band that would not compute fewer pairs)."""
+  if band_block < 1 or part.residue_stride:
+    return 0
+  r = reach(part.allowed, n)
+  if r < 1:
+    return 0
+  width = -(-(r - 1) // band_block) * band_block
+  if _band_pairs(n, width, band_block) >= _blocked_pairs(part, n, q_block, k_block):
+    return 0
+  return width
+
+
+def _band_pairs(n: int, width: int, band_block: int) -> int:
+  return -(-n // band_block) * band_block * (width + band_block)
+
+
+def _blocked_pairs(part: Part, n: int, q_block: int, k_block: int) -> int:
+  _, keys = layout(part, n, q_block, k_block)
+  return sum(min(q_block, n - b * q_block) * len(idx) for b, idx in enumerate(keys))
+
+
 def layout(part: Part, n: int, q_block: int, k_block: int):
   """(order, key indices per query block) of `part` in its computation order.
 
@@ -65,7 +108,7 @@ def layout(part: Part, n: int, q_block: int, k_block: int):
   return _layout(part.allowed, n, q_block, k_block, part.residue_stride)
 
 
-def computed_pairs(parts, n: int, q_block: int, k_block: int) -> int:
+def computed_pairs(parts, n: int, q_block: int, k_block: int, band_block: int = 0) -> int:
   """Query-key products the block-sparse path computes (for the FLOP ratio)."""
   total = 0
   for part in parts:
@@ -73,10 +116,24 @@ def computed_pairs(parts, n: int, q_block: int, k_block: int) -> int:
       g = -(-n // part.residue_stride)
       total += part.residue_stride * g * g
       continue
-    _, keys = layout(part, n, q_block, k_block)
-    for b, idx in enumerate(keys):
-      total += min(q_block, n - b * q_block) * len(idx)
+    width = band_width(part, n, q_block, k_block, band_block)
+    total += (_band_pairs(n, width, band_block) if width else
+              _blocked_pairs(part, n, q_block, k_block))
   return total
+
+
+def _masked_stats(q, k, v, mask, *, scale, dtype):
+  """Unnormalized softmax(q k^T scale) v over `mask`, its row max m and row sum s.
+
+  q (..., q, d), k and v (..., k, d), mask broadcastable to (..., q, k); a row with no allowed
+  key has m = NEG_INF and s = 0.
+  """
+  logits = jnp.einsum('...qd,...kd->...qk', q, k, preferred_element_type=jnp.float32) * scale
+  logits = jnp.where(mask, logits, NEG_INF)
+  m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  e = jnp.where(mask, jnp.exp(logits - m), 0.0)
+  o = jnp.einsum('...qk,...kd->...qd', e.astype(dtype), v, preferred_element_type=jnp.float32)
+  return o, m, jnp.sum(e, axis=-1, keepdims=True)
 
 
 def _residue_stats(q, k, v, segment_ids, part: Part, *, scale, dtype):
@@ -98,12 +155,7 @@ def _residue_stats(q, k, v, segment_ids, part: Part, *, scale, dtype):
   mask = (np.asarray(part.allowed(pos[:, :, None], pos[:, None, :]), bool)
           & real[:, :, None] & real[:, None, :])
   mask = jnp.asarray(mask)[None, None] & (seg[:, None, :, :, None] == seg[:, None, :, None, :])
-  logits = jnp.einsum('bhrtd,bhrsd->bhrts', qg, kg, preferred_element_type=jnp.float32) * scale
-  logits = jnp.where(mask, logits, NEG_INF)
-  m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-  e = jnp.where(mask, jnp.exp(logits - m), 0.0)
-  o = jnp.einsum('bhrts,bhrsd->bhrtd', e.astype(dtype), vg, preferred_element_type=jnp.float32)
-  s = jnp.sum(e, axis=-1, keepdims=True)
+  o, m, s = _masked_stats(qg, kg, vg, mask, scale=scale, dtype=dtype)
 
   def back(a):  # (b, h, l, g, x) -> (b, h, n, x)
     return jnp.swapaxes(a, 2, 3).reshape(b, h, g * l, a.shape[-1])[:, :, :n]
@@ -111,7 +163,41 @@ def _residue_stats(q, k, v, segment_ids, part: Part, *, scale, dtype):
   return back(o), back(m), back(s)
 
 
-def _part_stats(q, k, v, segment_ids, part: Part, *, q_block, k_block, scale, dtype):
+def _band_stats(q, k, v, segment_ids, part: Part, *, width, band_block, scale, dtype):
+  """`_part_stats` for a part whose pairs lie within `width` positions before each query block:
+  query block t of B = band_block positions sees keys [t B - width, (t + 1) B), all blocks in
+  one batched matmul. Work n (width + B) instead of a loop over blocks."""
+  b, h, n, d = q.shape
+  bb = band_block
+  nb = -(-n // bb)
+  shifts = width // bb + 1  # Key blocks per query block, the query's own block last.
+
+  def windows(a, fill=0):  # (..., n, x) -> (..., nb, width + B, x): keys of each query block.
+    pad = [(0, 0)] * (a.ndim - 2) + [(width, nb * bb - n), (0, 0)]
+    a = jnp.pad(a, pad, constant_values=fill)
+    a = a.reshape(a.shape[:-2] + (nb + shifts - 1, bb, a.shape[-1]))
+    return jnp.concatenate([a[..., s:s + nb, :, :] for s in range(shifts)], axis=-2)
+
+  kw, vw = windows(k), windows(v)
+  seg_k = windows(segment_ids[..., None], fill=-1)[..., 0]  # (b, nb, width + B)
+  seg_q = jnp.pad(segment_ids, ((0, 0), (0, nb * bb - n)), constant_values=-2)
+  qpos = np.arange(nb)[:, None, None] * bb + np.arange(bb)[None, :, None]
+  kpos = np.arange(nb)[:, None, None] * bb - width + np.arange(width + bb)[None, None, :]
+  inside = (kpos >= 0) & (qpos < n)
+  mask = np.asarray(part.allowed(qpos, np.maximum(kpos, 0)), bool) & inside  # (nb, B, W + B)
+  mask = jnp.asarray(mask)[None, None] & (
+      seg_q.reshape(b, nb, bb)[:, None, :, :, None] == seg_k[:, None, :, None, :])
+  qb = jnp.pad(q, ((0, 0), (0, 0), (0, nb * bb - n), (0, 0))).reshape(b, h, nb, bb, d)
+  o, m, s = _masked_stats(qb, kw, vw, mask, scale=scale, dtype=dtype)
+
+  def back(a):  # (b, h, nb, B, x) -> (b, h, n, x)
+    return a.reshape(b, h, nb * bb, a.shape[-1])[:, :, :n]
+
+  return back(o), back(m), back(s)
+
+
+def _part_stats(q, k, v, segment_ids, part: Part, *, q_block, k_block, band_block, scale,
+                dtype):
   """Unnormalized output, row max and row sum of one part, in sequence order.
 
   q, k, v are head-major (b, h, n, d); returns o (b, h, n, d) f32, m and s (b, h, n, 1).
@@ -119,6 +205,10 @@ def _part_stats(q, k, v, segment_ids, part: Part, *, q_block, k_block, scale, dt
   if part.residue_stride:
     return _residue_stats(q, k, v, segment_ids, part, scale=scale, dtype=dtype)
   n = q.shape[2]
+  width = band_width(part, n, q_block, k_block, band_block)
+  if width:
+    return _band_stats(q, k, v, segment_ids, part, width=width, band_block=band_block,
+                       scale=scale, dtype=dtype)
   order, keys_of_block = layout(part, n, q_block, k_block)
   reorder = part.residue_stride > 0
   if reorder:
@@ -143,15 +233,10 @@ def _part_stats(q, k, v, segment_ids, part: Part, *, q_block, k_block, scale, dt
     qpos, kpos = order[qs:qe], order[idx]
     mask = jnp.asarray(np.asarray(part.allowed(qpos[:, None], kpos[None, :]), bool))
     mask = mask[None, None] & (segment_ids[:, None, qs:qe, None] == seg_k[:, None, None, :])
-    logits = jnp.einsum('bhqd,bhkd->bhqk', q[:, :, qs:qe], kb,
-                        preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(mask, logits, NEG_INF)
-    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    e = jnp.where(mask, jnp.exp(logits - m), 0.0)
-    outs.append(jnp.einsum('bhqk,bhkd->bhqd', e.astype(dtype), vb,
-                           preferred_element_type=jnp.float32))
+    o, m, s = _masked_stats(q[:, :, qs:qe], kb, vb, mask, scale=scale, dtype=dtype)
+    outs.append(o)
     maxes.append(m)
-    sums.append(jnp.sum(e, axis=-1, keepdims=True))
+    sums.append(s)
   o, m, s = (jnp.concatenate(x, axis=2) for x in (outs, maxes, sums))
   if reorder:
     inverse = np.argsort(order)
@@ -160,7 +245,7 @@ def _part_stats(q, k, v, segment_ids, part: Part, *, q_block, k_block, scale, dt
 
 
 def pattern_attention(q, k, v, segment_ids, parts, *, q_block: int, k_block: int, scale: float,
-                      dtype):
+                      dtype, band_block: int = 0):
   """softmax over the union of `parts` (which must be disjoint), block-sparse.
 
   Args:
@@ -169,17 +254,19 @@ def pattern_attention(q, k, v, segment_ids, parts, *, q_block: int, k_block: int
     parts: disjoint Parts whose union is the pattern.
     q_block: query block length.
     k_block: key block length (smaller blocks follow thin patterns more closely).
+    band_block: query block of the band computation of near-diagonal parts (0: never).
     scale: logit multiplier.
     dtype: dtype of the probabilities fed to the value matmul and of the output.
 
   Returns:
     (batch, length, heads, head_dim); a query that sees no key outputs zeros.
   """
-  if q_block < 1 or k_block < 1:
-    raise ValueError(f'block sizes must be >= 1, got q_block={q_block}, k_block={k_block}')
+  if q_block < 1 or k_block < 1 or band_block < 0:
+    raise ValueError(f'block sizes must be >= 1 (band_block >= 0), got q_block={q_block}, '
+                     f'k_block={k_block}, band_block={band_block}')
   qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
   stats = [_part_stats(qh, kh, vh, segment_ids, p, q_block=q_block, k_block=k_block,
-                       scale=scale, dtype=dtype) for p in parts]
+                       band_block=band_block, scale=scale, dtype=dtype) for p in parts]
   if len(stats) == 1:
     o, m, s = stats[0]
   else:  # Merge the parts' softmax statistics exactly.

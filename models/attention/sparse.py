@@ -69,20 +69,21 @@ class PatternAttention(base.MultiHeadAttention):
     scale = q.shape[-1] ** -0.5
     heads = q.shape[2]
     if self.impl == 'blocksparse':
-      key_block = self.option('key_block')
+      blocks = dict(q_block=self.block_size, k_block=self.option('key_block'),
+                    band_block=self.option('band_block'))
       groups: dict[tuple, list[int]] = {}  # Heads with the same parts share one computation.
       for h in range(heads):
         groups.setdefault(tuple(self.parts(h)), []).append(h)
       if len(groups) == 1:
         return blocksparse.pattern_attention(
-            q, k, v, segment_ids, list(next(iter(groups))), q_block=self.block_size,
-            k_block=key_block, scale=scale, dtype=self.dtype)
+            q, k, v, segment_ids, list(next(iter(groups))), scale=scale, dtype=self.dtype,
+            **blocks)
       outs = {}
       for parts, hs in groups.items():
         sel = np.asarray(hs)
         out = blocksparse.pattern_attention(
-            q[:, :, sel], k[:, :, sel], v[:, :, sel], segment_ids, list(parts),
-            q_block=self.block_size, k_block=key_block, scale=scale, dtype=self.dtype)
+            q[:, :, sel], k[:, :, sel], v[:, :, sel], segment_ids, list(parts), scale=scale,
+            dtype=self.dtype, **blocks)
         for idx, h in enumerate(hs):
           outs[h] = out[:, :, idx]
       return jnp.stack([outs[h] for h in range(heads)], axis=2)
@@ -118,9 +119,11 @@ def _check_factorization(options: dict, n_heads: int) -> None:
 
 
 def _check_key_block(options: dict) -> None:
-  kb = options.get('key_block')
-  if not isinstance(kb, int) or kb < 1:
-    raise ValueError(f'model.attention_options.key_block must be an integer >= 1, got {kb!r}')
+  for name, minimum in (('key_block', 1), ('band_block', 0)):
+    value = options.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+      raise ValueError(f'model.attention_options.{name} must be an integer >= {minimum}, '
+                       f'got {value!r}')
 
 
 @register('strided')

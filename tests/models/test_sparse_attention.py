@@ -27,7 +27,7 @@ NAMES = ('strided', 'fixed', 'local', 'block_local', 'local_global')
 D_MODEL, HEAD_DIM = 8, 4
 # Small pattern sizes so that n = 50 holds many blocks, strides and windows.
 OPTIONS = dict(stride=4, summary=2, factorization='interleave', distinct_heads=False, window=5,
-               local_block=8, memory=3, global_every=2, key_block=4)
+               local_block=8, memory=3, global_every=2, key_block=4, band_block=4)
 
 # (id, name, layer_index, heads, option overrides): every registry name, every factorization
 # ('interleave' at layers 0 and 1 gives A1 and A2), distinct summary heads, both kinds of
@@ -324,7 +324,8 @@ def test_packed_document_sees_the_same_keys_wherever_it_starts(case_id):
 # ------------------------------------------------------------------------- layout and FLOPs
 
 LONG = dict(stride=128, summary=16, factorization='interleave', distinct_heads=False,
-            window=128, local_block=128, memory=64, global_every=2, key_block=16)
+            window=128, local_block=128, memory=64, global_every=2, key_block=16,
+            band_block=64)
 FLOP_Q_BLOCK = 128
 
 
@@ -397,7 +398,8 @@ FACTORIZED = [(name, layer, {'factorization': f})
 
 def _pairs(name, layer, overrides, n, head=0, heads=2):
   parts = _head_parts(name, layer, heads, overrides, head, LONG)
-  computed = blocksparse.computed_pairs(parts, n, FLOP_Q_BLOCK, LONG['key_block'])
+  computed = blocksparse.computed_pairs(parts, n, FLOP_Q_BLOCK, LONG['key_block'],
+                                        LONG['band_block'])
   allowed = int(_allowed_np(name, {**LONG, **overrides}, layer, head, heads, n).sum())
   return computed, allowed
 
@@ -425,6 +427,20 @@ def test_blocksparse_flops_grow_no_faster_than_the_pattern(name, layer, override
   assert a1 <= c1 and a2 <= c2
   assert c2 / c1 <= a2 / a1 + 0.3, ((c1, a1), (c2, a2))  # n^2 / l parts grow ~4x too.
   assert c2 < _dense_pairs(2048)
+
+
+def test_band_path_computes_the_window_plus_one_query_block():
+  # Local w = 128 with band_block 64: every query block of 64 sees 128 + 64 keys (1.5 x the
+  # window) where the blocked layout with 128-query blocks sees 2 x the window.
+  n = 2048
+  part = _head_parts('local', 0, 2, {}, 0, LONG)[0]
+  assert blocksparse.band_width(part, n, FLOP_Q_BLOCK, 16, 64) == 128
+  assert blocksparse.computed_pairs([part], n, FLOP_Q_BLOCK, 16, 64) == n * (128 + 64)
+  blocked = blocksparse.computed_pairs([part], n, FLOP_Q_BLOCK, 16)
+  assert blocked == 128 * 128 + (n - 128) * (128 + 128)
+  # The band is not used where it would compute more (fixed A1 is block-diagonal).
+  fixed_a1 = _head_parts('fixed', 0, 2, {}, 0, LONG)[0]
+  assert blocksparse.band_width(fixed_a1, n, FLOP_Q_BLOCK, 16, 64) == 0
 
 
 def test_computed_pairs_dense_counts_the_causal_blocks():
@@ -464,7 +480,8 @@ INVALID = [
     ('fixed', 2, {'factorization': 'diagonal'}, r'factorization'),
     ('strided', 1, {'factorization': 'multihead'}, r'at least 2 heads'),
     ('fixed', 1, {'factorization': 'multihead'}, r'at least 2 heads'),
-] + [(name, 2, {'key_block': 0}, r'key_block') for name in NAMES]
+] + [(name, 2, {'key_block': 0}, r'key_block') for name in NAMES] + [
+    (name, 2, {'band_block': -1}, r'band_block') for name in NAMES]
 
 
 @pytest.mark.parametrize('name,n_heads,overrides,match', INVALID,
