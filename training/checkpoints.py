@@ -104,3 +104,24 @@ class Checkpointer:
     self._manager.wait_until_finished()
     self._manager.close()
     logging.info('checkpoints closed: %s', self.directory)
+
+
+def restore_latest(workdir: str, abstract_state, *, keep: int, required: str = ''):
+  """(step, state) of the latest checkpoint in `workdir`, or (None, None) if there is none.
+
+  Args:
+    workdir: the training run's folder.
+    abstract_state: the state's shapes and shardings.
+    keep: config.keep_checkpoints (the manager is opened with it).
+    required: if not empty, a missing checkpoint raises FileNotFoundError ending with this.
+  """
+  ckpt = Checkpointer(workdir, keep=keep, async_save=False)
+  try:
+    step = ckpt.latest_step()
+    if step is None:
+      if required:
+        raise FileNotFoundError(f'no checkpoint in {workdir}: {required}')
+      return None, None
+    return step, ckpt.restore(abstract_state)
+  finally:
+    ckpt.close()

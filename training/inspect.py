@@ -123,23 +123,24 @@ def plot_spans(head_spans: np.ndarray, limit: int, path: str, title: str) -> Non
   plt.close(fig)
 
 
+def _first_eval_batch(setup):
+  """The first validation batch of the run's data (host-local arrays); closes the source."""
+  try:
+    return next(iter(setup.data.eval_batches()))
+  finally:
+    setup.data.close()
+
+
 def learned_spans(config: ml_collections.ConfigDict, workdir: str):
   """((layers, heads) spans from the latest checkpoint, model config); dynamic spans are
   averaged over the first validation batch."""
   import jax
   from training import checkpoints, sharding, train
   setup = train.build(config, workdir=workdir)
-  ckpt = checkpoints.Checkpointer(workdir, keep=config.keep_checkpoints, async_save=False)
-  try:
-    if ckpt.latest_step() is None:
-      raise FileNotFoundError(f'no checkpoint in {workdir}: train first, then inspect the spans')
-    state = ckpt.restore(setup.abstract_state)
-  finally:
-    ckpt.close()
-  try:
-    local = next(iter(setup.data.eval_batches()))
-  finally:
-    setup.data.close()
+  _, state = checkpoints.restore_latest(workdir, setup.abstract_state,
+                                        keep=config.keep_checkpoints,
+                                        required='train first, then inspect the spans')
+  local = _first_eval_batch(setup)
   model = train.specialized_model(setup, state.params)
   with sharding.activate(setup.mesh, setup.rules):
     batch = train.device_batch(setup, local)
@@ -167,17 +168,10 @@ def selection_matrices(config: ml_collections.ConfigDict, workdir: str):
   import jax.numpy as jnp
   from training import checkpoints, sharding, train
   setup = train.build(config, workdir=workdir)
-  ckpt = checkpoints.Checkpointer(workdir, keep=config.keep_checkpoints, async_save=False)
-  try:
-    step = ckpt.latest_step()
-    params = (ckpt.restore(setup.abstract_state).params if step is not None
-              else train.init_state(setup, config.seed).params)
-  finally:
-    ckpt.close()
-  try:
-    local = next(iter(setup.data.eval_batches()))
-  finally:
-    setup.data.close()
+  step, state = checkpoints.restore_latest(workdir, setup.abstract_state,
+                                           keep=config.keep_checkpoints)
+  params = state.params if state is not None else train.init_state(setup, config.seed).params
+  local = _first_eval_batch(setup)
   example = {k: np.asarray(v[:1]) for k, v in local.items()}
   with sharding.activate(setup.mesh, setup.rules):
     _, sown = jax.jit(lambda p, b: setup.model.apply(

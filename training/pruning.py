@@ -46,13 +46,9 @@ def _restore(config, workdir):
   setup = train.build(config, workdir=workdir)
   if not selective_layers(setup.model_config):
     raise ValueError('context pruning needs model.attention = \'selective\' (in some layer)')
-  ckpt = checkpoints.Checkpointer(workdir, keep=config.keep_checkpoints, async_save=False)
-  try:
-    if ckpt.latest_step() is None:
-      raise FileNotFoundError(f'no checkpoint in {workdir}: train a selective model first')
-    state = ckpt.restore(setup.abstract_state)
-  finally:
-    ckpt.close()
+  _, state = checkpoints.restore_latest(workdir, setup.abstract_state,
+                                        keep=config.keep_checkpoints,
+                                        required='train a selective model first')
   return setup, state
 
 

@@ -9,39 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from selective_kit import forward as _forward, model as _model, params as _params
 
-from models import decode, transformer
+from models import decode
 from models.attention import selective as SEL
 from training import pruning
-
-ALL_ON = dict(selective_shift=True, selective_relu=True, selective_mask_bos=True,
-              selective_mask_diag=True)
-
-
-def _model(max_len=24, impl='xla', **opts):
-  cfg = transformer.TransformerConfig.from_config(dict(
-      d=0, d_model=32, n_heads=2, n_layers=2, vocab_size=40, max_len=max_len,
-      attention='selective', attention_impl=impl, attention_block_size=8,
-      attention_options={**ALL_ON, **opts}))
-  return transformer.Decoder(cfg)
-
-
-def _forward(model, params, tokens, **kw):
-  return jax.jit(lambda p, t: model.apply({'params': p}, t, **kw))(params, tokens)
-
-
-_PARAMS = {}
-
-
-def _params(model, tokens):
-  """Parameters shared by the tests (one init per parameter structure: it compiles slowly)."""
-  key = dict(model.config.attention_options).get('selective_separate_bilinear', False)
-  if key not in _PARAMS:
-    params = jax.jit(model.init)(jax.random.key(0), tokens[:, :8])['params']
-    # Larger q/k weights make head 0 select strongly (F of order 1-10), as a trained model does.
-    _PARAMS[key] = jax.tree_util.tree_map_with_path(
-        lambda p, a: a * 4 if 'qkv' in jax.tree_util.keystr(p) else a, params)
-  return _PARAMS[key]
 
 
 def _decode_all(model, params, tokens, inspect_cache=None):
