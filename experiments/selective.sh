@@ -47,3 +47,7 @@ for run in lm_selective lm_selective_lmem; do
   python main.py $LM --workdir="$OUT/$run" --config.model.attention=selective $extra \
       --mode=eval_budgets
 done
+# The dense model trained 3x longer (how much of the gap is speed of learning):
+python main.py $LM --workdir="$OUT/lm_dense_1800" --config.model.attention=dense \
+    --config.total_steps=1800 --config.eval_every_steps=600 --config.checkpoint_every_steps=600 \
+    2>&1 | tee "$OUT/lm_dense_1800.log"
