@@ -116,11 +116,11 @@ def greedy_budgets(loss_of, n_layers: int, layers: list[int], context: int, step
 def allocate_budgets(config, workdir: str) -> dict:
   """Greedy per-layer budgets on a training sample; writes the budget file (JSON)."""
   train.check_workdir(workdir)
-  setup, state = _restore(config, workdir)
   pc = config.pruning
   if pc.step < 1 or pc.batches < 1:
     raise ValueError(f'pruning.step (C) and pruning.batches must be >= 1, got {pc.step}, '
                      f'{pc.batches}')
+  setup, state = _restore(config, workdir)
   try:
     it = setup.data.train_iter(0, None)
     sample = [next(it)[0] for _ in range(pc.batches)]

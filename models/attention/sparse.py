@@ -118,7 +118,7 @@ def _check_factorization(options: dict, n_heads: int) -> None:
                      f'at least 2 heads, got {n_heads}')
 
 
-def _check_key_block(options: dict) -> None:
+def _check_blocks(options: dict) -> None:
   for name, minimum in (('key_block', 1), ('band_block', 0)):
     value = options.get(name)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -150,7 +150,7 @@ class StridedAttention(PatternAttention):
   @classmethod
   def validate(cls, options, n_heads, n_layers):
     _check_factorization(options, n_heads)
-    _check_key_block(options)
+    _check_blocks(options)
     patterns.Strided(options.get('stride'))
 
 
@@ -168,7 +168,7 @@ class FixedAttention(PatternAttention):
   @classmethod
   def validate(cls, options, n_heads, n_layers):
     _check_factorization(options, n_heads)
-    _check_key_block(options)
+    _check_blocks(options)
     patterns.Fixed(options.get('stride'), options.get('summary'))
 
 
@@ -181,7 +181,7 @@ class LocalAttention(PatternAttention):
 
   @classmethod
   def validate(cls, options, n_heads, n_layers):
-    _check_key_block(options)
+    _check_blocks(options)
     patterns.Local(options.get('window'))
 
 
@@ -194,7 +194,7 @@ class BlockLocalAttention(PatternAttention):
 
   @classmethod
   def validate(cls, options, n_heads, n_layers):
-    _check_key_block(options)
+    _check_blocks(options)
     patterns.BlockLocal(options.get('local_block'), options.get('memory'))
 
 
@@ -223,7 +223,7 @@ class LocalGlobalAttention(PatternAttention):
 
   @classmethod
   def validate(cls, options, n_heads, n_layers):
-    _check_key_block(options)
+    _check_blocks(options)
     patterns.Local(options.get('window'))
     k = options.get('global_every')
     if not isinstance(k, int) or k < 1:
