@@ -1,0 +1,214 @@
+"""The fused block-sparse CPU kernel (kernels/blocksparse_cpu.cc): build, layout and call.
+
+XLA:CPU runs the many small matmuls of a thin pattern far below its large-matmul speed and
+writes every score tile to memory between ops, so on a CPU the plain-JAX block-sparse path
+costs several times more per computed pair than dense attention. This kernel computes a
+pattern tile by tile (16 queries x 16 keys) with the softmax statistics kept in registers,
+forward and backward, through the XLA FFI. The tile layout (which key tiles each query tile
+touches, and the 16 x 16 mask of the partial ones) is derived from the pattern's own
+`allowed(i, j)` at trace time, like every other path.
+
+The kernel is compiled with the system C++ compiler on first use and cached under
+$ZOO_KERNEL_CACHE (default ~/.cache/attention_zoo); the cache key covers the source, the
+flags, the XLA FFI headers and the CPU. Without a compiler, `available()` is False (with one
+warning) and callers use the plain-JAX path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TILE = 16
+HEAD_DIMS = (16, 32, 64, 128, 256)
+NEG_INF = -1e30  # lse of a query that sees no key (the kernel's kEmpty).
+
+SOURCE = Path(__file__).parent / 'kernels' / 'blocksparse_cpu.cc'
+FLAGS = ('-O3', '-march=native', '-std=c++20', '-shared', '-fPIC', '-pthread', '-w',
+         '-fno-math-errno', '-fno-trapping-math', '-fassociative-math', '-fno-signed-zeros')
+_FORWARD, _BACKWARD = 'zoo_blocksparse_forward', 'zoo_blocksparse_backward'
+
+
+class KernelUnavailable(RuntimeError):
+  """The CPU kernel could not be built or loaded."""
+
+
+def _cpu_id() -> str:
+  try:
+    with open('/proc/cpuinfo') as f:
+      lines = [l for l in f.read().splitlines() if l.startswith(('model name', 'flags'))]
+    return '\n'.join(sorted(set(lines)))
+  except OSError:
+    return platform.processor()
+
+
+def _library_path() -> Path:
+  cache = Path(os.environ.get('ZOO_KERNEL_CACHE', Path.home() / '.cache' / 'attention_zoo'))
+  key = hashlib.sha256()
+  for part in (SOURCE.read_bytes(), ' '.join(FLAGS).encode(), jax.ffi.include_dir().encode(),
+               jax.__version__.encode(), _cpu_id().encode(), platform.machine().encode()):
+    key.update(part)
+  return cache / f'blocksparse_cpu_{key.hexdigest()[:16]}.so'
+
+
+def _build(path: Path) -> None:
+  compiler = os.environ.get('CXX', 'g++')
+  path.parent.mkdir(parents=True, exist_ok=True)
+  # Compile to a temporary file and rename: concurrent processes never load a partial file.
+  fd, tmp = tempfile.mkstemp(suffix='.so', dir=path.parent)
+  os.close(fd)
+  cmd = [compiler, *FLAGS, f'-I{jax.ffi.include_dir()}', str(SOURCE), '-o', tmp]
+  try:
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  except OSError as e:
+    os.unlink(tmp)
+    raise KernelUnavailable(f'cannot run the C++ compiler {compiler!r}: {e}') from e
+  if result.returncode != 0:
+    os.unlink(tmp)
+    raise KernelUnavailable(f'compiling {SOURCE.name} failed:\n{result.stderr[-2000:]}')
+  os.replace(tmp, path)
+
+
+@functools.cache
+def _load() -> None:
+  path = _library_path()
+  if not path.exists():
+    _build(path)
+  try:
+    lib = ctypes.cdll.LoadLibrary(str(path))
+  except OSError as e:
+    raise KernelUnavailable(f'cannot load {path}: {e}') from e
+  jax.ffi.register_ffi_target(_FORWARD, jax.ffi.pycapsule(lib.ZooBlockSparseForward),
+                              platform='cpu')
+  jax.ffi.register_ffi_target(_BACKWARD, jax.ffi.pycapsule(lib.ZooBlockSparseBackward),
+                              platform='cpu')
+
+
+@functools.cache
+def available() -> bool:
+  """True if the kernel is built and registered (builds it on the first call)."""
+  try:
+    _load()
+    return True
+  except KernelUnavailable as e:
+    logging.warning('block-sparse CPU kernel unavailable, using the plain-JAX path: %s', e)
+    return False
+
+
+def supports(head_dim: int) -> bool:
+  """True if `head_dim` is one the kernel is compiled for."""
+  return head_dim in HEAD_DIMS
+
+
+@functools.lru_cache(maxsize=256)
+def tile_layout(allowed, n: int, chunk: int = 8):
+  """(row_ptr, col, mask_id, masks) of `allowed` over n positions in 16 x 16 tiles.
+
+  Key tiles with no allowed pair are skipped; a tile whose 256 pairs are all allowed gets
+  mask_id -1; the others index `masks` (M, 16, 16) uint8, key-major (masks[m, j, i] for key
+  j and query i of the tile), one copy per distinct mask. Positions >= n are never allowed.
+  """
+  nt = -(-n // TILE)
+  pos = np.arange(nt * TILE)
+  real = pos < n
+  row_ptr, cols, ids = [0], [], []
+  mask_index: dict[bytes, int] = {}
+  for t0 in range(0, nt, chunk):
+    t1 = min(t0 + chunk, nt)
+    qi = pos[t0 * TILE:t1 * TILE, None]
+    hit = np.asarray(allowed(qi, pos[None, :]), bool) & real[None, :] & real[t0 * TILE:
+                                                                          t1 * TILE, None]
+    tiles = hit.reshape(t1 - t0, TILE, nt, TILE).transpose(0, 2, 1, 3)  # (tq, tk, 16, 16)
+    any_pair, all_pairs = tiles.any(axis=(2, 3)), tiles.all(axis=(2, 3))
+    for r in range(t1 - t0):
+      for u in np.flatnonzero(any_pair[r]):
+        cols.append(u)
+        if all_pairs[r, u]:
+          ids.append(-1)
+        else:
+          ids.append(mask_index.setdefault(tiles[r, u].T.tobytes(), len(mask_index)))
+      row_ptr.append(len(cols))
+  masks = np.zeros((max(1, len(mask_index)), TILE, TILE), np.uint8)
+  for raw, idx in mask_index.items():
+    masks[idx] = np.frombuffer(raw, bool).reshape(TILE, TILE)
+  return (np.asarray(row_ptr, np.int32), np.asarray(cols, np.int32),
+          np.asarray(ids, np.int32), masks)
+
+
+def layout_pairs(allowed, n: int) -> int:
+  """Query-key products the kernel computes for `allowed` over n positions."""
+  return len(tile_layout(allowed, n)[1]) * TILE * TILE
+
+
+def _threads() -> int:
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:
+    return os.cpu_count() or 1
+
+
+def _layout_args(allowed, n):
+  return tuple(jnp.asarray(x) for x in tile_layout(allowed, n))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention(q, k, v, seg, allowed, n):
+  return _forward(q, k, v, seg, allowed, n)[0]
+
+
+def _forward(q, k, v, seg, allowed, n):
+  items, length, d = q.shape
+  o, lse = jax.ffi.ffi_call(
+      _FORWARD, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                 jax.ShapeDtypeStruct((items, length), jnp.float32)),
+      vmap_method='sequential')(q, k, v, seg, *_layout_args(allowed, n),
+                                threads=np.int64(_threads()))
+  return (o, lse), (q, k, v, seg, o, lse)
+
+
+def _backward(allowed, n, res, grads):
+  q, k, v, seg, o, lse = res
+  do, dlse = grads
+  dq, dk, dv = jax.ffi.ffi_call(
+      _BACKWARD, tuple(jax.ShapeDtypeStruct(q.shape, jnp.float32) for _ in range(3)),
+      vmap_method='sequential')(q, k, v, seg, o, lse, do, dlse,
+                                *_layout_args(allowed, n), threads=np.int64(_threads()))
+  return dq, dk, dv, None
+
+
+_attention.defvjp(_forward, _backward)
+
+
+def attention(q, k, v, seg, allowed, *, scale):
+  """Softmax attention over the pairs `allowed(i, j)` allows and equal `seg`, fused on CPU.
+
+  Args:
+    q, k, v: (items, n, head_dim) (any float dtype; computed in float32).
+    seg: (items, n) int document ids.
+    allowed: hashable (i, j) -> bool over positions 0..n-1 (tile layouts are cached on it).
+    scale: logit multiplier.
+
+  Returns:
+    (o, lse): o (items, n, head_dim) float32, normalized, zeros for a query that sees no key;
+    lse (items, n) float32 log-sum-exp of its logits (NEG_INF for such a query).
+  """
+  _load()
+  items, n, d = q.shape
+  if not supports(d):
+    raise ValueError(f'the CPU kernel supports head_dim in {HEAD_DIMS}, got {d}')
+  pad = -(-n // TILE) * TILE - n
+  q, k, v = (jnp.pad(a.astype(jnp.float32), ((0, 0), (0, pad), (0, 0))) for a in (q, k, v))
+  seg = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
+  o, lse = _attention(q * scale, k, v, seg, allowed, n)
+  return o[:, :n], lse[:, :n]
