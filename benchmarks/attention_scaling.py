@@ -3,13 +3,16 @@
   python benchmarks/attention_scaling.py                          # n = 1K .. 16K on CPU
   python benchmarks/attention_scaling.py --n 1024 2048 --heads 8
 
-Dense causal attention (the block engine, which already skips the blocks above the diagonal)
-against each sparse pattern computed block-sparse (l = 128, c = 16, w = 128). For each n:
-median time of the jitted forward + backward of softmax attention on (batch, n, heads, 64)
-inputs, XLA's compiled peak memory (arguments + outputs + temporaries), the ideal FLOP ratio
-(causal pairs / pairs the pattern allows), the ratio the blocks allow (pairs dense computes /
-pairs the sparse path computes) and the achieved speedup over dense. Targets (CPU):
-at 8K the achieved speedup is at least 70% of the FLOP ratio; the sparse paths' memory grows
+Dense causal attention against each sparse pattern computed block-sparse (l = 128, c = 16,
+w = 128), each in two implementations: 'jax', the plain-JAX path that also runs on GPU/TPU
+(for dense, the causal block engine, which already skips the blocks above the diagonal), and
+'kernel', the fused CPU tile kernel (models/attention/cpu_kernel.py; for dense, the same
+kernel on the causal layout, i.e. flash attention). For each n: median time of the jitted
+forward + backward of softmax attention on (batch, n, heads, 64) inputs, XLA's compiled peak
+memory (arguments + outputs + temporaries), the ideal FLOP ratio (causal pairs / pairs the
+pattern allows), the ratio the blocks allow (pairs dense computes / pairs the sparse path
+computes) and the achieved speedup over the FASTER of the two dense rows. Targets (CPU): at
+8K the achieved speedup is at least 70% of the FLOP ratio; the sparse paths' memory grows
 linearly in n.
 """
 
@@ -28,7 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from models.attention import base, blocksparse, patterns, sparse  # noqa: E402
+from models.attention import base, blocksparse, cpu_kernel, patterns, sparse  # noqa: E402
 
 
 def pattern_parts(name: str, l: int, c: int, w: int):
@@ -52,20 +55,24 @@ def allowed_pairs(pattern, n: int, chunk: int = 1024) -> int:
   return total
 
 
-def make_fn(name: str, args):
+DENSE_PARTS = [blocksparse.Part(sparse.HeadView(patterns.Dense()))]
+
+
+def make_fn(name: str, impl: str, args):
   scale = args.head_dim ** -0.5
-  if name == 'dense':
+  if name == 'dense' and impl == 'jax':
     def attend(q, k, v, seg):
       return base.block_attention(q, k, v, seg, key_range=lambda s, e: (0, e),
                                   allowed=lambda i, j: i >= j, block_size=args.block,
                                   scale=scale, dtype=jnp.float32)
   else:
-    _, parts = pattern_parts(name, args.l, args.c, args.w)
+    parts = DENSE_PARTS if name == 'dense' else pattern_parts(name, args.l, args.c, args.w)[1]
 
     def attend(q, k, v, seg):
       return blocksparse.pattern_attention(q, k, v, seg, parts, q_block=args.block,
                                            k_block=args.key_block, band_block=args.band_block,
-                                           scale=scale, dtype=jnp.float32)
+                                           scale=scale, dtype=jnp.float32,
+                                           kernel=impl == 'kernel')
 
   def loss(q, k, v, seg):
     return jnp.sum(attend(q, k, v, seg) ** 2)
@@ -73,12 +80,24 @@ def make_fn(name: str, args):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
-def bench(name: str, n: int, args) -> dict:
+def kernel_pairs(parts, n: int) -> int:
+  """Query-key products of the kernel's 16 x 16 tiles (a residue part: per residue class)."""
+  total = 0
+  for part in parts:
+    if part.residue_stride:
+      l = part.residue_stride
+      total += l * cpu_kernel.layout_pairs(blocksparse.ClassView(part.allowed, l), -(-n // l))
+    else:
+      total += cpu_kernel.layout_pairs(part.allowed, n)
+  return total
+
+
+def bench(name: str, impl: str, n: int, args) -> dict:
   rng = np.random.default_rng(0)
   shape = (args.batch, n, args.heads, args.head_dim)
   q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(3))
   seg = jnp.ones((args.batch, n), jnp.int32)
-  fn = make_fn(name, args)
+  fn = make_fn(name, impl, args)
   compiled = fn.lower(q, k, v, seg).compile()
   mem = compiled.memory_analysis()
   peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
@@ -87,20 +106,23 @@ def bench(name: str, n: int, args) -> dict:
                      iters=args.iters)
   causal = n * (n + 1) // 2
   if name == 'dense':
-    pairs = causal
-    computed = blocksparse.computed_pairs(
-        [blocksparse.Part(sparse.HeadView(patterns.Dense()))], n, args.block, args.block)
+    pattern, parts = patterns.Dense(), DENSE_PARTS
   else:
     pattern, parts = pattern_parts(name, args.l, args.c, args.w)
-    pairs = allowed_pairs(pattern, n)
+  pairs = causal if name == 'dense' else allowed_pairs(pattern, n)
+  if impl == 'kernel':
+    computed = kernel_pairs(parts, n)
+  elif name == 'dense':
+    computed = blocksparse.computed_pairs(parts, n, args.block, args.block)
+  else:
     computed = blocksparse.computed_pairs(parts, n, args.block, args.key_block, args.band_block)
-  return {'pattern': name, 'n': n, 'time_ms': 1e3 * t['median_s'],
+  return {'pattern': name, 'impl': impl, 'n': n, 'time_ms': 1e3 * t['median_s'],
           'best_ms': 1e3 * t['best_s'], 'peak_MiB': peak / 2**20, 'allowed_pairs': pairs,
           'computed_pairs': computed, 'flop_ratio': causal / pairs}
 
 
-COLUMNS = ['pattern', 'n', 'time_ms', 'peak_MiB', 'flop_ratio', 'block_ratio', 'speedup',
-           'speedup_over_ideal']
+COLUMNS = ['pattern', 'impl', 'n', 'time_ms', 'peak_MiB', 'flop_ratio', 'block_ratio',
+           'speedup', 'speedup_over_ideal']
 
 
 def main():
@@ -118,25 +140,26 @@ def main():
   p.add_argument('--key_block', type=int, default=16, help='key block of the sparse paths')
   p.add_argument('--band_block', type=int, default=64,
                  help='query block of the band path (local, strided A1); 0 = blocked only')
+  p.add_argument('--impls', nargs='+', default=['jax', 'kernel'], choices=['jax', 'kernel'],
+                 help="'jax': plain-JAX paths; 'kernel': the fused CPU kernel")
   p.add_argument('--iters', type=int, default=3)
   p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
                                                'attention_scaling.json'))
   args = p.parse_args()
+  if 'kernel' in args.impls and not cpu_kernel.available():
+    p.error('the CPU kernel is unavailable (see the warning above); use --impls jax')
   rows = []
   for n in args.n:
-    dense = bench('dense', n, args)
-    dense['speedup'] = 1.0
-    dense['speedup_over_ideal'] = 1.0
-    dense['block_ratio'] = 1.0
-    rows.append(dense)
-    for name in args.patterns:
-      r = bench(name, n, args)
+    block = [bench(name, impl, n, args) for name in ['dense'] + args.patterns
+             for impl in args.impls]
+    dense = min((r for r in block if r['pattern'] == 'dense'), key=lambda r: r['time_ms'])
+    for r in block:
       r['speedup'] = dense['time_ms'] / r['time_ms']
       r['speedup_over_ideal'] = r['speedup'] / r['flop_ratio']
-      # What the blocks allow: dense's computed pairs over the pattern's computed pairs.
+      # What the tiles allow: the fastest dense row's computed pairs over this row's.
       r['block_ratio'] = dense['computed_pairs'] / r['computed_pairs']
-      rows.append(r)
-    common.print_table(rows[-1 - len(args.patterns):], COLUMNS)
+    rows.extend(block)
+    common.print_table(block, COLUMNS)
     print(flush=True)
   common.print_table(rows, COLUMNS)
   common.write_json(args.out, {'config': vars(args), 'backend': jax.default_backend(),

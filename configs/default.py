@@ -41,6 +41,8 @@ def get_config() -> ml_collections.ConfigDict:
   opts.key_block = 16                   # Blocksparse key block for sparse patterns.
   opts.band_block = 64                  # Query block of the band path for near-diagonal
                                         # patterns (local, strided A1); 0 = never use it.
+  opts.cpu_kernel = True                # Blocksparse on one CPU device: the fused C++ tile
+                                        # kernel (models/attention/cpu_kernel.py), not XLA.
   # Adaptive / dynamic attention span (models/attention/adaptive_span.py).
   opts.span_limit = 1024                # S: the longest span a head may learn.
   opts.span_ramp = 32                   # R: width of the soft mask's ramp.

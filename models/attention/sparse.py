@@ -5,7 +5,9 @@ pattern each layer and head uses, and how it is computed:
 
 * `attention_impl='xla'` (and 'fused'/'cudnn'): the dense reference, a mask on full scores.
 * `attention_impl='blocksparse'`: blocksparse.pattern_attention, only the key blocks the
-  pattern touches (key blocks of `attention_options.key_block` positions).
+  pattern touches (key blocks of `attention_options.key_block` positions). On a single CPU
+  device it runs the fused tile kernel of cpu_kernel.py unless
+  `attention_options.cpu_kernel=False` (plain JAX: the same code as on GPU/TPU).
 * `attention_impl='splash'`: the Pallas TPU splash kernel with a lazy mask from the same
   pattern function (interpret mode off TPU).
 
@@ -64,13 +66,17 @@ class PatternAttention(base.MultiHeadAttention):
     # Heads whose pattern does not depend on the head share one view (and one computation).
     return [blocksparse.Part(HeadView(p, head if getattr(p, 'distinct_heads', False) else 0))]
 
+  def kernel(self, head_dim: int) -> bool:
+    """True if the block-sparse path runs in the fused CPU kernel."""
+    return bool(self.option('cpu_kernel')) and blocksparse.use_kernel(head_dim)
+
   def attend(self, q, k, v, *, positions, segment_ids, deterministic):
     del deterministic
     scale = q.shape[-1] ** -0.5
     heads = q.shape[2]
     if self.impl == 'blocksparse':
       blocks = dict(q_block=self.block_size, k_block=self.option('key_block'),
-                    band_block=self.option('band_block'))
+                    band_block=self.option('band_block'), kernel=self.kernel(q.shape[-1]))
       groups: dict[tuple, list[int]] = {}  # Heads with the same parts share one computation.
       for h in range(heads):
         groups.setdefault(tuple(self.parts(h)), []).append(h)
@@ -124,6 +130,9 @@ def _check_blocks(options: dict) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
       raise ValueError(f'model.attention_options.{name} must be an integer >= {minimum}, '
                        f'got {value!r}')
+  if not isinstance(options.get('cpu_kernel'), bool):
+    raise ValueError('model.attention_options.cpu_kernel must be True or False, got '
+                     f'{options.get("cpu_kernel")!r}')
 
 
 @register('strided')
@@ -214,8 +223,8 @@ class LocalGlobalAttention(PatternAttention):
     return patterns.Dense() if self.is_global() else patterns.Local(self.option('window'))
 
   def attend(self, q, k, v, *, positions, segment_ids, deterministic):
-    if self.is_global() and self.impl == 'blocksparse':  # The causal block engine.
-      return base.block_attention(
+    if self.is_global() and self.impl == 'blocksparse' and not self.kernel(q.shape[-1]):
+      return base.block_attention(  # The causal block engine.
           q, k, v, segment_ids, key_range=lambda s, e: (0, e), allowed=lambda i, j: i >= j,
           block_size=self.block_size, scale=q.shape[-1] ** -0.5, dtype=self.dtype)
     return super().attend(q, k, v, positions=positions, segment_ids=segment_ids,

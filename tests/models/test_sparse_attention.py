@@ -27,7 +27,8 @@ NAMES = ('strided', 'fixed', 'local', 'block_local', 'local_global')
 D_MODEL, HEAD_DIM = 8, 4
 # Small pattern sizes so that n = 50 holds many blocks, strides and windows.
 OPTIONS = dict(stride=4, summary=2, factorization='interleave', distinct_heads=False, window=5,
-               local_block=8, memory=3, global_every=2, key_block=4, band_block=4)
+               local_block=8, memory=3, global_every=2, key_block=4, band_block=4,
+               cpu_kernel=True)
 
 # (id, name, layer_index, heads, option overrides): every registry name, every factorization
 # ('interleave' at layers 0 and 1 gives A1 and A2), distinct summary heads, both kinds of
@@ -325,7 +326,7 @@ def test_packed_document_sees_the_same_keys_wherever_it_starts(case_id):
 
 LONG = dict(stride=128, summary=16, factorization='interleave', distinct_heads=False,
             window=128, local_block=128, memory=64, global_every=2, key_block=16,
-            band_block=64)
+            band_block=64, cpu_kernel=True)
 FLOP_Q_BLOCK = 128
 
 

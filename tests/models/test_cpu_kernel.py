@@ -1,0 +1,179 @@
+"""Tests for the fused block-sparse CPU kernel (models/attention/cpu_kernel.py).
+
+* The kernel's output, log-sum-exp and gradients (including through the log-sum-exp, which
+  merging parts needs) equal a dense masked softmax, for every pattern, packed documents,
+  lengths that 16 does not divide and every compiled head width class.
+* Each registry name through the module path (attention_impl='blocksparse' with the kernel)
+  equals the dense reference, outputs and gradients, with a strided residue part run per
+  residue class.
+* The tile layout covers exactly the allowed pairs; a missing compiler turns the kernel off
+  with a warning instead of failing.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import attention
+from models.attention import blocksparse, cpu_kernel, patterns, sparse
+
+pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason='no C++ compiler')
+
+PATTERNS = {
+    'dense': patterns.Dense(),
+    'local': patterns.Local(21),
+    'fixed': patterns.Fixed(16, 4),
+    'fixed-a2': patterns.Fixed(8, 3, 'a2'),  # Early queries of a document see no key.
+    'strided': patterns.Strided(8),
+    'block_local': patterns.BlockLocal(12, 5),
+}
+
+
+def _segments(rng, rows, n):
+  """Packed documents 1, 2, ... of random lengths, then trailing padding (id 0)."""
+  seg = np.zeros((rows, n), np.int32)
+  for r in range(rows):
+    cuts = np.sort(rng.choice(np.arange(1, n - 3), size=2, replace=False))
+    seg[r, :cuts[0]], seg[r, cuts[0]:cuts[1]], seg[r, cuts[1]:n - 3] = 1, 2, 3
+  return jnp.asarray(seg)
+
+
+def _reference(q, k, v, seg, allowed, scale):
+  """Dense masked softmax in float64-free jnp: (o, lse) with o = 0, lse = NEG_INF for a query
+  that sees no key."""
+  n = q.shape[1]
+  pair = np.asarray(allowed(np.arange(n)[:, None], np.arange(n)[None, :]), bool)
+  mask = jnp.asarray(pair)[None] & (seg[:, :, None] == seg[:, None, :])
+  logits = jnp.where(mask, jnp.einsum('bqd,bkd->bqk', q, k) * scale, -jnp.inf)
+  sees = mask.any(-1)
+  lse = jax.nn.logsumexp(jnp.where(sees[..., None], logits, 0.0), axis=-1)
+  probs = jnp.where(mask, jnp.exp(logits - lse[..., None]), 0.0)
+  return jnp.einsum('bqk,bkd->bqd', probs, v), jnp.where(sees, lse, cpu_kernel.NEG_INF), sees
+
+
+@pytest.mark.parametrize('name', sorted(PATTERNS))
+@pytest.mark.parametrize('n,d', [(75, 16), (48, 64)])
+def test_kernel_matches_dense_softmax_values_and_gradients(name, n, d):
+  rng = np.random.default_rng(0)
+  rows = 3
+  q, k, v = (jnp.asarray(rng.normal(size=(rows, n, d)), jnp.float32) for _ in range(3))
+  seg = _segments(rng, rows, n)
+  allowed = sparse.HeadView(PATTERNS[name])
+  scale = d ** -0.5
+  o_ref, lse_ref, sees = _reference(q, k, v, seg, allowed, scale)
+  o, lse = jax.jit(lambda q, k, v: cpu_kernel.attention(q, k, v, seg, allowed, scale=scale))(
+      q, k, v)
+  np.testing.assert_allclose(o, o_ref, atol=2e-5)
+  np.testing.assert_allclose(lse, lse_ref, rtol=1e-5, atol=1e-5)
+  if name == 'fixed-a2':
+    assert not bool(sees.all())  # Blind queries are covered.
+
+  w_o = jnp.asarray(rng.normal(size=o.shape), jnp.float32)
+  w_lse = jnp.where(sees, jnp.asarray(rng.normal(size=lse.shape), jnp.float32), 0.0)
+
+  def loss(fn):
+    def f(q, k, v):
+      out, l = fn(q, k, v)
+      return jnp.sum(out * w_o) + jnp.sum(jnp.where(sees, l, 0.0) * w_lse)
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+
+  want = loss(lambda q, k, v: _reference(q, k, v, seg, allowed, scale)[:2])(q, k, v)
+  got = loss(lambda q, k, v: cpu_kernel.attention(q, k, v, seg, allowed, scale=scale))(q, k, v)
+  for g, g_ref, what in zip(got, want, 'qkv'):
+    np.testing.assert_allclose(g, g_ref, atol=5e-5, err_msg=f'd{what}')
+    assert np.any(np.asarray(g_ref) != 0)
+
+
+@pytest.mark.parametrize('name', sorted(PATTERNS))
+def test_tile_layout_covers_exactly_the_allowed_pairs(name):
+  n = 83
+  allowed = sparse.HeadView(PATTERNS[name])
+  row_ptr, col, mask_id, masks = cpu_kernel.tile_layout(allowed, n)
+  nt = -(-n // 16)
+  covered = np.zeros((nt * 16, nt * 16), bool)
+  for t in range(nt):
+    for e in range(row_ptr[t], row_ptr[t + 1]):
+      u = col[e]
+      tile = np.ones((16, 16), bool) if mask_id[e] < 0 else masks[mask_id[e]].T.astype(bool)
+      assert tile.any()  # Empty tiles are skipped.
+      covered[t * 16:(t + 1) * 16, u * 16:(u + 1) * 16] = tile
+  want = np.asarray(allowed(np.arange(n)[:, None], np.arange(n)[None, :]), bool)
+  np.testing.assert_array_equal(covered[:n, :n], want)
+  assert not covered[n:].any() and not covered[:, n:].any()
+  assert len({m.tobytes() for m in masks}) == len(masks)  # One copy per distinct mask.
+
+
+def test_residue_part_runs_per_class_only_when_its_mask_is_the_same_in_every_class():
+  a1 = sparse.HeadView(patterns.Strided(8, 'a1'))
+  a2 = sparse.HeadView(patterns.Strided(8, 'a2'))
+  assert blocksparse.same_in_every_class(sparse.Minus(a2, a1), 100, 8)
+  # Fixed A2 seen by residue mod 8 is not: the summary cells are some residues only.
+  fixed_a2 = sparse.HeadView(patterns.Fixed(8, 3, 'a2'))
+  assert not blocksparse.same_in_every_class(fixed_a2, 100, 8)
+
+
+CASES = [  # (name, layer, heads, overrides): every registry name and kind of part.
+    ('strided', 0, 2, {'factorization': 'merged'}),  # Band/blocked part + residue part.
+    ('strided', 1, 2, {}),                           # A2 alone, per residue class.
+    ('fixed', 0, 2, {'factorization': 'multihead', 'distinct_heads': True}),
+    ('local', 0, 2, {}),
+    ('block_local', 0, 2, {}),
+    ('local_global', 0, 2, {}),
+    ('local_global', 1, 2, {}),                      # The global (dense) layer.
+]
+OPTIONS = dict(stride=8, summary=3, factorization='interleave', distinct_heads=False,
+               window=11, local_block=8, memory=5, global_every=2, key_block=4, band_block=8,
+               cpu_kernel=True)
+
+
+@pytest.mark.parametrize('name,layer,heads,overrides', CASES,
+                         ids=[f'{c[0]}-{c[1]}-{c[3].get("factorization", "")}' for c in CASES])
+def test_module_with_kernel_matches_dense_reference(name, layer, heads, overrides):
+  n, d = 70, 16
+  rng = np.random.default_rng(1)
+  seg = _segments(rng, 2, n)
+  pos = jnp.broadcast_to(jnp.arange(n), (2, n))
+  q, k, v = (jnp.asarray(rng.normal(size=(2, n, heads, d)), jnp.float32) for _ in range(3))
+
+  def module(impl):
+    return attention.get(name)(num_heads=heads, head_dim=d, impl=impl, block_size=16,
+                               layer_index=layer,
+                               options=tuple(sorted({**OPTIONS, **overrides}.items())))
+
+  kernel_module = module('blocksparse')
+  assert kernel_module.kernel(d)
+
+  def run(m):
+    def f(q, k, v):
+      out = m.apply({}, q, k, v, positions=pos, segment_ids=seg, deterministic=True,
+                    method='attend')
+      return jnp.sum(jnp.where((seg > 0)[..., None, None], out, 0.0) ** 2), out
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+  (_, want), g_want = run(module('xla'))
+  (_, got), g_got = run(kernel_module)
+  real = np.asarray(seg > 0)
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=2e-5)
+  for g, g_ref in zip(g_got, g_want):
+    np.testing.assert_allclose(g, g_ref, atol=5e-5)
+
+
+def test_module_without_kernel_option_uses_plain_jax():
+  m = attention.get('local')(num_heads=1, head_dim=16, impl='blocksparse',
+                             options=tuple(sorted({**OPTIONS, 'cpu_kernel': False}.items())))
+  assert not m.kernel(16)
+  assert not blocksparse.use_kernel(12)  # A head width the kernel is not compiled for.
+
+
+def test_missing_compiler_turns_the_kernel_off_with_a_warning(monkeypatch, tmp_path, caplog):
+  monkeypatch.setenv('ZOO_KERNEL_CACHE', str(tmp_path))
+  monkeypatch.setenv('CXX', str(tmp_path / 'no-such-compiler'))
+  load, avail = cpu_kernel._load, cpu_kernel.available  # pylint: disable=protected-access
+  monkeypatch.setattr(cpu_kernel, '_load', load.__wrapped__)
+  monkeypatch.setattr(cpu_kernel, 'available', avail.__wrapped__)
+  with pytest.raises(cpu_kernel.KernelUnavailable, match='no-such-compiler'):
+    cpu_kernel._load()  # pylint: disable=protected-access
+  assert not cpu_kernel.available()
+  assert 'plain-JAX path' in caplog.text
+  assert not list(tmp_path.glob('*.so'))  # Nothing half-built is left behind.
