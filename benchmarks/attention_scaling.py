@@ -7,18 +7,20 @@ Dense causal attention against each sparse pattern computed block-sparse (l = 12
 w = 128), each in two implementations: 'jax', the plain-JAX path that also runs on GPU/TPU
 (for dense, the causal block engine, which already skips the blocks above the diagonal), and
 'kernel', the fused CPU tile kernel (models/attention/cpu_kernel.py; for dense, the same
-kernel on the causal layout, i.e. flash attention). For each n: median time of the jitted
-forward + backward of softmax attention on (batch, n, heads, 64) inputs, XLA's compiled peak
-memory (arguments + outputs + temporaries), the ideal FLOP ratio (causal pairs / pairs the
-pattern allows), the ratio the blocks allow (pairs dense computes / pairs the sparse path
-computes) and the achieved speedup over the FASTER of the two dense rows. Targets (CPU): at
-8K the achieved speedup is at least 70% of the FLOP ratio; the sparse paths' memory grows
-linearly in n.
+kernel on the causal layout, i.e. flash attention). For each n: the time of the jitted
+forward + backward of softmax attention on (batch, n, heads, 64) inputs (best of --iters
+rounds; all rows of one n are timed round-robin, so that a slow phase of a shared machine
+hits them alike; the median is printed too), XLA's compiled peak memory (arguments +
+outputs + temporaries), the ideal FLOP ratio (causal pairs / pairs the pattern allows), the
+ratio the tiles allow (pairs the fastest dense row computes / pairs this row computes) and
+the achieved speedup over the FASTER of the two dense rows. Targets (CPU): at 8K the achieved
+speedup is at least 70% of the FLOP ratio; the sparse paths' memory grows linearly in n.
 """
 
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -81,29 +83,22 @@ def make_fn(name: str, impl: str, args):
 
 
 def kernel_pairs(parts, n: int) -> int:
-  """Query-key products of the kernel's 16 x 16 tiles (a residue part: per residue class)."""
-  total = 0
-  for part in parts:
-    if part.residue_stride:
-      l = part.residue_stride
-      total += l * cpu_kernel.layout_pairs(blocksparse.ClassView(part.allowed, l), -(-n // l))
-    else:
-      total += cpu_kernel.layout_pairs(part.allowed, n)
-  return total
+  """Query-key products of the kernel's 16 x 16 tiles (a residue part in residue order)."""
+  return sum(cpu_kernel.layout_pairs(p.allowed, n, p.residue_stride) for p in parts)
 
 
-def bench(name: str, impl: str, n: int, args) -> dict:
+def prepare(name: str, impl: str, n: int, args) -> dict:
+  """Compiles one row's forward + backward; returns the row with its runner and counts."""
   rng = np.random.default_rng(0)
   shape = (args.batch, n, args.heads, args.head_dim)
   q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(3))
   seg = jnp.ones((args.batch, n), jnp.int32)
-  fn = make_fn(name, impl, args)
-  compiled = fn.lower(q, k, v, seg).compile()
+  compiled = make_fn(name, impl, args).lower(q, k, v, seg).compile()
   mem = compiled.memory_analysis()
   peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
           if mem is not None else float('nan'))
-  t = common.time_fn(lambda: jax.block_until_ready(compiled(q, k, v, seg)), warmup=1,
-                     iters=args.iters)
+  run = lambda: jax.block_until_ready(compiled(q, k, v, seg))
+  run()  # Warm-up.
   causal = n * (n + 1) // 2
   if name == 'dense':
     pattern, parts = patterns.Dense(), DENSE_PARTS
@@ -116,12 +111,26 @@ def bench(name: str, impl: str, n: int, args) -> dict:
     computed = blocksparse.computed_pairs(parts, n, args.block, args.block)
   else:
     computed = blocksparse.computed_pairs(parts, n, args.block, args.key_block, args.band_block)
-  return {'pattern': name, 'impl': impl, 'n': n, 'time_ms': 1e3 * t['median_s'],
-          'best_ms': 1e3 * t['best_s'], 'peak_MiB': peak / 2**20, 'allowed_pairs': pairs,
-          'computed_pairs': computed, 'flop_ratio': causal / pairs}
+  return {'pattern': name, 'impl': impl, 'n': n, 'peak_MiB': peak / 2**20,
+          'allowed_pairs': pairs, 'computed_pairs': computed, 'flop_ratio': causal / pairs,
+          'run': run, 'times': []}
 
 
-COLUMNS = ['pattern', 'impl', 'n', 'time_ms', 'peak_MiB', 'flop_ratio', 'block_ratio',
+def time_round_robin(rows: list[dict], rounds: int) -> None:
+  """Times every row once per round, rows interleaved, so that slow phases of a shared
+  machine hit all rows alike; each row keeps its best and median time."""
+  for _ in range(rounds):
+    for r in rows:
+      start = time.perf_counter()
+      r['run']()
+      r['times'].append(time.perf_counter() - start)
+  for r in rows:
+    del r['run']
+    times = r.pop('times')
+    r['time_ms'], r['median_ms'] = 1e3 * min(times), 1e3 * float(np.median(times))
+
+
+COLUMNS = ['pattern', 'impl', 'n', 'time_ms', 'median_ms', 'peak_MiB', 'flop_ratio', 'block_ratio',
            'speedup', 'speedup_over_ideal']
 
 
@@ -142,7 +151,7 @@ def main():
                  help='query block of the band path (local, strided A1); 0 = blocked only')
   p.add_argument('--impls', nargs='+', default=['jax', 'kernel'], choices=['jax', 'kernel'],
                  help="'jax': plain-JAX paths; 'kernel': the fused CPU kernel")
-  p.add_argument('--iters', type=int, default=3)
+  p.add_argument('--iters', type=int, default=5, help='rounds of round-robin timing')
   p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
                                                'attention_scaling.json'))
   args = p.parse_args()
@@ -150,8 +159,9 @@ def main():
     p.error('the CPU kernel is unavailable (see the warning above); use --impls jax')
   rows = []
   for n in args.n:
-    block = [bench(name, impl, n, args) for name in ['dense'] + args.patterns
+    block = [prepare(name, impl, n, args) for name in ['dense'] + args.patterns
              for impl in args.impls]
+    time_round_robin(block, args.iters)
     dense = min((r for r in block if r['pattern'] == 'dense'), key=lambda r: r['time_ms'])
     for r in block:
       r['speedup'] = dense['time_ms'] / r['time_ms']

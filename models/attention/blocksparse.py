@@ -15,8 +15,7 @@ computes fewer pairs is used.
 
 With `kernel=True` (the default on a single CPU device, see `use_kernel`) each part runs in
 the fused tile kernel of models/attention/cpu_kernel.py instead, on a layout of 16 x 16 tiles
-derived from the same `allowed` function; a residue part runs there as one attention per
-residue class when its mask is the same in every class.
+derived from the same `allowed` function (a residue part in residue order).
 """
 
 from __future__ import annotations
@@ -210,65 +209,13 @@ def _band_stats(q, k, v, segment_ids, part: Part, *, width, band_block, scale, d
   return back(o), back(m), back(s)
 
 
-@dataclasses.dataclass(frozen=True)
-class ClassView:
-  """A residue part seen inside one residue class: class positions (t, t') stand for the
-  original positions (t l + r, t' l + r); valid when the mask does not depend on r."""
-  allowed: Callable
-  l: int
-
-  def __call__(self, t, u):
-    return self.allowed(t * self.l, u * self.l)
-
-
-@functools.lru_cache(maxsize=256)
-def same_in_every_class(allowed, n: int, l: int) -> bool:
-  """True if `allowed` pairs the same class positions in every residue class mod l."""
-  g = -(-n // l)
-  t = np.arange(g)
-  first = np.asarray(allowed(t[:, None] * l, t[None, :] * l), bool)
-  return all(np.array_equal(first, np.asarray(allowed(t[:, None] * l + r, t[None, :] * l + r),
-                                              bool)) for r in range(1, l))
-
-
-def _kernel_stats(q, k, v, segment_ids, part: Part, *, scale):
-  """`_part_stats` through the fused CPU kernel: (o normalized, lse, 1) per query."""
-  b, h, n, d = q.shape
-  if part.residue_stride:  # One attention per residue class, items (b, h, l).
-    l = part.residue_stride
-    g = -(-n // l)
-
-    def by_class(a, fill=0):  # (b, h, n, x) -> (b h l, g, x): position t l + r goes to [r, t].
-      a = jnp.pad(a, ((0, 0), (0, 0), (0, g * l - n), (0, 0)), constant_values=fill)
-      return jnp.swapaxes(a.reshape(b, h, g, l, a.shape[-1]), 2, 3).reshape(b * h * l, g, -1)
-
-    seg = by_class(jnp.broadcast_to(segment_ids[:, None, :, None], (b, h, n, 1)), fill=-1)[..., 0]
-    o, lse = cpu_kernel.attention(by_class(q), by_class(k), by_class(v), seg,
-                                  ClassView(part.allowed, l), scale=scale)
-
-    def back(a):  # (b h l, g, x) -> (b, h, n, x)
-      return jnp.swapaxes(a.reshape(b, h, l, g, -1), 2, 3).reshape(b, h, g * l, -1)[:, :, :n]
-
-    o, lse = back(o), back(lse[..., None])
-  else:
-    seg = jnp.broadcast_to(segment_ids[:, None], (b, h, n)).reshape(b * h, n)
-    o, lse = cpu_kernel.attention(q.reshape(b * h, n, d), k.reshape(b * h, n, d),
-                                  v.reshape(b * h, n, d), seg, part.allowed, scale=scale)
-    o, lse = o.reshape(b, h, n, d), lse.reshape(b, h, n, 1)
-  return o, lse, jnp.ones_like(lse)
-
-
 def _part_stats(q, k, v, segment_ids, part: Part, *, q_block, k_block, band_block, scale,
-                dtype, kernel=False):
-  """Output, row max and row sum of one part, in sequence order: softmax(part) v = o / s and
-  the part's log-sum-exp is m + log s.
+                dtype):
+  """Unnormalized output, row max and row sum of one part, in sequence order.
 
   q, k, v are head-major (b, h, n, d); returns o (b, h, n, d) f32, m and s (b, h, n, 1).
   """
   n = q.shape[2]
-  if kernel and (not part.residue_stride
-                 or same_in_every_class(part.allowed, n, part.residue_stride)):
-    return _kernel_stats(q, k, v, segment_ids, part, scale=scale)
   if part.residue_stride:
     return _residue_stats(q, k, v, segment_ids, part, scale=scale, dtype=dtype)
   width = band_width(part, n, q_block, k_block, band_block)
@@ -310,6 +257,19 @@ def _part_stats(q, k, v, segment_ids, part: Part, *, q_block, k_block, band_bloc
   return o, m, s
 
 
+def _kernel_attention(q, k, v, segment_ids, parts, *, scale):
+  """pattern_attention through the fused CPU kernel: each part on its own tile layout (a
+  residue part in residue order), merged by their log-sum-exps."""
+  outs = [cpu_kernel.attention(q, k, v, segment_ids, p.allowed, scale=scale,
+                               residue_stride=p.residue_stride) for p in parts]
+  if len(outs) == 1:
+    return outs[0][0]
+  lses = [lse[..., None] for _, lse in outs]
+  m = functools.reduce(jnp.maximum, lses)
+  weights = [jnp.exp(lse - m) for lse in lses]  # A query no part lets see: o = 0 in each.
+  return sum(w * o for w, (o, _) in zip(weights, outs)) / sum(weights)
+
+
 def pattern_attention(q, k, v, segment_ids, parts, *, q_block: int, k_block: int, scale: float,
                       dtype, band_block: int = 0, kernel: bool = False):
   """softmax over the union of `parts` (which must be disjoint), block-sparse.
@@ -331,10 +291,11 @@ def pattern_attention(q, k, v, segment_ids, parts, *, q_block: int, k_block: int
   if q_block < 1 or k_block < 1 or band_block < 0:
     raise ValueError(f'block sizes must be >= 1 (band_block >= 0), got q_block={q_block}, '
                      f'k_block={k_block}, band_block={band_block}')
+  if kernel:
+    return _kernel_attention(q, k, v, segment_ids, parts, scale=scale).astype(dtype)
   qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
   stats = [_part_stats(qh, kh, vh, segment_ids, p, q_block=q_block, k_block=k_block,
-                       band_block=band_block, scale=scale, dtype=dtype, kernel=kernel)
-           for p in parts]
+                       band_block=band_block, scale=scale, dtype=dtype) for p in parts]
   if len(stats) == 1:
     o, m, s = stats[0]
   else:  # Merge the parts' softmax statistics exactly.

@@ -1,11 +1,10 @@
 """Tests for the fused block-sparse CPU kernel (models/attention/cpu_kernel.py).
 
 * The kernel's output, log-sum-exp and gradients (including through the log-sum-exp, which
-  merging parts needs) equal a dense masked softmax, for every pattern, packed documents,
-  lengths that 16 does not divide and every compiled head width class.
+  merging parts needs) equal a dense masked softmax, for every pattern and the strided parts
+  in residue order, packed documents, lengths that 16 does not divide, one or more heads.
 * Each registry name through the module path (attention_impl='blocksparse' with the kernel)
-  equals the dense reference, outputs and gradients, with a strided residue part run per
-  residue class.
+  equals the dense reference, outputs and gradients.
 * The tile layout covers exactly the allowed pairs; a missing compiler turns the kernel off
   with a warning instead of failing.
 """
@@ -20,18 +19,23 @@ from models.attention import blocksparse, cpu_kernel, patterns, sparse
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason='no C++ compiler')
 
+A1, A2 = sparse.HeadView(patterns.Strided(8, 'a1')), sparse.HeadView(patterns.Strided(8, 'a2'))
+# name -> (allowed, residue_stride): every pattern, and the strided parts the model computes
+# in residue order.
 PATTERNS = {
-    'dense': patterns.Dense(),
-    'local': patterns.Local(21),
-    'fixed': patterns.Fixed(16, 4),
-    'fixed-a2': patterns.Fixed(8, 3, 'a2'),  # Early queries of a document see no key.
-    'strided': patterns.Strided(8),
-    'block_local': patterns.BlockLocal(12, 5),
+    'dense': (sparse.HeadView(patterns.Dense()), 0),
+    'local': (sparse.HeadView(patterns.Local(21)), 0),
+    'fixed': (sparse.HeadView(patterns.Fixed(16, 4)), 0),
+    'fixed-a2': (sparse.HeadView(patterns.Fixed(8, 3, 'a2')), 0),  # Early queries see nothing.
+    'strided': (sparse.HeadView(patterns.Strided(8)), 0),
+    'strided-a2-residue': (A2, 8),
+    'strided-a2-minus-a1-residue': (sparse.Minus(A2, A1), 8),
+    'block_local': (sparse.HeadView(patterns.BlockLocal(12, 5)), 0),
 }
 
 
 def _segments(rng, rows, n):
-  """Packed documents 1, 2, ... of random lengths, then trailing padding (id 0)."""
+  """Packed documents 1, 2, 3 of random lengths, then trailing padding (id 0)."""
   seg = np.zeros((rows, n), np.int32)
   for r in range(rows):
     cuts = np.sort(rng.choice(np.arange(1, n - 3), size=2, replace=False))
@@ -40,30 +44,35 @@ def _segments(rng, rows, n):
 
 
 def _reference(q, k, v, seg, allowed, scale):
-  """Dense masked softmax in float64-free jnp: (o, lse) with o = 0, lse = NEG_INF for a query
-  that sees no key."""
+  """Dense masked softmax: (o, lse) with o = 0, lse = NEG_INF for a query that sees no key."""
   n = q.shape[1]
   pair = np.asarray(allowed(np.arange(n)[:, None], np.arange(n)[None, :]), bool)
-  mask = jnp.asarray(pair)[None] & (seg[:, :, None] == seg[:, None, :])
-  logits = jnp.where(mask, jnp.einsum('bqd,bkd->bqk', q, k) * scale, -jnp.inf)
+  mask = (jnp.asarray(pair)[None] & (seg[:, :, None] == seg[:, None, :]))[:, None]  # b1qk
+  logits = jnp.where(mask, jnp.einsum('bqhd,bkhd->bhqk', q, k) * scale, -jnp.inf)
   sees = mask.any(-1)
   lse = jax.nn.logsumexp(jnp.where(sees[..., None], logits, 0.0), axis=-1)
   probs = jnp.where(mask, jnp.exp(logits - lse[..., None]), 0.0)
-  return jnp.einsum('bqk,bkd->bqd', probs, v), jnp.where(sees, lse, cpu_kernel.NEG_INF), sees
+  o = jnp.einsum('bhqk,bkhd->bqhd', probs, v)
+  lse = jnp.swapaxes(jnp.where(sees, lse, cpu_kernel.NEG_INF), 1, 2)  # (b, n, h)
+  return o, lse, jnp.swapaxes(jnp.broadcast_to(sees, lse.shape[:1] + sees.shape[1:]), 1, 2)
 
 
 @pytest.mark.parametrize('name', sorted(PATTERNS))
-@pytest.mark.parametrize('n,d', [(75, 16), (48, 64)])
-def test_kernel_matches_dense_softmax_values_and_gradients(name, n, d):
+@pytest.mark.parametrize('n,h,d', [(75, 2, 16), (48, 1, 64)])
+def test_kernel_matches_dense_softmax_values_and_gradients(name, n, h, d):
   rng = np.random.default_rng(0)
-  rows = 3
-  q, k, v = (jnp.asarray(rng.normal(size=(rows, n, d)), jnp.float32) for _ in range(3))
-  seg = _segments(rng, rows, n)
-  allowed = sparse.HeadView(PATTERNS[name])
+  b = 2
+  q, k, v = (jnp.asarray(rng.normal(size=(b, n, h, d)), jnp.float32) for _ in range(3))
+  seg = _segments(rng, b, n)
+  allowed, residue = PATTERNS[name]
   scale = d ** -0.5
   o_ref, lse_ref, sees = _reference(q, k, v, seg, allowed, scale)
-  o, lse = jax.jit(lambda q, k, v: cpu_kernel.attention(q, k, v, seg, allowed, scale=scale))(
-      q, k, v)
+  sees = jnp.broadcast_to(sees, lse_ref.shape)
+
+  def kernel(q, k, v):
+    return cpu_kernel.attention(q, k, v, seg, allowed, scale=scale, residue_stride=residue)
+
+  o, lse = jax.jit(kernel)(q, k, v)
   np.testing.assert_allclose(o, o_ref, atol=2e-5)
   np.testing.assert_allclose(lse, lse_ref, rtol=1e-5, atol=1e-5)
   if name == 'fixed-a2':
@@ -79,7 +88,7 @@ def test_kernel_matches_dense_softmax_values_and_gradients(name, n, d):
     return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
 
   want = loss(lambda q, k, v: _reference(q, k, v, seg, allowed, scale)[:2])(q, k, v)
-  got = loss(lambda q, k, v: cpu_kernel.attention(q, k, v, seg, allowed, scale=scale))(q, k, v)
+  got = loss(kernel)(q, k, v)
   for g, g_ref, what in zip(got, want, 'qkv'):
     np.testing.assert_allclose(g, g_ref, atol=5e-5, err_msg=f'd{what}')
     assert np.any(np.asarray(g_ref) != 0)
@@ -88,29 +97,29 @@ def test_kernel_matches_dense_softmax_values_and_gradients(name, n, d):
 @pytest.mark.parametrize('name', sorted(PATTERNS))
 def test_tile_layout_covers_exactly_the_allowed_pairs(name):
   n = 83
-  allowed = sparse.HeadView(PATTERNS[name])
-  row_ptr, col, mask_id, masks = cpu_kernel.tile_layout(allowed, n)
+  allowed, residue = PATTERNS[name]
+  row_ptr, col, mask_id, masks = cpu_kernel.tile_layout(allowed, n, residue)
+  order = cpu_kernel.computation_order(n, residue)
   nt = -(-n // 16)
-  covered = np.zeros((nt * 16, nt * 16), bool)
+  covered = np.zeros((nt * 16, nt * 16), bool)  # In computation order.
   for t in range(nt):
     for e in range(row_ptr[t], row_ptr[t + 1]):
       u = col[e]
       tile = np.ones((16, 16), bool) if mask_id[e] < 0 else masks[mask_id[e]].T.astype(bool)
       assert tile.any()  # Empty tiles are skipped.
       covered[t * 16:(t + 1) * 16, u * 16:(u + 1) * 16] = tile
-  want = np.asarray(allowed(np.arange(n)[:, None], np.arange(n)[None, :]), bool)
-  np.testing.assert_array_equal(covered[:n, :n], want)
   assert not covered[n:].any() and not covered[:, n:].any()
+  want = np.asarray(allowed(order[:, None], order[None, :]), bool)
+  np.testing.assert_array_equal(covered[:n, :n], want)
   assert len({m.tobytes() for m in masks}) == len(masks)  # One copy per distinct mask.
 
 
-def test_residue_part_runs_per_class_only_when_its_mask_is_the_same_in_every_class():
-  a1 = sparse.HeadView(patterns.Strided(8, 'a1'))
-  a2 = sparse.HeadView(patterns.Strided(8, 'a2'))
-  assert blocksparse.same_in_every_class(sparse.Minus(a2, a1), 100, 8)
-  # Fixed A2 seen by residue mod 8 is not: the summary cells are some residues only.
-  fixed_a2 = sparse.HeadView(patterns.Fixed(8, 3, 'a2'))
-  assert not blocksparse.same_in_every_class(fixed_a2, 100, 8)
+def test_residue_order_makes_the_strided_part_block_diagonal():
+  n, l = 256, 16
+  allowed = sparse.HeadView(patterns.Strided(l, 'a2'))
+  residue_pairs = cpu_kernel.layout_pairs(allowed, n, l)
+  assert residue_pairs == l * (n // l) ** 2  # One 16 x 16 tile per residue class.
+  assert cpu_kernel.layout_pairs(allowed, n) > 8 * residue_pairs  # Sequence order: thin tiles.
 
 
 CASES = [  # (name, layer, heads, overrides): every registry name and kind of part.

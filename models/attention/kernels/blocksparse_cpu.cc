@@ -7,15 +7,20 @@
 // softmax statistics in registers / L1, as flash attention does on GPUs. Work and memory
 // follow the layout's tiles, so they grow with the pattern, not with n^2.
 //
-// Layout of the operands (N items = batch x heads, sequences padded to a multiple of 16):
-//   q, k, v (N, n, D)    row-major; q already multiplied by the logit scale;
-//   seg (N, n) int32     document ids: query i sees key j only if seg[i] == seg[j];
+// Operands (B batch rows, H heads, n positions, D head width):
+//   q, k, v (B, n, H, D)  as the model holds them (no transposes); q is already multiplied by
+//                         the logit scale; each (b, h) is one independent item;
+//   seg (B, n) int32      document ids: query i sees key j only if seg[i] == seg[j];
+//   order (n) int32       the computation order: tile position p is sequence position
+//                         order[p] (the identity, or positions sorted by residue mod l so
+//                         that a strided part becomes block-diagonal); positions p >= n of
+//                         the last tile are padding, never allowed;
 //   row_ptr (n/16 + 1), col (E), mask_id (E), masks (M, 16 keys, 16 queries) uint8: the key
 //   tiles of query tile t are col[row_ptr[t] .. row_ptr[t + 1]); mask_id -1 = every pair of
 //   the tile allowed.
-// Forward returns the normalized output o (N, n, D) and the log-sum-exp lse (N, n); a query
-// that sees no key gets o = 0 and lse = kEmpty. Backward takes do and dlse (the gradient of
-// lse, so that parts of a pattern computed separately can be merged exactly) and returns
+// Forward returns the normalized output o (B, n, H, D) and the log-sum-exp lse (B, n, H); a
+// query that sees no key gets o = 0 and lse = kEmpty. Backward takes do and dlse (the
+// gradient of lse, so that parts of a pattern computed separately merge exactly) and returns
 // dq, dk, dv.
 
 #include <algorithm>
@@ -80,71 +85,92 @@ void ParallelFor(int64_t count, int64_t threads, Fn fn) {
   for (auto& th : pool) th.join();
 }
 
-// st[r][c] = a[r] . bt[:, c] for a (T, D) row-major and bt (D, T): a tile of products with
-// one operand tile-transposed, so that the inner loop runs over 16 contiguous floats.
-template <int D>
-inline void TileProducts(const float* a, const float* bt, float st[T][T]) {
-  for (int r = 0; r < T; r += 4) {
-    float s0[T] = {}, s1[T] = {}, s2[T] = {}, s3[T] = {};
-    for (int d = 0; d < D; ++d) {
-      const float* b = bt + d * T;
-      const float a0 = a[r * D + d], a1 = a[(r + 1) * D + d];
-      const float a2 = a[(r + 2) * D + d], a3 = a[(r + 3) * D + d];
-      for (int c = 0; c < T; ++c) {
-        s0[c] += a0 * b[c];
-        s1[c] += a1 * b[c];
-        s2[c] += a2 * b[c];
-        s3[c] += a3 * b[c];
-      }
-    }
-    for (int c = 0; c < T; ++c) {
-      st[r][c] = s0[c];
-      st[r + 1][c] = s1[c];
-      st[r + 2][c] = s2[c];
-      st[r + 3][c] = s3[c];
-    }
-  }
+// Eight floats in one SIMD register (GCC/Clang vector extension: AVX on x86, two NEON
+// registers on Arm). The hot loops below keep their accumulators in such registers
+// explicitly; left to itself the compiler spilled them to the stack.
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 Load(const float* p) {
+  v8 x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
 }
 
-// at (D, T) = a (T, D) transposed.
-template <int D>
-inline void Transpose(const float* a, float at[D][T]) {
-  for (int r = 0; r < T; ++r) {
-    for (int d = 0; d < D; ++d) at[d][r] = a[r * D + d];
-  }
-}
+inline void Store(float* p, v8 x) { std::memcpy(p, &x, sizeof(x)); }
 
-// out[r] += sum_c w[r][c] a[c], rows of D floats: each output row stays in registers.
-template <int D>
-inline void MulAdd(const float w[T][T], const float* a, float* out) {
-  for (int r = 0; r < T; ++r) {
-    float acc[D];
-    for (int d = 0; d < D; ++d) acc[d] = out[r * D + d];
-    for (int c = 0; c < T; ++c) {
-      const float x = w[r][c];
-      for (int d = 0; d < D; ++d) acc[d] += x * a[c * D + d];
-    }
-    for (int d = 0; d < D; ++d) out[r * D + d] = acc[d];
-  }
-}
+inline v8 Splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
 
-// out[c] = scale[c] out[c] + sum_r w[r][c] a[r] (scale may be null = 1).
-template <int D>
-inline void MulAddT(const float w[T][T], const float* a, const float* scale, float* out) {
-  for (int c = 0; c < T; ++c) {
-    float acc[D];
-    const float f = scale == nullptr ? 1.0f : scale[c];
-    for (int d = 0; d < D; ++d) acc[d] = f * out[c * D + d];
+alignas(64) const float kZeroRow[256] = {};  // Row of a padding position (D <= 256).
+
+// One item's rows of one operand: tile position p is row base + order[p] * stride.
+template <typename F>
+struct Rows {
+  F* base;
+  int64_t stride;
+  const int32_t* order;
+  int64_t n;
+
+  // The 16 rows of tile t; padding positions read zeros (and write to `sink`).
+  void Tile(int64_t t, F* rows[T], F* sink) const {
     for (int r = 0; r < T; ++r) {
-      const float x = w[r][c];
-      for (int d = 0; d < D; ++d) acc[d] += x * a[r * D + d];
+      const int64_t p = t * T + r;
+      rows[r] = p < n ? base + order[p] * stride : sink;
     }
-    for (int d = 0; d < D; ++d) out[c * D + d] = acc[d];
+  }
+};
+
+// st[r][c] = a[r] . bt[:, c] for rows a[r] of D floats and bt (D, T): a tile of products with
+// one operand tile-transposed, so that each step is a broadcast times 16 contiguous floats.
+template <int D>
+inline void TileProducts(const float* const a[T], const float* bt, float st[T][T]) {
+  for (int r = 0; r < T; r += 4) {
+    v8 c00 = {}, c01 = {}, c10 = {}, c11 = {}, c20 = {}, c21 = {}, c30 = {}, c31 = {};
+    const float *a0 = a[r], *a1 = a[r + 1], *a2 = a[r + 2], *a3 = a[r + 3];
+    for (int d = 0; d < D; ++d) {
+      const v8 b0 = Load(bt + d * T), b1 = Load(bt + d * T + 8);
+      const v8 x0 = Splat(a0[d]), x1 = Splat(a1[d]), x2 = Splat(a2[d]), x3 = Splat(a3[d]);
+      c00 += x0 * b0, c01 += x0 * b1, c10 += x1 * b0, c11 += x1 * b1;
+      c20 += x2 * b0, c21 += x2 * b1, c30 += x3 * b0, c31 += x3 * b1;
+    }
+    Store(st[r], c00), Store(st[r] + 8, c01), Store(st[r + 1], c10), Store(st[r + 1] + 8, c11);
+    Store(st[r + 2], c20), Store(st[r + 2] + 8, c21), Store(st[r + 3], c30);
+    Store(st[r + 3] + 8, c31);
+  }
+}
+
+// at (D, T) = the rows a[r] transposed.
+template <int D>
+inline void Transpose(const float* const a[T], float at[D][T]) {
+  for (int r = 0; r < T; ++r) {
+    for (int d = 0; d < D; ++d) at[d][r] = a[r][d];
+  }
+}
+
+constexpr int Chunk(int d) { return d < 64 ? d : 64; }  // Floats of a row kept in registers.
+
+// out[r] = f[r] out[r] + sum_c w(r, c) a[c] over rows of D floats, w(r, c) = w[r][c] or, if
+// Transposed, w[c][r]; f may be null (= 1). Each output row chunk stays in registers.
+template <int D, bool Transposed>
+inline void MulAddRows(const float w[T][T], const float* const a[T], const float* f,
+                       float* const out[T]) {
+  constexpr int kC = Chunk(D), kV = kC / 8;
+  for (int r = 0; r < T; ++r) {
+    const v8 scale = Splat(f == nullptr ? 1.0f : f[r]);
+    for (int d0 = 0; d0 < D; d0 += kC) {
+      v8 acc[kV];
+      for (int x = 0; x < kV; ++x) acc[x] = scale * Load(out[r] + d0 + 8 * x);
+      for (int c = 0; c < T; ++c) {
+        const v8 wv = Splat(Transposed ? w[c][r] : w[r][c]);
+        const float* ac = a[c] + d0;
+        for (int x = 0; x < kV; ++x) acc[x] += wv * Load(ac + 8 * x);
+      }
+      for (int x = 0; x < kV; ++x) Store(out[r] + d0 + 8 * x, acc[x]);
+    }
   }
 }
 
 // Masks a transposed score tile st[key][query]: other documents, and the pattern's mask
-// (stored key-major too) if the tile has one. Returns through st; masked -> kMasked.
+// (stored key-major too) if the tile has one; masked -> kMasked.
 inline void ApplyMask(const int32_t* seg_q, const int32_t* seg_k, const uint8_t* mask,
                       float st[T][T]) {
   if (mask == nullptr) {
@@ -164,24 +190,51 @@ inline const uint8_t* TileMask(const Layout& lay, int32_t e) {
   return lay.mask_id[e] < 0 ? nullptr : lay.masks + int64_t{lay.mask_id[e]} * T * T;
 }
 
+// Document ids of tile t in computation order (padding: -1, seen by nothing allowed).
+inline void TileSegments(const int32_t* seg, const int32_t* order, int64_t n, int64_t t,
+                         int32_t out[T]) {
+  for (int r = 0; r < T; ++r) {
+    const int64_t p = t * T + r;
+    out[r] = p < n ? seg[order[p]] : -1;
+  }
+}
+
+// One item (batch row b, head h) of all operands.
+struct Item {
+  Rows<const float> q, k, v, o_in, dout;
+  Rows<float> o, dq, dk, dv;
+  const int32_t* seg;   // (n) of batch row b
+  float* lse;           // lse[order[p] * lse_stride]
+  const float* lse_in;
+  const float* dlse;
+  int64_t lse_stride;
+};
+
 // Forward of query tile t of one item: online softmax over the layout's key tiles. Scores
 // are computed key-major (st[j][i] = k_j . q_i) so the softmax statistics of the 16 queries
 // are vector lanes.
 template <int D>
-void ForwardTile(const float* q, const float* k, const float* v, const int32_t* seg,
-                 const Layout& lay, int64_t t, float* o, float* lse) {
+void ForwardTile(const Item& it, const Layout& lay, int64_t t, float* sink) {
+  const float* q_rows[T];
+  it.q.Tile(t, q_rows, kZeroRow);
   alignas(64) float qt[D][T];
-  Transpose<D>(q + t * T * D, qt);
-  float* acc = o + t * T * D;  // Accumulates in place in the output tile.
-  std::memset(acc, 0, sizeof(float) * T * D);
+  Transpose<D>(q_rows, qt);
+  alignas(64) float acc[T][D] = {};
+  float* acc_rows[T];
+  for (int i = 0; i < T; ++i) acc_rows[i] = acc[i];
   alignas(64) float m[T], l[T];
   for (int i = 0; i < T; ++i) m[i] = kMasked, l[i] = 0.0f;
-  const int32_t* seg_q = seg + t * T;
+  int32_t seg_q[T], seg_k[T];
+  TileSegments(it.seg, it.q.order, it.q.n, t, seg_q);
   for (int32_t e = lay.row_ptr[t]; e < lay.row_ptr[t + 1]; ++e) {
     const int64_t u = lay.col[e];
+    const float *k_rows[T], *v_rows[T];
+    it.k.Tile(u, k_rows, kZeroRow);
+    it.v.Tile(u, v_rows, kZeroRow);
+    TileSegments(it.seg, it.k.order, it.k.n, u, seg_k);
     alignas(64) float st[T][T];
-    TileProducts<D>(k + u * T * D, &qt[0][0], st);
-    ApplyMask(seg_q, seg + u * T, TileMask(lay, e), st);
+    TileProducts<D>(k_rows, &qt[0][0], st);
+    ApplyMask(seg_q, seg_k, TileMask(lay, e), st);
     alignas(64) float m_new[T], corr[T], sum[T];
     for (int i = 0; i < T; ++i) m_new[i] = m[i];
     for (int j = 0; j < T; ++j) {
@@ -196,90 +249,115 @@ void ForwardTile(const float* q, const float* k, const float* v, const int32_t* 
       }
     }
     for (int i = 0; i < T; ++i) l[i] = l[i] * corr[i] + sum[i], m[i] = m_new[i];
-    MulAddT<D>(st, v + u * T * D, corr, acc);
+    MulAddRows<D, true>(st, v_rows, corr, acc_rows);  // acc = corr acc + P V
   }
+  float* o_rows[T];
+  it.o.Tile(t, o_rows, sink);
   for (int i = 0; i < T; ++i) {
     const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-    for (int d = 0; d < D; ++d) acc[i * D + d] *= inv;
-    lse[t * T + i] = l[i] > 0.0f ? m[i] + std::log(l[i]) : kEmpty;
+    for (int d = 0; d < D; ++d) o_rows[i][d] = acc[i][d] * inv;
+    const int64_t p = t * T + i;
+    if (p < it.q.n) {
+      it.lse[it.q.order[p] * it.lse_stride] = l[i] > 0.0f ? m[i] + std::log(l[i]) : kEmpty;
+    }
   }
 }
 
 // Backward of one item, query tile by query tile; dk and dv accumulate over query tiles.
 template <int D>
-void BackwardItem(const float* q, const float* k, const float* v, const int32_t* seg,
-                  const float* o, const float* lse, const float* dout, const float* dlse,
-                  const Layout& lay, int64_t n_tiles, float* dq, float* dk, float* dv) {
-  std::memset(dk, 0, sizeof(float) * n_tiles * T * D);
-  std::memset(dv, 0, sizeof(float) * n_tiles * T * D);
+void BackwardItem(const Item& it, const Layout& lay, float* sink) {
+  const int64_t n = it.q.n, n_tiles = (n + T - 1) / T;
+  for (int64_t p = 0; p < n; ++p) {
+    std::memset(it.dk.base + p * it.dk.stride, 0, sizeof(float) * D);
+    std::memset(it.dv.base + p * it.dv.stride, 0, sizeof(float) * D);
+  }
   for (int64_t t = 0; t < n_tiles; ++t) {
-    const float* q_tile = q + t * T * D;
-    const float* do_tile = dout + t * T * D;
+    const float *q_rows[T], *do_rows[T], *o_rows[T];
+    it.q.Tile(t, q_rows, kZeroRow);
+    it.dout.Tile(t, do_rows, kZeroRow);
+    it.o_in.Tile(t, o_rows, kZeroRow);
     alignas(64) float qt[D][T], dot[D][T];
-    Transpose<D>(q_tile, qt);
-    Transpose<D>(do_tile, dot);
+    Transpose<D>(q_rows, qt);
+    Transpose<D>(do_rows, dot);
     alignas(64) float delta[T], row_lse[T];
     for (int i = 0; i < T; ++i) {
+      const int64_t p = t * T + i;
       float acc = 0.0f;
-      for (int d = 0; d < D; ++d) acc += do_tile[i * D + d] * o[(t * T + i) * D + d];
-      delta[i] = acc - dlse[t * T + i];  // dS = P (dP - delta + dlse)
+      for (int d = 0; d < D; ++d) acc += do_rows[i][d] * o_rows[i][d];
+      const int64_t s = p < n ? it.q.order[p] * it.lse_stride : 0;
+      const float lse = p < n ? it.lse_in[s] : kEmpty;
+      delta[i] = acc - (p < n ? it.dlse[s] : 0.0f);  // dS = P (dP - delta + dlse)
       // A query that sees no key has P = 0: an lse above every logit makes every exp 0.
-      row_lse[i] = lse[t * T + i] > 0.5f * kEmpty ? lse[t * T + i] : -kMasked;
+      row_lse[i] = lse > 0.5f * kEmpty ? lse : -kMasked;
     }
-    float* dq_tile = dq + t * T * D;
-    std::memset(dq_tile, 0, sizeof(float) * T * D);
-    const int32_t* seg_q = seg + t * T;
+    alignas(64) float dq_acc[T][D] = {};
+    float* dq_rows[T];
+    for (int i = 0; i < T; ++i) dq_rows[i] = dq_acc[i];
+    int32_t seg_q[T], seg_k[T];
+    TileSegments(it.seg, it.q.order, n, t, seg_q);
     for (int32_t e = lay.row_ptr[t]; e < lay.row_ptr[t + 1]; ++e) {
       const int64_t u = lay.col[e];
+      const float *k_rows[T], *v_rows[T];
+      float *dk_rows[T], *dv_rows[T];
+      it.k.Tile(u, k_rows, kZeroRow);
+      it.v.Tile(u, v_rows, kZeroRow);
+      it.dk.Tile(u, dk_rows, sink);
+      it.dv.Tile(u, dv_rows, sink);
+      TileSegments(it.seg, it.k.order, n, u, seg_k);
       alignas(64) float pt[T][T], dst[T][T];
-      TileProducts<D>(k + u * T * D, &qt[0][0], pt);
-      ApplyMask(seg_q, seg + u * T, TileMask(lay, e), pt);
+      TileProducts<D>(k_rows, &qt[0][0], pt);
+      ApplyMask(seg_q, seg_k, TileMask(lay, e), pt);
       for (int j = 0; j < T; ++j) {
         for (int i = 0; i < T; ++i) {
           pt[j][i] = exp_nonpositive(std::min(pt[j][i] - row_lse[i], 0.0f));
         }
       }
-      MulAdd<D>(pt, do_tile, dv + u * T * D);  // dV_u += P^T dO
-      TileProducts<D>(v + u * T * D, &dot[0][0], dst);  // dP^T = V_u dO^T
+      MulAddRows<D, false>(pt, do_rows, nullptr, dv_rows);  // dV_u += P^T dO
+      TileProducts<D>(v_rows, &dot[0][0], dst);  // dP^T = V_u dO^T
       for (int j = 0; j < T; ++j) {
         for (int i = 0; i < T; ++i) dst[j][i] = pt[j][i] * (dst[j][i] - delta[i]);  // dS^T
       }
-      MulAddT<D>(dst, k + u * T * D, nullptr, dq_tile);  // dQ += dS K_u
-      MulAdd<D>(dst, q_tile, dk + u * T * D);  // dK_u += dS^T Q
+      MulAddRows<D, true>(dst, k_rows, nullptr, dq_rows);  // dQ += dS K_u
+      MulAddRows<D, false>(dst, q_rows, nullptr, dk_rows);  // dK_u += dS^T Q
     }
+    float* out_rows[T];
+    it.dq.Tile(t, out_rows, sink);
+    for (int i = 0; i < T; ++i) std::memcpy(out_rows[i], dq_acc[i], sizeof(float) * D);
   }
 }
 
+// Shapes shared by both directions: q (B, n, H, D), seg (B, n), order (n), row_ptr.
+struct Shape {
+  int64_t batch, n, heads, d;
+};
+
 template <typename Dims>
-ffi::Error CheckLayout(int64_t n, const Dims& row_ptr) {
-  if (n % T != 0) return ffi::Error::InvalidArgument("sequence length must be a multiple of 16");
-  if (row_ptr.size() != 1 || row_ptr[0] != n / T + 1) {
-    return ffi::Error::InvalidArgument("row_ptr must have n / 16 + 1 entries");
+ffi::Error CheckShapes(const Dims& q, int64_t seg_rows, int64_t seg_len, int64_t order_len,
+                       int64_t row_ptr_len, int64_t row_ptr_rank, Shape* shape) {
+  if (q.size() != 4) return ffi::Error::InvalidArgument("q must be (batch, n, heads, head_dim)");
+  *shape = {q[0], q[1], q[2], q[3]};
+  if (seg_rows != shape->batch || seg_len != shape->n) {
+    return ffi::Error::InvalidArgument("segment ids must be (batch, n)");
+  }
+  if (order_len != shape->n) return ffi::Error::InvalidArgument("order must have n entries");
+  if (row_ptr_rank != 1 || row_ptr_len != (shape->n + T - 1) / T + 1) {
+    return ffi::Error::InvalidArgument("row_ptr must have ceil(n / 16) + 1 entries");
   }
   return ffi::Error::Success();
 }
 
-template <int D>
-void Forward(int64_t items, int64_t n, int64_t threads, const float* q, const float* k,
-             const float* v, const int32_t* seg, const Layout& lay, float* o, float* lse) {
-  const int64_t n_tiles = n / T;
-  ParallelFor(items * n_tiles, threads, [&](int64_t w) {
-    const int64_t b = w / n_tiles, t = w % n_tiles;
-    ForwardTile<D>(q + b * n * D, k + b * n * D, v + b * n * D, seg + b * n, lay, t,
-                   o + b * n * D, lse + b * n);
-  });
-}
-
-template <int D>
-void Backward(int64_t items, int64_t n, int64_t threads, const float* q, const float* k,
-              const float* v, const int32_t* seg, const float* o,
-              const float* lse, const float* dout, const float* dlse, const Layout& lay,
-              float* dq, float* dk, float* dv) {
-  ParallelFor(items, threads, [&](int64_t b) {
-    const int64_t x = b * n * D;
-    BackwardItem<D>(q + x, k + x, v + x, seg + b * n, o + x, lse + b * n, dout + x,
-                    dlse + b * n, lay, n / T, dq + x, dk + x, dv + x);
-  });
+// Item b h of the operands; null pointers for operands a direction does not use.
+Item MakeItem(const Shape& s, int64_t b, int64_t h, const int32_t* order, const float* q,
+              const float* k, const float* v, const float* o_in, const float* dout,
+              float* o, float* dq, float* dk, float* dv, const int32_t* seg, float* lse,
+              const float* lse_in, const float* dlse) {
+  const int64_t stride = s.heads * s.d, x = b * s.n * stride + h * s.d;
+  auto in = [&](const float* a) { return Rows<const float>{a ? a + x : a, stride, order, s.n}; };
+  auto out = [&](float* a) { return Rows<float>{a ? a + x : a, stride, order, s.n}; };
+  const int64_t y = b * s.n * s.heads + h;
+  return Item{in(q), in(k), in(v), in(o_in), in(dout), out(o), out(dq), out(dk), out(dv),
+              seg + b * s.n, lse ? lse + y : lse, lse_in ? lse_in + y : lse_in,
+              dlse ? dlse + y : dlse, s.heads};
 }
 
 // Calls fn.template operator()<D>() for the supported head widths.
@@ -298,42 +376,61 @@ ffi::Error DispatchHeadDim(int64_t d, Fn fn) {
 
 ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seg,
-                       ffi::Buffer<ffi::S32> row_ptr, ffi::Buffer<ffi::S32> col,
-                       ffi::Buffer<ffi::S32> mask_id, ffi::Buffer<ffi::U8> masks,
-                       int64_t threads, ffi::ResultBuffer<ffi::F32> o,
-                       ffi::ResultBuffer<ffi::F32> lse) {
-  const auto dims = q.dimensions();
-  if (dims.size() != 3) return ffi::Error::InvalidArgument("q must be (items, n, head_dim)");
-  const int64_t items = dims[0], n = dims[1], d = dims[2];
-  if (ffi::Error err = CheckLayout(n, row_ptr.dimensions()); err.failure()) return err;
+                       ffi::Buffer<ffi::S32> order, ffi::Buffer<ffi::S32> row_ptr,
+                       ffi::Buffer<ffi::S32> col, ffi::Buffer<ffi::S32> mask_id,
+                       ffi::Buffer<ffi::U8> masks, int64_t threads,
+                       ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> lse) {
+  Shape s;
+  if (ffi::Error err = CheckShapes(q.dimensions(), seg.dimensions()[0], seg.dimensions()[1],
+                                   order.element_count(), row_ptr.element_count(),
+                                   row_ptr.dimensions().size(), &s);
+      err.failure()) {
+    return err;
+  }
   const Layout lay{row_ptr.typed_data(), col.typed_data(), mask_id.typed_data(),
                    masks.typed_data()};
-  return DispatchHeadDim(d, [&]<int D>() {
-    Forward<D>(items, n, threads, q.typed_data(), k.typed_data(), v.typed_data(),
-               seg.typed_data(), lay, o->typed_data(), lse->typed_data());
+  const int64_t n_tiles = (s.n + T - 1) / T, items = s.batch * s.heads;
+  return DispatchHeadDim(s.d, [&]<int D>() {
+    ParallelFor(items * n_tiles, threads, [&](int64_t w) {
+      const int64_t item = w / n_tiles, t = w % n_tiles;
+      const Item it = MakeItem(s, item / s.heads, item % s.heads, order.typed_data(),
+                               q.typed_data(), k.typed_data(), v.typed_data(), nullptr,
+                               nullptr, o->typed_data(), nullptr, nullptr, nullptr,
+                               seg.typed_data(), lse->typed_data(), nullptr, nullptr);
+      alignas(64) float sink[T * D];
+      ForwardTile<D>(it, lay, t, sink);
+    });
   });
 }
 
 ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seg,
-                        ffi::Buffer<ffi::F32> o,
+                        ffi::Buffer<ffi::S32> order, ffi::Buffer<ffi::F32> o,
                         ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
                         ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::S32> row_ptr,
                         ffi::Buffer<ffi::S32> col, ffi::Buffer<ffi::S32> mask_id,
                         ffi::Buffer<ffi::U8> masks, int64_t threads,
                         ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
                         ffi::ResultBuffer<ffi::F32> dv) {
-  const auto dims = q.dimensions();
-  if (dims.size() != 3) return ffi::Error::InvalidArgument("q must be (items, n, head_dim)");
-  const int64_t items = dims[0], n = dims[1], d = dims[2];
-  if (ffi::Error err = CheckLayout(n, row_ptr.dimensions()); err.failure()) return err;
+  Shape s;
+  if (ffi::Error err = CheckShapes(q.dimensions(), seg.dimensions()[0], seg.dimensions()[1],
+                                   order.element_count(), row_ptr.element_count(),
+                                   row_ptr.dimensions().size(), &s);
+      err.failure()) {
+    return err;
+  }
   const Layout lay{row_ptr.typed_data(), col.typed_data(), mask_id.typed_data(),
                    masks.typed_data()};
-  return DispatchHeadDim(d, [&]<int D>() {
-    Backward<D>(items, n, threads, q.typed_data(), k.typed_data(), v.typed_data(),
-                seg.typed_data(), o.typed_data(), lse.typed_data(),
-                dout.typed_data(), dlse.typed_data(), lay, dq->typed_data(), dk->typed_data(),
-                dv->typed_data());
+  return DispatchHeadDim(s.d, [&]<int D>() {
+    ParallelFor(s.batch * s.heads, threads, [&](int64_t item) {
+      const Item it = MakeItem(s, item / s.heads, item % s.heads, order.typed_data(),
+                               q.typed_data(), k.typed_data(), v.typed_data(), o.typed_data(),
+                               dout.typed_data(), nullptr, dq->typed_data(), dk->typed_data(),
+                               dv->typed_data(), seg.typed_data(), nullptr, lse.typed_data(),
+                               dlse.typed_data());
+      std::vector<float> sink(T * D);  // Writes of padding positions (always zero terms).
+      BackwardItem<D>(it, lay, sink.data());
+    });
   });
 }
 
@@ -345,6 +442,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooBlockSparseForward, ForwardImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seg
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // order
                                   .Arg<ffi::Buffer<ffi::S32>>()  // row_ptr
                                   .Arg<ffi::Buffer<ffi::S32>>()  // col
                                   .Arg<ffi::Buffer<ffi::S32>>()  // mask_id
@@ -359,6 +457,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooBlockSparseBackward, BackwardImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seg
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // order
                                   .Arg<ffi::Buffer<ffi::F32>>()  // o
                                   .Arg<ffi::Buffer<ffi::F32>>()  // lse
                                   .Arg<ffi::Buffer<ffi::F32>>()  // do
