@@ -33,6 +33,8 @@ import numpy as np
 TILE = 16
 HEAD_DIMS = (16, 32, 64, 128, 256)
 NEG_INF = -1e30  # lse of a query that sees no key (the kernel's kEmpty).
+# Above this many key tiles per query tile on average, heads are made contiguous first.
+STREAM_TILES = 32
 
 SOURCE = Path(__file__).parent / 'kernels' / 'blocksparse_cpu.cc'
 FLAGS = ('-O3', '-march=native', '-std=c++20', '-shared', '-fPIC', '-pthread', '-w',
@@ -222,13 +224,19 @@ def attention(q, k, v, seg, allowed, *, scale, residue_stride: int = 0):
   if not supports(d):
     raise ValueError(f'the CPU kernel supports head_dim in {HEAD_DIMS}, got {d}')
 
-  # Each head as its own batch row: the kernel then streams contiguous rows. Reading the
-  # (b, n, h, d) layout in place, rows h d floats apart, made dense attention ~1.5x slower
-  # (TLB and prefetch), which costs more than these transposes.
-  def by_head(a):
-    return jnp.swapaxes(a.astype(jnp.float32), 1, 2).reshape(b * h, n, 1, d)
+  q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
+  seg = seg.astype(jnp.int32)
+  if len(tile_layout(allowed, n, residue_stride)[1]) <= STREAM_TILES * -(-n // TILE):
+    return _attention(q * scale, k, v, seg, allowed, residue_stride)
 
-  seg = jnp.broadcast_to(seg.astype(jnp.int32)[:, None], (b, h, n)).reshape(b * h, n)
+  # A query tile streams many key tiles (dense-like patterns): each head as its own batch row,
+  # so that those rows are contiguous. Read in place, h d floats apart, they made dense
+  # attention ~1.8x slower at 8K (TLB and prefetch); for thin patterns the transposes and
+  # their buffers cost more than they save.
+  def by_head(a):
+    return jnp.swapaxes(a, 1, 2).reshape(b * h, n, 1, d)
+
+  seg = jnp.broadcast_to(seg[:, None], (b, h, n)).reshape(b * h, n)
   o, lse = _attention(by_head(q * scale), by_head(k), by_head(v), seg, allowed, residue_stride)
   return (jnp.swapaxes(o.reshape(b, h, n, d), 1, 2),
           jnp.swapaxes(lse.reshape(b, h, n), 1, 2))
