@@ -66,9 +66,13 @@ def _library_path() -> Path:
 
 def _build(path: Path) -> None:
   compiler = os.environ.get('CXX', 'g++')
-  path.parent.mkdir(parents=True, exist_ok=True)
   # Compile to a temporary file and rename: concurrent processes never load a partial file.
-  fd, tmp = tempfile.mkstemp(suffix='.so', dir=path.parent)
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix='.so', dir=path.parent)
+  except OSError as e:
+    raise KernelUnavailable(f'cannot write the kernel cache {path.parent} (set '
+                            f'ZOO_KERNEL_CACHE to a writable folder): {e}') from e
   os.close(fd)
   cmd = [compiler, *FLAGS, f'-I{jax.ffi.include_dir()}', str(SOURCE), '-o', tmp]
   try:

@@ -189,3 +189,13 @@ def test_missing_compiler_turns_the_kernel_off_with_a_warning(monkeypatch, tmp_p
   assert not cpu_kernel.available()
   assert 'plain-JAX path' in caplog.text
   assert not list(tmp_path.glob('*.so'))  # Nothing half-built is left behind.
+
+
+def test_unwritable_cache_turns_the_kernel_off(monkeypatch, tmp_path):
+  blocker = tmp_path / 'a_file'
+  blocker.write_text('')
+  monkeypatch.setenv('ZOO_KERNEL_CACHE', str(blocker / 'cache'))  # Under a file: no mkdir.
+  load = cpu_kernel._load  # pylint: disable=protected-access
+  monkeypatch.setattr(cpu_kernel, '_load', load.__wrapped__)
+  with pytest.raises(cpu_kernel.KernelUnavailable, match='ZOO_KERNEL_CACHE'):
+    cpu_kernel._load()  # pylint: disable=protected-access
