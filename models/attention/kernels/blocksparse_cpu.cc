@@ -346,18 +346,26 @@ struct Shape {
   int64_t batch, n, heads, d;
 };
 
-template <typename Dims>
-ffi::Error CheckShapes(const Dims& q, int64_t seg_rows, int64_t seg_len, int64_t order_len,
-                       int64_t row_ptr_len, int64_t row_ptr_rank, Shape* shape) {
-  if (q.size() != 4) return ffi::Error::InvalidArgument("q must be (batch, n, heads, head_dim)");
-  *shape = {q[0], q[1], q[2], q[3]};
-  if (seg_rows != shape->batch || seg_len != shape->n) {
+// Checks the shapes shared by both directions and reads the layout: q (B, n, H, D),
+// seg (B, n), order (n), row_ptr (ceil(n / 16) + 1).
+ffi::Error Prepare(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::S32>& seg,
+                   const ffi::Buffer<ffi::S32>& order, const ffi::Buffer<ffi::S32>& row_ptr,
+                   const ffi::Buffer<ffi::S32>& col, const ffi::Buffer<ffi::S32>& mask_id,
+                   const ffi::Buffer<ffi::U8>& masks, Shape* shape, Layout* layout) {
+  const auto dims = q.dimensions();
+  if (dims.size() != 4) return ffi::Error::InvalidArgument("q must be (batch, n, heads, head_dim)");
+  *shape = {dims[0], dims[1], dims[2], dims[3]};
+  const auto seg_dims = seg.dimensions();
+  if (seg_dims.size() != 2 || seg_dims[0] != shape->batch || seg_dims[1] != shape->n) {
     return ffi::Error::InvalidArgument("segment ids must be (batch, n)");
   }
-  if (order_len != shape->n) return ffi::Error::InvalidArgument("order must have n entries");
-  if (row_ptr_rank != 1 || row_ptr_len != (shape->n + T - 1) / T + 1) {
+  if (order.element_count() != shape->n) {
+    return ffi::Error::InvalidArgument("order must have n entries");
+  }
+  if (row_ptr.element_count() != (shape->n + T - 1) / T + 1) {
     return ffi::Error::InvalidArgument("row_ptr must have ceil(n / 16) + 1 entries");
   }
+  *layout = {row_ptr.typed_data(), col.typed_data(), mask_id.typed_data(), masks.typed_data()};
   return ffi::Error::Success();
 }
 
@@ -396,14 +404,11 @@ ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                        ffi::Buffer<ffi::U8> masks, int64_t threads,
                        ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> lse) {
   Shape s;
-  if (ffi::Error err = CheckShapes(q.dimensions(), seg.dimensions()[0], seg.dimensions()[1],
-                                   order.element_count(), row_ptr.element_count(),
-                                   row_ptr.dimensions().size(), &s);
+  Layout lay;
+  if (ffi::Error err = Prepare(q, seg, order, row_ptr, col, mask_id, masks, &s, &lay);
       err.failure()) {
     return err;
   }
-  const Layout lay{row_ptr.typed_data(), col.typed_data(), mask_id.typed_data(),
-                   masks.typed_data()};
   const int64_t n_tiles = (s.n + T - 1) / T, items = s.batch * s.heads;
   return DispatchHeadDim(s.d, [&]<int D>() {
     ParallelFor(items * n_tiles, threads, [&](int64_t w) {
@@ -428,14 +433,11 @@ ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                         ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
                         ffi::ResultBuffer<ffi::F32> dv) {
   Shape s;
-  if (ffi::Error err = CheckShapes(q.dimensions(), seg.dimensions()[0], seg.dimensions()[1],
-                                   order.element_count(), row_ptr.element_count(),
-                                   row_ptr.dimensions().size(), &s);
+  Layout lay;
+  if (ffi::Error err = Prepare(q, seg, order, row_ptr, col, mask_id, masks, &s, &lay);
       err.failure()) {
     return err;
   }
-  const Layout lay{row_ptr.typed_data(), col.typed_data(), mask_id.typed_data(),
-                   masks.typed_data()};
   return DispatchHeadDim(s.d, [&]<int D>() {
     ParallelFor(s.batch * s.heads, threads, [&](int64_t item) {
       const Item it = MakeItem(s, item / s.heads, item % s.heads, order.typed_data(),
