@@ -215,9 +215,9 @@ def _part_stats(q, k, v, segment_ids, part: Part, *, q_block, k_block, band_bloc
 
   q, k, v are head-major (b, h, n, d); returns o (b, h, n, d) f32, m and s (b, h, n, 1).
   """
-  n = q.shape[2]
   if part.residue_stride:
     return _residue_stats(q, k, v, segment_ids, part, scale=scale, dtype=dtype)
+  n = q.shape[2]
   width = band_width(part, n, q_block, k_block, band_block)
   if width:
     return _band_stats(q, k, v, segment_ids, part, width=width, band_block=band_block,

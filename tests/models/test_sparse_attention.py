@@ -482,6 +482,7 @@ INVALID = [
     ('strided', 1, {'factorization': 'multihead'}, r'at least 2 heads'),
     ('fixed', 1, {'factorization': 'multihead'}, r'at least 2 heads'),
 ] + [(name, 2, {'key_block': 0}, r'key_block') for name in NAMES] + [
+    (name, 2, {'cpu_kernel': 1}, r'cpu_kernel') for name in NAMES] + [
     (name, 2, {'band_block': -1}, r'band_block') for name in NAMES]
 
 
