@@ -1,0 +1,73 @@
+"""The fused CPU kernel timed alone, without the XLA ops and buffers around the call.
+
+  python benchmarks/cpu_kernel_alone.py                 # n = 8K, 4 heads of 64, 2 threads
+  python benchmarks/cpu_kernel_alone.py --n 4096 --threads 1
+
+Builds benchmarks/cpu_kernel_alone.cc (which includes the kernel source) with the kernel's own
+flags and times forward and backward for dense causal attention, a sliding window of w = 128
+and a window of 1 (one tile per query row: what is left is per-row work). Rows are timed
+round-robin, best of --rounds, and compared per computed pair: attention_scaling.py's
+end-to-end ratios minus these say how much of a thin pattern's time is spent outside the
+kernel.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from models.attention import cpu_kernel  # noqa: E402
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'cpu_kernel_alone.cc')
+WINDOWS = {'dense': 0, 'local_128': 128, 'window_1': 1}
+
+
+def build(out_dir: str) -> str:
+  exe = os.path.join(out_dir, 'cpu_kernel_alone')
+  flags = [f for f in cpu_kernel.FLAGS if f not in ('-shared', '-fPIC')]
+  subprocess.run([os.environ.get('CXX', 'g++'), *flags, f'-I{jax.ffi.include_dir()}', SOURCE,
+                  '-o', exe], check=True)
+  return exe
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument('--n', type=int, default=8192)
+  p.add_argument('--heads', type=int, default=4)
+  p.add_argument('--threads', type=int, default=2)
+  p.add_argument('--rounds', type=int, default=3)
+  p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
+                                               'cpu_kernel_alone.json'))
+  args = p.parse_args()
+  with tempfile.TemporaryDirectory() as tmp:
+    exe = build(tmp)
+    best = {name: (float('inf'), float('inf'), 0) for name in WINDOWS}
+    for _ in range(args.rounds):
+      for name, w in WINDOWS.items():
+        out = subprocess.run([exe, str(args.n), str(args.heads), str(w), str(args.threads),
+                              '1' if name == 'dense' else '3'],
+                             check=True, capture_output=True, text=True).stdout.split()
+        fwd, bwd, pairs = float(out[0]), float(out[1]), int(out[2])
+        best[name] = (min(best[name][0], fwd), min(best[name][1], bwd), pairs)
+  rows = []
+  for name, (fwd, bwd, pairs) in best.items():
+    rows.append({'pattern': name, 'n': args.n, 'fwd_ms': fwd, 'bwd_ms': bwd,
+                 'fwd_bwd_ms': fwd + bwd, 'computed_pairs': pairs,
+                 'ns_per_pair': 1e6 * (fwd + bwd) / pairs})
+  dense = rows[0]['fwd_bwd_ms']
+  for r in rows:
+    r['speedup_over_dense'] = dense / r['fwd_bwd_ms']
+  common.print_table(rows, ['pattern', 'n', 'fwd_ms', 'bwd_ms', 'ns_per_pair',
+                            'speedup_over_dense'])
+  common.write_json(args.out, {'config': vars(args), 'rows': rows})
+
+
+if __name__ == '__main__':
+  main()
