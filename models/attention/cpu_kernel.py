@@ -10,8 +10,8 @@ touches, and the 16 x 16 mask of the partial ones) is derived from the pattern's
 
 The kernel is compiled with the system C++ compiler on first use and cached under
 $ZOO_KERNEL_CACHE (default ~/.cache/attention_zoo); the cache key covers the source, the
-flags, the XLA FFI headers and the CPU. Without a compiler, `available()` is False (with one
-warning) and callers use the plain-JAX path.
+flags, the jax version and its XLA FFI headers, and the CPU. Without a compiler or a writable
+cache, `available()` is False (with one warning) and callers use the plain-JAX path.
 """
 
 from __future__ import annotations
