@@ -1,8 +1,9 @@
 // The CPU kernel timed alone, without XLA around it (see cpu_kernel_alone.py, which builds
-// and runs this): forward and backward of one layer on a causal sliding window of w keys
-// (w = 0: dense causal), `items` heads of 64, n positions, identity order, one document.
+// and runs this): forward and backward of one layer, `items` heads of 64, n positions,
+// identity order, one document, on the tile layout cpu_kernel.tile_layout wrote to DIR as
+// raw arrays (row_ptr.i32, col.i32, mask_id.i32, masks.u8).
 //
-//   cpu_kernel_alone N ITEMS W THREADS ITERS
+//   cpu_kernel_alone N ITEMS DIR THREADS ITERS
 // prints: fwd_ms bwd_ms computed_pairs (best of ITERS).
 
 #include "../models/attention/kernels/blocksparse_cpu.cc"
@@ -10,45 +11,20 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <random>
+#include <string>
 
 namespace {
 
-struct OwnedLayout {
-  std::vector<int32_t> row_ptr{0}, col, mask_id;
-  std::vector<uint8_t> masks;
-};
-
-// The same layout cpu_kernel.tile_layout builds for patterns.Local(w) / Dense().
-OwnedLayout WindowLayout(int64_t n, int64_t w) {
-  OwnedLayout out;
-  std::vector<std::vector<uint8_t>> distinct;
-  for (int64_t t = 0; t < n / T; ++t) {
-    for (int64_t u = 0; u <= t; ++u) {
-      std::vector<uint8_t> mask(T * T);
-      int allowed = 0;
-      for (int j = 0; j < T; ++j) {
-        for (int i = 0; i < T; ++i) {
-          const int64_t qi = t * T + i, kj = u * T + j;
-          mask[j * T + i] = kj <= qi && (w == 0 || qi - kj < w);
-          allowed += mask[j * T + i];
-        }
-      }
-      if (allowed == 0) continue;
-      out.col.push_back(u);
-      if (allowed == T * T) {
-        out.mask_id.push_back(-1);
-        continue;
-      }
-      int id = 0;
-      while (id < static_cast<int>(distinct.size()) && distinct[id] != mask) ++id;
-      if (id == static_cast<int>(distinct.size())) distinct.push_back(mask);
-      out.mask_id.push_back(id);
-    }
-    out.row_ptr.push_back(out.col.size());
-  }
-  for (const auto& m : distinct) out.masks.insert(out.masks.end(), m.begin(), m.end());
-  out.masks.resize(std::max<size_t>(out.masks.size(), T * T));
+template <typename X>
+std::vector<X> ReadArray(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  const std::vector<char> raw((std::istreambuf_iterator<char>(f)),
+                              std::istreambuf_iterator<char>());
+  std::vector<X> out(raw.size() / sizeof(X));
+  std::memcpy(out.data(), raw.data(), out.size() * sizeof(X));
   return out;
 }
 
@@ -56,19 +32,23 @@ OwnedLayout WindowLayout(int64_t n, int64_t w) {
 
 int main(int argc, char** argv) {
   if (argc != 6) {
-    std::fprintf(stderr, "usage: %s N ITEMS W THREADS ITERS\n", argv[0]);
+    std::fprintf(stderr, "usage: %s N ITEMS DIR THREADS ITERS\n", argv[0]);
     return 2;
   }
-  const int64_t n = std::atol(argv[1]), items = std::atol(argv[2]), w = std::atol(argv[3]);
+  const int64_t n = std::atol(argv[1]), items = std::atol(argv[2]);
+  const std::string dir = argv[3];
   const int64_t threads = std::atol(argv[4]), iters = std::atol(argv[5]);
   constexpr int D = 64;
-  if (n % T != 0) {
-    std::fprintf(stderr, "N must be a multiple of %d\n", T);
+  const auto row_ptr = ReadArray<int32_t>(dir + "/row_ptr.i32");
+  const auto col = ReadArray<int32_t>(dir + "/col.i32");
+  const auto mask_id = ReadArray<int32_t>(dir + "/mask_id.i32");
+  const auto masks = ReadArray<uint8_t>(dir + "/masks.u8");
+  if (n % T != 0 || static_cast<int64_t>(row_ptr.size()) != n / T + 1) {
+    std::fprintf(stderr, "N must be a multiple of %d matching the layout in %s\n", T,
+                 dir.c_str());
     return 2;
   }
-  const OwnedLayout owned = WindowLayout(n, w);
-  const Layout lay{owned.row_ptr.data(), owned.col.data(), owned.mask_id.data(),
-                   owned.masks.data()};
+  const Layout lay{row_ptr.data(), col.data(), mask_id.data(), masks.data()};
   std::mt19937 rng(0);
   std::normal_distribution<float> normal;
   std::vector<float> q(items * n * D), k(q.size()), v(q.size()), dout(q.size());
@@ -105,6 +85,6 @@ int main(int argc, char** argv) {
     best_bwd = std::min(best_bwd, std::chrono::duration<double, std::milli>(t2 - t1).count());
   }
   std::printf("%.3f %.3f %lld\n", best_fwd, best_bwd,
-              static_cast<long long>(owned.col.size() * T * T * items));
+              static_cast<long long>(col.size() * T * T * items));
   return 0;
 }

@@ -5,7 +5,8 @@
 
 Builds benchmarks/cpu_kernel_alone.cc (which includes the kernel source) with the kernel's own
 flags and times forward and backward for dense causal attention, a sliding window of w = 128
-and a window of 1 (one tile per query row: what is left is per-row work). Rows are timed
+and a window of 1 (one tile per query row: what is left is per-row work), each on the tile
+layout cpu_kernel.tile_layout builds for the model. Rows are timed
 round-robin, best of --rounds, and compared per computed pair: attention_scaling.py's
 end-to-end ratios minus these say how much of a thin pattern's time is spent outside the
 kernel.
@@ -22,10 +23,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from models.attention import cpu_kernel  # noqa: E402
+from models.attention import cpu_kernel, patterns, sparse  # noqa: E402
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'cpu_kernel_alone.cc')
-WINDOWS = {'dense': 0, 'local_128': 128, 'window_1': 1}
+PATTERNS = {'dense': patterns.Dense(), 'local_128': patterns.Local(128),
+            'window_1': patterns.Local(1)}
 
 
 def build(out_dir: str) -> str:
@@ -48,11 +50,16 @@ def main():
   args = p.parse_args()
   with tempfile.TemporaryDirectory() as tmp:
     exe = build(tmp)
-    best = {name: (float('inf'), float('inf'), 0) for name in WINDOWS}
+    for name, pattern in PATTERNS.items():
+      os.makedirs(os.path.join(tmp, name))
+      layout = cpu_kernel.tile_layout(sparse.HeadView(pattern), args.n)
+      for array, file in zip(layout, ('row_ptr.i32', 'col.i32', 'mask_id.i32', 'masks.u8')):
+        array.tofile(os.path.join(tmp, name, file))
+    best = {name: (float('inf'), float('inf'), 0) for name in PATTERNS}
     for _ in range(args.rounds):
-      for name, w in WINDOWS.items():
-        out = subprocess.run([exe, str(args.n), str(args.heads), str(w), str(args.threads),
-                              '1' if name == 'dense' else '3'],
+      for name in PATTERNS:
+        out = subprocess.run([exe, str(args.n), str(args.heads), os.path.join(tmp, name),
+                              str(args.threads), '1' if name == 'dense' else '3'],
                              check=True, capture_output=True, text=True).stdout.split()
         fwd, bwd, pairs = float(out[0]), float(out[1]), int(out[2])
         best[name] = (min(best[name][0], fwd), min(best[name][1], bwd), pairs)

@@ -197,11 +197,10 @@ def _forward(q, k, v, seg, allowed, residue_stride):
 def _backward(allowed, residue_stride, res, grads):
   q, k, v, seg, o, lse = res
   do, dlse = grads
-  order, *layout = _static_args(allowed, q.shape[1], residue_stride)
   dq, dk, dv = jax.ffi.ffi_call(
       _BACKWARD, tuple(jax.ShapeDtypeStruct(q.shape, jnp.float32) for _ in range(3)),
-      vmap_method='sequential')(q, k, v, seg, order, o, lse, do, dlse, *layout,
-                                threads=np.int64(_threads()))
+      vmap_method='sequential')(q, k, v, seg, *_static_args(allowed, q.shape[1], residue_stride),
+                                o, lse, do, dlse, threads=np.int64(_threads()))
   return dq, dk, dv, None
 
 

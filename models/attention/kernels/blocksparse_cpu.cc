@@ -425,11 +425,11 @@ ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
 
 ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seg,
-                        ffi::Buffer<ffi::S32> order, ffi::Buffer<ffi::F32> o,
-                        ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
-                        ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::S32> row_ptr,
+                        ffi::Buffer<ffi::S32> order, ffi::Buffer<ffi::S32> row_ptr,
                         ffi::Buffer<ffi::S32> col, ffi::Buffer<ffi::S32> mask_id,
-                        ffi::Buffer<ffi::U8> masks, int64_t threads,
+                        ffi::Buffer<ffi::U8> masks, ffi::Buffer<ffi::F32> o,
+                        ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
+                        ffi::Buffer<ffi::F32> dlse, int64_t threads,
                         ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
                         ffi::ResultBuffer<ffi::F32> dv) {
   Shape s;
@@ -451,38 +451,34 @@ ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
   });
 }
 
+// The operands both directions take first: q, k, v, seg, order and the tile layout.
+auto BindOperands() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::Buffer<ffi::F32>>()   // q
+      .Arg<ffi::Buffer<ffi::F32>>()   // k
+      .Arg<ffi::Buffer<ffi::F32>>()   // v
+      .Arg<ffi::Buffer<ffi::S32>>()   // seg
+      .Arg<ffi::Buffer<ffi::S32>>()   // order
+      .Arg<ffi::Buffer<ffi::S32>>()   // row_ptr
+      .Arg<ffi::Buffer<ffi::S32>>()   // col
+      .Arg<ffi::Buffer<ffi::S32>>()   // mask_id
+      .Arg<ffi::Buffer<ffi::U8>>();   // masks
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooBlockSparseForward, ForwardImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // seg
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // order
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // row_ptr
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // col
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // mask_id
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // masks
+                              BindOperands()
                                   .Attr<int64_t>("threads")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // o
                                   .Ret<ffi::Buffer<ffi::F32>>());  // lse
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooBlockSparseBackward, BackwardImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // seg
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // order
+                              BindOperands()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // o
                                   .Arg<ffi::Buffer<ffi::F32>>()  // lse
                                   .Arg<ffi::Buffer<ffi::F32>>()  // do
                                   .Arg<ffi::Buffer<ffi::F32>>()  // dlse
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // row_ptr
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // col
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // mask_id
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // masks
                                   .Attr<int64_t>("threads")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dq
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dk
