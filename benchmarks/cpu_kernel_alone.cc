@@ -1,7 +1,8 @@
 // The CPU kernel timed alone, without XLA around it (see cpu_kernel_alone.py, which builds
-// and runs this): forward and backward of one layer, `items` heads of 64, n positions,
-// identity order, one document, on the tile layout cpu_kernel.tile_layout wrote to DIR as
-// raw arrays (row_ptr.i32, col.i32, mask_id.i32, masks.u8).
+// and runs this): forward and backward of one layer, `items` heads of 64, n positions, one
+// document, through the kernel's own Forward / Backward on the operands
+// cpu_kernel.parts_layout wrote to DIR as raw arrays (order.i32, row_ptr.i32, col.i32,
+// mask_id.i32, masks.u8).
 //
 //   cpu_kernel_alone N ITEMS DIR THREADS ITERS
 // prints: fwd_ms bwd_ms computed_pairs (best of ITERS).
@@ -39,47 +40,42 @@ int main(int argc, char** argv) {
   const std::string dir = argv[3];
   const int64_t threads = std::atol(argv[4]), iters = std::atol(argv[5]);
   constexpr int D = 64;
+  const auto order = ReadArray<int32_t>(dir + "/order.i32");
   const auto row_ptr = ReadArray<int32_t>(dir + "/row_ptr.i32");
   const auto col = ReadArray<int32_t>(dir + "/col.i32");
   const auto mask_id = ReadArray<int32_t>(dir + "/mask_id.i32");
   const auto masks = ReadArray<uint8_t>(dir + "/masks.u8");
-  if (n % T != 0 || static_cast<int64_t>(row_ptr.size()) != n / T + 1) {
-    std::fprintf(stderr, "N must be a multiple of %d matching the layout in %s\n", T,
+  const int64_t rows = (n + T - 1) / T + 1, parts = static_cast<int64_t>(order.size()) / n;
+  if (parts < 1 || static_cast<int64_t>(row_ptr.size()) != parts * rows) {
+    std::fprintf(stderr, "N=%lld does not match the layout in %s\n", static_cast<long long>(n),
                  dir.c_str());
     return 2;
   }
-  const Layout lay{row_ptr.data(), col.data(), mask_id.data(), masks.data()};
   std::mt19937 rng(0);
   std::normal_distribution<float> normal;
   std::vector<float> q(items * n * D), k(q.size()), v(q.size()), dout(q.size());
   for (auto* a : {&q, &k, &v, &dout}) {
     for (float& x : *a) x = normal(rng);
   }
-  for (float& x : q) x *= 0.125f;  // The logit scale 1 / sqrt(64).
   std::vector<float> o(q.size()), dq(q.size()), dk(q.size()), dv(q.size());
   std::vector<float> lse(items * n), dlse(items * n, 0.0f);
-  std::vector<int32_t> seg(items * n, 1), order(n);
-  for (int64_t p = 0; p < n; ++p) order[p] = p;
-  const Shape s{items, n, 1, D};
-  const int64_t n_tiles = n / T;
+  std::vector<int32_t> seg(items * n, 1);
+  Operands x{};
+  x.batch = items, x.n = n, x.heads = 1, x.d = D, x.parts = parts;
+  x.q = q.data(), x.k = k.data(), x.v = v.data(), x.seg = seg.data(), x.order = order.data();
+  for (int64_t part = 0; part < parts; ++part) {
+    x.layouts.push_back({row_ptr.data() + part * rows, col.data(), mask_id.data(), masks.data()});
+  }
+  x.o = o.data(), x.lse = lse.data();
+  x.o_in = o.data(), x.lse_in = lse.data(), x.dout = dout.data(), x.dlse = dlse.data();
+  x.dq = dq.data(), x.dk = dk.data(), x.dv = dv.data();
+  x.scale = 0.125f, x.threads = threads;  // The logit scale 1 / sqrt(64).
   double best_fwd = 1e30, best_bwd = 1e30;
   for (int64_t it = 0; it < iters; ++it) {
     const auto t0 = std::chrono::steady_clock::now();
-    ParallelFor(items * n_tiles, threads, [&](int64_t work) {
-      const Item x = MakeItem(s, work / n_tiles, 0, order.data(), q.data(), k.data(), v.data(),
-                              nullptr, nullptr, o.data(), nullptr, nullptr, nullptr,
-                              seg.data(), lse.data(), nullptr, nullptr);
-      alignas(64) float sink[T * D];
-      ForwardTile<D>(x, lay, work % n_tiles, sink);
-    });
+    Forward<D>(x);
     const auto t1 = std::chrono::steady_clock::now();
-    ParallelFor(items, threads, [&](int64_t item) {
-      const Item x = MakeItem(s, item, 0, order.data(), q.data(), k.data(), v.data(), o.data(),
-                              dout.data(), nullptr, dq.data(), dk.data(), dv.data(),
-                              seg.data(), nullptr, lse.data(), dlse.data());
-      std::vector<float> sink(T * D);
-      BackwardItem<D>(x, lay, sink.data());
-    });
+    Backward<D>(x);
     const auto t2 = std::chrono::steady_clock::now();
     best_fwd = std::min(best_fwd, std::chrono::duration<double, std::milli>(t1 - t0).count());
     best_bwd = std::min(best_bwd, std::chrono::duration<double, std::milli>(t2 - t1).count());

@@ -4,12 +4,13 @@
   python benchmarks/cpu_kernel_alone.py --n 4096 --threads 1
 
 Builds benchmarks/cpu_kernel_alone.cc (which includes the kernel source) with the kernel's own
-flags and times forward and backward for dense causal attention, a sliding window of w = 128
-and a window of 1 (one tile per query row: what is left is per-row work), each on the tile
-layout cpu_kernel.tile_layout builds for the model. Rows are timed
-round-robin, best of --rounds, and compared per computed pair: attention_scaling.py's
-end-to-end ratios minus these say how much of a thin pattern's time is spent outside the
-kernel.
+flags and times forward and backward for dense causal attention, a sliding window of w = 128,
+the strided pattern (l = 128) as the model computes it (A1 in sequence order plus A2 minus A1
+in residue order, one call), that residue part alone, and a window of 1 (one tile per query
+row: what is left is per-row work), each on the operands cpu_kernel.parts_layout builds for
+the model. Rows are timed round-robin, best of --rounds, and compared per computed pair:
+attention_scaling.py's end-to-end ratios minus these say how much of a pattern's time is
+spent outside the kernel.
 """
 
 import argparse
@@ -26,8 +27,15 @@ from benchmarks import common  # noqa: E402
 from models.attention import cpu_kernel, patterns, sparse  # noqa: E402
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'cpu_kernel_alone.cc')
-PATTERNS = {'dense': patterns.Dense(), 'local_128': patterns.Local(128),
-            'window_1': patterns.Local(1)}
+_A1 = sparse.HeadView(patterns.Strided(128, 'a1'))
+_A2_MINUS_A1 = sparse.Minus(sparse.HeadView(patterns.Strided(128, 'a2')), _A1)
+PATTERNS = {  # name -> kernel parts ((allowed, residue_stride), ...)
+    'dense': ((sparse.HeadView(patterns.Dense()), 0),),
+    'local_128': ((sparse.HeadView(patterns.Local(128)), 0),),
+    'strided_128': ((_A1, 0), (_A2_MINUS_A1, 128)),
+    'strided_128_residue_part': ((_A2_MINUS_A1, 128),),
+    'window_1': ((sparse.HeadView(patterns.Local(1)), 0),),
+}
 
 
 def build(out_dir: str) -> str:
@@ -50,10 +58,11 @@ def main():
   args = p.parse_args()
   with tempfile.TemporaryDirectory() as tmp:
     exe = build(tmp)
-    for name, pattern in PATTERNS.items():
+    for name, parts in PATTERNS.items():
       os.makedirs(os.path.join(tmp, name))
-      layout = cpu_kernel.tile_layout(sparse.HeadView(pattern), args.n)
-      for array, file in zip(layout, ('row_ptr.i32', 'col.i32', 'mask_id.i32', 'masks.u8')):
+      layout = cpu_kernel.parts_layout(parts, args.n)
+      for array, file in zip(layout, ('order.i32', 'row_ptr.i32', 'col.i32', 'mask_id.i32',
+                                      'masks.u8')):
         array.tofile(os.path.join(tmp, name, file))
     best = {name: (float('inf'), float('inf'), 0) for name in PATTERNS}
     for _ in range(args.rounds):

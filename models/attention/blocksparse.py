@@ -258,16 +258,10 @@ def _part_stats(q, k, v, segment_ids, part: Part, *, q_block, k_block, band_bloc
 
 
 def _kernel_attention(q, k, v, segment_ids, parts, *, scale):
-  """pattern_attention through the fused CPU kernel: each part on its own tile layout (a
-  residue part in residue order), merged by their log-sum-exps."""
-  outs = [cpu_kernel.attention(q, k, v, segment_ids, p.allowed, scale=scale,
-                               residue_stride=p.residue_stride) for p in parts]
-  if len(outs) == 1:
-    return outs[0][0]
-  lses = [lse[..., None] for _, lse in outs]
-  m = functools.reduce(jnp.maximum, lses)
-  weights = [jnp.exp(lse - m) for lse in lses]  # A query no part lets see: o = 0 in each.
-  return sum(w * o for w, (o, _) in zip(weights, outs)) / sum(weights)
+  """pattern_attention through the fused CPU kernel: all parts in one call, each on its own
+  tile layout (a residue part in residue order), merged inside the kernel."""
+  return cpu_kernel.attention(q, k, v, segment_ids,
+                              [(p.allowed, p.residue_stride) for p in parts], scale=scale)[0]
 
 
 def pattern_attention(q, k, v, segment_ids, parts, *, q_block: int, k_block: int, scale: float,

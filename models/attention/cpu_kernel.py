@@ -162,6 +162,25 @@ def tile_layout(allowed, n: int, residue_stride: int = 0, chunk: int = 8):
           np.asarray(ids, np.int32), masks)
 
 
+@functools.lru_cache(maxsize=64)
+def parts_layout(parts: tuple, n: int):
+  """The kernel's operands for the disjoint `parts` ((allowed, residue_stride) pairs) over n
+  positions: (order (P, n), row_ptr (P, ceil(n / 16) + 1), col, mask_id, masks), each part's
+  tile_layout with its col / mask_id entries and mask ids offset into the concatenation."""
+  orders, row_ptrs, cols, ids, masks = [], [], [], [], []
+  edges = n_masks = 0
+  for allowed, residue_stride in parts:
+    row_ptr, col, mask_id, m = tile_layout(allowed, n, residue_stride)
+    orders.append(computation_order(n, residue_stride).astype(np.int32))
+    row_ptrs.append(row_ptr + edges)
+    cols.append(col)
+    ids.append(np.where(mask_id < 0, -1, mask_id + n_masks).astype(np.int32))
+    masks.append(m)
+    edges, n_masks = edges + len(col), n_masks + len(m)
+  return (np.stack(orders), np.stack(row_ptrs), np.concatenate(cols).astype(np.int32),
+          np.concatenate(ids), np.concatenate(masks))
+
+
 def layout_pairs(allowed, n: int, residue_stride: int = 0) -> int:
   """Query-key products the kernel computes for `allowed` over n positions."""
   return len(tile_layout(allowed, n, residue_stride)[1]) * TILE * TILE
@@ -174,49 +193,49 @@ def _threads() -> int:
     return os.cpu_count() or 1
 
 
-def _static_args(allowed, n, residue_stride):
-  order = computation_order(n, residue_stride).astype(np.int32)
-  return tuple(jnp.asarray(x) for x in (order, *tile_layout(allowed, n, residue_stride)))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attention(q, k, v, seg, allowed, residue_stride):
-  return _forward(q, k, v, seg, allowed, residue_stride)[0]
+def _attention(q, k, v, seg, parts, scale):
+  return _forward(q, k, v, seg, parts, scale)[0]
 
 
-def _forward(q, k, v, seg, allowed, residue_stride):
+def _layout_args(parts, n):
+  return tuple(jnp.asarray(x) for x in parts_layout(parts, n))
+
+
+def _forward(q, k, v, seg, parts, scale):
   b, n, h, _ = q.shape
   o, lse = jax.ffi.ffi_call(
       _FORWARD, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
                  jax.ShapeDtypeStruct((b, n, h), jnp.float32)),
-      vmap_method='sequential')(q, k, v, seg, *_static_args(allowed, n, residue_stride),
+      vmap_method='sequential')(q, k, v, seg, *_layout_args(parts, n), scale=np.float32(scale),
                                 threads=np.int64(_threads()))
   return (o, lse), (q, k, v, seg, o, lse)
 
 
-def _backward(allowed, residue_stride, res, grads):
+def _backward(parts, scale, res, grads):
   q, k, v, seg, o, lse = res
   do, dlse = grads
   dq, dk, dv = jax.ffi.ffi_call(
       _BACKWARD, tuple(jax.ShapeDtypeStruct(q.shape, jnp.float32) for _ in range(3)),
-      vmap_method='sequential')(q, k, v, seg, *_static_args(allowed, q.shape[1], residue_stride),
-                                o, lse, do, dlse, threads=np.int64(_threads()))
+      vmap_method='sequential')(q, k, v, seg, *_layout_args(parts, q.shape[1]), o, lse, do,
+                                dlse, scale=np.float32(scale), threads=np.int64(_threads()))
   return dq, dk, dv, None
 
 
 _attention.defvjp(_forward, _backward)
 
 
-def attention(q, k, v, seg, allowed, *, scale, residue_stride: int = 0):
-  """Softmax attention over the pairs `allowed(i, j)` allows and equal `seg`, fused on CPU.
+def attention(q, k, v, seg, parts, *, scale):
+  """Softmax attention over the union of `parts` and equal `seg`, fused on CPU.
 
   Args:
     q, k, v: (batch, n, heads, head_dim) (any float dtype; computed in float32).
     seg: (batch, n) int document ids.
-    allowed: hashable (i, j) -> bool over positions 0..n-1 (tile layouts are cached on it).
+    parts: disjoint (allowed, residue_stride) pairs, computed in one call: `allowed` is a
+      hashable (i, j) -> bool over positions 0..n-1 (tile layouts are cached on it);
+      residue_stride l > 0 computes that part in residue order mod l (for parts that only
+      pair equal residues, e.g. the strided pattern's A2), 0 in sequence order.
     scale: logit multiplier.
-    residue_stride: l > 0 computes in residue order mod l (for parts that only pair equal
-      residues, e.g. the strided pattern's A2); 0 = sequence order.
 
   Returns:
     (o, lse): o (batch, n, heads, head_dim) float32, normalized, zeros for a query that sees
@@ -226,11 +245,14 @@ def attention(q, k, v, seg, allowed, *, scale, residue_stride: int = 0):
   b, n, h, d = q.shape
   if not supports(d):
     raise ValueError(f'the CPU kernel supports head_dim in {HEAD_DIMS}, got {d}')
-
+  parts = tuple((allowed, int(residue_stride)) for allowed, residue_stride in parts)
+  if not parts:
+    raise ValueError('attention needs at least one part')
   q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
   seg = seg.astype(jnp.int32)
-  if len(tile_layout(allowed, n, residue_stride)[1]) <= STREAM_TILES * -(-n // TILE):
-    return _attention(q * scale, k, v, seg, allowed, residue_stride)
+  tiles = sum(len(tile_layout(allowed, n, r)[1]) for allowed, r in parts)
+  if tiles <= STREAM_TILES * -(-n // TILE):
+    return _attention(q, k, v, seg, parts, float(scale))
 
   # A query tile streams many key tiles (dense-like patterns): each head as its own batch row,
   # so that those rows are contiguous. Read in place, h d floats apart, they made dense
@@ -240,6 +262,6 @@ def attention(q, k, v, seg, allowed, *, scale, residue_stride: int = 0):
     return jnp.swapaxes(a, 1, 2).reshape(b * h, n, 1, d)
 
   seg = jnp.broadcast_to(seg[:, None], (b, h, n)).reshape(b * h, n)
-  o, lse = _attention(by_head(q * scale), by_head(k), by_head(v), seg, allowed, residue_stride)
+  o, lse = _attention(by_head(q), by_head(k), by_head(v), seg, parts, float(scale))
   return (jnp.swapaxes(o.reshape(b, h, n, d), 1, 2),
           jnp.swapaxes(lse.reshape(b, h, n), 1, 2))

@@ -32,6 +32,18 @@ PATTERNS = {
     'strided-a2-minus-a1-residue': (sparse.Minus(A2, A1), 8),
     'block_local': (sparse.HeadView(patterns.BlockLocal(12, 5)), 0),
 }
+# name -> (the union, its disjoint parts): patterns the kernel computes as several parts in
+# one call, merged inside it. Strided as the model runs it (A1 in sequence order, A2 minus A1
+# in residue order: its later part gives the first queries nothing), and fixed as A2 minus A1
+# then A1 (its first part gives the first block nothing, which the later part then fills).
+_F1 = sparse.HeadView(patterns.Fixed(16, 4, 'a1'))
+_F2 = sparse.HeadView(patterns.Fixed(16, 4, 'a2'))
+MULTI_PART = {
+    'strided-two-parts': (sparse.HeadView(patterns.Strided(8)),
+                          [(A1, 0), (sparse.Minus(A2, A1), 8)]),
+    'fixed-two-parts': (sparse.HeadView(patterns.Fixed(16, 4)),
+                        [(sparse.Minus(_F2, _F1), 0), (_F1, 0)]),
+}
 
 
 def _segments(rng, rows, n):
@@ -57,7 +69,7 @@ def _reference(q, k, v, seg, allowed, scale):
   return o, lse, jnp.swapaxes(jnp.broadcast_to(sees, lse.shape[:1] + sees.shape[1:]), 1, 2)
 
 
-@pytest.mark.parametrize('name', sorted(PATTERNS))
+@pytest.mark.parametrize('name', sorted(PATTERNS) + sorted(MULTI_PART))
 @pytest.mark.parametrize('n,h,d', [(75, 2, 16), (48, 1, 64)])
 @pytest.mark.parametrize('layout', ['in_place', 'by_head'])
 def test_kernel_matches_dense_softmax_values_and_gradients(name, n, h, d, layout, monkeypatch):
@@ -67,13 +79,17 @@ def test_kernel_matches_dense_softmax_values_and_gradients(name, n, h, d, layout
   b = 2
   q, k, v = (jnp.asarray(rng.normal(size=(b, n, h, d)), jnp.float32) for _ in range(3))
   seg = _segments(rng, b, n)
-  allowed, residue = PATTERNS[name]
+  if name in MULTI_PART:
+    allowed, parts = MULTI_PART[name]
+  else:
+    allowed, residue = PATTERNS[name]
+    parts = [(allowed, residue)]
   scale = d ** -0.5
   o_ref, lse_ref, sees = _reference(q, k, v, seg, allowed, scale)
   sees = jnp.broadcast_to(sees, lse_ref.shape)
 
   def kernel(q, k, v):
-    return cpu_kernel.attention(q, k, v, seg, allowed, scale=scale, residue_stride=residue)
+    return cpu_kernel.attention(q, k, v, seg, parts, scale=scale)
 
   o, lse = jax.jit(kernel)(q, k, v)
   np.testing.assert_allclose(o, o_ref, atol=2e-5)

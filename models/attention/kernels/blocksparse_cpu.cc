@@ -7,21 +7,23 @@
 // softmax statistics in registers / L1, as flash attention does on GPUs. Work and memory
 // follow the layout's tiles, so they grow with the pattern, not with n^2.
 //
-// Operands (B batch rows, H heads, n positions, D head width):
-//   q, k, v (B, n, H, D)  as the model holds them (no transposes); q is already multiplied by
-//                         the logit scale; each (b, h) is one independent item;
+// Operands (B batch rows, H heads, n positions, D head width, P parts):
+//   q, k, v (B, n, H, D)  as the model holds them (no transposes); each (b, h) is one
+//                         independent item; the logits are scale * q . k (attribute `scale`);
 //   seg (B, n) int32      document ids: query i sees key j only if seg[i] == seg[j];
-//   order (n) int32       the computation order: tile position p is sequence position
+//   order (P, n) int32    each part's computation order: tile position p is sequence position
 //                         order[p] (the identity, or positions sorted by residue mod l so
 //                         that a strided part becomes block-diagonal); positions p >= n of
 //                         the last tile are padding, never allowed;
-//   row_ptr (n/16 + 1), col (E), mask_id (E), masks (M, 16 keys, 16 queries) uint8: the key
-//   tiles of query tile t are col[row_ptr[t] .. row_ptr[t + 1]); mask_id -1 = every pair of
-//   the tile allowed.
+//   row_ptr (P, n/16 + 1), col (E), mask_id (E), masks (M, 16 keys, 16 queries) uint8: the
+//   key tiles of query tile t of part p are col[row_ptr[p][t] .. row_ptr[p][t + 1]) (indexes
+//   into the concatenation of all parts' tiles); mask_id -1 = every pair of the tile allowed.
+// The parts are disjoint sets of pairs; the kernel computes softmax attention over their
+// union: the forward runs part after part, merging each into the output by log-sum-exps;
+// the backward, which only needs the final lse, adds each part's terms.
 // Forward returns the normalized output o (B, n, H, D) and the log-sum-exp lse (B, n, H); a
 // query that sees no key gets o = 0 and lse = kEmpty. Backward takes do and dlse (the
-// gradient of lse, so that parts of a pattern computed separately merge exactly) and returns
-// dq, dk, dv.
+// gradient of lse) and returns dq, dk, dv.
 
 #include <algorithm>
 #include <atomic>
@@ -132,6 +134,18 @@ struct Rows {
       rows[r] = p < n ? base + order[p] * stride : sink;
     }
   }
+
+  // Asks for the D-float rows of tile t ahead of use. In residue order a tile's rows lie
+  // l positions apart, which the hardware prefetcher does not follow.
+  template <int D>
+  void Prefetch(int64_t t) const {
+    for (int r = 0; r < T; ++r) {
+      const int64_t p = t * T + r;
+      if (p >= n) break;
+      const F* row = base + order[p] * stride;
+      for (int x = 0; x < D; x += 16) __builtin_prefetch(row + x);
+    }
+  }
 };
 
 // st[r][c] = a[r] . bt[:, c] for rows a[r] of D floats and bt (D, T): a tile of products with
@@ -153,11 +167,11 @@ inline void TileProducts(const float* const a[T], const float* bt, float st[T][T
   }
 }
 
-// at (D, T) = the rows a[r] transposed.
+// at (D, T) = scale times the rows a[r] transposed.
 template <int D>
-inline void Transpose(const float* const a[T], float at[D][T]) {
+inline void Transpose(const float* const a[T], float at[D][T], float scale = 1.0f) {
   for (int r = 0; r < T; ++r) {
-    for (int d = 0; d < D; ++d) at[d][r] = a[r][d];
+    for (int d = 0; d < D; ++d) at[d][r] = scale * a[r][d];
   }
 }
 
@@ -225,15 +239,17 @@ struct Item {
   int64_t lse_stride;
 };
 
-// Forward of query tile t of one item: online softmax over the layout's key tiles. Scores
-// are computed key-major (st[j][i] = k_j . q_i) so the softmax statistics of the 16 queries
-// are vector lanes.
+// Forward of query tile t of one item and one part: online softmax over the part's key
+// tiles. Scores are computed key-major (st[j][i] = k_j . q_i) so the softmax statistics of
+// the 16 queries are vector lanes. The first part writes o and lse; a later one (`merge`)
+// combines its softmax with theirs.
 template <int D>
-void ForwardTile(const Item& it, const Layout& lay, int64_t t, float* sink) {
+void ForwardTile(const Item& it, const Layout& lay, int64_t t, float scale, bool merge,
+                 float* sink) {
   const float* q_rows[T];
   it.q.Tile(t, q_rows, kZeroRow);
   alignas(64) float qt[D][T];
-  Transpose<D>(q_rows, qt);
+  Transpose<D>(q_rows, qt, scale);
   alignas(64) float acc[T][D] = {};
   float* acc_rows[T];
   for (int i = 0; i < T; ++i) acc_rows[i] = acc[i];
@@ -243,6 +259,10 @@ void ForwardTile(const Item& it, const Layout& lay, int64_t t, float* sink) {
   TileSegments(it.seg, it.q.order, it.q.n, t, seg_q);
   for (int32_t e = lay.row_ptr[t]; e < lay.row_ptr[t + 1]; ++e) {
     const int64_t u = lay.col[e];
+    if (e + 1 < lay.row_ptr[t + 1]) {
+      it.k.Prefetch<D>(lay.col[e + 1]);
+      it.v.Prefetch<D>(lay.col[e + 1]);
+    }
     const float *k_rows[T], *v_rows[T];
     it.k.Tile(u, k_rows, kZeroRow);
     it.v.Tile(u, v_rows, kZeroRow);
@@ -269,30 +289,45 @@ void ForwardTile(const Item& it, const Layout& lay, int64_t t, float* sink) {
   float* o_rows[T];
   it.o.Tile(t, o_rows, sink);
   for (int i = 0; i < T; ++i) {
-    const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-    for (int d = 0; d < D; ++d) o_rows[i][d] = acc[i][d] * inv;
     const int64_t p = t * T + i;
-    if (p < it.q.n) {
-      it.lse[it.q.order[p] * it.lse_stride] = l[i] > 0.0f ? m[i] + std::log(l[i]) : kEmpty;
+    if (p >= it.q.n) break;
+    float& lse = it.lse[it.q.order[p] * it.lse_stride];
+    const float part_lse = l[i] > 0.0f ? m[i] + std::log(l[i]) : kEmpty;
+    if (!merge) {
+      lse = part_lse;
+      const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+      for (int d = 0; d < D; ++d) o_rows[i][d] = inv * acc[i][d];
+      continue;
     }
+    if (l[i] == 0.0f) continue;  // This part lets query i see nothing: o and lse stay.
+    // lse' = log(e^lse + e^part_lse);  o' = (e^lse o + e^m acc) / e^lse'  (acc / l has lse
+    // part_lse = m + log l).
+    const float top = std::max(lse, part_lse);
+    const float new_lse = top + std::log(std::exp(lse - top) + std::exp(part_lse - top));
+    const float keep = std::exp(lse - new_lse), add = std::exp(m[i] - new_lse);
+    lse = new_lse;
+    for (int d = 0; d < D; ++d) o_rows[i][d] = keep * o_rows[i][d] + add * acc[i][d];
   }
 }
 
-// Backward of one item, query tile by query tile; dk and dv accumulate over query tiles.
+// One part of BackwardItem; the first part writes dq, later ones add to it.
 template <int D>
-void BackwardItem(const Item& it, const Layout& lay, float* sink) {
+void BackwardPart(const Item& it, const Layout& lay, float scale, bool add_dq, float* sink) {
   const int64_t n = it.q.n, n_tiles = (n + T - 1) / T;
-  for (int64_t p = 0; p < n; ++p) {
-    std::memset(it.dk.base + p * it.dk.stride, 0, sizeof(float) * D);
-    std::memset(it.dv.base + p * it.dv.stride, 0, sizeof(float) * D);
-  }
   for (int64_t t = 0; t < n_tiles; ++t) {
+    if (t + 1 < n_tiles) {  // The next query tile's rows, and its first key tile's.
+      it.q.Prefetch<D>(t + 1), it.dout.Prefetch<D>(t + 1), it.o_in.Prefetch<D>(t + 1);
+      if (lay.row_ptr[t + 1] < lay.row_ptr[t + 2]) {
+        const int64_t u = lay.col[lay.row_ptr[t + 1]];
+        it.k.Prefetch<D>(u), it.v.Prefetch<D>(u), it.dk.Prefetch<D>(u), it.dv.Prefetch<D>(u);
+      }
+    }
     const float *q_rows[T], *do_rows[T], *o_rows[T];
     it.q.Tile(t, q_rows, kZeroRow);
     it.dout.Tile(t, do_rows, kZeroRow);
     it.o_in.Tile(t, o_rows, kZeroRow);
     alignas(64) float qt[D][T], dot[D][T];
-    Transpose<D>(q_rows, qt);
+    Transpose<D>(q_rows, qt, scale);
     Transpose<D>(do_rows, dot);
     alignas(64) float delta[T], row_lse[T];
     for (int i = 0; i < T; ++i) {
@@ -312,6 +347,11 @@ void BackwardItem(const Item& it, const Layout& lay, float* sink) {
     TileSegments(it.seg, it.q.order, n, t, seg_q);
     for (int32_t e = lay.row_ptr[t]; e < lay.row_ptr[t + 1]; ++e) {
       const int64_t u = lay.col[e];
+      if (e + 1 < lay.row_ptr[t + 1]) {
+        const int64_t next = lay.col[e + 1];
+        it.k.Prefetch<D>(next), it.v.Prefetch<D>(next);
+        it.dk.Prefetch<D>(next), it.dv.Prefetch<D>(next);
+      }
       const float *k_rows[T], *v_rows[T];
       float *dk_rows[T], *dv_rows[T];
       it.k.Tile(u, k_rows, kZeroRow);
@@ -330,57 +370,103 @@ void BackwardItem(const Item& it, const Layout& lay, float* sink) {
       MulAddRows<D, false>(pt, do_rows, nullptr, dv_rows);  // dV_u += P^T dO
       TileProducts<D>(v_rows, &dot[0][0], dst);  // dP^T = V_u dO^T
       for (int j = 0; j < T; ++j) {
-        for (int i = 0; i < T; ++i) dst[j][i] = pt[j][i] * (dst[j][i] - delta[i]);  // dS^T
+        // dS^T, times the logit scale (s = scale q . k) for dQ and dK.
+        for (int i = 0; i < T; ++i) dst[j][i] = scale * pt[j][i] * (dst[j][i] - delta[i]);
       }
       MulAddRows<D, true>(dst, k_rows, nullptr, dq_rows);  // dQ += dS K_u
       MulAddRows<D, false>(dst, q_rows, nullptr, dk_rows);  // dK_u += dS^T Q
     }
     float* out_rows[T];
     it.dq.Tile(t, out_rows, sink);
-    for (int i = 0; i < T; ++i) std::memcpy(out_rows[i], dq_acc[i], sizeof(float) * D);
+    for (int i = 0; i < T; ++i) {
+      if (add_dq) {
+        for (int d = 0; d < D; ++d) out_rows[i][d] += dq_acc[i][d];
+      } else {
+        std::memcpy(out_rows[i], dq_acc[i], sizeof(float) * D);
+      }
+    }
   }
 }
 
-// Shapes shared by both directions: q (B, n, H, D), seg (B, n), order (n), row_ptr.
-struct Shape {
-  int64_t batch, n, heads, d;
+// Backward of one item: parts[x] is the item in part x's computation order, lays[x] that
+// part's tiles. Query tile by query tile; dq, dk and dv accumulate over the parts' tiles.
+// P = exp(s - lse) with the final (merged) lse and delta = rowsum(dO o) from the final o
+// hold for every part's pairs, so the parts need no merging here.
+template <int D>
+void BackwardItem(const Item* parts, const Layout* lays, int n_parts, float scale,
+                  float* sink) {
+  const int64_t n = parts[0].q.n;
+  for (int64_t p = 0; p < n; ++p) {
+    std::memset(parts[0].dk.base + p * parts[0].dk.stride, 0, sizeof(float) * D);
+    std::memset(parts[0].dv.base + p * parts[0].dv.stride, 0, sizeof(float) * D);
+  }
+  for (int x = 0; x < n_parts; ++x) {
+    BackwardPart<D>(parts[x], lays[x], scale, /*add_dq=*/x > 0, sink);
+  }
+}
+
+// The operands of one call, as raw pointers (the FFI handlers below fill it, and so does
+// benchmarks/cpu_kernel_alone.cc). Pointers a direction does not use are null.
+struct Operands {
+  int64_t batch, n, heads, d, parts;
+  const float *q, *k, *v;
+  const int32_t* seg;              // (B, n)
+  const int32_t* order;            // (P, n)
+  std::vector<Layout> layouts;     // (P)
+  const float *o_in, *lse_in, *dout, *dlse;  // Backward inputs.
+  float *o, *lse;                  // Forward results.
+  float *dq, *dk, *dv;             // Backward results.
+  float scale;
+  int64_t threads;
+
+  // Item b h in part x's computation order.
+  Item MakeItem(int64_t item, int64_t x) const {
+    const int64_t b = item / heads, h = item % heads;
+    const int64_t stride = heads * d, at = b * n * stride + h * d, y = b * n * heads + h;
+    const int32_t* ord = order + x * n;
+    auto in = [&](const float* a) { return Rows<const float>{a ? a + at : a, stride, ord, n}; };
+    auto out = [&](float* a) { return Rows<float>{a ? a + at : a, stride, ord, n}; };
+    auto row = [&](auto* a) { return a ? a + y : a; };
+    return Item{in(q), in(k), in(v), in(o_in), in(dout), out(o), out(dq), out(dk), out(dv),
+                seg + b * n, row(lse), row(lse_in), row(dlse), heads};
+  }
 };
 
-// Checks the shapes shared by both directions and reads the layout: q (B, n, H, D),
-// seg (B, n), order (n), row_ptr (ceil(n / 16) + 1).
-ffi::Error Prepare(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::S32>& seg,
-                   const ffi::Buffer<ffi::S32>& order, const ffi::Buffer<ffi::S32>& row_ptr,
-                   const ffi::Buffer<ffi::S32>& col, const ffi::Buffer<ffi::S32>& mask_id,
-                   const ffi::Buffer<ffi::U8>& masks, Shape* shape, Layout* layout) {
-  const auto dims = q.dimensions();
-  if (dims.size() != 4) return ffi::Error::InvalidArgument("q must be (batch, n, heads, head_dim)");
-  *shape = {dims[0], dims[1], dims[2], dims[3]};
-  const auto seg_dims = seg.dimensions();
-  if (seg_dims.size() != 2 || seg_dims[0] != shape->batch || seg_dims[1] != shape->n) {
-    return ffi::Error::InvalidArgument("segment ids must be (batch, n)");
+constexpr int64_t kTilesPerTask = 8;  // Forward: consecutive query tiles one thread takes.
+
+template <int D>
+void Forward(const Operands& x) {
+  const int64_t n_tiles = (x.n + T - 1) / T, tasks = (n_tiles + kTilesPerTask - 1) / kTilesPerTask;
+  // Part after part (a later one merges into the output of the earlier ones); the query
+  // tiles of one part are disjoint, so they run in parallel.
+  for (int64_t part = 0; part < x.parts; ++part) {
+    ParallelFor(x.batch * x.heads * tasks, x.threads, [&](int64_t w) {
+      const Item it = x.MakeItem(w / tasks, part);
+      const Layout& lay = x.layouts[part];
+      alignas(64) float sink[T * D];
+      const int64_t t0 = (w % tasks) * kTilesPerTask, t1 = std::min(t0 + kTilesPerTask, n_tiles);
+      for (int64_t t = t0; t < t1; ++t) {
+        if (t + 1 < t1) {  // The next query tile's rows and its first key tile's.
+          it.q.Prefetch<D>(t + 1);
+          if (lay.row_ptr[t + 1] < lay.row_ptr[t + 2]) {
+            it.k.Prefetch<D>(lay.col[lay.row_ptr[t + 1]]);
+            it.v.Prefetch<D>(lay.col[lay.row_ptr[t + 1]]);
+          }
+        }
+        ForwardTile<D>(it, lay, t, x.scale, /*merge=*/part > 0, sink);
+      }
+    });
   }
-  if (order.element_count() != shape->n) {
-    return ffi::Error::InvalidArgument("order must have n entries");
-  }
-  if (row_ptr.element_count() != (shape->n + T - 1) / T + 1) {
-    return ffi::Error::InvalidArgument("row_ptr must have ceil(n / 16) + 1 entries");
-  }
-  *layout = {row_ptr.typed_data(), col.typed_data(), mask_id.typed_data(), masks.typed_data()};
-  return ffi::Error::Success();
 }
 
-// Item b h of the operands; null pointers for operands a direction does not use.
-Item MakeItem(const Shape& s, int64_t b, int64_t h, const int32_t* order, const float* q,
-              const float* k, const float* v, const float* o_in, const float* dout,
-              float* o, float* dq, float* dk, float* dv, const int32_t* seg, float* lse,
-              const float* lse_in, const float* dlse) {
-  const int64_t stride = s.heads * s.d, x = b * s.n * stride + h * s.d;
-  auto in = [&](const float* a) { return Rows<const float>{a ? a + x : a, stride, order, s.n}; };
-  auto out = [&](float* a) { return Rows<float>{a ? a + x : a, stride, order, s.n}; };
-  const int64_t y = b * s.n * s.heads + h;
-  return Item{in(q), in(k), in(v), in(o_in), in(dout), out(o), out(dq), out(dk), out(dv),
-              seg + b * s.n, lse ? lse + y : lse, lse_in ? lse_in + y : lse_in,
-              dlse ? dlse + y : dlse, s.heads};
+template <int D>
+void Backward(const Operands& x) {
+  ParallelFor(x.batch * x.heads, x.threads, [&](int64_t item) {
+    std::vector<Item> parts;
+    for (int64_t part = 0; part < x.parts; ++part) parts.push_back(x.MakeItem(item, part));
+    std::vector<float> sink(T * D);  // Writes of padding positions (always zero terms).
+    BackwardItem<D>(parts.data(), x.layouts.data(), x.parts, x.scale, sink.data());
+  });
 }
 
 // Calls fn.template operator()<D>() for the supported head widths.
@@ -397,30 +483,54 @@ ffi::Error DispatchHeadDim(int64_t d, Fn fn) {
   return ffi::Error::Success();
 }
 
+// Checks the shapes both directions share, q (B, n, H, D), seg (B, n), order (P, n),
+// row_ptr (P, ceil(n / 16) + 1), and fills those fields of `x`.
+ffi::Error Prepare(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k,
+                   const ffi::Buffer<ffi::F32>& v, const ffi::Buffer<ffi::S32>& seg,
+                   const ffi::Buffer<ffi::S32>& order, const ffi::Buffer<ffi::S32>& row_ptr,
+                   const ffi::Buffer<ffi::S32>& col, const ffi::Buffer<ffi::S32>& mask_id,
+                   const ffi::Buffer<ffi::U8>& masks, float scale, int64_t threads,
+                   Operands* x) {
+  const auto dims = q.dimensions();
+  if (dims.size() != 4) return ffi::Error::InvalidArgument("q must be (batch, n, heads, head_dim)");
+  const int64_t n = dims[1], rows = (n + T - 1) / T + 1;
+  const auto seg_dims = seg.dimensions();
+  if (seg_dims.size() != 2 || seg_dims[0] != dims[0] || seg_dims[1] != n) {
+    return ffi::Error::InvalidArgument("segment ids must be (batch, n)");
+  }
+  const int64_t entries = static_cast<int64_t>(row_ptr.element_count()), parts = entries / rows;
+  if (parts < 1 || entries != parts * rows) {
+    return ffi::Error::InvalidArgument("row_ptr must be (parts, ceil(n / 16) + 1)");
+  }
+  if (static_cast<int64_t>(order.element_count()) != parts * n) {
+    return ffi::Error::InvalidArgument("order must be (parts, n)");
+  }
+  *x = Operands{};
+  x->batch = dims[0], x->n = n, x->heads = dims[2], x->d = dims[3], x->parts = parts;
+  x->q = q.typed_data(), x->k = k.typed_data(), x->v = v.typed_data();
+  x->seg = seg.typed_data(), x->order = order.typed_data();
+  for (int64_t part = 0; part < parts; ++part) {
+    x->layouts.push_back({row_ptr.typed_data() + part * rows, col.typed_data(),
+                          mask_id.typed_data(), masks.typed_data()});
+  }
+  x->scale = scale, x->threads = threads;
+  return ffi::Error::Success();
+}
+
 ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seg,
                        ffi::Buffer<ffi::S32> order, ffi::Buffer<ffi::S32> row_ptr,
                        ffi::Buffer<ffi::S32> col, ffi::Buffer<ffi::S32> mask_id,
-                       ffi::Buffer<ffi::U8> masks, int64_t threads,
+                       ffi::Buffer<ffi::U8> masks, float scale, int64_t threads,
                        ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> lse) {
-  Shape s;
-  Layout lay;
-  if (ffi::Error err = Prepare(q, seg, order, row_ptr, col, mask_id, masks, &s, &lay);
+  Operands x;
+  if (ffi::Error err = Prepare(q, k, v, seg, order, row_ptr, col, mask_id, masks, scale,
+                               threads, &x);
       err.failure()) {
     return err;
   }
-  const int64_t n_tiles = (s.n + T - 1) / T, items = s.batch * s.heads;
-  return DispatchHeadDim(s.d, [&]<int D>() {
-    ParallelFor(items * n_tiles, threads, [&](int64_t w) {
-      const int64_t item = w / n_tiles, t = w % n_tiles;
-      const Item it = MakeItem(s, item / s.heads, item % s.heads, order.typed_data(),
-                               q.typed_data(), k.typed_data(), v.typed_data(), nullptr,
-                               nullptr, o->typed_data(), nullptr, nullptr, nullptr,
-                               seg.typed_data(), lse->typed_data(), nullptr, nullptr);
-      alignas(64) float sink[T * D];
-      ForwardTile<D>(it, lay, t, sink);
-    });
-  });
+  x.o = o->typed_data(), x.lse = lse->typed_data();
+  return DispatchHeadDim(x.d, [&]<int D>() { Forward<D>(x); });
 }
 
 ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
@@ -429,26 +539,19 @@ ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                         ffi::Buffer<ffi::S32> col, ffi::Buffer<ffi::S32> mask_id,
                         ffi::Buffer<ffi::U8> masks, ffi::Buffer<ffi::F32> o,
                         ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
-                        ffi::Buffer<ffi::F32> dlse, int64_t threads,
+                        ffi::Buffer<ffi::F32> dlse, float scale, int64_t threads,
                         ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
                         ffi::ResultBuffer<ffi::F32> dv) {
-  Shape s;
-  Layout lay;
-  if (ffi::Error err = Prepare(q, seg, order, row_ptr, col, mask_id, masks, &s, &lay);
+  Operands x;
+  if (ffi::Error err = Prepare(q, k, v, seg, order, row_ptr, col, mask_id, masks, scale,
+                               threads, &x);
       err.failure()) {
     return err;
   }
-  return DispatchHeadDim(s.d, [&]<int D>() {
-    ParallelFor(s.batch * s.heads, threads, [&](int64_t item) {
-      const Item it = MakeItem(s, item / s.heads, item % s.heads, order.typed_data(),
-                               q.typed_data(), k.typed_data(), v.typed_data(), o.typed_data(),
-                               dout.typed_data(), nullptr, dq->typed_data(), dk->typed_data(),
-                               dv->typed_data(), seg.typed_data(), nullptr, lse.typed_data(),
-                               dlse.typed_data());
-      std::vector<float> sink(T * D);  // Writes of padding positions (always zero terms).
-      BackwardItem<D>(it, lay, sink.data());
-    });
-  });
+  x.o_in = o.typed_data(), x.lse_in = lse.typed_data();
+  x.dout = dout.typed_data(), x.dlse = dlse.typed_data();
+  x.dq = dq->typed_data(), x.dk = dk->typed_data(), x.dv = dv->typed_data();
+  return DispatchHeadDim(x.d, [&]<int D>() { Backward<D>(x); });
 }
 
 // The operands both directions take first: q, k, v, seg, order and the tile layout.
@@ -458,8 +561,8 @@ auto BindOperands() {
       .Arg<ffi::Buffer<ffi::F32>>()   // k
       .Arg<ffi::Buffer<ffi::F32>>()   // v
       .Arg<ffi::Buffer<ffi::S32>>()   // seg
-      .Arg<ffi::Buffer<ffi::S32>>()   // order
-      .Arg<ffi::Buffer<ffi::S32>>()   // row_ptr
+      .Arg<ffi::Buffer<ffi::S32>>()   // order (P, n)
+      .Arg<ffi::Buffer<ffi::S32>>()   // row_ptr (P, n / 16 + 1)
       .Arg<ffi::Buffer<ffi::S32>>()   // col
       .Arg<ffi::Buffer<ffi::S32>>()   // mask_id
       .Arg<ffi::Buffer<ffi::U8>>();   // masks
@@ -469,6 +572,7 @@ auto BindOperands() {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooBlockSparseForward, ForwardImpl,
                               BindOperands()
+                                  .Attr<float>("scale")
                                   .Attr<int64_t>("threads")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // o
                                   .Ret<ffi::Buffer<ffi::F32>>());  // lse
@@ -479,6 +583,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooBlockSparseBackward, BackwardImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // lse
                                   .Arg<ffi::Buffer<ffi::F32>>()  // do
                                   .Arg<ffi::Buffer<ffi::F32>>()  // dlse
+                                  .Attr<float>("scale")
                                   .Attr<int64_t>("threads")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dq
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dk
