@@ -13,9 +13,10 @@ query block of `band_block` positions sees the same number of keys just before i
 blocks go through one batched matmul on a strided view of the keys. Whichever of the two
 computes fewer pairs is used.
 
-With `kernel=True` (the default on a single CPU device, see `use_kernel`) each part runs in
-the fused tile kernel of models/attention/cpu_kernel.py instead, on a layout of 16 x 16 tiles
-derived from the same `allowed` function (a residue part in residue order).
+With `kernel=True` (the default on a single CPU device, see `use_kernel`) the parts run in
+the fused tile kernel of models/attention/cpu_kernel.py instead, all in one call, each on a
+layout of 16 x 16 tiles derived from the same `allowed` function (a residue part in residue
+order), merged inside the kernel.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ costs several times more per computed pair than dense attention. This kernel com
 pattern tile by tile (16 queries x 16 keys) with the softmax statistics kept in registers,
 forward and backward, through the XLA FFI. The tile layout (which key tiles each query tile
 touches, and the 16 x 16 mask of the partial ones) is derived from the pattern's own
-`allowed(i, j)` at trace time, like every other path.
+`allowed(i, j)` at trace time, like every other path. A pattern made of disjoint parts
+computed in different orders (strided: A1 in sequence order, A2 in residue order) is one
+call: the kernel merges the parts' softmaxes itself.
 
 The kernel is compiled with the system C++ compiler on first use and cached under
 $ZOO_KERNEL_CACHE (default ~/.cache/attention_zoo); the cache key covers the source, the
