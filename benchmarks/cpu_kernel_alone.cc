@@ -1,10 +1,10 @@
 // The CPU kernel timed alone, without XLA around it (see cpu_kernel_alone.py, which builds
-// and runs this): forward and backward of one layer, `items` heads of 64, n positions, one
-// document, through the kernel's own Forward / Backward on the operands
+// and runs this): forward and backward of one layer, operands (BATCH, N, HEADS, 64) as
+// the model holds them, one document, through the kernel's own Forward / Backward on the operands
 // cpu_kernel.parts_layout wrote to DIR as raw arrays (order.i32, row_ptr.i32, col.i32,
 // mask_id.i32, masks.u8).
 //
-//   cpu_kernel_alone N ITEMS DIR THREADS ITERS
+//   cpu_kernel_alone N BATCH HEADS DIR THREADS ITERS
 // prints: fwd_ms bwd_ms computed_pairs (best of ITERS).
 
 #include "../models/attention/kernels/blocksparse_cpu.cc"
@@ -32,13 +32,14 @@ std::vector<X> ReadArray(const std::string& path) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 6) {
-    std::fprintf(stderr, "usage: %s N ITEMS DIR THREADS ITERS\n", argv[0]);
+  if (argc != 7) {
+    std::fprintf(stderr, "usage: %s N BATCH HEADS DIR THREADS ITERS\n", argv[0]);
     return 2;
   }
-  const int64_t n = std::atol(argv[1]), items = std::atol(argv[2]);
-  const std::string dir = argv[3];
-  const int64_t threads = std::atol(argv[4]), iters = std::atol(argv[5]);
+  const int64_t n = std::atol(argv[1]), batch = std::atol(argv[2]), heads = std::atol(argv[3]);
+  const int64_t items = batch * heads;
+  const std::string dir = argv[4];
+  const int64_t threads = std::atol(argv[5]), iters = std::atol(argv[6]);
   constexpr int D = 64;
   const auto order = ReadArray<int32_t>(dir + "/order.i32");
   const auto row_ptr = ReadArray<int32_t>(dir + "/row_ptr.i32");
@@ -61,7 +62,7 @@ int main(int argc, char** argv) {
   std::vector<float> lse(items * n), dlse(items * n, 0.0f);
   std::vector<int32_t> seg(items * n, 1);
   Operands x{};
-  x.batch = items, x.n = n, x.heads = 1, x.d = D, x.parts = parts;
+  x.batch = batch, x.n = n, x.heads = heads, x.d = D, x.parts = parts;
   x.q = q.data(), x.k = k.data(), x.v = v.data(), x.seg = seg.data(), x.order = order.data();
   for (int64_t part = 0; part < parts; ++part) {
     x.layouts.push_back({row_ptr.data() + part * rows, col.data(), mask_id.data(), masks.data()});

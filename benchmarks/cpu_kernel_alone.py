@@ -1,16 +1,18 @@
 """The fused CPU kernel timed alone, without the XLA ops and buffers around the call.
 
-  python benchmarks/cpu_kernel_alone.py                 # n = 8K, 4 heads of 64, 2 threads
+  python benchmarks/cpu_kernel_alone.py                 # n = 8K, 1 x 4 heads of 64, 2 threads
   python benchmarks/cpu_kernel_alone.py --n 4096 --threads 1
+  python benchmarks/cpu_kernel_alone.py --batch 4 --heads 1  # every row's heads contiguous
 
 Builds benchmarks/cpu_kernel_alone.cc (which includes the kernel source) with the kernel's own
 flags and times forward and backward for dense causal attention, a sliding window of w = 128,
 the strided pattern (l = 128) as the model computes it (A1 in sequence order plus A2 minus A1
 in residue order, one call), that residue part alone, and a window of 1 (one tile per query
 row: what is left is per-row work), each on the operands cpu_kernel.parts_layout builds for
-the model. Rows are timed round-robin, best of --rounds, and compared per computed pair:
-attention_scaling.py's end-to-end ratios minus these say how much of a pattern's time is
-spent outside the kernel.
+the model, in the memory layout cpu_kernel.attention gives it (heads made contiguous for
+dense, read in place for the thin patterns). Rows are timed round-robin, best of --rounds,
+and compared per computed pair: attention_scaling.py's end-to-end ratios minus these say how
+much of a pattern's time is spent outside the kernel.
 """
 
 import argparse
@@ -50,7 +52,9 @@ def main():
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument('--n', type=int, default=8192)
-  p.add_argument('--heads', type=int, default=4)
+  p.add_argument('--batch', type=int, default=1)
+  p.add_argument('--heads', type=int, default=4,
+                 help='heads interleaved in the (batch, n, heads, 64) operands, as in the model')
   p.add_argument('--threads', type=int, default=2)
   p.add_argument('--rounds', type=int, default=3)
   p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
@@ -64,10 +68,18 @@ def main():
       for array, file in zip(layout, ('order.i32', 'row_ptr.i32', 'col.i32', 'mask_id.i32',
                                       'masks.u8')):
         array.tofile(os.path.join(tmp, name, file))
+    # The memory layout cpu_kernel.attention gives each pattern: heads made contiguous
+    # (batch * heads rows of one head) for dense-like layouts, the model's own otherwise.
+    shapes = {}
+    for name, parts in PATTERNS.items():
+      tiles = len(cpu_kernel.parts_layout(parts, args.n)[2])
+      by_head = tiles > cpu_kernel.STREAM_TILES * -(-args.n // cpu_kernel.TILE)
+      shapes[name] = (args.batch * args.heads, 1) if by_head else (args.batch, args.heads)
     best = {name: (float('inf'), float('inf'), 0) for name in PATTERNS}
     for _ in range(args.rounds):
       for name in PATTERNS:
-        out = subprocess.run([exe, str(args.n), str(args.heads), os.path.join(tmp, name),
+        batch, heads = shapes[name]
+        out = subprocess.run([exe, str(args.n), str(batch), str(heads), os.path.join(tmp, name),
                               str(args.threads), '1' if name == 'dense' else '3'],
                              check=True, capture_output=True, text=True).stdout.split()
         fwd, bwd, pairs = float(out[0]), float(out[1]), int(out[2])
