@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
+#include <new>
 #include <random>
 #include <string>
 
@@ -28,6 +29,22 @@ std::vector<X> ReadArray(const std::string& path) {
   std::memcpy(out.data(), raw.data(), out.size() * sizeof(X));
   return out;
 }
+
+// 64-byte aligned storage, as XLA gives its buffers (malloc's large blocks are only 16-byte
+// aligned, so 256-byte rows would straddle an extra cache line).
+template <typename X>
+struct Aligned {
+  using value_type = X;
+  Aligned() = default;
+  template <typename Y>
+  Aligned(const Aligned<Y>&) {}
+  X* allocate(size_t count) {
+    return static_cast<X*>(::operator new(count * sizeof(X), std::align_val_t{64}));
+  }
+  void deallocate(X* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
+  bool operator==(const Aligned&) const { return true; }
+};
+using Floats = std::vector<float, Aligned<float>>;
 
 }  // namespace
 
@@ -54,11 +71,11 @@ int main(int argc, char** argv) {
   }
   std::mt19937 rng(0);
   std::normal_distribution<float> normal;
-  std::vector<float> q(items * n * D), k(q.size()), v(q.size()), dout(q.size());
+  Floats q(items * n * D), k(q.size()), v(q.size()), dout(q.size());
   for (auto* a : {&q, &k, &v, &dout}) {
     for (float& x : *a) x = normal(rng);
   }
-  std::vector<float> o(q.size()), dq(q.size()), dk(q.size()), dv(q.size());
+  Floats o(q.size()), dq(q.size()), dk(q.size()), dv(q.size());
   std::vector<float> lse(items * n), dlse(items * n, 0.0f);
   std::vector<int32_t> seg(items * n, 1);
   Operands x{};

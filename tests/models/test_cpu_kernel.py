@@ -75,8 +75,23 @@ def _reference(q, k, v, seg, allowed, scale):
 def test_kernel_matches_dense_softmax_values_and_gradients(name, n, h, d, layout, monkeypatch):
   # Rows read in the (b, n, h, d) layout, or heads made contiguous first (dense-like layouts).
   monkeypatch.setattr(cpu_kernel, 'STREAM_TILES', 10**9 if layout == 'in_place' else 0)
+  _check_against_reference(name, b=2, n=n, h=h, d=d)
+
+
+@pytest.mark.parametrize('name', ['strided-two-parts', 'local'])
+@pytest.mark.parametrize('threads', [1, 2, 5])
+def test_kernel_over_several_runs_of_tiles_and_head_groups(name, threads, monkeypatch):
+  # 300 positions are 19 query tiles, i.e. three runs of 8; one batch row of 3 heads in place
+  # is split into head groups by the thread count (1: one group; 2: heads {0, 1} and {2};
+  # 5: one head each).
+  monkeypatch.setattr(cpu_kernel, 'STREAM_TILES', 10**9)
+  monkeypatch.setattr(cpu_kernel, '_threads', lambda: threads)
+  _check_against_reference(name, b=1, n=300, h=3, d=32)
+
+
+def _check_against_reference(name, *, b, n, h, d):
+  """The kernel's o, lse and gradients (through both) equal the dense masked softmax."""
   rng = np.random.default_rng(0)
-  b = 2
   q, k, v = (jnp.asarray(rng.normal(size=(b, n, h, d)), jnp.float32) for _ in range(3))
   seg = _segments(rng, b, n)
   if name in MULTI_PART:
