@@ -421,9 +421,10 @@ struct Operands {
 // heads of a batch row one after the other within a run. The operands (B, n, H, D)
 // interleave the heads, so a run reads one contiguous (128, H, D) block of each while it is
 // in cache, rather than one head's rows, H D floats apart, over the whole sequence. Timed
-// alone at 8K with 4 heads, the forward of local / strided then costs what it costs on
-// head-contiguous rows; the backward, which also updates dk and dv in place, still pays
-// about 1.3x. Transposing the heads in XLA around the call cost more than that.
+// alone at 8K with 4 heads (benchmarks/cpu_kernel_alone.py), the forward of local / strided
+// then costs what it costs on head-contiguous rows; the backward, which also updates dk and
+// dv in place, pays up to about 1.2x. Transposing the heads in XLA around the call costs
+// more than that.
 constexpr int64_t kTilesPerTask = 8;
 
 template <int D>
