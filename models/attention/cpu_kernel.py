@@ -252,7 +252,7 @@ def attention(q, k, v, seg, parts, *, scale):
     raise ValueError('attention needs at least one part')
   q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
   seg = seg.astype(jnp.int32)
-  tiles = sum(len(tile_layout(allowed, n, r)[1]) for allowed, r in parts)
+  tiles = len(parts_layout(parts, n)[2])
   if tiles <= STREAM_TILES * -(-n // TILE):
     return _attention(q, k, v, seg, parts, float(scale))
 

@@ -237,6 +237,22 @@ struct Item {
   const float* lse_in;
   const float* dlse;
   int64_t lse_stride;
+
+  // Asks ahead for the rows of key tile u that a direction reads (the backward also
+  // updates dk and dv).
+  template <int D>
+  void PrefetchKeyTile(int64_t u, bool backward) const {
+    k.Prefetch<D>(u), v.Prefetch<D>(u);
+    if (backward) dk.Prefetch<D>(u), dv.Prefetch<D>(u);
+  }
+
+  // The same for query tile t: its own rows and those of its first key tile.
+  template <int D>
+  void PrefetchQueryTile(const Layout& lay, int64_t t, bool backward) const {
+    q.Prefetch<D>(t);
+    if (backward) dout.Prefetch<D>(t), o_in.Prefetch<D>(t);
+    if (lay.row_ptr[t] < lay.row_ptr[t + 1]) PrefetchKeyTile<D>(lay.col[lay.row_ptr[t]], backward);
+  }
 };
 
 // Forward of query tile t of one item and one part: online softmax over the part's key
@@ -259,10 +275,7 @@ void ForwardTile(const Item& it, const Layout& lay, int64_t t, float scale, bool
   TileSegments(it.seg, it.q.order, it.q.n, t, seg_q);
   for (int32_t e = lay.row_ptr[t]; e < lay.row_ptr[t + 1]; ++e) {
     const int64_t u = lay.col[e];
-    if (e + 1 < lay.row_ptr[t + 1]) {
-      it.k.Prefetch<D>(lay.col[e + 1]);
-      it.v.Prefetch<D>(lay.col[e + 1]);
-    }
+    if (e + 1 < lay.row_ptr[t + 1]) it.PrefetchKeyTile<D>(lay.col[e + 1], /*backward=*/false);
     const float *k_rows[T], *v_rows[T];
     it.k.Tile(u, k_rows, kZeroRow);
     it.v.Tile(u, v_rows, kZeroRow);
@@ -317,14 +330,7 @@ void ForwardTile(const Item& it, const Layout& lay, int64_t t, float scale, bool
 template <int D>
 void BackwardTile(const Item& it, const Layout& lay, int64_t t, float scale, bool add_dq,
                   float* sink) {
-  const int64_t n = it.q.n, n_tiles = (n + T - 1) / T;
-  if (t + 1 < n_tiles) {  // The next query tile's rows, and its first key tile's.
-    it.q.Prefetch<D>(t + 1), it.dout.Prefetch<D>(t + 1), it.o_in.Prefetch<D>(t + 1);
-    if (lay.row_ptr[t + 1] < lay.row_ptr[t + 2]) {
-      const int64_t u = lay.col[lay.row_ptr[t + 1]];
-      it.k.Prefetch<D>(u), it.v.Prefetch<D>(u), it.dk.Prefetch<D>(u), it.dv.Prefetch<D>(u);
-    }
-  }
+  const int64_t n = it.q.n;
   const float *q_rows[T], *do_rows[T], *o_rows[T];
   it.q.Tile(t, q_rows, kZeroRow);
   it.dout.Tile(t, do_rows, kZeroRow);
@@ -350,11 +356,7 @@ void BackwardTile(const Item& it, const Layout& lay, int64_t t, float scale, boo
   TileSegments(it.seg, it.q.order, n, t, seg_q);
   for (int32_t e = lay.row_ptr[t]; e < lay.row_ptr[t + 1]; ++e) {
     const int64_t u = lay.col[e];
-    if (e + 1 < lay.row_ptr[t + 1]) {
-      const int64_t next = lay.col[e + 1];
-      it.k.Prefetch<D>(next), it.v.Prefetch<D>(next);
-      it.dk.Prefetch<D>(next), it.dv.Prefetch<D>(next);
-    }
+    if (e + 1 < lay.row_ptr[t + 1]) it.PrefetchKeyTile<D>(lay.col[e + 1], /*backward=*/true);
     const float *k_rows[T], *v_rows[T];
     float *dk_rows[T], *dv_rows[T];
     it.k.Tile(u, k_rows, kZeroRow);
@@ -442,13 +444,7 @@ void Forward(const Operands& x) {
       for (int64_t h = 0; h < x.heads; ++h) {
         const Item it = x.MakeItem(b * x.heads + h, part);
         for (int64_t t = t0; t < t1; ++t) {
-          if (t + 1 < t1) {  // This head's next query tile and its first key tile.
-            it.q.Prefetch<D>(t + 1);
-            if (lay.row_ptr[t + 1] < lay.row_ptr[t + 2]) {
-              it.k.Prefetch<D>(lay.col[lay.row_ptr[t + 1]]);
-              it.v.Prefetch<D>(lay.col[lay.row_ptr[t + 1]]);
-            }
-          }
+          if (t + 1 < t1) it.PrefetchQueryTile<D>(lay, t + 1, /*backward=*/false);
           ForwardTile<D>(it, lay, t, x.scale, /*merge=*/part > 0, sink);
         }
       }
@@ -481,6 +477,7 @@ void Backward(const Operands& x) {
         for (int64_t h = h0; h < h1; ++h) {
           const Item it = x.MakeItem(b * x.heads + h, part);
           for (int64_t t = t0; t < t1; ++t) {
+            if (t + 1 < t1) it.PrefetchQueryTile<D>(x.layouts[part], t + 1, /*backward=*/true);
             BackwardTile<D>(it, x.layouts[part], t, x.scale, /*add_dq=*/part > 0, sink.data());
           }
         }
