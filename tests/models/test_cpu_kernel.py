@@ -2,7 +2,8 @@
 
 * The kernel's output, log-sum-exp and gradients (including through the log-sum-exp, which
   merging parts needs) equal a dense masked softmax, for every pattern and the strided parts
-  in residue order, packed documents, lengths that 16 does not divide, one or more heads.
+  in residue order, packed documents, lengths that 16 does not divide, one or more heads,
+  and keys that no query sees (the backward writes dk and dv rather than zeroing them first).
 * Each registry name through the module path (attention_impl='blocksparse' with the kernel)
   equals the dense reference, outputs and gradients.
 * The tile layout covers exactly the allowed pairs; a missing compiler turns the kernel off
@@ -31,6 +32,9 @@ PATTERNS = {
     'strided-a2-residue': (A2, 8),
     'strided-a2-minus-a1-residue': (sparse.Minus(A2, A1), 8),
     'block_local': (sparse.HeadView(patterns.BlockLocal(12, 5)), 0),
+    # No query sees the keys from 20 on: the key tiles past it are in no tile list, and the
+    # backward must still write their dk and dv (zeros).
+    'early-keys-only': (lambda i, j: (j <= i) & (j < 20), 0),
 }
 # name -> (the union, its disjoint parts): patterns the kernel computes as several parts in
 # one call, merged inside it. Strided as the model runs it (A1 in sequence order, A2 minus A1
