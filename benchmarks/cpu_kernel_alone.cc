@@ -80,6 +80,7 @@ int main(int argc, char** argv) {
   std::vector<int32_t> seg(items * n, 1);
   Operands x{};
   x.batch = batch, x.n = n, x.heads = heads, x.d = D, x.parts = parts;
+  x.num_masks = static_cast<int64_t>(masks.size()) / (T * T);
   x.q = q.data(), x.k = k.data(), x.v = v.data(), x.seg = seg.data(), x.order = order.data();
   for (int64_t part = 0; part < parts; ++part) {
     x.layouts.push_back({row_ptr.data() + part * rows, col.data(), mask_id.data(), masks.data()});

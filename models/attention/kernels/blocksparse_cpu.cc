@@ -204,20 +204,51 @@ inline void Gather(const float* a[T], float c[T][D]) {
 
 constexpr int Chunk(int d) { return d < 64 ? d : 64; }  // Floats of a row kept in registers.
 
+// The rows [lo, hi) of one operand that a row of the other meets in a tile's mask.
+struct Span {
+  int8_t lo, hi;
+};
+
+// For each 16 x 16 mask: the keys each query may see, and the queries each key may be seen
+// by. The products over a masked tile skip the rest, whose terms are zero: on the diagonal
+// tiles of causal and banded patterns, about half of the work.
+struct MaskSpans {
+  Span by_query[T], by_key[T];
+};
+
+std::vector<MaskSpans> ComputeSpans(const uint8_t* masks, int64_t count) {
+  std::vector<MaskSpans> out(count);
+  for (int64_t id = 0; id < count; ++id) {
+    MaskSpans& s = out[id];
+    for (int r = 0; r < T; ++r) s.by_query[r] = s.by_key[r] = Span{T, 0};
+    for (int j = 0; j < T; ++j) {
+      for (int i = 0; i < T; ++i) {
+        if (masks[(id * T + j) * T + i] == 0) continue;  // Key j, query i.
+        Span &q = s.by_query[i], &k = s.by_key[j];
+        q.lo = std::min<int8_t>(q.lo, j), q.hi = std::max<int8_t>(q.hi, j + 1);
+        k.lo = std::min<int8_t>(k.lo, i), k.hi = std::max<int8_t>(k.hi, i + 1);
+      }
+    }
+  }
+  return out;
+}
+
 // out[r] = f[r] out[r] + sum_c w(r, c) a[c] over rows of D floats, w(r, c) = w[r][c] or, if
 // Transposed, w[c][r]; f may be null (= 1). Rows r with bit r of `fresh` set are written
-// without being read (out[r] = sum ...). Each output row chunk stays in registers.
+// without being read (out[r] = sum ...). If `span` is given, w(r, c) = 0 for c outside
+// span[r]. Each output row chunk stays in registers.
 template <int D, bool Transposed>
 inline void MulAddRows(const float w[T][T], const float* const a[T], const float* f,
-                       float* const out[T], uint32_t fresh = 0) {
+                       float* const out[T], uint32_t fresh = 0, const Span* span = nullptr) {
   constexpr int kC = Chunk(D), kV = kC / 8;
   for (int r = 0; r < T; ++r) {
     const v8 scale = Splat(f == nullptr ? 1.0f : f[r]);
     const bool read = !(fresh >> r & 1);
+    const int c0 = span == nullptr ? 0 : span[r].lo, c1 = span == nullptr ? T : span[r].hi;
     for (int d0 = 0; d0 < D; d0 += kC) {
       v8 acc[kV];
       for (int x = 0; x < kV; ++x) acc[x] = read ? scale * Load(out[r] + d0 + 8 * x) : v8{};
-      for (int c = 0; c < T; ++c) {
+      for (int c = c0; c < c1; ++c) {
         const v8 wv = Splat(Transposed ? w[c][r] : w[r][c]);
         const float* ac = a[c] + d0;
         for (int x = 0; x < kV; ++x) acc[x] += wv * Load(ac + 8 * x);
@@ -293,7 +324,7 @@ struct Item {
 // combines its softmax with theirs.
 template <int D>
 void ForwardTile(const Item& it, const Layout& lay, int64_t t, float scale, bool merge,
-                 bool gather, float* sink) {
+                 bool gather, const MaskSpans* spans, float* sink) {
   const float* q_rows[T];
   it.q.Tile(t, q_rows, kZeroRow);
   alignas(64) float qt[D][T];
@@ -331,7 +362,8 @@ void ForwardTile(const Item& it, const Layout& lay, int64_t t, float scale, bool
       }
     }
     for (int i = 0; i < T; ++i) l[i] = l[i] * corr[i] + sum[i], m[i] = m_new[i];
-    MulAddRows<D, true>(st, v_rows, corr, acc_rows);  // acc = corr acc + P V
+    const Span* by_query = lay.mask_id[e] < 0 ? nullptr : spans[lay.mask_id[e]].by_query;
+    MulAddRows<D, true>(st, v_rows, corr, acc_rows, 0, by_query);  // acc = corr acc + P V
   }
   // The rows' statistics are computed for all 16 lanes at once (vectorized), then stored.
   alignas(64) float part_lse[T];
@@ -374,7 +406,7 @@ void ForwardTile(const Item& it, const Layout& lay, int64_t t, float scale, bool
 // hold for every part's pairs, so the parts need no merging here.
 template <int D>
 void BackwardTile(const Item& it, const Layout& lay, int64_t t, float scale, bool add_dq,
-                  bool gather, const uint16_t* fresh, float* sink) {
+                  bool gather, const uint16_t* fresh, const MaskSpans* spans, float* sink) {
   const int64_t n = it.q.n;
   const float *q_rows[T], *do_rows[T], *o_rows[T];
   it.q.Tile(t, q_rows, kZeroRow);
@@ -421,14 +453,16 @@ void BackwardTile(const Item& it, const Layout& lay, int64_t t, float scale, boo
         pt[j][i] = exp_nonpositive(std::min(pt[j][i] - row_lse[i], 0.0f));
       }
     }
-    MulAddRows<D, false>(pt, do_rows, nullptr, dv_rows, fresh[e]);  // dV_u += P^T dO
+    const MaskSpans* sp = lay.mask_id[e] < 0 ? nullptr : &spans[lay.mask_id[e]];
+    const Span *by_query = sp ? sp->by_query : nullptr, *by_key = sp ? sp->by_key : nullptr;
+    MulAddRows<D, false>(pt, do_rows, nullptr, dv_rows, fresh[e], by_key);  // dV_u += P^T dO
     TileProducts<D>(v_rows, &dot[0][0], dst);  // dP^T = V_u dO^T
     for (int j = 0; j < T; ++j) {
       // dS^T, times the logit scale (s = scale q . k) for dQ and dK.
       for (int i = 0; i < T; ++i) dst[j][i] = scale * pt[j][i] * (dst[j][i] - delta[i]);
     }
-    MulAddRows<D, true>(dst, k_rows, nullptr, dq_rows);  // dQ += dS K_u
-    MulAddRows<D, false>(dst, q_rows, nullptr, dk_rows, fresh[e]);  // dK_u += dS^T Q
+    MulAddRows<D, true>(dst, k_rows, nullptr, dq_rows, 0, by_query);  // dQ += dS K_u
+    MulAddRows<D, false>(dst, q_rows, nullptr, dk_rows, fresh[e], by_key);  // dK_u += dS^T Q
   }
   float* out_rows[T];
   it.dq.Tile(t, out_rows, sink);
@@ -445,6 +479,7 @@ void BackwardTile(const Item& it, const Layout& lay, int64_t t, float scale, boo
 // benchmarks/cpu_kernel_alone.cc). Pointers a direction does not use are null.
 struct Operands {
   int64_t batch, n, heads, d, parts;
+  int64_t num_masks;               // 16 x 16 masks in layouts[*].masks (shared by the parts).
   const float *q, *k, *v;
   const int32_t* seg;              // (B, n)
   const int32_t* order;            // (P, n)
@@ -497,6 +532,7 @@ void Forward(const Operands& x) {
   const int64_t n_tiles = (x.n + T - 1) / T;
   const int64_t tasks = (n_tiles + kTilesPerTask - 1) / kTilesPerTask;
   const std::vector<bool> scattered = x.Scattered();
+  const std::vector<MaskSpans> spans = ComputeSpans(x.layouts[0].masks, x.num_masks);
   // Part after part (a later one merges into the output of the earlier ones); the query
   // tiles of one part are disjoint, so they run in parallel.
   for (int64_t part = 0; part < x.parts; ++part) {
@@ -509,7 +545,8 @@ void Forward(const Operands& x) {
         const Item it = x.MakeItem(b * x.heads + h, part);
         for (int64_t t = t0; t < t1; ++t) {
           if (t + 1 < t1) it.PrefetchQueryTile<D>(lay, t + 1, /*backward=*/false);
-          ForwardTile<D>(it, lay, t, x.scale, /*merge=*/part > 0, scattered[part], sink);
+          ForwardTile<D>(it, lay, t, x.scale, /*merge=*/part > 0, scattered[part], spans.data(),
+                         sink);
         }
       }
     });
@@ -531,6 +568,7 @@ void Backward(const Operands& x) {
   const int64_t per_group = (x.heads + groups - 1) / groups;
   const int64_t n_tiles = (x.n + T - 1) / T;
   const std::vector<bool> scattered = x.Scattered();
+  const std::vector<MaskSpans> spans = ComputeSpans(x.layouts[0].masks, x.num_masks);
   // fresh[e] bit r: entry e is the first to add to row r of its key tile. Rows no entry
   // adds to are zeroed.
   const int64_t entries = x.layouts.back().row_ptr[n_tiles];
@@ -569,7 +607,7 @@ void Backward(const Operands& x) {
           for (int64_t t = t0; t < t1; ++t) {
             if (t + 1 < t1) it.PrefetchQueryTile<D>(x.layouts[part], t + 1, /*backward=*/true);
             BackwardTile<D>(it, x.layouts[part], t, x.scale, /*add_dq=*/part > 0,
-                            scattered[part], fresh.data(), sink.data());
+                            scattered[part], fresh.data(), spans.data(), sink.data());
           }
         }
       }
@@ -615,6 +653,7 @@ ffi::Error Prepare(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& 
   }
   *x = Operands{};
   x->batch = dims[0], x->n = n, x->heads = dims[2], x->d = dims[3], x->parts = parts;
+  x->num_masks = static_cast<int64_t>(masks.element_count()) / (T * T);
   x->q = q.typed_data(), x->k = k.typed_data(), x->v = v.typed_data();
   x->seg = seg.typed_data(), x->order = order.typed_data();
   for (int64_t part = 0; part < parts; ++part) {
