@@ -235,8 +235,8 @@ std::vector<MaskSpans> ComputeSpans(const uint8_t* masks, int64_t count) {
 
 // out[r] = f[r] out[r] + sum_c w(r, c) a[c] over rows of D floats, w(r, c) = w[r][c] or, if
 // Transposed, w[c][r]; f may be null (= 1). Rows r with bit r of `fresh` set are written
-// without being read (out[r] = sum ...). If `span` is given, w(r, c) = 0 for c outside
-// span[r]. Each output row chunk stays in registers.
+// without being read (out[r] = sum ...). `span`, if given, promises w(r, c) = 0 for c
+// outside span[r]: those terms are skipped. Each output row chunk stays in registers.
 template <int D, bool Transposed>
 inline void MulAddRows(const float w[T][T], const float* const a[T], const float* f,
                        float* const out[T], uint32_t fresh = 0, const Span* span = nullptr) {
@@ -280,6 +280,11 @@ inline void ApplyMask(const int32_t* seg_q, const int32_t* seg_k, const uint8_t*
 
 inline const uint8_t* TileMask(const Layout& lay, int32_t e) {
   return lay.mask_id[e] < 0 ? nullptr : lay.masks + int64_t{lay.mask_id[e]} * T * T;
+}
+
+// The spans of tile entry e's mask (null: every pair of the tile allowed).
+inline const MaskSpans* TileSpans(const Layout& lay, const MaskSpans* spans, int32_t e) {
+  return lay.mask_id[e] < 0 ? nullptr : &spans[lay.mask_id[e]];
 }
 
 // Document ids of tile t in computation order (padding: -1, seen by nothing allowed).
@@ -362,8 +367,9 @@ void ForwardTile(const Item& it, const Layout& lay, int64_t t, float scale, bool
       }
     }
     for (int i = 0; i < T; ++i) l[i] = l[i] * corr[i] + sum[i], m[i] = m_new[i];
-    const Span* by_query = lay.mask_id[e] < 0 ? nullptr : spans[lay.mask_id[e]].by_query;
-    MulAddRows<D, true>(st, v_rows, corr, acc_rows, 0, by_query);  // acc = corr acc + P V
+    const MaskSpans* sp = TileSpans(lay, spans, e);
+    // acc = corr acc + P V
+    MulAddRows<D, true>(st, v_rows, corr, acc_rows, 0, sp ? sp->by_query : nullptr);
   }
   // The rows' statistics are computed for all 16 lanes at once (vectorized), then stored.
   alignas(64) float part_lse[T];
@@ -453,7 +459,7 @@ void BackwardTile(const Item& it, const Layout& lay, int64_t t, float scale, boo
         pt[j][i] = exp_nonpositive(std::min(pt[j][i] - row_lse[i], 0.0f));
       }
     }
-    const MaskSpans* sp = lay.mask_id[e] < 0 ? nullptr : &spans[lay.mask_id[e]];
+    const MaskSpans* sp = TileSpans(lay, spans, e);
     const Span *by_query = sp ? sp->by_query : nullptr, *by_key = sp ? sp->by_key : nullptr;
     MulAddRows<D, false>(pt, do_rows, nullptr, dv_rows, fresh[e], by_key);  // dV_u += P^T dO
     TileProducts<D>(v_rows, &dot[0][0], dst);  // dP^T = V_u dO^T
