@@ -158,13 +158,13 @@ struct Rows {
 
   // Asks for the D-float rows of tile t ahead of use. In residue order a tile's rows lie
   // l positions apart, which the hardware prefetcher does not follow.
-  template <int D>
+  template <int D, bool Write = false>
   void Prefetch(int64_t t) const {
     for (int r = 0; r < T; ++r) {
       const int64_t p = t * T + r;
       if (p >= n) break;
       const F* row = base + order[p] * stride;
-      for (int x = 0; x < D; x += 16) __builtin_prefetch(row + x);
+      for (int x = 0; x < D; x += 16) __builtin_prefetch(row + x, Write);
     }
   }
 };
@@ -314,12 +314,24 @@ struct Item {
     if (backward) dk.Prefetch<D>(u), dv.Prefetch<D>(u);
   }
 
-  // The same for query tile t: its own rows and those of its first key tile.
+  // The same for query tile t: its own rows and those of its first key tile; the forward
+  // also its o rows (written at its end) and its last key tile (a sliding window's new one).
+  // Timed alone at 8K, the forward of local attention ran 1.08x faster than with q and the
+  // first key tile alone, and a window of one 1.3x.
   template <int D>
   void PrefetchQueryTile(const Layout& lay, int64_t t, bool backward) const {
     q.Prefetch<D>(t);
-    if (backward) dout.Prefetch<D>(t), o_in.Prefetch<D>(t);
-    if (lay.row_ptr[t] < lay.row_ptr[t + 1]) PrefetchKeyTile<D>(lay.col[lay.row_ptr[t]], backward);
+    if (backward) {
+      dout.Prefetch<D>(t), o_in.Prefetch<D>(t);
+      if (lay.row_ptr[t] < lay.row_ptr[t + 1]) {
+        PrefetchKeyTile<D>(lay.col[lay.row_ptr[t]], backward);
+      }
+      return;
+    }
+    o.Prefetch<D, true>(t);
+    const int32_t first = lay.row_ptr[t], last = lay.row_ptr[t + 1] - 1;
+    if (first <= last) PrefetchKeyTile<D>(lay.col[first], backward);
+    if (first < last) PrefetchKeyTile<D>(lay.col[last], backward);
   }
 };
 
@@ -550,7 +562,11 @@ void Forward(const Operands& x) {
       for (int64_t h = 0; h < x.heads; ++h) {
         const Item it = x.MakeItem(b * x.heads + h, part);
         for (int64_t t = t0; t < t1; ++t) {
-          if (t + 1 < t1) it.PrefetchQueryTile<D>(lay, t + 1, /*backward=*/false);
+          if (t + 1 < t1) {
+            it.PrefetchQueryTile<D>(lay, t + 1, /*backward=*/false);
+          } else if (h + 1 < x.heads) {  // The next head's first tile of this run.
+            x.MakeItem(b * x.heads + h + 1, part).PrefetchQueryTile<D>(lay, t0, false);
+          }
           ForwardTile<D>(it, lay, t, x.scale, /*merge=*/part > 0, scattered[part], spans.data(),
                          sink);
         }
