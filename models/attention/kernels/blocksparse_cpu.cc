@@ -33,7 +33,9 @@
 #include <thread>
 #include <vector>
 
-#if defined(__SSE__)
+#if defined(__AVX__)
+#include <immintrin.h>
+#elif defined(__SSE__)
 #include <xmmintrin.h>
 #endif
 
@@ -188,12 +190,37 @@ inline void TileProducts(const float* const a[T], const float* bt, float st[T][T
   }
 }
 
-// at (D, T) = scale times the rows a[r] transposed.
+// at (D, T) = scale times the rows a[r] transposed: in 8 x 8 blocks in registers where AVX
+// is there. Written element by element, the compiler made 64 scalar stores of each row, a
+// tenth of a thin pattern's forward.
 template <int D>
 inline void Transpose(const float* const a[T], float at[D][T], float scale = 1.0f) {
+#if defined(__AVX__)
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int r0 = 0; r0 < T; r0 += 8) {
+    for (int d0 = 0; d0 < D; d0 += 8) {
+      __m256 x[8], y[8];
+      for (int i = 0; i < 8; ++i) x[i] = _mm256_mul_ps(s, _mm256_loadu_ps(a[r0 + i] + d0));
+      for (int i = 0; i < 8; i += 2) {  // Pairs of rows interleaved.
+        y[i] = _mm256_unpacklo_ps(x[i], x[i + 1]), y[i + 1] = _mm256_unpackhi_ps(x[i], x[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {  // Quads of rows: each 128-bit lane holds a column.
+        x[i] = _mm256_shuffle_ps(y[i], y[i + 2], 0x44);
+        x[i + 1] = _mm256_shuffle_ps(y[i], y[i + 2], 0xee);
+        x[i + 2] = _mm256_shuffle_ps(y[i + 1], y[i + 3], 0x44);
+        x[i + 3] = _mm256_shuffle_ps(y[i + 1], y[i + 3], 0xee);
+      }
+      for (int j = 0; j < 4; ++j) {  // Columns j and j + 4 from the two quads' lanes.
+        _mm256_store_ps(&at[d0 + j][r0], _mm256_permute2f128_ps(x[j], x[j + 4], 0x20));
+        _mm256_store_ps(&at[d0 + j + 4][r0], _mm256_permute2f128_ps(x[j], x[j + 4], 0x31));
+      }
+    }
+  }
+#else
   for (int r = 0; r < T; ++r) {
     for (int d = 0; d < D; ++d) at[d][r] = scale * a[r][d];
   }
+#endif
 }
 
 // Copies the rows a[r] into the contiguous tile c and points a[r] at its rows.
