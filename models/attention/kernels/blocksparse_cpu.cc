@@ -171,22 +171,60 @@ struct Rows {
   }
 };
 
+// The rows [lo, hi) of one operand that a row of the other meets in a tile's mask.
+struct Span {
+  int8_t lo, hi;
+};
+
+// Rows r..r+3 of TileProducts, over the columns of bt's halves Lo (0..7) and Hi (8..15); a
+// half not computed is written as zeros.
+template <int D, bool Lo, bool Hi>
+inline void ProductRows4(const float* const a[T], const float* bt, float st[T][T], int r) {
+  v8 c00 = {}, c01 = {}, c10 = {}, c11 = {}, c20 = {}, c21 = {}, c30 = {}, c31 = {};
+  const float *a0 = a[r], *a1 = a[r + 1], *a2 = a[r + 2], *a3 = a[r + 3];
+  for (int d = 0; d < D; ++d) {
+    const v8 x0 = Splat(a0[d]), x1 = Splat(a1[d]), x2 = Splat(a2[d]), x3 = Splat(a3[d]);
+    if (Lo) {
+      const v8 b0 = Load(bt + d * T);
+      c00 += x0 * b0, c10 += x1 * b0, c20 += x2 * b0, c30 += x3 * b0;
+    }
+    if (Hi) {
+      const v8 b1 = Load(bt + d * T + 8);
+      c01 += x0 * b1, c11 += x1 * b1, c21 += x2 * b1, c31 += x3 * b1;
+    }
+  }
+  Store(st[r], c00), Store(st[r] + 8, c01), Store(st[r + 1], c10), Store(st[r + 1] + 8, c11);
+  Store(st[r + 2], c20), Store(st[r + 2] + 8, c21), Store(st[r + 3], c30);
+  Store(st[r + 3] + 8, c31);
+}
+
 // st[r][c] = a[r] . bt[:, c] for rows a[r] of D floats and bt (D, T): a tile of products with
 // one operand tile-transposed, so that each step is a broadcast times 16 contiguous floats.
+// `span`, if given, promises that only the columns span[r] of row r are used: a group of 4
+// rows then skips a half of the columns that none of them uses (written as zeros). On the
+// partial tiles of causal and banded patterns that is a quarter of the products.
 template <int D>
-inline void TileProducts(const float* const a[T], const float* bt, float st[T][T]) {
+inline void TileProducts(const float* const a[T], const float* bt, float st[T][T],
+                         const Span* span = nullptr) {
   for (int r = 0; r < T; r += 4) {
-    v8 c00 = {}, c01 = {}, c10 = {}, c11 = {}, c20 = {}, c21 = {}, c30 = {}, c31 = {};
-    const float *a0 = a[r], *a1 = a[r + 1], *a2 = a[r + 2], *a3 = a[r + 3];
-    for (int d = 0; d < D; ++d) {
-      const v8 b0 = Load(bt + d * T), b1 = Load(bt + d * T + 8);
-      const v8 x0 = Splat(a0[d]), x1 = Splat(a1[d]), x2 = Splat(a2[d]), x3 = Splat(a3[d]);
-      c00 += x0 * b0, c01 += x0 * b1, c10 += x1 * b0, c11 += x1 * b1;
-      c20 += x2 * b0, c21 += x2 * b1, c30 += x3 * b0, c31 += x3 * b1;
+    bool lo = true, hi = true;
+    if (span != nullptr) {
+      int first = T, last = 0;  // Columns [first, last) used by rows r..r+3.
+      for (int x = r; x < r + 4; ++x) {
+        if (span[x].lo < span[x].hi) first = std::min<int>(first, span[x].lo);
+        last = std::max<int>(last, span[x].hi);
+      }
+      lo = first < 8 && first < last, hi = last > 8;
     }
-    Store(st[r], c00), Store(st[r] + 8, c01), Store(st[r + 1], c10), Store(st[r + 1] + 8, c11);
-    Store(st[r + 2], c20), Store(st[r + 2] + 8, c21), Store(st[r + 3], c30);
-    Store(st[r + 3] + 8, c31);
+    if (lo && hi) {
+      ProductRows4<D, true, true>(a, bt, st, r);
+    } else if (lo) {
+      ProductRows4<D, true, false>(a, bt, st, r);
+    } else if (hi) {
+      ProductRows4<D, false, true>(a, bt, st, r);
+    } else {
+      ProductRows4<D, false, false>(a, bt, st, r);
+    }
   }
 }
 
@@ -230,11 +268,6 @@ inline void Gather(const float* a[T], float c[T][D]) {
 }
 
 constexpr int Chunk(int d) { return d < 64 ? d : 64; }  // Floats of a row kept in registers.
-
-// The rows [lo, hi) of one operand that a row of the other meets in a tile's mask.
-struct Span {
-  int8_t lo, hi;
-};
 
 // For each 16 x 16 mask: the keys each query may see, and the queries each key may be seen
 // by. The products over a masked tile skip the rest, whose terms are zero: on the diagonal
@@ -389,8 +422,9 @@ void ForwardTile(const Item& it, const Layout& lay, int64_t t, float scale, bool
     alignas(64) float vc[T][D];
     if (gather) Gather<D>(v_rows, vc);
     TileSegments(it.seg, it.k.order, it.k.n, u, seg_k);
+    const MaskSpans* sp = TileSpans(lay, spans, e);
     alignas(64) float st[T][T];
-    TileProducts<D>(k_rows, &qt[0][0], st);
+    TileProducts<D>(k_rows, &qt[0][0], st, sp ? sp->by_key : nullptr);
     ApplyMask(seg_q, seg_k, TileMask(lay, e), st);
     alignas(64) float m_new[T], corr[T], sum[T];
     for (int i = 0; i < T; ++i) m_new[i] = m[i];
@@ -406,7 +440,6 @@ void ForwardTile(const Item& it, const Layout& lay, int64_t t, float scale, bool
       }
     }
     for (int i = 0; i < T; ++i) l[i] = l[i] * corr[i] + sum[i], m[i] = m_new[i];
-    const MaskSpans* sp = TileSpans(lay, spans, e);
     // acc = corr acc + P V
     MulAddRows<D, true>(st, v_rows, corr, acc_rows, 0, sp ? sp->by_query : nullptr);
   }
@@ -490,18 +523,18 @@ void BackwardTile(const Item& it, const Layout& lay, int64_t t, float scale, boo
     alignas(64) float kc[T][D];
     if (gather) Gather<D>(k_rows, kc);
     TileSegments(it.seg, it.k.order, n, u, seg_k);
+    const MaskSpans* sp = TileSpans(lay, spans, e);
+    const Span *by_query = sp ? sp->by_query : nullptr, *by_key = sp ? sp->by_key : nullptr;
     alignas(64) float pt[T][T], dst[T][T];
-    TileProducts<D>(k_rows, &qt[0][0], pt);
+    TileProducts<D>(k_rows, &qt[0][0], pt, by_key);
     ApplyMask(seg_q, seg_k, TileMask(lay, e), pt);
     for (int j = 0; j < T; ++j) {
       for (int i = 0; i < T; ++i) {
         pt[j][i] = exp_nonpositive(std::min(pt[j][i] - row_lse[i], 0.0f));
       }
     }
-    const MaskSpans* sp = TileSpans(lay, spans, e);
-    const Span *by_query = sp ? sp->by_query : nullptr, *by_key = sp ? sp->by_key : nullptr;
     MulAddRows<D, false>(pt, do_rows, nullptr, dv_rows, fresh[e], by_key);  // dV_u += P^T dO
-    TileProducts<D>(v_rows, &dot[0][0], dst);  // dP^T = V_u dO^T
+    TileProducts<D>(v_rows, &dot[0][0], dst, by_key);  // dP^T = V_u dO^T
     for (int j = 0; j < T; ++j) {
       // dS^T, times the logit scale (s = scale q . k) for dQ and dK.
       for (int i = 0; i < T; ++i) dst[j][i] = scale * pt[j][i] * (dst[j][i] - delta[i]);
