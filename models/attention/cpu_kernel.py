@@ -183,6 +183,15 @@ def parts_layout(parts: tuple, n: int):
           np.concatenate(ids), np.concatenate(masks))
 
 
+def call_order(parts) -> tuple:
+  """`parts` ((allowed, residue_stride) pairs) in the order the kernel computes them:
+  residue-order parts first. The first part writes o and dq, and each later one reads them
+  back to merge or add, which costs less in sequence order than over rows l positions apart
+  (timed alone at 8K, strided 1.01-1.08x faster than with A1 first)."""
+  return tuple(sorted(((allowed, int(stride)) for allowed, stride in parts),
+                      key=lambda part: part[1] == 0))
+
+
 def layout_pairs(allowed, n: int, residue_stride: int = 0) -> int:
   """Query-key products the kernel computes for `allowed` over n positions."""
   return len(tile_layout(allowed, n, residue_stride)[1]) * TILE * TILE
@@ -247,7 +256,7 @@ def attention(q, k, v, seg, parts, *, scale):
   b, n, h, d = q.shape
   if not supports(d):
     raise ValueError(f'the CPU kernel supports head_dim in {HEAD_DIMS}, got {d}')
-  parts = tuple((allowed, int(residue_stride)) for allowed, residue_stride in parts)
+  parts = call_order(parts)
   if not parts:
     raise ValueError('attention needs at least one part')
   q, k, v = (a.astype(jnp.float32) for a in (q, k, v))

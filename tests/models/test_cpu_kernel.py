@@ -37,9 +37,11 @@ PATTERNS = {
     'early-keys-only': (lambda i, j: (j <= i) & (j < 20), 0),
 }
 # name -> (the union, its disjoint parts): patterns the kernel computes as several parts in
-# one call, merged inside it. Strided as the model runs it (A1 in sequence order, A2 minus A1
-# in residue order: its later part gives the first queries nothing), and fixed as A2 minus A1
-# then A1 (its first part gives the first block nothing, which the later part then fills).
+# one call, merged inside it. Strided as the model runs it (A2 minus A1 in residue order, then
+# A1 in sequence order: cpu_kernel.call_order puts residue parts first; the first part gives
+# the first queries nothing, which the later part then fills), and fixed in both orders: A2
+# minus A1 then A1 (likewise), and A1 then A2 minus A1 (the later part gives the first block
+# nothing, which must leave its output as it was).
 _F1 = sparse.HeadView(patterns.Fixed(16, 4, 'a1'))
 _F2 = sparse.HeadView(patterns.Fixed(16, 4, 'a2'))
 MULTI_PART = {
@@ -47,6 +49,8 @@ MULTI_PART = {
                           [(A1, 0), (sparse.Minus(A2, A1), 8)]),
     'fixed-two-parts': (sparse.HeadView(patterns.Fixed(16, 4)),
                         [(sparse.Minus(_F2, _F1), 0), (_F1, 0)]),
+    'fixed-two-parts-a1-first': (sparse.HeadView(patterns.Fixed(16, 4)),
+                                 [(_F1, 0), (sparse.Minus(_F2, _F1), 0)]),
 }
 
 
