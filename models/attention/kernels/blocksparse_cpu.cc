@@ -171,11 +171,6 @@ struct Rows {
   }
 };
 
-// The rows [lo, hi) of one operand that a row of the other meets in a tile's mask.
-struct Span {
-  int8_t lo, hi;
-};
-
 // Rows r..r+3 of TileProducts, over the columns of bt's halves Lo (0..7) and Hi (8..15); a
 // half not computed is written as zeros.
 template <int D, bool Lo, bool Hi>
@@ -200,22 +195,15 @@ inline void ProductRows4(const float* const a[T], const float* bt, float st[T][T
 
 // st[r][c] = a[r] . bt[:, c] for rows a[r] of D floats and bt (D, T): a tile of products with
 // one operand tile-transposed, so that each step is a broadcast times 16 contiguous floats.
-// `span`, if given, promises that only the columns span[r] of row r are used: a group of 4
-// rows then skips a half of the columns that none of them uses (written as zeros). On the
-// partial tiles of causal and banded patterns that is a quarter of the products.
+// `halves`, if given, says for each group of 4 rows which halves of the columns (bit 0:
+// 0..7, bit 1: 8..15) any of them uses; a half none uses is skipped (written as zeros). On
+// the partial tiles of causal and banded patterns that is a quarter of the products.
 template <int D>
 inline void TileProducts(const float* const a[T], const float* bt, float st[T][T],
-                         const Span* span = nullptr) {
+                         const uint8_t* halves = nullptr) {
   for (int r = 0; r < T; r += 4) {
-    bool lo = true, hi = true;
-    if (span != nullptr) {
-      int first = T, last = 0;  // Columns [first, last) used by rows r..r+3.
-      for (int x = r; x < r + 4; ++x) {
-        if (span[x].lo < span[x].hi) first = std::min<int>(first, span[x].lo);
-        last = std::max<int>(last, span[x].hi);
-      }
-      lo = first < 8 && first < last, hi = last > 8;
-    }
+    const bool lo = halves == nullptr || (halves[r / 4] & 1);
+    const bool hi = halves == nullptr || (halves[r / 4] & 2);
     if (lo && hi) {
       ProductRows4<D, true, true>(a, bt, st, r);
     } else if (lo) {
@@ -269,11 +257,17 @@ inline void Gather(const float* a[T], float c[T][D]) {
 
 constexpr int Chunk(int d) { return d < 64 ? d : 64; }  // Floats of a row kept in registers.
 
+// The rows [lo, hi) of one operand that a row of the other meets in a tile's mask.
+struct Span {
+  int8_t lo, hi;
+};
+
 // For each 16 x 16 mask: the keys each query may see, and the queries each key may be seen
 // by. The products over a masked tile skip the rest, whose terms are zero: on the diagonal
 // tiles of causal and banded patterns, about half of the work.
 struct MaskSpans {
   Span by_query[T], by_key[T];
+  uint8_t key_halves[T / 4];  // Per 4 keys: bit 0 if one sees a query of 0..7, bit 1 of 8..15.
 };
 
 std::vector<MaskSpans> ComputeSpans(const uint8_t* masks, int64_t count) {
@@ -281,9 +275,11 @@ std::vector<MaskSpans> ComputeSpans(const uint8_t* masks, int64_t count) {
   for (int64_t id = 0; id < count; ++id) {
     MaskSpans& s = out[id];
     for (int r = 0; r < T; ++r) s.by_query[r] = s.by_key[r] = Span{T, 0};
+    for (int g = 0; g < T / 4; ++g) s.key_halves[g] = 0;
     for (int j = 0; j < T; ++j) {
       for (int i = 0; i < T; ++i) {
         if (masks[(id * T + j) * T + i] == 0) continue;  // Key j, query i.
+        s.key_halves[j / 4] |= i < 8 ? 1 : 2;
         Span &q = s.by_query[i], &k = s.by_key[j];
         q.lo = std::min<int8_t>(q.lo, j), q.hi = std::max<int8_t>(q.hi, j + 1);
         k.lo = std::min<int8_t>(k.lo, i), k.hi = std::max<int8_t>(k.hi, i + 1);
@@ -383,15 +379,12 @@ struct Item {
     q.Prefetch<D>(t);
     if (backward) {
       dout.Prefetch<D>(t), o_in.Prefetch<D>(t);
-      if (lay.row_ptr[t] < lay.row_ptr[t + 1]) {
-        PrefetchKeyTile<D>(lay.col[lay.row_ptr[t]], backward);
-      }
-      return;
+    } else {
+      o.Prefetch<D, true>(t);
     }
-    o.Prefetch<D, true>(t);
     const int32_t first = lay.row_ptr[t], last = lay.row_ptr[t + 1] - 1;
     if (first <= last) PrefetchKeyTile<D>(lay.col[first], backward);
-    if (first < last) PrefetchKeyTile<D>(lay.col[last], backward);
+    if (!backward && first < last) PrefetchKeyTile<D>(lay.col[last], backward);
   }
 };
 
@@ -424,7 +417,7 @@ void ForwardTile(const Item& it, const Layout& lay, int64_t t, float scale, bool
     TileSegments(it.seg, it.k.order, it.k.n, u, seg_k);
     const MaskSpans* sp = TileSpans(lay, spans, e);
     alignas(64) float st[T][T];
-    TileProducts<D>(k_rows, &qt[0][0], st, sp ? sp->by_key : nullptr);
+    TileProducts<D>(k_rows, &qt[0][0], st, sp ? sp->key_halves : nullptr);
     ApplyMask(seg_q, seg_k, TileMask(lay, e), st);
     alignas(64) float m_new[T], corr[T], sum[T];
     for (int i = 0; i < T; ++i) m_new[i] = m[i];
@@ -525,8 +518,9 @@ void BackwardTile(const Item& it, const Layout& lay, int64_t t, float scale, boo
     TileSegments(it.seg, it.k.order, n, u, seg_k);
     const MaskSpans* sp = TileSpans(lay, spans, e);
     const Span *by_query = sp ? sp->by_query : nullptr, *by_key = sp ? sp->by_key : nullptr;
+    const uint8_t* halves = sp ? sp->key_halves : nullptr;
     alignas(64) float pt[T][T], dst[T][T];
-    TileProducts<D>(k_rows, &qt[0][0], pt, by_key);
+    TileProducts<D>(k_rows, &qt[0][0], pt, halves);
     ApplyMask(seg_q, seg_k, TileMask(lay, e), pt);
     for (int j = 0; j < T; ++j) {
       for (int i = 0; i < T; ++i) {
@@ -534,7 +528,7 @@ void BackwardTile(const Item& it, const Layout& lay, int64_t t, float scale, boo
       }
     }
     MulAddRows<D, false>(pt, do_rows, nullptr, dv_rows, fresh[e], by_key);  // dV_u += P^T dO
-    TileProducts<D>(v_rows, &dot[0][0], dst, by_key);  // dP^T = V_u dO^T
+    TileProducts<D>(v_rows, &dot[0][0], dst, halves);  // dP^T = V_u dO^T
     for (int j = 0; j < T; ++j) {
       // dS^T, times the logit scale (s = scale q . k) for dQ and dK.
       for (int i = 0; i < T; ++i) dst[j][i] = scale * pt[j][i] * (dst[j][i] - delta[i]);
