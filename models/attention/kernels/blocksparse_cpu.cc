@@ -316,7 +316,12 @@ inline void MulAddRows(const float w[T][T], const float* const a[T], const float
 
 // Masks a transposed score tile st[key][query]: other documents, and the pattern's mask
 // (stored key-major too) if the tile has one; masked -> kMasked.
-inline void ApplyMask(const int32_t* seg_q, const int32_t* seg_k, const uint8_t* mask,
+// Always inlined: GCC's inliner budgets grow with the translation unit, so this file alone
+// (the kernel library) left it a call in the forward and the same code inside
+// benchmarks/cpu_kernel_alone.cc inlined it. The library's forward then ran 1.3-1.5x slower
+// end to end (dense at 8K: 400 against 270 ms) and the harness timed other code than the model
+// runs. With it inlined, both build the same hot functions.
+[[gnu::always_inline]] inline void ApplyMask(const int32_t* seg_q, const int32_t* seg_k, const uint8_t* mask,
                       float st[T][T]) {
   if (mask == nullptr) {
     int32_t other = 0;  // Nonzero if some query or key lies in another document.
