@@ -97,6 +97,34 @@ def test_kernel_over_several_runs_of_tiles_and_head_groups(name, threads, monkey
   _check_against_reference(name, b=1, n=300, h=3, d=32)
 
 
+@pytest.mark.parametrize('threads', [2, 7])
+def test_independent_calls_in_one_program_share_xla_thread_pool(threads, monkeypatch):
+  # The kernel takes its helper threads from XLA's CPU pool, which may run independent calls
+  # at the same time, each asking the same pool for helpers, and may start a helper late or
+  # never (7 helpers asked of a pool of fewer threads). Every call must still finish with
+  # its own result.
+  monkeypatch.setattr(cpu_kernel, '_threads', lambda: threads)
+  rng = np.random.default_rng(3)
+  n, h, d, calls = 200, 2, 32, 6
+  allowed, parts = MULTI_PART['strided-two-parts']
+  seg = jnp.ones((1, n), jnp.int32)
+  qkv = [tuple(jnp.asarray(rng.normal(size=(1, n, h, d)), jnp.float32) for _ in range(3))
+         for _ in range(calls)]
+
+  def total(qkv):
+    return sum(jnp.sum(cpu_kernel.attention(q, k, v, seg, parts, scale=0.2)[0] ** 2)
+               for q, k, v in qkv)
+
+  def total_ref(qkv):
+    return sum(jnp.sum(_reference(q, k, v, seg, allowed, 0.2)[0] ** 2) for q, k, v in qkv)
+
+  got, g_got = jax.jit(jax.value_and_grad(total))(qkv)
+  want, g_want = jax.jit(jax.value_and_grad(total_ref))(qkv)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
+    np.testing.assert_allclose(a, b, atol=5e-5)
+
+
 def _check_against_reference(name, *, b, n, h, d):
   """The kernel's o, lse and gradients (through both) equal the dense masked softmax."""
   rng = np.random.default_rng(0)

@@ -29,7 +29,11 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <condition_variable>
 #include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -110,19 +114,74 @@ class FlushDenormals {
 #endif
 };
 
-// Runs fn(i) for i in [0, count) on up to `threads` threads.
+// Where ParallelFor's helper threads come from: XLA's own CPU thread pool inside a call
+// (Schedule), or threads started for the call and joined after it (no pool: the benchmark
+// harness). In XLA's pool the kernel starts no threads of its own and adds none to those
+// XLA already runs, so it does not oversubscribe the cores when XLA runs other work beside
+// it. (Threads started per call were at times placed on the calling thread's core and
+// moved off only milliseconds later: the two halves of strided's backward at 8K took 57
+// and 47 ms in such a call, 34 ms each alone.)
+class Helpers {
+ public:
+  explicit Helpers(ffi::ThreadPool* pool = nullptr) : pool_(pool) {}
+  Helpers(const Helpers&) = delete;
+  ~Helpers() {
+    for (auto& th : started_) th.join();
+  }
+
+  void Run(std::function<void()> task) {
+    if (pool_ != nullptr) {
+      pool_->Schedule(std::move(task));
+    } else {
+      started_.emplace_back(std::move(task));
+    }
+  }
+
+ private:
+  ffi::ThreadPool* pool_;
+  std::vector<std::thread> started_;
+};
+
+// Runs fn(i) for i in [0, count) on the calling thread and up to `threads` - 1 helpers, each
+// taking the next index as it is free. Returns when every index is done. A helper that only
+// starts after the calling thread has closed the job does nothing: XLA may run a scheduled
+// task late, or on the calling thread itself, so the caller never waits for one that has
+// not started.
 template <typename Fn>
-void ParallelFor(int64_t count, int64_t threads, Fn fn) {
+void ParallelFor(int64_t count, int64_t threads, Helpers& helpers, Fn fn) {
   threads = std::max<int64_t>(1, std::min(threads, count));
-  std::atomic<int64_t> next{0};
-  auto work = [&] {
-    FlushDenormals flush;
-    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) fn(i);
+  struct Job {
+    std::atomic<int64_t> next{0};
+    std::mutex mu;
+    std::condition_variable idle;
+    int64_t running = 0;  // Helpers inside the loop.
+    bool closed = false;
+    std::function<void(int64_t)> fn;
+    int64_t count = 0;
+    void Loop() {
+      FlushDenormals flush;
+      for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) fn(i);
+    }
   };
-  std::vector<std::thread> pool;
-  for (int64_t t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
-  for (auto& th : pool) th.join();
+  auto job = std::make_shared<Job>();
+  job->fn = fn;
+  job->count = count;
+  for (int64_t t = 1; t < threads; ++t) {
+    helpers.Run([job] {
+      {
+        std::lock_guard<std::mutex> lock(job->mu);
+        if (job->closed) return;
+        ++job->running;
+      }
+      job->Loop();
+      std::lock_guard<std::mutex> lock(job->mu);
+      if (--job->running == 0) job->idle.notify_all();
+    });
+  }
+  job->Loop();
+  std::unique_lock<std::mutex> lock(job->mu);
+  job->closed = true;
+  job->idle.wait(lock, [&] { return job->running == 0; });
 }
 
 // Eight floats in one SIMD register (GCC/Clang vector extension: AVX on x86, two NEON
@@ -566,6 +625,7 @@ struct Operands {
   float *dq, *dk, *dv;             // Backward results.
   float scale;
   int64_t threads;
+  ffi::ThreadPool* pool = nullptr;  // XLA's, inside a call; null: threads started per call.
 
   // Whether each part's order is other than the sequence's (residue order). Its tiles' rows
   // then lie l H D floats apart (128 KiB at l = 128 with 4 heads of 64): a multiple of the
@@ -612,8 +672,9 @@ void Forward(const Operands& x) {
   const std::vector<MaskSpans> spans = ComputeSpans(x.layouts[0].masks, x.num_masks);
   // Part after part (a later one merges into the output of the earlier ones); the query
   // tiles of one part are disjoint, so they run in parallel.
+  Helpers helpers(x.pool);
   for (int64_t part = 0; part < x.parts; ++part) {
-    ParallelFor(x.batch * tasks, x.threads, [&](int64_t w) {
+    ParallelFor(x.batch * tasks, x.threads, helpers, [&](int64_t w) {
       const int64_t b = w / tasks, t0 = (w % tasks) * kTilesPerTask;
       const int64_t t1 = std::min(t0 + kTilesPerTask, n_tiles);
       const Layout& lay = x.layouts[part];
@@ -669,7 +730,8 @@ void Backward(const Operands& x) {
   for (int64_t p = 0; p < x.n; ++p) {
     if (!touched[p]) untouched.push_back(p);
   }
-  ParallelFor(x.batch * groups, x.threads, [&](int64_t w) {
+  Helpers helpers(x.pool);
+  ParallelFor(x.batch * groups, x.threads, helpers, [&](int64_t w) {
     const int64_t b = w / groups, h0 = (w % groups) * per_group;
     const int64_t h1 = std::min(h0 + per_group, x.heads);
     std::vector<float> sink(T * D);  // Writes of padding positions (always zero terms).
@@ -750,7 +812,8 @@ ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                        ffi::Buffer<ffi::S32> order, ffi::Buffer<ffi::S32> row_ptr,
                        ffi::Buffer<ffi::S32> col, ffi::Buffer<ffi::S32> mask_id,
                        ffi::Buffer<ffi::U8> masks, float scale, int64_t threads,
-                       ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> lse) {
+                       ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> lse,
+                       ffi::ThreadPool pool) {
   Operands x;
   if (ffi::Error err = Prepare(q, k, v, seg, order, row_ptr, col, mask_id, masks, scale,
                                threads, &x);
@@ -758,6 +821,7 @@ ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
     return err;
   }
   x.o = o->typed_data(), x.lse = lse->typed_data();
+  x.pool = &pool;
   return DispatchHeadDim(x.d, [&]<int D>() { Forward<D>(x); });
 }
 
@@ -769,7 +833,7 @@ ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                         ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
                         ffi::Buffer<ffi::F32> dlse, float scale, int64_t threads,
                         ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
-                        ffi::ResultBuffer<ffi::F32> dv) {
+                        ffi::ResultBuffer<ffi::F32> dv, ffi::ThreadPool pool) {
   Operands x;
   if (ffi::Error err = Prepare(q, k, v, seg, order, row_ptr, col, mask_id, masks, scale,
                                threads, &x);
@@ -779,6 +843,7 @@ ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
   x.o_in = o.typed_data(), x.lse_in = lse.typed_data();
   x.dout = dout.typed_data(), x.dlse = dlse.typed_data();
   x.dq = dq->typed_data(), x.dk = dk->typed_data(), x.dv = dv->typed_data();
+  x.pool = &pool;
   return DispatchHeadDim(x.d, [&]<int D>() { Backward<D>(x); });
 }
 
@@ -803,7 +868,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooBlockSparseForward, ForwardImpl,
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("threads")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // o
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // lse
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Ctx<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooBlockSparseBackward, BackwardImpl,
                               BindOperands()
@@ -815,4 +881,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooBlockSparseBackward, BackwardImpl,
                                   .Attr<int64_t>("threads")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dq
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dk
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // dv
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dv
+                                  .Ctx<ffi::ThreadPool>());
