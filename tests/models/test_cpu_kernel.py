@@ -86,15 +86,18 @@ def test_kernel_matches_dense_softmax_values_and_gradients(name, n, h, d, layout
   _check_against_reference(name, b=2, n=n, h=h, d=d)
 
 
-@pytest.mark.parametrize('name', ['strided-two-parts', 'local'])
+@pytest.mark.parametrize('name', ['strided-two-parts', 'local', 'fixed-two-parts'])
 @pytest.mark.parametrize('threads', [1, 2, 5])
-def test_kernel_over_several_runs_of_tiles_and_head_groups(name, threads, monkeypatch):
-  # 300 positions are 19 query tiles, i.e. three runs of 8; one batch row of 3 heads in place
-  # is split into head groups by the thread count (1: one group; 2: heads {0, 1} and {2};
-  # 5: one head each).
+@pytest.mark.parametrize('n', [300, 600])
+def test_kernel_over_several_runs_of_tiles_and_head_groups(name, threads, n, monkeypatch):
+  # 300 positions are 19 query tiles (runs of 8 in the forward; two runs of 16 in the
+  # backward's two phases), 600 are 38 (three runs of 16: runs 0 and 2 share a phase).
+  # Local, strided's parts and fixed's A1 run in two phases; fixed's summary columns are seen
+  # from every run, so that part runs by head groups, split by the thread count (1: one
+  # group; 2: heads {0, 1} and {2}; 5: one head each).
   monkeypatch.setattr(cpu_kernel, 'STREAM_TILES', 10**9)
   monkeypatch.setattr(cpu_kernel, '_threads', lambda: threads)
-  _check_against_reference(name, b=1, n=300, h=3, d=32)
+  _check_against_reference(name, b=1, n=n, h=3, d=32)
 
 
 @pytest.mark.parametrize('threads', [2, 7])

@@ -695,22 +695,65 @@ void Forward(const Operands& x) {
   }
 }
 
-// dk and dv accumulate over query tiles, so one task owns a set of (batch row, head) items
-// for the whole backward: each batch row's heads are split into as many groups as keep the
-// threads busy.
+// Query tiles per run in the backward's two-phase schedule (256 positions).
+constexpr int64_t kBackwardRun = 16;
+
+// dk and dv accumulate over query tiles, so two tasks running at once must never add to the
+// same key tile. Where a part's key tiles lie near its query tiles (bands such as local
+// attention and strided's A1 with w <= 256, block-local, residue parts), its query tiles run
+// as runs of kBackwardRun tiles in two phases, the even runs in parallel and then the odd
+// ones, each task one run of a batch row with its heads one after the other, as in the
+// forward. TwoPhase checks that no two runs of one phase touch a key tile. Other parts (dense,
+// fixed's summary columns) run one task per group of a batch row's heads, split into as many
+// groups as keep the threads busy. Both orders are fixed by the layout, not by the thread
+// count, so the gradients do not depend on it.
 //
-// dk and dv are not zeroed first: the first key tile entry, in the order every item runs
-// (part, query tile, entry), to add to a row writes it. Zeroing them in a pass of their
-// own and reading the zeros back made each new key tile's first update wait on memory:
-// timed alone at 8K, that cost the backward of local attention (w = 128) about 1.2x and
-// that of a window of one tile 1.4x.
+// With tasks per group of heads, the two halves of strided's backward at 8K (2 threads, 4
+// heads) ended up to 14 ms apart inside XLA (57 against 43 ms) where a slower core could not
+// hand work over; the runs of a phase are taken by whichever thread is free.
+bool TwoPhase(const Layout& lay, int64_t n_tiles) {
+  const int64_t runs = (n_tiles + kBackwardRun - 1) / kBackwardRun;
+  if (runs < 2) return false;
+  std::vector<int64_t> seen[2] = {std::vector<int64_t>(n_tiles, -1),
+                                  std::vector<int64_t>(n_tiles, -1)};
+  for (int64_t t = 0; t < n_tiles; ++t) {
+    const int64_t run = t / kBackwardRun;
+    std::vector<int64_t>& last = seen[run % 2];  // The run of this phase that last touched u.
+    for (int32_t e = lay.row_ptr[t]; e < lay.row_ptr[t + 1]; ++e) {
+      int64_t& r = last[lay.col[e]];
+      if (r >= 0 && r != run) return false;
+      r = run;
+    }
+  }
+  return true;
+}
+
+// The query tiles of a part in the order the backward adds their terms: the even runs' tiles,
+// then the odd runs', for a two-phase part; sequence order otherwise.
+std::vector<int64_t> BackwardOrder(bool two_phase, int64_t n_tiles) {
+  std::vector<int64_t> out;
+  for (int64_t phase = 0; phase < (two_phase ? 2 : 1); ++phase) {
+    for (int64_t t = 0; t < n_tiles; ++t) {
+      if (!two_phase || (t / kBackwardRun) % 2 == phase) out.push_back(t);
+    }
+  }
+  return out;
+}
+
+// dk and dv are not zeroed first: the first key tile entry, in the order the backward runs
+// them (part, query tile in BackwardOrder, entry), to add to a row writes it. Zeroing them in
+// a pass of their own and reading the zeros back made each new key tile's first update wait
+// on memory: timed alone at 8K, that cost the backward of local attention (w = 128) about
+// 1.2x and that of a window of one tile 1.4x.
 template <int D>
 void Backward(const Operands& x) {
-  const int64_t groups = std::min(x.heads, std::max<int64_t>(1, x.threads / x.batch));
-  const int64_t per_group = (x.heads + groups - 1) / groups;
   const int64_t n_tiles = (x.n + T - 1) / T;
   const std::vector<bool> scattered = x.Scattered();
   const std::vector<MaskSpans> spans = ComputeSpans(x.layouts[0].masks, x.num_masks);
+  std::vector<bool> two_phase(x.parts);
+  for (int64_t part = 0; part < x.parts; ++part) {
+    two_phase[part] = TwoPhase(x.layouts[part], n_tiles);
+  }
   // fresh[e] bit r: entry e is the first to add to row r of its key tile. Rows no entry
   // adds to are zeroed.
   const int64_t entries = x.layouts.back().row_ptr[n_tiles];
@@ -719,10 +762,12 @@ void Backward(const Operands& x) {
   for (int64_t part = 0; part < x.parts; ++part) {
     const Layout& lay = x.layouts[part];
     const int32_t* ord = x.order + part * x.n;
-    for (int32_t e = lay.row_ptr[0]; e < lay.row_ptr[n_tiles]; ++e) {
-      for (int r = 0; r < T; ++r) {
-        const int64_t p = int64_t{lay.col[e]} * T + r;
-        if (p < x.n && !touched[ord[p]]) touched[ord[p]] = 1, fresh[e] |= 1u << r;
+    for (int64_t t : BackwardOrder(two_phase[part], n_tiles)) {
+      for (int32_t e = lay.row_ptr[t]; e < lay.row_ptr[t + 1]; ++e) {
+        for (int r = 0; r < T; ++r) {
+          const int64_t p = int64_t{lay.col[e]} * T + r;
+          if (p < x.n && !touched[ord[p]]) touched[ord[p]] = 1, fresh[e] |= 1u << r;
+        }
       }
     }
   }
@@ -731,31 +776,51 @@ void Backward(const Operands& x) {
     if (!touched[p]) untouched.push_back(p);
   }
   Helpers helpers(x.pool);
-  ParallelFor(x.batch * groups, x.threads, helpers, [&](int64_t w) {
-    const int64_t b = w / groups, h0 = (w % groups) * per_group;
-    const int64_t h1 = std::min(h0 + per_group, x.heads);
-    std::vector<float> sink(T * D);  // Writes of padding positions (always zero terms).
-    for (int64_t h = h0; h < h1; ++h) {
-      const Item it = x.MakeItem(b * x.heads + h, 0);
+  if (!untouched.empty()) {
+    ParallelFor(x.batch * x.heads, x.threads, helpers, [&](int64_t item) {
+      const Item it = x.MakeItem(item, 0);
       for (int64_t p : untouched) {
         std::memset(it.dk.base + p * it.dk.stride, 0, sizeof(float) * D);
         std::memset(it.dv.base + p * it.dv.stride, 0, sizeof(float) * D);
       }
-    }
-    for (int64_t part = 0; part < x.parts; ++part) {
-      for (int64_t t0 = 0; t0 < n_tiles; t0 += kTilesPerTask) {
-        const int64_t t1 = std::min(t0 + kTilesPerTask, n_tiles);
-        for (int64_t h = h0; h < h1; ++h) {
-          const Item it = x.MakeItem(b * x.heads + h, part);
-          for (int64_t t = t0; t < t1; ++t) {
-            if (t + 1 < t1) it.PrefetchQueryTile<D>(x.layouts[part], t + 1, /*backward=*/true);
-            BackwardTile<D>(it, x.layouts[part], t, x.scale, /*add_dq=*/part > 0,
-                            scattered[part], fresh.data(), spans.data(), sink.data());
-          }
+    });
+  }
+  // Query tiles [t0, t1) of batch row b, heads [h0, h1), in runs of kTilesPerTask tiles with
+  // the heads one after the other within a run.
+  auto tiles = [&](int64_t part, int64_t b, int64_t h0, int64_t h1, int64_t t0, int64_t t1) {
+    alignas(64) float sink[T * D];  // Writes of padding positions (always zero terms).
+    for (int64_t c0 = t0; c0 < t1; c0 += kTilesPerTask) {
+      const int64_t c1 = std::min(c0 + kTilesPerTask, t1);
+      for (int64_t h = h0; h < h1; ++h) {
+        const Item it = x.MakeItem(b * x.heads + h, part);
+        for (int64_t t = c0; t < c1; ++t) {
+          if (t + 1 < c1) it.PrefetchQueryTile<D>(x.layouts[part], t + 1, /*backward=*/true);
+          BackwardTile<D>(it, x.layouts[part], t, x.scale, /*add_dq=*/part > 0,
+                          scattered[part], fresh.data(), spans.data(), sink);
         }
       }
     }
-  });
+  };
+  for (int64_t part = 0; part < x.parts; ++part) {
+    if (two_phase[part]) {
+      const int64_t runs = (n_tiles + kBackwardRun - 1) / kBackwardRun;
+      for (int64_t phase = 0; phase < 2; ++phase) {
+        const int64_t count = (runs - phase + 1) / 2;  // Runs phase, phase + 2, ...
+        ParallelFor(x.batch * count, x.threads, helpers, [&](int64_t w) {
+          const int64_t b = w / count, run = phase + 2 * (w % count);
+          const int64_t t0 = run * kBackwardRun;
+          tiles(part, b, 0, x.heads, t0, std::min(t0 + kBackwardRun, n_tiles));
+        });
+      }
+    } else {
+      const int64_t groups = std::min(x.heads, std::max<int64_t>(1, x.threads / x.batch));
+      const int64_t per_group = (x.heads + groups - 1) / groups;
+      ParallelFor(x.batch * groups, x.threads, helpers, [&](int64_t w) {
+        const int64_t b = w / groups, h0 = (w % groups) * per_group;
+        tiles(part, b, h0, std::min(h0 + per_group, x.heads), 0, n_tiles);
+      });
+    }
+  }
 }
 
 // Calls fn.template operator()<D>() for the supported head widths.
