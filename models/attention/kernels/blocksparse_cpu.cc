@@ -378,10 +378,10 @@ inline void MulAddRows(const float w[T][T], const float* const a[T], const float
 // Always inlined: GCC's inliner budgets grow with the translation unit, so this file alone
 // (the kernel library) left it a call in the forward and the same code inside
 // benchmarks/cpu_kernel_alone.cc inlined it. The library's forward then ran 1.3-1.5x slower
-// end to end (dense at 8K: 400 against 270 ms) and the harness timed other code than the model
-// runs. With it inlined, both build the same hot functions.
-[[gnu::always_inline]] inline void ApplyMask(const int32_t* seg_q, const int32_t* seg_k, const uint8_t* mask,
-                      float st[T][T]) {
+// end to end (dense's at 8K: 400 against 270 ms) and the harness timed other code than the
+// model runs. With it inlined, both build the same hot functions.
+[[gnu::always_inline]] inline void ApplyMask(const int32_t* seg_q, const int32_t* seg_k,
+                                             const uint8_t* mask, float st[T][T]) {
   if (mask == nullptr) {
     int32_t other = 0;  // Nonzero if some query or key lies in another document.
     for (int i = 0; i < T; ++i) other |= (seg_q[i] ^ seg_q[0]) | (seg_k[i] ^ seg_q[0]);
@@ -707,10 +707,9 @@ constexpr int64_t kBackwardRun = 16;
 // fixed's summary columns) run one task per group of a batch row's heads, split into as many
 // groups as keep the threads busy. Both orders are fixed by the layout, not by the thread
 // count, so the gradients do not depend on it.
-//
-// With tasks per group of heads, the two halves of strided's backward at 8K (2 threads, 4
-// heads) ended up to 14 ms apart inside XLA (57 against 43 ms) where a slower core could not
-// hand work over; the runs of a phase are taken by whichever thread is free.
+// With tasks per group of heads, a batch row with fewer heads than threads left threads
+// idle, and a slower core could not hand work over (see Helpers: 57 against 47 ms); the runs
+// of a phase are taken by whichever thread is free.
 bool TwoPhase(const Layout& lay, int64_t n_tiles) {
   const int64_t runs = (n_tiles + kBackwardRun - 1) / kBackwardRun;
   if (runs < 2) return false;
