@@ -8,7 +8,13 @@
   equals the dense reference, outputs and gradients.
 * The tile layout covers exactly the allowed pairs; a missing compiler turns the kernel off
   with a warning instead of failing.
+* The built library holds the prefetches that ask for a tile's rows ahead of use (GCC once
+  deleted them, finding the helper that issued them free of side effects).
 """
+
+import platform
+import shutil
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -269,3 +275,13 @@ def test_unwritable_cache_turns_the_kernel_off(monkeypatch, tmp_path):
   monkeypatch.setattr(cpu_kernel, '_load', load.__wrapped__)
   with pytest.raises(cpu_kernel.KernelUnavailable, match='ZOO_KERNEL_CACHE'):
     cpu_kernel._load()  # pylint: disable=protected-access
+
+
+@pytest.mark.skipif(platform.machine() not in ('x86_64', 'AMD64') or not shutil.which('objdump'),
+                    reason='checks x86 instructions with objdump')
+def test_library_holds_the_lookahead_prefetches():
+  cpu_kernel._load()  # pylint: disable=protected-access
+  path = cpu_kernel._library_path()  # pylint: disable=protected-access
+  code = subprocess.run(['objdump', '-d', str(path)], capture_output=True, text=True,
+                        check=True).stdout
+  assert code.count('prefetcht1') > 0

@@ -218,12 +218,6 @@ struct Rows {
   }
 };
 
-// No software prefetches: the kernel once had them (each query tile asking for the next
-// one's rows and key tiles), but GCC's pure-const analysis found the prefetch helper free of
-// side effects and deleted every call to it, so no build ever ran one. Emitted (an empty
-// volatile asm in the helper keeps them), they changed nothing measurable on local, strided
-// or a one-tile window at 8K, even for residue-order rows l positions apart, and made the
-// backward 2-3% slower: the hardware prefetcher already follows these rows.
 
 // Rows r..r+3 of TileProducts, over the columns of bt's halves Lo (0..7) and Hi (8..15); a
 // half not computed is written as zeros.
@@ -422,13 +416,87 @@ struct Item {
   int64_t lse_stride;
 };
 
+// The rows a query tile will touch first (its q, o or dO / o / dq rows, and the key tiles
+// the tile before it did not use), asked for in slices while that tile before it computes:
+// one slice per key tile, into L2 (prefetcht1 on x86). A thin pattern does little work per
+// row it reads, and the hardware prefetcher does not run far enough ahead on rows
+// H D floats apart, so without it each new tile waited on memory. Timed alone at 8K
+// (benchmarks/cpu_kernel_alone.py), forward + backward: strided 1.12x faster, local 1.08x,
+// a one-tile window 1.2x. Asked for all at once, or into L1, the rows gained less: a burst
+// of requests queues behind itself, and L1 holds only 8 lines per set.
+// (An earlier version's prefetches were never emitted: GCC's pure-const analysis found the
+// helper that issued them free of side effects and deleted its calls. Issue() changes the
+// queue, and tests/models/test_cpu_kernel.py checks that the library holds prefetches.)
+template <int D>
+class Lookahead {
+ public:
+  // Queues query tile t of `it`: its own rows, and the key tiles in its row of the layout
+  // after key tile `after` (the last one the tile before it used; -1 for all), at most
+  // kNewTiles of them.
+  void Queue(const Item& it, const Layout& lay, int64_t t, bool backward, bool reads_dq,
+             int64_t after) {
+    Clear();
+    Add(it.q, t);
+    if (backward) {
+      Add(it.dout, t), Add(it.o_in, t);
+      if (reads_dq) Add(it.dq, t);
+    } else {
+      Add(it.o, t);
+    }
+    int tiles = 0;
+    for (int32_t e = lay.row_ptr[t]; e < lay.row_ptr[t + 1] && tiles < kNewTiles; ++e) {
+      const int64_t u = lay.col[e];
+      if (u <= after) continue;
+      ++tiles;
+      Add(it.k, u), Add(it.v, u);
+      if (backward) Add(it.dk, u), Add(it.dv, u);
+    }
+  }
+
+  // The slice to issue per key tile of a query tile with `key_tiles` of them.
+  int Slice(int64_t key_tiles) const {
+    return key_tiles > 0 ? static_cast<int>((count_ + key_tiles - 1) / key_tiles) : count_;
+  }
+
+  // Asks for the lines of the next `rows` queued rows.
+  void Issue(int rows) {
+    for (const int end = std::min(count_, next_ + rows); next_ < end; ++next_) {
+      for (int x = 0; x < D; x += 64 / sizeof(float)) __builtin_prefetch(rows_[next_] + x, 0, 2);
+    }
+  }
+
+  void IssueAll() { Issue(count_); }
+
+  void Clear() { count_ = next_ = 0; }
+
+ private:
+  static constexpr int kNewTiles = 4;
+  static constexpr int kMaxRows = (4 + 4 * kNewTiles) * T;
+
+  template <typename F>
+  void Add(const Rows<F>& rows, int64_t t) {
+    for (int64_t p = t * T; p < std::min(t * T + T, rows.n); ++p) {
+      rows_[count_++] = rows.base + rows.order[p] * rows.stride;
+    }
+  }
+
+  const float* rows_[kMaxRows];
+  int count_ = 0, next_ = 0;
+};
+
+// The last key tile query tile t of a layout uses (-1: none).
+inline int64_t LastKeyTile(const Layout& lay, int64_t t) {
+  return lay.row_ptr[t + 1] > lay.row_ptr[t] ? lay.col[lay.row_ptr[t + 1] - 1] : -1;
+}
+
 // Forward of query tile t of one item and one part: online softmax over the part's key
 // tiles. Scores are computed key-major (st[j][i] = k_j . q_i) so the softmax statistics of
 // the 16 queries are vector lanes. The first part writes o and lse; a later one (`merge`)
-// combines its softmax with theirs.
+// combines its softmax with theirs. Issues `ahead` (the next tile's rows) as it goes.
 template <int D>
 void ForwardTile(const Item& it, const Layout& lay, int64_t t, float scale, bool merge,
-                 bool gather, const MaskSpans* spans, float* sink) {
+                 bool gather, const MaskSpans* spans, float* sink, Lookahead<D>& ahead) {
+  const int slice = ahead.Slice(lay.row_ptr[t + 1] - lay.row_ptr[t]);
   const float* q_rows[T];
   it.q.Tile(t, q_rows, kZeroRow);
   alignas(64) float qt[D][T];
@@ -442,6 +510,7 @@ void ForwardTile(const Item& it, const Layout& lay, int64_t t, float scale, bool
   TileSegments(it.seg, it.q.order, it.q.n, t, seg_q);
   for (int32_t e = lay.row_ptr[t]; e < lay.row_ptr[t + 1]; ++e) {
     const int64_t u = lay.col[e];
+    ahead.Issue(slice);
     const float *k_rows[T], *v_rows[T];
     it.k.Tile(u, k_rows, kZeroRow);
     it.v.Tile(u, v_rows, kZeroRow);
@@ -469,6 +538,7 @@ void ForwardTile(const Item& it, const Layout& lay, int64_t t, float scale, bool
     // acc = corr acc + P V
     MulAddRows<D, true>(st, v_rows, corr, acc_rows, 0, sp ? sp->by_query : nullptr);
   }
+  ahead.IssueAll();
   // The rows' statistics are computed for all 16 lanes at once (vectorized), then stored.
   alignas(64) float part_lse[T];
   for (int i = 0; i < T; ++i) part_lse[i] = l[i] > 0.0f ? m[i] + log_positive(l[i]) : kEmpty;
@@ -510,7 +580,9 @@ void ForwardTile(const Item& it, const Layout& lay, int64_t t, float scale, bool
 // hold for every part's pairs, so the parts need no merging here.
 template <int D>
 void BackwardTile(const Item& it, const Layout& lay, int64_t t, float scale, bool add_dq,
-                  bool gather, const uint16_t* fresh, const MaskSpans* spans, float* sink) {
+                  bool gather, const uint16_t* fresh, const MaskSpans* spans, float* sink,
+                  Lookahead<D>& ahead) {
+  const int slice = ahead.Slice(lay.row_ptr[t + 1] - lay.row_ptr[t]);
   const int64_t n = it.q.n;
   const float *q_rows[T], *do_rows[T], *o_rows[T];
   it.q.Tile(t, q_rows, kZeroRow);
@@ -539,6 +611,7 @@ void BackwardTile(const Item& it, const Layout& lay, int64_t t, float scale, boo
   TileSegments(it.seg, it.q.order, n, t, seg_q);
   for (int32_t e = lay.row_ptr[t]; e < lay.row_ptr[t + 1]; ++e) {
     const int64_t u = lay.col[e];
+    ahead.Issue(slice);
     const float *k_rows[T], *v_rows[T];
     float *dk_rows[T], *dv_rows[T];
     it.k.Tile(u, k_rows, kZeroRow);
@@ -568,6 +641,7 @@ void BackwardTile(const Item& it, const Layout& lay, int64_t t, float scale, boo
     MulAddRows<D, true>(dst, k_rows, nullptr, dq_rows, 0, by_query);  // dQ += dS K_u
     MulAddRows<D, false>(dst, q_rows, nullptr, dk_rows, fresh[e], by_key);  // dK_u += dS^T Q
   }
+  ahead.IssueAll();
   float* out_rows[T];
   it.dq.Tile(t, out_rows, sink);
   for (int i = 0; i < T; ++i) {
@@ -647,11 +721,19 @@ void Forward(const Operands& x) {
       const int64_t t1 = std::min(t0 + kTilesPerTask, n_tiles);
       const Layout& lay = x.layouts[part];
       alignas(64) float sink[T * D];
+      Lookahead<D> ahead;
       for (int64_t h = 0; h < x.heads; ++h) {
         const Item it = x.MakeItem(b * x.heads + h, part);
         for (int64_t t = t0; t < t1; ++t) {
+          if (t + 1 < t1) {
+            ahead.Queue(it, lay, t + 1, /*backward=*/false, false, LastKeyTile(lay, t));
+          } else if (h + 1 < x.heads) {  // The next head's first tile of this run.
+            ahead.Queue(x.MakeItem(b * x.heads + h + 1, part), lay, t0, false, false, -1);
+          } else {
+            ahead.Clear();
+          }
           ForwardTile<D>(it, lay, t, x.scale, /*merge=*/part > 0, scattered[part], spans.data(),
-                         sink);
+                         sink, ahead);
         }
       }
     });
@@ -751,13 +833,23 @@ void Backward(const Operands& x) {
   // the heads one after the other within a run.
   auto tiles = [&](int64_t part, int64_t b, int64_t h0, int64_t h1, int64_t t0, int64_t t1) {
     alignas(64) float sink[T * D];  // Writes of padding positions (always zero terms).
+    const Layout& lay = x.layouts[part];
+    const bool add_dq = part > 0;
+    Lookahead<D> ahead;
     for (int64_t c0 = t0; c0 < t1; c0 += kTilesPerTask) {
       const int64_t c1 = std::min(c0 + kTilesPerTask, t1);
       for (int64_t h = h0; h < h1; ++h) {
         const Item it = x.MakeItem(b * x.heads + h, part);
         for (int64_t t = c0; t < c1; ++t) {
-          BackwardTile<D>(it, x.layouts[part], t, x.scale, /*add_dq=*/part > 0,
-                          scattered[part], fresh.data(), spans.data(), sink);
+          if (t + 1 < c1) {
+            ahead.Queue(it, lay, t + 1, /*backward=*/true, add_dq, LastKeyTile(lay, t));
+          } else if (h + 1 < h1) {  // The next head's first tile of this run.
+            ahead.Queue(x.MakeItem(b * x.heads + h + 1, part), lay, c0, true, add_dq, -1);
+          } else {
+            ahead.Clear();
+          }
+          BackwardTile<D>(it, lay, t, x.scale, add_dq, scattered[part], fresh.data(),
+                          spans.data(), sink, ahead);
         }
       }
     }
