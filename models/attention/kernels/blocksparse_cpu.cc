@@ -218,7 +218,6 @@ struct Rows {
   }
 };
 
-
 // Rows r..r+3 of TileProducts, over the columns of bt's halves Lo (0..7) and Hi (8..15); a
 // half not computed is written as zeros.
 template <int D, bool Lo, bool Hi>
@@ -419,8 +418,8 @@ struct Item {
 // The rows a query tile will touch first (its q, o or dO / o / dq rows, and the key tiles
 // the tile before it did not use), asked for in slices while that tile before it computes:
 // one slice per key tile, into L2 (prefetcht1 on x86). A thin pattern does little work per
-// row it reads, and the hardware prefetcher does not run far enough ahead on rows
-// H D floats apart, so without it each new tile waited on memory. Timed alone at 8K
+// row it reads, and the hardware prefetcher did not run far enough ahead on one head's rows,
+// H D floats apart: without it each new tile waited on memory. Timed alone at 8K
 // (benchmarks/cpu_kernel_alone.py), forward + backward: strided 1.12x faster, local 1.08x,
 // a one-tile window 1.2x. Asked for all at once, or into L1, the rows gained less: a burst
 // of requests queues behind itself, and L1 holds only 8 lines per set.
@@ -458,10 +457,11 @@ class Lookahead {
     return key_tiles > 0 ? static_cast<int>((count_ + key_tiles - 1) / key_tiles) : count_;
   }
 
-  // Asks for the lines of the next `rows` queued rows.
+  // Asks for the 64-byte lines of the next `rows` queued rows, to be read, into L2
+  // (locality 2: prefetcht1 on x86).
   void Issue(int rows) {
     for (const int end = std::min(count_, next_ + rows); next_ < end; ++next_) {
-      for (int x = 0; x < D; x += 64 / sizeof(float)) __builtin_prefetch(rows_[next_] + x, 0, 2);
+      for (int x = 0; x < D; x += 16) __builtin_prefetch(rows_[next_] + x, 0, 2);
     }
   }
 
@@ -471,6 +471,7 @@ class Lookahead {
 
  private:
   static constexpr int kNewTiles = 4;
+  // A tile's rows of up to 4 query operands, and of 4 operands per new key tile.
   static constexpr int kMaxRows = (4 + 4 * kNewTiles) * T;
 
   template <typename F>
