@@ -430,8 +430,8 @@ template <int D>
 class Lookahead {
  public:
   // Queues query tile t of `it`: its own rows, and the key tiles in its row of the layout
-  // after key tile `after` (the last one the tile before it used; -1 for all), at most
-  // kNewTiles of them.
+  // after key tile `after` (the last one the tile before it used, as a row's key tiles are in
+  // ascending order; -1 for all), at most kNewTiles of them.
   void Queue(const Item& it, const Layout& lay, int64_t t, bool backward, bool reads_dq,
              int64_t after) {
     Clear();
@@ -707,6 +707,24 @@ struct Operands {
 // more than that.
 constexpr int64_t kTilesPerTask = 8;
 
+// Queues in `ahead` the tile that follows query tile t of `it` (head h of batch row b) in a
+// task that runs tiles [t0, t1) of part `part` for heads [h, h_end) one after the other:
+// the next tile of `it`, else the next head's first one, else nothing.
+template <int D>
+void QueueNextTile(Lookahead<D>& ahead, const Operands& x, const Item& it, int64_t part,
+                   int64_t b, int64_t h, int64_t h_end, int64_t t, int64_t t0, int64_t t1,
+                   bool backward) {
+  const Layout& lay = x.layouts[part];
+  const bool reads_dq = backward && part > 0;  // Later parts add to dq.
+  if (t + 1 < t1) {
+    ahead.Queue(it, lay, t + 1, backward, reads_dq, LastKeyTile(lay, t));
+  } else if (h + 1 < h_end) {
+    ahead.Queue(x.MakeItem(b * x.heads + h + 1, part), lay, t0, backward, reads_dq, -1);
+  } else {
+    ahead.Clear();
+  }
+}
+
 template <int D>
 void Forward(const Operands& x) {
   const int64_t n_tiles = (x.n + T - 1) / T;
@@ -726,13 +744,7 @@ void Forward(const Operands& x) {
       for (int64_t h = 0; h < x.heads; ++h) {
         const Item it = x.MakeItem(b * x.heads + h, part);
         for (int64_t t = t0; t < t1; ++t) {
-          if (t + 1 < t1) {
-            ahead.Queue(it, lay, t + 1, /*backward=*/false, false, LastKeyTile(lay, t));
-          } else if (h + 1 < x.heads) {  // The next head's first tile of this run.
-            ahead.Queue(x.MakeItem(b * x.heads + h + 1, part), lay, t0, false, false, -1);
-          } else {
-            ahead.Clear();
-          }
+          QueueNextTile(ahead, x, it, part, b, h, x.heads, t, t0, t1, /*backward=*/false);
           ForwardTile<D>(it, lay, t, x.scale, /*merge=*/part > 0, scattered[part], spans.data(),
                          sink, ahead);
         }
@@ -842,13 +854,7 @@ void Backward(const Operands& x) {
       for (int64_t h = h0; h < h1; ++h) {
         const Item it = x.MakeItem(b * x.heads + h, part);
         for (int64_t t = c0; t < c1; ++t) {
-          if (t + 1 < c1) {
-            ahead.Queue(it, lay, t + 1, /*backward=*/true, add_dq, LastKeyTile(lay, t));
-          } else if (h + 1 < h1) {  // The next head's first tile of this run.
-            ahead.Queue(x.MakeItem(b * x.heads + h + 1, part), lay, c0, true, add_dq, -1);
-          } else {
-            ahead.Clear();
-          }
+          QueueNextTile(ahead, x, it, part, b, h, h1, t, c0, c1, /*backward=*/true);
           BackwardTile<D>(it, lay, t, x.scale, add_dq, scattered[part], fresh.data(),
                           spans.data(), sink, ahead);
         }
