@@ -42,7 +42,7 @@ def bench_step(d: int, seq_len: int, batch: int, dtype: str, impl: str, remat: s
   config.model.dtype = dtype
   config.model.attention_impl = impl
   config.model.remat = remat
-  config.model.scan_layers = scan
+  config.model.stack = 'scan' if scan else 'unrolled'
   config.model.max_len = seq_len
   config.data.name = 'parity'            # Any embedded source: only shapes matter here.
   config.data.num_bits = seq_len // 2    # Parity gives sequences of 2 * num_bits inputs.

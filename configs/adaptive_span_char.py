@@ -31,7 +31,6 @@ def get_config():
   config.model.d_model = 256
   config.model.n_heads = 8
   config.model.n_layers = 4
-  config.model.scan_layers = False      # Layers have different trimmed spans.
   opts = config.model.attention_options
   opts.span_limit = 1024                # S.
   opts.span_ramp = 32                   # R.

@@ -9,13 +9,14 @@ import math
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
-from models import attention, layers
+from models import attention, blocks, layers, stacks
 
 Dtype = Any
 POSITION_EMBEDDINGS = ('learned', 'none')
-REMAT_POLICIES = ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable')
+REMAT_POLICIES = stacks.REMAT_POLICIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +42,8 @@ class TransformerConfig:
     dtype: computation dtype.
     param_dtype: parameter dtype.
     remat: rematerialization policy, one of REMAT_POLICIES.
-    scan_layers: run the blocks under nn.scan (one compiled block; needs identical layers).
+    block: residual wiring of each layer, a name in models/blocks.py.
+    stack: how the blocks are applied, a name in models/stacks.py or 'auto'.
   """
   vocab_size: int
   d_model: int
@@ -61,7 +63,8 @@ class TransformerConfig:
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
   remat: str = 'none'
-  scan_layers: bool = True
+  block: str = 'pre_ln'
+  stack: str = 'auto'
 
   def __post_init__(self):
     for name in ('vocab_size', 'd_model', 'n_heads', 'n_layers', 'head_dim', 'mlp_dim', 'max_len',
@@ -83,6 +86,9 @@ class TransformerConfig:
       raise ValueError(f'unknown model.remat {self.remat!r}; known: {", ".join(REMAT_POLICIES)}')
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f'model.dropout_rate must be in [0, 1), got {self.dropout_rate}')
+    blocks.get(self.block)
+    if self.stack != 'auto':
+      stacks.get(self.stack).check(self)
 
   @property
   def homogeneous(self) -> bool:
@@ -96,11 +102,9 @@ class TransformerConfig:
     return any(attention.get(name).uses_memory(options) for name in set(self.attention))
 
   @property
-  def scanned(self) -> bool:
-    """Whether the blocks run under nn.scan: requested, identical layers, and a variant that
-    does not depend on its (then traced) layer index."""
-    return (self.scan_layers and self.homogeneous
-            and not attention.get(self.attention[0]).uses_layer_index)
+  def stack_name(self) -> str:
+    """The stack the blocks run in: `stack`, with 'auto' resolved (models/stacks.py)."""
+    return stacks.resolve(self)
 
   @classmethod
   def from_config(cls, model_cfg) -> 'TransformerConfig':
@@ -144,21 +148,12 @@ class TransformerConfig:
         qk_norm=m.get('qk_norm', True),
         tied_embeddings=m.get('tied_embeddings', False), dropout_rate=m.get('dropout_rate', 0.0),
         dtype=jnp.dtype(m.get('dtype', 'float32')), param_dtype=jnp.dtype(m.get('param_dtype', 'float32')),
-        remat=m.get('remat', 'none'), scan_layers=m.get('scan_layers', True))
+        remat=m.get('remat', 'none'), block=m.get('block', 'pre_ln'), stack=m.get('stack', 'auto'))
 
   def num_params(self) -> int:
-    """Exact number of trainable parameters."""
-    block = (self.d_model * 3 * self.n_heads * self.head_dim   # qkv
-             + self.n_heads * self.head_dim * self.d_model     # out
-             + 3 * self.d_model * self.mlp_dim                 # SwiGLU
-             + 2 * self.d_model                                # two RMSNorms
-             + (2 * self.head_dim if self.qk_norm else 0))
-    embed = self.vocab_size * self.d_model
-    if self.position_embedding == 'learned':
-      embed += self.max_len * self.d_model
-    embed += sum(attention.get(name).extra_params(self) for name in self.attention)
-    head = 0 if self.tied_embeddings else self.d_model * self.vocab_size
-    return self.n_layers * block + embed + head + self.d_model
+    """Number of trainable parameters, counted from the shapes `Decoder.init` creates (no
+    compute; every variant's own parameters included)."""
+    return count_params(self)
 
   def train_flops_per_token(self, seq_len: int) -> float:
     """Training FLOPs per token: 6 N_matmul + 12 L H d_head T (PaLM, appendix B).
@@ -175,55 +170,6 @@ class TransformerConfig:
     matmul = self.n_layers * (4 * self.n_heads * self.head_dim * self.d_model
                               + 3 * self.d_model * self.mlp_dim) + self.d_model * self.vocab_size
     return 6.0 * matmul + 12.0 * self.n_layers * self.n_heads * self.head_dim * seq_len
-
-
-class Block(nn.Module):
-  """Pre-LN block: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)).
-
-  Attributes:
-    config: the model config.
-    attention_name: registry name of this layer's variant.
-    layer_index: position of the block in the stack.
-    deterministic: disables dropout.
-    decode: one-token decoding with the attention caches.
-  """
-  config: TransformerConfig
-  attention_name: str
-  layer_index: int = 0
-  deterministic: bool = True
-  decode: bool = False
-
-  @nn.compact
-  def __call__(self, x, positions, segment_ids):
-    cfg = self.config
-    norm = lambda name: layers.RMSNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
-    attn_cls = attention.get(self.attention_name)
-    h = attn_cls(num_heads=cfg.n_heads, head_dim=cfg.head_dim, qk_norm=cfg.qk_norm,
-                 impl=cfg.attention_impl, block_size=cfg.attention_block_size,
-                 layer_index=self.layer_index, max_len=cfg.max_len, num_layers=cfg.n_layers,
-                 options=cfg.attention_options, dtype=cfg.dtype,
-                 param_dtype=cfg.param_dtype, name='attention')(
-                     norm('pre_attention_norm')(x), positions=positions, segment_ids=segment_ids,
-                     cache=self.decode or None, deterministic=self.deterministic)
-    x = x + nn.Dropout(cfg.dropout_rate)(h, deterministic=self.deterministic)
-    h = layers.SwiGLU(cfg.mlp_dim, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name='mlp')(
-        norm('pre_mlp_norm')(x))
-    x = x + nn.Dropout(cfg.dropout_rate)(h, deterministic=self.deterministic)
-    return nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
-
-
-class ScannedBlock(Block):
-  """Block with the (carry, output) signature nn.scan needs."""
-
-  def __call__(self, x, positions, segment_ids):
-    return super().__call__(x, positions, segment_ids), None
-
-
-def _remat(cls, policy: str, scanned: bool):
-  if policy == 'none':
-    return cls
-  jax_policy = None if policy == 'full' else getattr(__import__('jax').checkpoint_policies, policy)
-  return nn.remat(cls, policy=jax_policy, prevent_cse=not scanned)
 
 
 class Decoder(nn.Module):
@@ -271,23 +217,9 @@ class Decoder(nn.Module):
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
     x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
 
-    if cfg.scanned:
-      stack = nn.scan(
-          _remat(ScannedBlock, cfg.remat, scanned=True),
-          variable_axes={'params': 0, 'losses': 0, 'intermediates': 0, 'metrics': 0,
-                         'cache': 0, 'memory': 0},
-          split_rngs={'params': True, 'dropout': True},
-          in_axes=(nn.broadcast, nn.broadcast), length=cfg.n_layers,
-          metadata_params={nn.PARTITION_NAME: 'layers'})
-      x, _ = stack(cfg, cfg.attention[0], deterministic=deterministic, decode=decode,
-                   name='blocks')(
-          x, positions, segment_ids)
-    else:
-      block_cls = _remat(Block, cfg.remat, scanned=False)
-      for i, name in enumerate(cfg.attention):
-        x = block_cls(cfg, name, layer_index=i, deterministic=deterministic, decode=decode,
-                      name=f'block_{i}')(
-            x, positions, segment_ids)
+    ctx = blocks.LayerContext(positions=positions, segment_ids=segment_ids,
+                              deterministic=deterministic, decode=decode)
+    x = stacks.of(cfg).apply(cfg, x, ctx)
 
     x = layers.RMSNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype, name='final_norm')(x)
     if cfg.tied_embeddings:
@@ -301,3 +233,11 @@ class Decoder(nn.Module):
       return x, w
     logits = jnp.einsum('btd,dv->btv', x, w, preferred_element_type=jnp.float32)
     return nn.with_logical_constraint(logits, ('batch', 'length', 'vocab'))
+
+
+def count_params(config: TransformerConfig) -> int:
+  """Trainable parameters of Decoder(config), from jax.eval_shape of its init."""
+  n = min(config.max_len, 8)
+  shapes = jax.eval_shape(lambda: Decoder(config).init(
+      jax.random.key(0), jnp.zeros((1, n), jnp.int32)))
+  return sum(math.prod(a.shape) for a in jax.tree.leaves(nn.unbox(shapes['params'])))

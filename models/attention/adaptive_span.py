@@ -156,9 +156,12 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
   fixed-span baseline with the same machinery), span_memory (segment cache), span_trim
   (per-layer T, set by the training loop).
   """
-  # The trimmed span T differs between layers and is static: the decoder unrolls its layers.
-  uses_layer_index: ClassVar[bool] = True
   dynamic: ClassVar[bool] = False
+
+  @classmethod
+  def layer_period(cls, options, n_layers):
+    """The trimmed span T differs between layers and is static: every layer is its own."""
+    return None
 
   @classmethod
   def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
@@ -181,11 +184,6 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
     if trim is not None and (len(trim) != n_layers or any(not 1 <= t <= limit for t in trim)):
       raise ValueError(f'attention_options.span_trim={trim} must give each of the {n_layers} '
                        f'layers a span in [1, span_limit={limit}]')
-
-  @classmethod
-  def extra_params(cls, config) -> int:
-    opts = dict(config.attention_options)
-    return opts['span_limit'] * config.head_dim + config.n_heads  # p_1..p_S and z'
 
   @property
   def limit(self) -> int:
@@ -319,11 +317,6 @@ class DynamicSpanAttention(AdaptiveSpanAttention):
   keys before it (still n S work, not n^2).
   """
   dynamic: ClassVar[bool] = True
-
-  @classmethod
-  def extra_params(cls, config) -> int:
-    opts = dict(config.attention_options)
-    return opts['span_limit'] * config.head_dim + (config.d_model + 1) * config.n_heads
 
   @property
   def trim(self) -> int:

@@ -1,6 +1,6 @@
 """Shared multi-head attention code; variants override `attend` only."""
 
-from typing import Any, ClassVar
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -122,8 +122,8 @@ class MultiHeadAttention(nn.Module):
     qk_norm: RMS-normalize queries and keys per head (Dehghani et al., 2023).
     impl: one of IMPLEMENTATIONS.
     block_size: query/key block length of the 'blocksparse' implementation.
-    layer_index: index of the layer holding this module; only variants that set the class
-      flag `uses_layer_index` may read it (the decoder then unrolls instead of scanning).
+    layer_index: the index the stack gives this layer; a variant may read it only as its
+      `layer_period` declares (models/stacks.py).
     max_len: longest sequence (the position table); sizes decoding caches.
     num_layers: layers of the decoder (selective attention's L_mem divides by it).
     options: variant hyper-parameters as sorted (name, value) pairs (config.model.
@@ -131,8 +131,6 @@ class MultiHeadAttention(nn.Module):
     dtype: computation dtype.
     param_dtype: parameter dtype.
   """
-  uses_layer_index: ClassVar[bool] = False
-
   num_heads: int
   head_dim: int
   qk_norm: bool = True
@@ -157,10 +155,11 @@ class MultiHeadAttention(nn.Module):
     return False
 
   @classmethod
-  def extra_params(cls, config) -> int:
-    """Parameters one layer of the variant adds to the shared projections and norms."""
-    del config
-    return 0
+  def layer_period(cls, options: dict, n_layers: int) -> int | None:
+    """How the module depends on `layer_index`: 1, not at all (the default); p, only through
+    layer_index mod p; None, every layer is its own (static per-layer settings)."""
+    del options, n_layers
+    return 1
 
   def option(self, name: str):
     """The variant hyper-parameter `name` from config.model.attention_options."""

@@ -27,8 +27,6 @@ same eviction as a mask (`kept_mask`) so a budgeted loss is one batched pass.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -148,8 +146,12 @@ def kept_mask(e, bos, budget):
 @register('selective')
 class SelectiveAttention(base.MultiHeadAttention):
   """Selective attention; options `selective_*` (see DEFAULTS and configs/default.py)."""
-  # Per-layer budgets K_l are static in decoding: the decoder unrolls its layers.
-  uses_layer_index: ClassVar[bool] = True
+
+  @classmethod
+  def layer_period(cls, options, n_layers):
+    """Per-layer budgets K_l are static in decoding (and fed per layer when pruning): every
+    layer is its own."""
+    return None
 
   @classmethod
   def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
@@ -173,12 +175,6 @@ class SelectiveAttention(base.MultiHeadAttention):
       raise ValueError(f'attention_options.selective_budgets={budgets!r} must be a tuple of '
                        f'{n_layers} integers K_l >= 2 (one per layer; <BOS> and the current '
                        f'token), or () for no pruning')
-
-  @classmethod
-  def extra_params(cls, config) -> int:
-    if not dict(config.attention_options).get('selective_separate_bilinear', False):
-      return 0
-    return 2 * config.d_model * config.head_dim + (2 * config.head_dim if config.qk_norm else 0)
 
   def opt(self, name: str):
     """attention_options[name], or its default."""

@@ -22,8 +22,6 @@ A query that sees no key (e.g. the first block under fixed A2 alone) outputs zer
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
-
 import jax.numpy as jnp
 import numpy as np
 
@@ -135,10 +133,18 @@ def _check_blocks(options: dict) -> None:
                      f'{options.get("cpu_kernel")!r}')
 
 
+def _factorized_period(options: dict) -> int:
+  """Interleaved A1/A2 alternate with the layer index; the other factorizations ignore it."""
+  return 2 if options.get('factorization') == 'interleave' else 1
+
+
 @register('strided')
 class StridedAttention(PatternAttention):
   """Sparse Transformer strided attention: A1 the previous l positions, A2 every l-th one."""
-  uses_layer_index: ClassVar[bool] = True
+
+  @classmethod
+  def layer_period(cls, options, n_layers):
+    return _factorized_period(options)
 
   def head_pattern(self, head):
     part = _factorized_part(self.layer_index, head, self.num_heads,
@@ -166,7 +172,10 @@ class StridedAttention(PatternAttention):
 @register('fixed')
 class FixedAttention(PatternAttention):
   """Sparse Transformer fixed attention: A1 the same block of l, A2 the c summary cells."""
-  uses_layer_index: ClassVar[bool] = True
+
+  @classmethod
+  def layer_period(cls, options, n_layers):
+    return _factorized_period(options)
 
   def head_pattern(self, head):
     part = _factorized_part(self.layer_index, head, self.num_heads,
@@ -214,7 +223,10 @@ class LocalGlobalAttention(PatternAttention):
   The local-global baseline of the selective-attention paper's appendix A.8; layers
   global_every - 1, 2 global_every - 1, ... are the global ones.
   """
-  uses_layer_index: ClassVar[bool] = True
+
+  @classmethod
+  def layer_period(cls, options, n_layers):
+    return options.get('global_every')
 
   def is_global(self) -> bool:
     return self.layer_index % self.option('global_every') == self.option('global_every') - 1

@@ -135,7 +135,7 @@ def _model(name='adaptive_span', memory=False, max_len=48, **extra):
   cfg = transformer.TransformerConfig.from_config(dict(
       d=0, d_model=32, n_heads=2, n_layers=2, vocab_size=40, max_len=max_len, attention=name,
       position_embedding='none', attention_impl='blocksparse', attention_block_size=8,
-      attention_options={**OPTIONS, 'span_memory': memory, **extra}, scan_layers=False))
+      attention_options={**OPTIONS, 'span_memory': memory, **extra}, stack='unrolled'))
   return transformer.Decoder(cfg)
 
 

@@ -205,7 +205,7 @@ def test_register_duplicate_raises_and_keeps_original():
 
 
 def test_register_new_name(monkeypatch):
-  monkeypatch.setattr(registry, '_REGISTRY', dict(registry._REGISTRY))
+  monkeypatch.setattr(registry.VARIANTS, '_entries', dict(registry.VARIANTS._entries))
 
   @attention.register('test_registry_new')
   class NewAttention(dense.DenseAttention):

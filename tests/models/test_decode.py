@@ -17,7 +17,7 @@ _MAX_LEN = 40
 def _model(name, scan, **extra):
   cfg = transformer.TransformerConfig.from_config(dict(
       d=0, d_model=32, n_heads=4, n_layers=2, vocab_size=50, max_len=_MAX_LEN, attention=name,
-      attention_options={**_OPTIONS, **extra}, scan_layers=scan))
+      attention_options={**_OPTIONS, **extra}, stack='auto' if scan else 'unrolled'))
   return transformer.Decoder(cfg)
 
 

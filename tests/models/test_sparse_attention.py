@@ -263,8 +263,8 @@ def test_splash_decoder_builds_and_matches_xla(scan, fresh_splash_kernels):
   models = {impl: transformer.Decoder(transformer.TransformerConfig.from_config(dict(
       vocab_size=16, max_len=n, d_model=16, n_heads=2, n_layers=2, attention='local',
       attention_impl=impl, attention_block_size=128, attention_options=_options(),
-      scan_layers=scan))) for impl in ('xla', 'splash')}
-  assert models['splash'].config.scanned == scan
+      stack='auto' if scan else 'unrolled'))) for impl in ('xla', 'splash')}
+  assert models['splash'].config.stack_name == ('scan' if scan else 'unrolled')
   init = lambda impl: models[impl].init(jax.random.PRNGKey(0), tokens)['params']
   shapes = jax.eval_shape(lambda: init('splash'))
   assert jax.tree.structure(shapes) == jax.tree.structure(jax.eval_shape(lambda: init('xla')))

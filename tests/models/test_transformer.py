@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from models import attention, layers, transformer
+from models import attention, layers, stacks, transformer
 from models.attention import dense
 from training import steps
 
@@ -36,7 +36,10 @@ if AUX_NAME not in attention.known():
 
 class LayerIndexProbe(dense.DenseAttention):
   """Dense attention that sows its layer_index into 'intermediates'."""
-  uses_layer_index = True
+
+  @classmethod
+  def layer_period(cls, options, n_layers):
+    return None
 
   def attend(self, q, k, v, *, positions, segment_ids, deterministic):
     self.sow('intermediates', 'layer_index', jnp.float32(self.layer_index))
@@ -99,7 +102,7 @@ def test_from_config_d_knob_defaults():
   assert cfg.mlp_dim == 1408  # 8/3 * 512 = 1365.3, rounded up to a multiple of 64.
   assert cfg.attention == ('dense',) * 8
   assert cfg.attention_impl == 'xla' and cfg.remat == 'none'
-  assert cfg.qk_norm and cfg.scan_layers and not cfg.tied_embeddings
+  assert cfg.qk_norm and cfg.stack == 'auto' and not cfg.tied_embeddings
   assert cfg.dtype == jnp.float32 and cfg.param_dtype == jnp.float32
 
 
@@ -107,10 +110,10 @@ def test_from_config_explicit_overrides_win():
   cfg = transformer.TransformerConfig.from_config(
       {'d': 8, 'd_model': 96, 'n_heads': 4, 'n_layers': 3, 'mlp_dim': 100, 'vocab_size': VOCAB,
        'max_len': MAX_LEN, 'dtype': 'bfloat16', 'tied_embeddings': True, 'qk_norm': False,
-       'remat': 'full', 'scan_layers': False, 'attention_impl': 'fused'})
+       'remat': 'full', 'stack': 'unrolled', 'attention_impl': 'fused'})
   assert (cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.head_dim, cfg.mlp_dim) == (96, 4, 3, 24, 100)
   assert cfg.dtype == jnp.bfloat16 and cfg.param_dtype == jnp.float32
-  assert cfg.tied_embeddings and not cfg.qk_norm and not cfg.scan_layers
+  assert cfg.tied_embeddings and not cfg.qk_norm and cfg.stack == 'unrolled'
   assert cfg.remat == 'full' and cfg.attention_impl == 'fused'
   assert cfg.attention == ('dense',) * 3
   explicit_head_dim = transformer.TransformerConfig.from_config(
@@ -190,21 +193,29 @@ def test_sequence_longer_than_max_len_raises():
 # ------------------------------------------------------------------------ param count
 
 
+def _backbone_params(cfg):
+  """The dense backbone's parameter count written out by hand (embeddings, qkv, out, SwiGLU,
+  two RMSNorms and the QK-norms per layer, final norm, output projection)."""
+  block = (cfg.d_model * 3 * cfg.n_heads * cfg.head_dim + cfg.n_heads * cfg.head_dim * cfg.d_model
+           + 3 * cfg.d_model * cfg.mlp_dim + 2 * cfg.d_model + (2 * cfg.head_dim if cfg.qk_norm else 0))
+  embed = cfg.vocab_size * cfg.d_model + cfg.max_len * cfg.d_model
+  head = 0 if cfg.tied_embeddings else cfg.d_model * cfg.vocab_size
+  return cfg.n_layers * block + embed + head + cfg.d_model
+
+
 @pytest.mark.parametrize('overrides', [
     {},
     {'tied_embeddings': True},
-    {'qk_norm': False, 'scan_layers': False},
+    {'qk_norm': False, 'stack': 'unrolled'},
     {'tied_embeddings': True, 'qk_norm': False, 'n_layers': 3},
-    {'d_model': 16, 'n_heads': 3, 'head_dim': 6, 'scan_layers': False},
+    {'d_model': 16, 'n_heads': 3, 'head_dim': 6, 'stack': 'unrolled'},
     {'d_model': 24, 'n_heads': 4, 'mlp_dim': 40, 'n_layers': 1},
 ], ids=str)
-def test_num_params_matches_initialized(overrides):
-  counts = {}
+def test_num_params_matches_the_backbone_formula(overrides):
   for scan in (True, False):
-    cfg = _config(**{**overrides, 'scan_layers': scan})
+    cfg = _config(**{**overrides, 'stack': 'auto' if scan else 'unrolled'})
     shapes = _param_shapes(cfg)
-    counts[scan] = _count(shapes)
-    assert cfg.num_params() == counts[scan]
+    assert cfg.num_params() == _backbone_params(cfg) == _count(shapes)
     if scan:
       assert 'blocks' in shapes and 'block_0' not in shapes
       assert all(x.shape[0] == cfg.n_layers for x in jax.tree.leaves(shapes['blocks']))
@@ -214,11 +225,20 @@ def test_num_params_matches_initialized(overrides):
           f'block_{i}' for i in range(cfg.n_layers)]
     assert ('logits_kernel' in shapes) == (not cfg.tied_embeddings)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(shapes))
-  assert counts[True] == counts[False]
+
+
+def test_num_params_counts_a_variants_own_parameters():
+  # Adaptive span adds p_1..p_S (S x head_dim) and z' (one per head) to every layer.
+  span = {'span_limit': 8, 'span_ramp': 2, 'span_init': 0.0, 'span_penalty': 0.0,
+          'span_block': 4, 'span_learned': True, 'span_memory': False}
+  cfg = _config(attention='adaptive_span', attention_options=span)
+  assert cfg.num_params() == _backbone_params(cfg) + cfg.n_layers * (8 * cfg.head_dim + cfg.n_heads)
+  # The test variant's scalar aux_w, in one of two layers.
+  assert _config(attention=f'dense,{AUX_NAME}').num_params() == _backbone_params(_config()) + 1
 
 
 def test_mixed_attention_list_is_not_scanned():
-  shapes = _param_shapes(_config(attention=f'dense,{AUX_NAME}', scan_layers=True))
+  shapes = _param_shapes(_config(attention=f'dense,{AUX_NAME}', stack='auto'))
   assert 'blocks' not in shapes
   assert 'aux_w' not in shapes['block_0']['attention']
   assert shapes['block_1']['attention']['aux_w'].shape == ()
@@ -236,7 +256,7 @@ def _pack(doc_a, doc_b):
 
 @pytest.mark.parametrize('impl,scan', [('xla', True), ('fused', False)])
 def test_packed_documents_match_separate_runs(impl, scan):
-  cfg = _config(attention_impl=impl, scan_layers=scan)
+  cfg = _config(attention_impl=impl, stack='auto' if scan else 'unrolled')
   params = _random_params(cfg)
   apply = _apply_fn(cfg)
   doc1, doc2 = _tokens(1, 5), _tokens(2, 7)
@@ -291,9 +311,19 @@ def _unscan(params, n_layers):
   return out
 
 
+def test_stack_layer_trees_round_trip():
+  cfg = _config(n_layers=4, attention='dense', stack='scan_cycle')
+  for name in ('scan', 'scan_cycle', 'unrolled'):
+    stack = stacks.get(name)
+    per_layer = [{'w': jnp.full((3,), float(i))} for i in range(4)]
+    tree = stack.stacked_tree(cfg, per_layer)
+    for i in range(4):
+      np.testing.assert_array_equal(stack.layer_tree(cfg, tree, i)['w'], per_layer[i]['w'])
+
+
 def test_scanned_params_convert_to_unrolled():
-  scanned_cfg = _config(n_layers=3, scan_layers=True)
-  unrolled_cfg = _config(n_layers=3, scan_layers=False)
+  scanned_cfg = _config(n_layers=3, stack='auto')
+  unrolled_cfg = _config(n_layers=3, stack='unrolled')
   scanned = _random_params(scanned_cfg)
   unrolled = _unscan(scanned, 3)
   expected_shapes = _param_shapes(unrolled_cfg)
@@ -312,8 +342,8 @@ def _logits_and_grads(remat, scan):
   Unrolled runs use the scanned weights split per layer, and scanned gradients are returned
   split the same way, so every variant is comparable leaf by leaf.
   """
-  cfg = _config(remat=remat, scan_layers=scan)
-  params = _random_params(_config(scan_layers=True))
+  cfg = _config(remat=remat, stack='auto' if scan else 'unrolled')
+  params = _random_params(_config(stack='auto'))
   if not scan:
     params = _unscan(params, cfg.n_layers)
   model = transformer.Decoder(cfg)
@@ -328,8 +358,11 @@ def _logits_and_grads(remat, scan):
   return logits, (_unscan(grads, cfg.n_layers) if scan else grads)
 
 
-@pytest.mark.parametrize('remat,scan', [('none', True), ('full', True), ('full', False)])
+@pytest.mark.parametrize('remat', transformer.REMAT_POLICIES)
+@pytest.mark.parametrize('scan', [True, False])
 def test_remat_and_scan_match_plain_unrolled(remat, scan):
+  if (remat, scan) == ('none', False):
+    pytest.skip('the reference itself')
   logits, grads = _logits_and_grads(remat, scan)
   ref_logits, ref_grads = _logits_and_grads('none', False)
   np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=1e-5)
@@ -340,20 +373,14 @@ def test_remat_and_scan_match_plain_unrolled(remat, scan):
   assert all(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(ref_grads))
 
 
-@pytest.mark.parametrize('policy', transformer.REMAT_POLICIES)
-@pytest.mark.parametrize('scan', [True, False])
-def test_every_remat_policy_builds(policy, scan):
-  cfg = _config(remat=policy, scan_layers=scan)
-  assert _count(_param_shapes(cfg)) == cfg.num_params()
-
-
 @pytest.mark.parametrize('scan', [False, True])
 def test_attention_sees_its_layer_index(scan):
   # MultiHeadAttention.layer_index is documented as "index of the layer holding this module
   # (per-layer patterns use it)"; it must not depend on how the stack is compiled.
-  cfg = _config(attention=PROBE_NAME, n_layers=3, scan_layers=scan)
-  assert not cfg.scanned  # A variant that reads its layer index is never scanned.
-  assert _config(n_layers=3, scan_layers=scan).scanned == scan
+  cfg = _config(attention=PROBE_NAME, n_layers=3, stack='auto' if scan else 'unrolled')
+  assert cfg.stack_name == 'unrolled'  # A variant that reads its layer index is never scanned.
+  assert _config(n_layers=3, stack='auto' if scan else 'unrolled').stack_name == (
+      'scan' if scan else 'unrolled')
   tokens = jnp.zeros((1, 4), jnp.int32)
   params = _random_params(cfg)
   _, inter = jax.jit(lambda p: transformer.Decoder(cfg).apply(
@@ -383,7 +410,7 @@ def _get_aux_w(params, n_layers, scan):
 
 @pytest.mark.parametrize('scan', [True, False])
 def test_aux_losses_are_collected_per_layer(scan):
-  cfg = _config(attention=AUX_NAME, scan_layers=scan)
+  cfg = _config(attention=AUX_NAME, stack='auto' if scan else 'unrolled')
   aux_w = [2.0, 3.0]
   params = _set_aux_w(_random_params(cfg), aux_w, scan)
   tokens = jnp.asarray(_tokens(8, (2, 6)))
@@ -404,7 +431,7 @@ def test_sum_collection_empty_and_nested():
 
 @pytest.mark.parametrize('scan,accum,remat', [(True, 2, 'full'), (False, 1, 'none')])
 def test_train_step_includes_aux_loss(scan, accum, remat):
-  cfg = _config(attention=AUX_NAME, scan_layers=scan, remat=remat)
+  cfg = _config(attention=AUX_NAME, stack='auto' if scan else 'unrolled', remat=remat)
   model = transformer.Decoder(cfg)
   aux_w = np.array([2.0, 3.0], np.float32)
   params = _set_aux_w(_random_params(cfg), aux_w, scan)

@@ -14,7 +14,7 @@ from training import train
 _BAD_CONFIGS = {
     'unknown_attention': (
         {'model.attention': 'no_such_attention'},
-        r"unknown attention variant 'no_such_attention'; known variants: .*dense"),
+        r"unknown attention variant 'no_such_attention'; known attention variants: .*dense"),
     'd_model_not_divisible_by_heads': (
         {'model.d_model': 100, 'model.n_heads': 3},
         r'model\.d_model=100 is not divisible by model\.n_heads=3'),
@@ -54,7 +54,7 @@ def test_main_reports_unknown_attention_and_exits_nonzero(harness, tmp_path):
   errors = [line for line in proc.stderr.splitlines() if line.startswith('error: ')]
   assert len(errors) == 1, proc.stderr[-3000:]
   assert errors[0].startswith("error: unknown attention variant 'no_such_attention'; "), errors
-  known = [name.strip() for name in errors[0].split('known variants:')[1].split(',')]
+  known = [name.strip() for name in errors[0].split('known attention variants:')[1].split(',')]
   assert 'dense' in known, errors
   assert not (workdir / 'checkpoints').exists()
 

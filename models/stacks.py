@@ -1,0 +1,237 @@
+"""How blocks are applied (`model.stack`): a registry, one entry per way of stacking.
+
+  unrolled    n_layers distinct blocks in Python: parameters 'block_{i}'; any mix of variants.
+  scan        one block scanned n_layers times (nn.scan): parameters 'blocks' with a leading
+              layer axis; needs identical layers that ignore their index.
+  scan_cycle  a repeating cycle of p blocks scanned n_layers / p times (as MaxText scans
+              Gemma 3's local/global pattern): parameters 'cycle/layer_{k}' with a leading
+              repeat axis; p is the least common multiple of each layer's period (below) and
+              of the period of the list of variant names.
+  auto        scan where it applies, else unrolled (the default; what `scan_layers` did).
+
+A variant's period (MultiHeadAttention.layer_period) says how its module depends on the layer
+index: 1, not at all; p, only through index mod p (strided's interleaved A1/A2: 2); None,
+every layer is its own (per-layer trimmed spans or budgets), so only `unrolled` applies.
+A stack gives each block the index it may read: i unrolled, k (the place in the cycle)
+under scan_cycle, 0 under scan.
+
+The stack owns the layer naming: `layer_tree(config, tree, i)` is layer i's part of any tree
+laid out like the parameters (params, or a sown or persistent collection), and
+`stacked_tree(config, per_layer)` builds such a tree from one entry per layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models import attention, blocks
+from models.registry import Registry
+
+STACKS = Registry('stack')
+register = STACKS.register
+known = STACKS.known
+get = STACKS.get
+
+REMAT_POLICIES = ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable')
+
+
+def _remat(cls, policy: str, scanned: bool):
+  """`cls` under nn.remat with the named jax.checkpoint policy ('none': unchanged)."""
+  if policy == 'none':
+    return cls
+  jax_policy = None if policy == 'full' else getattr(jax.checkpoint_policies, policy)
+  return nn.remat(cls, policy=jax_policy, prevent_cse=not scanned)
+
+
+def _scan(body, length: int):
+  """nn.scan of `body` over `length` steps: every collection and rng stream gets a leading
+  axis (parameters, sown losses and statistics, caches, segment memory)."""
+  return nn.scan(body, variable_axes={True: 0}, split_rngs={True: True},
+                 in_axes=(nn.broadcast,), length=length,
+                 metadata_params={nn.PARTITION_NAME: 'layers'})
+
+
+def layer_periods(config) -> list[int | None]:
+  """Each layer's period (MultiHeadAttention.layer_period) under `config`."""
+  options = dict(config.attention_options)
+  return [attention.get(name).layer_period(options, config.n_layers) for name in config.attention]
+
+
+def cycle_length(config) -> int | None:
+  """p for scan_cycle: the smallest cycle that repeats the layers exactly; None if some
+  layer has no period."""
+  periods = layer_periods(config)
+  if any(p is None for p in periods):
+    return None
+  names = config.attention
+  name_period = next(q for q in range(1, len(names) + 1)
+                     if len(names) % q == 0 and all(names[i] == names[i % q]
+                                                    for i in range(len(names))))
+  return math.lcm(name_period, *periods)
+
+
+class Stack:
+  """A way of applying the blocks; subclasses are registered under their config name."""
+
+  @classmethod
+  def check(cls, config) -> None:
+    """Raises ValueError if this stack cannot run `config` (at config time)."""
+    del config
+
+  @classmethod
+  def apply(cls, config, x, ctx: blocks.LayerContext):
+    """Applies the blocks to x; runs inside the Decoder's compact __call__, so the modules it
+    creates are the Decoder's children."""
+    raise NotImplementedError
+
+  @classmethod
+  def layer_tree(cls, config, tree, i: int):
+    """Layer i's part of a tree laid out like the parameters ({} where it has none)."""
+    raise NotImplementedError
+
+  @classmethod
+  def stacked_tree(cls, config, per_layer: list):
+    """The tree laid out like the parameters from one subtree per layer (identical structure
+    where layers are stacked)."""
+    raise NotImplementedError
+
+
+def _block(config):
+  return blocks.get(config.block)
+
+
+@register('unrolled')
+class Unrolled(Stack):
+  """block_0 .. block_{L-1}, each its own module and variant."""
+
+  @classmethod
+  def apply(cls, config, x, ctx):
+    block = _remat(_block(config), config.remat, scanned=False)
+    for i, name in enumerate(config.attention):
+      x = block(config, name, layer_index=i, name=f'block_{i}')(x, ctx)
+    return x
+
+  @classmethod
+  def layer_tree(cls, config, tree, i):
+    return tree.get(f'block_{i}', {})
+
+  @classmethod
+  def stacked_tree(cls, config, per_layer):
+    return {f'block_{i}': sub for i, sub in enumerate(per_layer) if sub is not None}
+
+
+def _carry_only(block_cls):
+  """`block_cls` with the (carry, output) signature nn.scan needs: (x, ctx) -> (x, None)."""
+
+  class Scanned(block_cls):
+    def __call__(self, x, ctx):
+      return super().__call__(x, ctx), None
+
+  Scanned.__name__ = f'Scanned{block_cls.__name__}'
+  return Scanned
+
+
+def _index(tree, index):
+  return jax.tree.map(lambda a: a[index], tree)
+
+
+def _stack(trees):
+  return jax.tree.map(lambda *a: jnp.stack(a), *trees)
+
+
+@register('scan')
+class Scan(Stack):
+  """One block scanned over the layers: 'blocks' holds every layer on a leading axis."""
+
+  @classmethod
+  def check(cls, config):
+    if len(set(config.attention)) != 1:
+      raise ValueError(f"model.stack='scan' needs the same variant in every layer, got "
+                       f"{config.attention}: use 'scan_cycle' or 'unrolled'")
+    period = layer_periods(config)[0]
+    if period != 1:
+      raise ValueError(f"model.stack='scan': {config.attention[0]} attention depends on its "
+                       f"layer index (period {period}) under these options: use "
+                       f"{'scan_cycle' if period else 'unrolled'}")
+
+  @classmethod
+  def apply(cls, config, x, ctx):
+    body = _remat(_carry_only(_block(config)), config.remat, scanned=True)
+    x, _ = _scan(body, config.n_layers)(
+        config, config.attention[0], name='blocks')(x, ctx)
+    return x
+
+  @classmethod
+  def layer_tree(cls, config, tree, i):
+    return _index(tree['blocks'], i) if 'blocks' in tree else {}
+
+  @classmethod
+  def stacked_tree(cls, config, per_layer):
+    return {'blocks': _stack(per_layer)}
+
+
+class _Cycle(nn.Module):
+  """The p blocks of one cycle, applied in order; (carry, None) for nn.scan."""
+  config: object
+  names: tuple[str, ...]
+
+  @nn.compact
+  def __call__(self, x, ctx):
+    block = _remat(_block(self.config), self.config.remat, scanned=True)
+    for k, name in enumerate(self.names):
+      x = block(self.config, name, layer_index=k, name=f'layer_{k}')(x, ctx)
+    return x, None
+
+
+@register('scan_cycle')
+class ScanCycle(Stack):
+  """A cycle of p layers scanned n_layers / p times: one cycle is compiled."""
+
+  @classmethod
+  def check(cls, config):
+    periods = layer_periods(config)
+    if None in periods:
+      name = config.attention[periods.index(None)]
+      raise ValueError(f"model.stack='scan_cycle': {name} attention gives every layer its own "
+                       f"static setting under these options; use model.stack='unrolled'")
+    p = cycle_length(config)
+    if config.n_layers % p:
+      raise ValueError(f"model.stack='scan_cycle': the layers repeat every {p} layers, which "
+                       f"does not divide model.n_layers={config.n_layers}")
+
+  @classmethod
+  def apply(cls, config, x, ctx):
+    p = cycle_length(config)
+    x, _ = _scan(_Cycle, config.n_layers // p)(
+        config, tuple(config.attention[:p]), name='cycle')(x, ctx)
+    return x
+
+  @classmethod
+  def layer_tree(cls, config, tree, i):
+    repeat, k = divmod(i, cycle_length(config))
+    return _index(tree['cycle'][f'layer_{k}'], repeat) if 'cycle' in tree else {}
+
+  @classmethod
+  def stacked_tree(cls, config, per_layer):
+    p = cycle_length(config)
+    return {'cycle': {f'layer_{k}': _stack(per_layer[k::p]) for k in range(p)}}
+
+
+def resolve(config) -> str:
+  """The stack `config` runs: model.stack, with 'auto' resolved (scan if it applies)."""
+  if config.stack != 'auto':
+    return config.stack
+  try:
+    Scan.check(config)
+  except ValueError:
+    return 'unrolled'
+  return 'scan'
+
+
+def of(config) -> type[Stack]:
+  """The Stack class `config` runs."""
+  return get(resolve(config))

@@ -1,0 +1,102 @@
+"""Tests for models/stacks.py and models/blocks.py: every stack computes the unrolled model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import blocks, stacks, transformer
+
+VOCAB = 32
+SPARSE = {'stride': 4, 'summary': 2, 'factorization': 'interleave', 'window': 4,
+          'global_every': 3, 'cpu_kernel': False, 'key_block': 4, 'band_block': 0,
+          'distinct_heads': False}
+
+
+def _config(**overrides):
+  cfg = {'vocab_size': VOCAB, 'd_model': 16, 'n_heads': 2, 'n_layers': 4, 'mlp_dim': 32,
+         'max_len': 24, 'attention_options': SPARSE}
+  cfg.update(overrides)
+  return transformer.TransformerConfig.from_config(cfg)
+
+
+def _to_unrolled(cfg, params):
+  """`params` of cfg's stack laid out as the unrolled stack's, through Stack.layer_tree."""
+  stack = stacks.of(cfg)
+  out = {k: v for k, v in params.items() if k not in ('blocks', 'cycle')}
+  out.update(stacks.get('unrolled').stacked_tree(
+      cfg, [stack.layer_tree(cfg, params, i) for i in range(cfg.n_layers)]))
+  return out
+
+
+def _logits_and_grads(cfg, params):
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (2, 24)), jnp.int32)
+  cotangent = np.random.default_rng(1).normal(size=(2, 24, VOCAB)).astype(np.float32)
+
+  def loss(p):
+    logits = transformer.Decoder(cfg).apply({'params': p}, tokens)
+    return jnp.sum(logits * cotangent), logits
+
+  (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+  return np.asarray(logits), grads
+
+
+@pytest.mark.parametrize('attention,n_layers,cycle', [
+    ('strided', 4, 2),            # Interleaved A1/A2: period 2.
+    ('fixed', 4, 2),
+    ('local_global', 6, 3),       # Every 3rd layer global.
+    ('dense,local,dense,local', 4, 2),  # A list of names that repeats.
+])
+def test_scan_cycle_computes_the_unrolled_model(attention, n_layers, cycle):
+  cfg = _config(attention=attention, n_layers=n_layers, stack='scan_cycle')
+  assert stacks.cycle_length(cfg) == cycle
+  params = jax.jit(transformer.Decoder(cfg).init)(jax.random.key(0),
+                                                  jnp.zeros((1, 24), jnp.int32))['params']
+  params = jax.tree.map(lambda a: a, params)
+  assert set(params['cycle']) == {f'layer_{k}' for k in range(cycle)}
+  assert all(a.shape[0] == n_layers // cycle for a in jax.tree.leaves(params['cycle']))
+  unrolled_cfg = _config(attention=attention, n_layers=n_layers, stack='unrolled')
+  logits, grads = _logits_and_grads(cfg, params)
+  ref_logits, ref_grads = _logits_and_grads(unrolled_cfg, _to_unrolled(cfg, params))
+  np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=1e-5)
+  grads = _to_unrolled(cfg, grads)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, np.abs(b).max()), rtol=1e-4)
+  # The layers of a cycle really differ (a cycle of one repeated layer would fail above only
+  # if A1 and A2 gave different outputs on these inputs).
+  if attention == 'strided':
+    wrong = _config(attention=attention, n_layers=n_layers, attention_options={
+        **SPARSE, 'factorization': 'merged'}, stack='unrolled')
+    other, _ = _logits_and_grads(wrong, _to_unrolled(cfg, params))
+    assert np.abs(other - ref_logits).max() > 1e-3
+
+
+@pytest.mark.parametrize('overrides,message', [
+    ({'attention': 'strided', 'stack': 'scan'}, r"depends on its layer index \(period 2\).*scan_cycle"),
+    ({'attention': 'dense,local', 'n_layers': 2, 'stack': 'scan'}, 'same variant in every layer'),
+    ({'attention': 'strided', 'n_layers': 3, 'stack': 'scan_cycle'}, 'repeat every 2 layers'),
+    ({'attention': 'selective', 'stack': 'scan_cycle'}, 'selective attention gives every layer'),
+    ({'stack': 'nope'}, "unknown stack 'nope'; known stacks: scan, scan_cycle, unrolled"),
+    ({'block': 'nope'}, "unknown block 'nope'; known blocks: pre_ln"),
+])
+def test_bad_stack_or_block_is_reported_at_config_time(overrides, message):
+  with pytest.raises(ValueError, match=message):
+    _config(**overrides)
+
+
+def test_auto_scans_only_identical_layer_independent_layers():
+  assert _config(attention='dense').stack_name == 'scan'
+  assert _config(attention='local').stack_name == 'scan'
+  assert _config(attention='strided').stack_name == 'unrolled'
+  assert _config(attention='strided', attention_options={
+      **SPARSE, 'factorization': 'merged'}).stack_name == 'scan'
+  assert _config(attention='dense,local,dense,local').stack_name == 'unrolled'
+
+
+def test_layer_context_is_static_where_it_must_be():
+  ctx = blocks.LayerContext(positions=jnp.zeros((1, 2)), segment_ids=jnp.ones((1, 2)),
+                            deterministic=False, decode=True)
+  leaves, treedef = jax.tree.flatten(ctx)
+  assert len(leaves) == 2  # positions and segment_ids; step None; the flags are static.
+  back = jax.tree.unflatten(treedef, leaves)
+  assert back.decode and not back.deterministic
