@@ -6,6 +6,8 @@ single knob d: d_model = 64 d, n_heads = n_layers = d. A field set to 0 is deriv
 
 import ml_collections
 
+from models import attention
+
 
 def get_config() -> ml_collections.ConfigDict:
   """The default (C4, d=8) configuration."""
@@ -28,40 +30,11 @@ def get_config() -> ml_collections.ConfigDict:
   model.attention = 'dense'             # Registry name, or a comma list with one name per layer.
   model.attention_impl = 'blocksparse'  # 'xla' (einsum reference), 'blocksparse', 'fused', 'cudnn'.
   model.attention_block_size = 128      # Query/key block length of 'blocksparse'.
-  # Hyper-parameters of the sparse variants (models/attention/sparse.py); others ignore them.
-  model.attention_options = opts = ml_collections.ConfigDict()
-  opts.stride = 128                     # Sparse Transformer l: stride (strided) / block (fixed).
-  opts.summary = 16                     # Fixed: summary cells c per block (paper: 8, 16, 32).
-  opts.factorization = 'interleave'     # 'interleave' (A1/A2 by layer), 'merged', 'multihead'.
-  opts.distinct_heads = False           # Fixed: each head reads its own summary sub-block.
-  opts.window = 128                     # Local / local_global: sliding window w.
-  opts.local_block = 128                # Block_local: query block length b.
-  opts.memory = 128                     # Block_local: earlier positions m each block sees.
-  opts.global_every = 2                 # Local_global: every k-th layer is global.
-  opts.key_block = 16                   # Blocksparse key block for sparse patterns.
-  opts.band_block = 64                  # Query block of the band path for near-diagonal
-                                        # patterns (local, strided A1); 0 = never use it.
-  opts.cpu_kernel = True                # Blocksparse on one CPU device: the fused C++ tile
-                                        # kernel (models/attention/cpu_kernel.py), not XLA.
-  # Adaptive / dynamic attention span (models/attention/adaptive_span.py).
-  opts.span_limit = 1024                # S: the longest span a head may learn.
-  opts.span_ramp = 32                   # R: width of the soft mask's ramp.
-  opts.span_init = 0.0                  # z' = z / S at init (paper: 0).
-  opts.span_penalty = 2e-6              # lambda of the L1 penalty (lambda / M) sum z.
-  opts.span_block = 64                  # Trimmed span T is rounded up to a multiple of this.
-  opts.span_learned = True              # False: z = S for every head (fixed-span baseline).
-  opts.span_memory = False              # Attend into the previous segment (needs data.packing=
-                                        # 'stream'; the loop carries the 'memory' collection).
-  opts.dynamic_span_bias = -4.0         # Dynamic span: b at init (z_t = S sigmoid(v.x + b)).
-  # Selective attention (models/attention/selective.py); the paper's setting is the default.
-  opts.selective_shift = True           # F_ij = sum_{k<=i-1} S_kj: no self-impact (A.4).
-  opts.selective_relu = True            # Constraint: S = relu(S) (A.5).
-  opts.selective_mask_bos = True        # Constraint: a document's <BOS> is never masked (A.5).
-  opts.selective_mask_diag = True       # Constraint: a token never masks itself (A.5).
-  opts.selective_separate_bilinear = False  # S from its own bilinear form, not head 0 (A.3).
-  opts.selective_lmem_eps = 0.0         # L_mem weight eps (eq. 2); 0 = off, paper: 0.1.
-  opts.selective_lmem_tau = 1.0         # L_mem clamp tau of F.
-  opts.selective_budgets = ()           # K_l per layer (context pruning); () = keep everything.
+  # Every variant's hyper-parameters, with the defaults each variant declares next to its code
+  # (OPTIONS in models/attention/<family>.py: one-line docs there). Override them as
+  # --config.model.attention_options.<name>=<value>; e.g. stride (Sparse Transformer l),
+  # summary (fixed c), window (local w), span_limit (adaptive span S), selective_budgets (K_l).
+  model.attention_options = ml_collections.ConfigDict(attention.default_options())
   model.qk_norm = True                  # RMS-normalize queries and keys.
   model.tied_embeddings = False         # Share input embedding and output projection.
   model.dropout_rate = 0.0              # Residual dropout (the paper uses none).

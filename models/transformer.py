@@ -35,7 +35,8 @@ class TransformerConfig:
     attention: registry name per layer (a tuple of length n_layers).
     attention_impl: implementation switch, one of attention.IMPLEMENTATIONS.
     attention_block_size: block length of the 'blocksparse' implementation.
-    attention_options: variant hyper-parameters, sorted (name, value) pairs.
+    attention_options: variant hyper-parameters, sorted (name, value) pairs; every option a
+      registered variant declares, defaults filled in (models/attention/registry.py).
     qk_norm: RMS-normalize queries and keys.
     tied_embeddings: reuse the input embedding as output projection.
     dropout_rate: residual dropout (0 in the paper).
@@ -75,7 +76,11 @@ class TransformerConfig:
       raise ValueError(f'model.attention lists {len(self.attention)} layers but n_layers is '
                        f'{self.n_layers}')
     for name in sorted(set(self.attention)):
-      attention.get(name).validate(dict(self.attention_options), self.n_heads, self.n_layers)
+      attention.get(name)  # An unknown variant name is the first error reported.
+    options = attention.resolve_options(dict(self.attention_options), self.attention)
+    object.__setattr__(self, 'attention_options', tuple(sorted(options.items())))
+    for name in sorted(set(self.attention)):
+      attention.get(name).validate(options, self.n_heads, self.n_layers)
     if self.attention_impl not in attention.IMPLEMENTATIONS:
       raise ValueError(f'unknown model.attention_impl {self.attention_impl!r}; known: '
                        f'{", ".join(attention.IMPLEMENTATIONS)}')
@@ -241,3 +246,42 @@ def count_params(config: TransformerConfig) -> int:
   shapes = jax.eval_shape(lambda: Decoder(config).init(
       jax.random.key(0), jnp.zeros((1, n), jnp.int32)))
   return sum(math.prod(a.shape) for a in jax.tree.leaves(nn.unbox(shapes['params'])))
+
+
+def variant_classes(config: TransformerConfig) -> list[type]:
+  """The attention classes the model's layers use, in order of first use."""
+  return [attention.get(name) for name in dict.fromkeys(config.attention)]
+
+
+def specialized(config: TransformerConfig, params) -> TransformerConfig:
+  """`config` with the options its variants derive from `params` (e.g. adaptive span's
+  per-layer trimmed spans); the same object when nothing changes, so a compiled step keyed on
+  the config is reused."""
+  stack = stacks.of(config)
+  updates = {}
+  for cls in variant_classes(config):
+    updates.update(cls.specialize(config, lambda i: stack.layer_tree(config, params, i)) or {})
+  options = {**dict(config.attention_options), **updates}
+  if not updates or tuple(sorted(options.items())) == config.attention_options:
+    return config
+  return dataclasses.replace(config, attention_options=tuple(sorted(options.items())))
+
+
+def row_periods(config: TransformerConfig) -> dict[str, int]:
+  """{variant: p} for the variants whose blocks are anchored to multiples of p in the row."""
+  options = dict(config.attention_options)
+  return {name: p for name in dict.fromkeys(config.attention)
+          if (p := attention.get(name).row_period(options))}
+
+
+def param_bounds(config: TransformerConfig) -> dict[str, tuple[float, float]]:
+  """{parameter name: (lo, hi)} the optimizer keeps in a box, from the variants in use."""
+  options = dict(config.attention_options)
+  return {k: v for cls in variant_classes(config) for k, v in cls.param_bounds(options).items()}
+
+
+def rng_streams(config: TransformerConfig) -> tuple[str, ...]:
+  """Random streams a training forward pass draws from: 'dropout' and the variants' own."""
+  options = dict(config.attention_options)
+  extra = [s for cls in variant_classes(config) for s in cls.rng_streams(options)]
+  return ('dropout', *dict.fromkeys(s for s in extra if s != 'dropout'))

@@ -5,16 +5,16 @@ Writes WORKDIR/inspect/connectivity.npz (one (n, n) boolean mask per layer and h
 (rows: layers, columns: heads; a dark cell (i, j) means query i may attend to key j). The
 masks come from the same pattern functions the attention code uses.
 
-Models with selective attention also get selective_F.npz (key `layer{L}`: the (n, n) F matrix
-of that layer for the first row of the first validation batch, NaN where the query cannot see
-the key) and selective_F.png (one panel per layer, greener = lower F, like figure 5 of the
-selective-attention paper), from the latest checkpoint of WORKDIR or, without one, from the
-initial parameters.
-
-Models with adaptive or dynamic spans also get, from the latest checkpoint of WORKDIR,
-spans.json and spans.png: each head's span per layer on a log scale (figure 4 of the
-adaptive-span paper; dynamic spans averaged over one validation batch), the average span, the
-attention FLOPs per token (table 1's columns) and the decoding cache against a full-span one.
+Then each variant in use draws its own figures (its `inspect` hook, models/attention/), from
+what it sows on the first validation batch with the latest checkpoint of WORKDIR (or, without
+one, the initial parameters); this file only renders them:
+- selective attention: selective_F.npz (key `layer{L}`: the (n, n) F matrix of the batch's
+  first row, NaN where the query cannot see the key) and selective_F.png (one panel per layer,
+  greener = lower F, like figure 5 of the selective-attention paper);
+- adaptive and dynamic spans: spans.json and spans.png, each head's span per layer on a log
+  scale (figure 4 of the adaptive-span paper; dynamic spans averaged over the batch), the
+  average span, attention FLOPs per token (table 1's columns) and the decoding cache against a
+  full-span one.
 """
 
 from __future__ import annotations
@@ -26,21 +26,19 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from models import attention, transformer
-from models.attention import adaptive_span, patterns
-
-SPAN_VARIANTS = {'adaptive_span', 'dynamic_span'}
+from models import blocks, stacks, transformer
+from models.attention import base, patterns
 
 
 def connectivity(model_config: transformer.TransformerConfig, n: int) -> dict[str, np.ndarray]:
-  """{'layer{L}_head{H}': (n, n) bool} for every layer and head."""
+  """{'layer{L}_head{H}': (n, n) bool} for every layer and head: the static pattern, or the
+  causal mask for a variant without one (what it may attend to at most)."""
   out = {}
   for layer, name in enumerate(model_config.attention):
-    module = attention.get(name)(
-        num_heads=model_config.n_heads, head_dim=model_config.head_dim, layer_index=layer,
-        max_len=model_config.max_len, options=model_config.attention_options)
+    module = blocks.make_attention(model_config, name, layer)
     for head in range(model_config.n_heads):
-      out[f'layer{layer}_head{head}'] = patterns.mask(module.head_pattern(head), n, head)
+      pattern = module.head_pattern(head) or patterns.Dense()
+      out[f'layer{layer}_head{head}'] = patterns.mask(pattern, n, head)
   return out
 
 
@@ -69,60 +67,6 @@ def plot(masks: dict[str, np.ndarray], n_layers: int, n_heads: int, path: str,
   plt.close(fig)
 
 
-def span_report(model_config, head_spans: np.ndarray) -> dict:
-  """Average span, attention FLOPs per token and decoding cache of learned spans.
-
-  Args:
-    model_config: the TransformerConfig.
-    head_spans: (layers, heads) spans z.
-
-  Returns:
-    JSON-ready dict. FLOPs count q.k and a.v (2 x 2 head_dim FLOPs per key) of one predicted
-    token: `per_head` lets each head stop at z + R; `trimmed` computes a layer's heads
-    together up to its trimmed span T (what this code does); `full_span` uses S everywhere.
-  """
-  opts = dict(model_config.attention_options)
-  limit, ramp, block = opts['span_limit'], opts['span_ramp'], opts['span_block']
-  d = model_config.head_dim
-  reach = np.minimum(head_spans + ramp, limit)  # Keys with a non-zero mask.
-  trims = [adaptive_span.trimmed_span(float(z.max()), ramp=ramp, limit=limit, block=block)
-           for z in head_spans]
-  heads = model_config.n_heads
-  flops = {'per_head': float(4 * d * reach.sum()),
-           'trimmed': float(4 * d * heads * sum(trims)),
-           'full_span': float(4 * d * heads * limit * len(trims))}
-  kv_bytes = 2 * heads * d * 4  # float32 key and value per cached position
-  return {'span_limit': limit, 'average_span': float(head_spans.mean()),
-          'max_span': float(head_spans.max()),
-          'head_spans': head_spans.round(2).tolist(), 'trimmed_spans': trims,
-          'attention_flops_per_token': flops,
-          'flops_saved_vs_full_span': 1.0 - flops['trimmed'] / flops['full_span'],
-          'decode_cache_bytes_per_row': {'trimmed': kv_bytes * sum(trims),
-                                         'full_span': kv_bytes * limit * len(trims)}}
-
-
-def plot_spans(head_spans: np.ndarray, limit: int, path: str, title: str) -> None:
-  """Each head's span per layer, log scale (figure 4 of the adaptive-span paper)."""
-  import matplotlib
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
-  layers, heads = head_spans.shape
-  fig, ax = plt.subplots(figsize=(1.0 + 0.5 * layers, 3.2))
-  width = 0.8 / heads
-  for h in range(heads):
-    ax.bar(np.arange(layers) + (h - (heads - 1) / 2) * width, np.maximum(head_spans[:, h], 1),
-           width, color=plt.cm.viridis(h / max(heads - 1, 1)))
-  ax.set_yscale('log')
-  ax.set_ylim(1, limit * 1.2)
-  ax.set_xticks(np.arange(layers), [str(i + 1) for i in range(layers)])
-  ax.set_xlabel('layer')
-  ax.set_ylabel('span z')
-  ax.set_title(title, fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-
-
 def _first_eval_batch(setup):
   """The first validation batch of the run's data (host-local arrays); closes the source."""
   try:
@@ -131,87 +75,112 @@ def _first_eval_batch(setup):
     setup.data.close()
 
 
-def learned_spans(config: ml_collections.ConfigDict, workdir: str):
-  """((layers, heads) spans from the latest checkpoint, model config); dynamic spans are
-  averaged over the first validation batch."""
-  import jax
-  from training import checkpoints, sharding, train
-  setup = train.build(config, workdir=workdir)
-  _, state = checkpoints.restore_latest(workdir, setup.abstract_state,
-                                        keep=config.keep_checkpoints,
-                                        required='train first, then inspect the spans')
-  local = _first_eval_batch(setup)
-  model = train.specialized_model(setup, state.params)
-  with sharding.activate(setup.mesh, setup.rules):
-    batch = train.device_batch(setup, local)
-    variables = {'params': state.params}
-    mutable = ['intermediates']
-    if setup.model_config.uses_memory:
-      variables['memory'] = train.fresh_memory(setup, local['inputs'].shape[0])
-      mutable.append('memory')
-    _, sown = jax.jit(lambda v, b: model.apply(
-        v, b['inputs'], positions=b['positions'], segment_ids=b['segment_ids'],
-        mutable=mutable))(variables, batch)
-  spans = []
-  for i, name in enumerate(setup.model_config.attention):
-    layer = sown['intermediates'].get(f'block_{i}', {}).get('attention', {})
-    if 'head_spans' not in layer:
-      raise ValueError(f'layer {i} ({name}) has no span to inspect')
-    spans.append(np.asarray(jax.device_get(layer['head_spans'][0]), np.float64))
-  return np.stack(spans), setup.model_config
+def sown_per_layer(config: ml_collections.ConfigDict, workdir: str):
+  """What each layer's attention sows into 'intermediates' on the first validation batch.
 
+  Uses the latest checkpoint of `workdir`, or the initial parameters without one.
 
-def selection_matrices(config: ml_collections.ConfigDict, workdir: str):
-  """({'layer{L}': (n, n) F}, the example's tokens, checkpoint step or None) of a selective
-  model on the first row of the first validation batch."""
+  Returns:
+    (list of layer i's sown attention intermediates (host arrays; {} where nothing is
+    sown), the batch (host arrays), the model config (specialized to the parameters), a
+    description of the parameters' source).
+  """
   import jax
-  import jax.numpy as jnp
   from training import checkpoints, sharding, train
   setup = train.build(config, workdir=workdir)
   step, state = checkpoints.restore_latest(workdir, setup.abstract_state,
                                            keep=config.keep_checkpoints)
   params = state.params if state is not None else train.init_state(setup, config.seed).params
   local = _first_eval_batch(setup)
-  example = {k: np.asarray(v[:1]) for k, v in local.items()}
+  model = train.specialized_model(setup, params)
   with sharding.activate(setup.mesh, setup.rules):
-    _, sown = jax.jit(lambda p, b: setup.model.apply(
-        {'params': p}, b['inputs'], positions=b['positions'], segment_ids=b['segment_ids'],
-        mutable=['intermediates']))(params, {k: jnp.asarray(v) for k, v in example.items()})
-  seg = example['segment_ids'][0]
-  n = seg.shape[0]
-  visible = (np.arange(n)[:, None] >= np.arange(n)[None, :]) & (seg[:, None] == seg[None, :])
-  out = {}
-  for i, name in enumerate(setup.model_config.attention):
-    layer = sown['intermediates'].get(f'block_{i}', {}).get('attention', {})
-    if 'selection_F' in layer:
-      f = np.asarray(jax.device_get(layer['selection_F'][0]), np.float32)
-      out[f'layer{i}'] = np.where(visible, f, np.nan)
-  return out, example['inputs'][0], step
+    variables = {'params': params}
+    mutable = ['intermediates']
+    if setup.model_config.uses_memory:
+      variables['memory'] = train.fresh_memory(setup, local['inputs'].shape[0])
+      mutable.append('memory')
+    _, sown = jax.jit(lambda v, b: model.apply(
+        v, b['inputs'], positions=b['positions'], segment_ids=b['segment_ids'],
+        mutable=mutable))(variables, train.device_batch(setup, local))
+  mc = model.config
+  sown = jax.device_get(sown['intermediates'])
+  stack = stacks.of(mc)
+  layers = [stack.layer_tree(mc, sown, i).get('attention', {}) for i in range(mc.n_layers)]
+  source = f'checkpoint step {step}' if step is not None else 'initial parameters'
+  return layers, {k: np.asarray(v) for k, v in local.items()}, mc, source
 
 
-def plot_selection(matrices: dict[str, np.ndarray], path: str, title: str) -> None:
-  """One panel of F per layer, greener = lower (figure 5 of the selective-attention paper)."""
+def plot_matrices(panels: dict[str, np.ndarray], path: str, title: str) -> None:
+  """One heatmap per panel (NaN blank), greener = lower (like figure 5 of the
+  selective-attention paper)."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
-  names = sorted(matrices, key=lambda k: int(k[5:]))
-  cols = min(4, len(names))
-  rows = -(-len(names) // cols)
+  cols = min(4, len(panels))
+  rows = -(-len(panels) // cols)
   fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols, 3.0 * rows + 0.5), squeeze=False)
   for ax in axes.flat:
     ax.axis('off')
-  for ax, name in zip(axes.flat, names):
-    ax.imshow(matrices[name], cmap='RdYlGn_r', interpolation='nearest')
-    ax.set_title(f'layer {int(name[5:]) + 1}', fontsize=8)
+  for ax, (name, matrix) in zip(axes.flat, panels.items()):
+    ax.imshow(matrix, cmap='RdYlGn_r', interpolation='nearest')
+    ax.set_title(name, fontsize=8)
   fig.suptitle(title, fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
 
 
+def plot_head_bars(values: np.ndarray, y_max: float, path: str, title: str,
+                   y_label: str) -> None:
+  """(layers, heads) values as one bar per head, grouped by layer, log scale (like figure 4
+  of the adaptive-span paper)."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  layers, heads = values.shape
+  fig, ax = plt.subplots(figsize=(1.0 + 0.5 * layers, 3.2))
+  width = 0.8 / heads
+  for h in range(heads):
+    ax.bar(np.arange(layers) + (h - (heads - 1) / 2) * width, np.maximum(values[:, h], 1),
+           width, color=plt.cm.viridis(h / max(heads - 1, 1)))
+  ax.set_yscale('log')
+  ax.set_ylim(1, y_max * 1.2)
+  ax.set_xticks(np.arange(layers), [str(i + 1) for i in range(layers)])
+  ax.set_xlabel('layer')
+  ax.set_ylabel(y_label)
+  ax.set_title(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def write_figure(figure, out_dir: str) -> dict[str, str]:
+  """Renders a variant's Figure (models/attention/base.py) into `out_dir`: FILE.png, plus
+  FILE.npz of its arrays and FILE.json of its report; returns {NAME_png: path, ...}."""
+  paths = {f'{figure.name}_png': os.path.join(out_dir, f'{figure.file}.png')}
+  if figure.kind == 'matrices':
+    plot_matrices(figure.panels, paths[f'{figure.name}_png'], figure.title)
+  elif figure.kind == 'head_bars':
+    plot_head_bars(figure.panels['values'], figure.y_max, paths[f'{figure.name}_png'],
+                   figure.title, figure.y_label)
+  else:
+    raise ValueError(f'unknown figure kind {figure.kind!r} of {figure.name}')
+  if figure.arrays:
+    paths[f'{figure.name}_npz'] = os.path.join(out_dir, f'{figure.file}.npz')
+    np.savez_compressed(paths[f'{figure.name}_npz'], **figure.arrays)
+  if figure.report is not None:
+    paths[f'{figure.name}_json'] = os.path.join(out_dir, f'{figure.file}.json')
+    with open(paths[f'{figure.name}_json'], 'w') as f:
+      json.dump(figure.report, f, indent=2)
+  logging.info('%s: %s; wrote %s', figure.name, figure.summary or figure.title,
+               paths[f'{figure.name}_png'])
+  return paths
+
+
 def inspect(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
-  """Writes the connectivity masks and their plot (and the spans of span variants); returns
-  the paths written."""
+  """Writes the connectivity masks and their plot, and the figures of each variant in use
+  (its `inspect` hook: F of selective attention, spans of adaptive spans); returns the paths
+  written."""
   model_cfg = dict(config.model)
   model_cfg['vocab_size'] = model_cfg.get('vocab_size') or 1  # Not needed for the masks.
   n = config.inspect_len or config.seq_len
@@ -230,29 +199,11 @@ def inspect(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
                'wrote %s and %s', mc.n_layers, mc.n_heads, n, np.mean(list(density.values())),
                npz, png)
   paths = {'npz': npz, 'png': png}
-  if 'selective' in mc.attention:
-    matrices, tokens, step = selection_matrices(config, workdir)
-    paths['selective_npz'] = os.path.join(out_dir, 'selective_F.npz')
-    np.savez_compressed(paths['selective_npz'], tokens=tokens, **matrices)
-    paths['selective_png'] = os.path.join(out_dir, 'selective_F.png')
-    source = f'checkpoint step {step}' if step is not None else 'initial parameters'
-    plot_selection(matrices, paths['selective_png'], f'selective attention F ({source})')
-    logging.info('selective F of %d layers (%s): mean F %s; wrote %s', len(matrices), source,
-                 [round(float(np.nanmean(m)), 3) for m in matrices.values()],
-                 paths['selective_png'])
-  if set(mc.attention) & SPAN_VARIANTS:
-    head_spans, full_config = learned_spans(config, workdir)
-    report = span_report(full_config, head_spans)
-    paths['spans_json'] = os.path.join(out_dir, 'spans.json')
-    with open(paths['spans_json'], 'w') as f:
-      json.dump(report, f, indent=2)
-    paths['spans_png'] = os.path.join(out_dir, 'spans.png')
-    plot_spans(head_spans, report['span_limit'], paths['spans_png'],
-               f'{kinds}: average span {report["average_span"]:.0f} of S={report["span_limit"]}')
-    logging.info('spans: average %.1f (max %.0f) of S=%d; trimmed spans %s; attention FLOPs '
-                 'per token %.3g (full span %.3g, %.0f%% saved); wrote %s', report['average_span'],
-                 report['max_span'], report['span_limit'], report['trimmed_spans'],
-                 report['attention_flops_per_token']['trimmed'],
-                 report['attention_flops_per_token']['full_span'],
-                 100 * report['flops_saved_vs_full_span'], paths['spans_json'])
+  if all(cls.inspect.__func__ is base.MultiHeadAttention.inspect.__func__
+         for cls in transformer.variant_classes(mc)):  # No variant draws figures.
+    return paths
+  layers, batch, model_config, source = sown_per_layer(config, workdir)
+  for cls in transformer.variant_classes(model_config):
+    for figure in cls.inspect(model_config, layers, batch, source):
+      paths.update(write_figure(figure, out_dir))
   return paths

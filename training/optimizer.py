@@ -4,9 +4,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-# Parameters kept inside a box after every update, by name: adaptive span's z' = z / S.
-BOXED_PARAMS = {'span_fraction': (0.0, 1.0)}
-
 
 def make_schedule(config) -> optax.Schedule:
   """Linear warm-up from 0 to `learning_rate`, then cosine decay to `end_learning_rate_fraction`.
@@ -29,8 +26,7 @@ def decay_mask(params):
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def keep_in_box(bounds: dict[str, tuple[float, float]] = BOXED_PARAMS
-                ) -> optax.GradientTransformation:
+def keep_in_box(bounds: dict[str, tuple[float, float]]) -> optax.GradientTransformation:
   """Projects parameters named in `bounds` back into [lo, hi] after the update.
 
   The last transform of a chain: the update u of such a parameter p becomes
@@ -60,15 +56,18 @@ def keep_in_box(bounds: dict[str, tuple[float, float]] = BOXED_PARAMS
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def make_optimizer(config) -> optax.GradientTransformation:
+def make_optimizer(config, param_bounds: dict[str, tuple[float, float]] | None = None
+                   ) -> optax.GradientTransformation:
   """The optimizer of the selective-attention recipe (AdamW, beta2 0.999).
 
   Args:
     config: the run config.
+    param_bounds: {parameter name: (lo, hi)} the variants in use keep in a box
+      (models/transformer.py param_bounds, e.g. adaptive span's z' in [0, 1]).
 
   Returns:
     clip_by_global_norm (if clip_grad_norm > 0), AdamW with the schedule, then
-    `keep_in_box` (adaptive span's z' stays in [0, 1]).
+    `keep_in_box` (always in the chain, so every model's optimizer state has one layout).
   """
   for name in ('learning_rate', 'weight_decay', 'clip_grad_norm'):
     if getattr(config, name) < 0:
@@ -78,5 +77,5 @@ def make_optimizer(config) -> optax.GradientTransformation:
     chain.append(optax.clip_by_global_norm(config.clip_grad_norm))
   chain.append(optax.adamw(make_schedule(config), b1=config.adam_b1, b2=config.adam_b2,
                            eps=config.adam_eps, weight_decay=config.weight_decay, mask=decay_mask))
-  chain.append(keep_in_box())
+  chain.append(keep_in_box(param_bounds or {}))
   return optax.chain(*chain)

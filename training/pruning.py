@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
+from models import stacks
 from models.attention import selective
 from models.attention import registry
 from training import checkpoints, losses, sharding, train
@@ -62,8 +63,12 @@ def make_loss_fn(setup):
   model, chunk = setup.model, setup.config.loss_chunk_len
   layers = selective_layers(setup.model_config)
 
+  config = setup.model_config
+
   def loss_fn(params, batch, budgets):
-    pruning = {f'block_{i}': {'attention': {'budget': budgets[i]}} for i in layers}
+    pruning = stacks.of(config).stacked_tree(config, [
+        {'attention': {'budget': budgets[i]}} if i in layers else None
+        for i in range(config.n_layers)])
     hidden, w = model.apply({'params': params, 'pruning': pruning}, batch['inputs'],
                             positions=batch['positions'], segment_ids=batch['segment_ids'],
                             return_hidden=True)

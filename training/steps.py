@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from models import transformer
 from training import losses
 
 Batch = dict[str, jax.Array]
@@ -53,6 +54,15 @@ def sown_metrics(tree) -> dict[str, jax.Array]:
   return out
 
 
+def _rngs(model: nn.Module, rng):
+  """{stream: key} for the model's random streams ('dropout' gets `rng` itself)."""
+  if rng is None:
+    return None
+  streams = transformer.rng_streams(model.config)
+  return {name: rng if name == 'dropout' else jax.random.fold_in(rng, i)
+          for i, name in enumerate(streams)}
+
+
 def forward_sums(model: nn.Module, params, batch: Batch, *, train: bool, rng=None,
                  loss_chunk_len: int = 128, memory=None):
   """Runs the model on a batch.
@@ -62,7 +72,8 @@ def forward_sums(model: nn.Module, params, batch: Batch, *, train: bool, rng=Non
     params: its parameters.
     batch: dict with 'inputs', 'targets', 'weights', 'positions' and 'segment_ids'.
     train: enables dropout (with `rng`).
-    rng: dropout key.
+    rng: key of the training randomness: 'dropout' gets it, and every other stream the
+      variants draw from (transformer.rng_streams) a key folded from it.
     loss_chunk_len: sequence positions per chunk of the fused projection + cross-entropy.
     memory: the 'memory' collection of segment-recurrent attention, or None/{}.
 
@@ -79,7 +90,7 @@ def forward_sums(model: nn.Module, params, batch: Batch, *, train: bool, rng=Non
   (hidden, w_out), mutated = model.apply(
       variables, batch['inputs'], positions=batch['positions'],
       segment_ids=batch['segment_ids'], deterministic=not train, return_hidden=True,
-      rngs={'dropout': rng} if rng is not None else None, mutable=mutable)
+      rngs=_rngs(model, rng), mutable=mutable)
   loss_sum, correct_sum = losses.linear_cross_entropy(
       hidden, w_out, batch['targets'], batch['weights'], loss_chunk_len)
   sums = {'loss_sum': loss_sum, 'correct_sum': correct_sum,
@@ -126,7 +137,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
       (_, (sums, aux, extra)), grads = grad_fn(state.params, batch, rng, state.memory)
     else:
       if state.memory:
-        raise ValueError('segment memory (attention_options.span_memory) needs '
+        raise ValueError('segment memory needs '
                          'grad_accum_steps=1: micro-batches would split the streams')
       micro_batches = jax.tree.map(
           lambda x: x.reshape((grad_accum_steps, -1) + x.shape[1:]), batch)

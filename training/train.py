@@ -18,7 +18,7 @@ from absl import logging
 
 import input_pipeline
 from models import transformer
-from models.attention import adaptive_span
+from models.attention import memory as segment_memory
 from training import checkpoints, flops, metrics as metrics_lib, optimizer, sharding, steps
 
 
@@ -67,18 +67,16 @@ def check_workdir(workdir: str) -> None:
 
 
 def _warn_unaligned_packing(config, model_config) -> None:
-  """Fixed and block_local blocks are anchored to row positions: packed documents must start
-  on block boundaries for training to see the pattern that decoding a document sees."""
+  """Patterns whose blocks are anchored to row positions (transformer.row_periods) need packed
+  documents to start on block boundaries for training to see what decoding a document sees."""
   if config.data.name not in input_pipeline.text.TFDS_NAMES or config.data.packing != 'packed':
     return
-  options = dict(model_config.attention_options)
-  periods = {'fixed': options.get('stride'), 'block_local': options.get('local_block')}
-  for name in sorted(set(model_config.attention) & set(periods)):
-    if config.data.pack_align % periods[name]:
+  for name, period in transformer.row_periods(model_config).items():
+    if config.data.pack_align % period:
       logging.warning('%s attention anchors its blocks (%d) to row positions, but packed '
                       'documents start anywhere (data.pack_align=%d): set data.pack_align=%d so '
-                      'each document sees the pattern it would see alone', name, periods[name],
-                      config.data.pack_align, periods[name])
+                      'each document sees the pattern it would see alone', name, period,
+                      config.data.pack_align, period)
 
 
 def _check_memory(config, model_config) -> None:
@@ -87,16 +85,17 @@ def _check_memory(config, model_config) -> None:
   if config.data.packing == 'stream' and model_config.position_embedding != 'none':
     raise ValueError('data.packing=\'stream\' positions grow past the position table: set '
                      'model.position_embedding=\'none\' and use a variant with relative '
-                     'positions (adaptive_span)')
+                     'positions')
   if not model_config.uses_memory:
     return
   if config.data.name not in input_pipeline.text.TFDS_NAMES or config.data.packing != 'stream':
-    raise ValueError('attention_options.span_memory carries each row\'s previous segment to the '
-                     'next batch: it needs a text source with data.packing=\'stream\' (got '
+    raise ValueError(f'{",".join(sorted(set(model_config.attention)))} attention with segment '
+                     'memory carries each row\'s previous segment to the next batch: it needs a '
+                     'text source with data.packing=\'stream\' (got '
                      f'data.name={config.data.name!r}, data.packing={config.data.packing!r})')
   if config.grad_accum_steps != 1:
-    raise ValueError('attention_options.span_memory needs grad_accum_steps=1 (micro-batches '
-                     'would split the streams)')
+    raise ValueError('segment memory needs grad_accum_steps=1 (micro-batches would split the '
+                     'streams)')
 
 
 def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None = None) -> Setup:
@@ -147,7 +146,7 @@ def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None =
   rules = sharding.rules_from_config(config.logical_axis_rules)
   model = transformer.Decoder(model_config)
   schedule = optimizer.make_schedule(config)
-  tx = optimizer.make_optimizer(config)
+  tx = optimizer.make_optimizer(config, transformer.param_bounds(model_config))
 
   def init_boxed(rng):
     # Segment memory has one row per batch row; parameters do not depend on the batch.
@@ -182,9 +181,9 @@ def device_batch(setup: Setup, local: dict[str, np.ndarray]) -> dict[str, jax.Ar
 
 
 def specialized_model(setup: Setup, params) -> transformer.Decoder:
-  """The Decoder with static values that follow the parameters: each adaptive-span layer's
-  trimmed span (a host copy of z'); `setup.model` for every other model."""
-  config = adaptive_span.with_trims(setup.model_config, params)
+  """The Decoder with the static values its variants derive from the parameters
+  (transformer.specialized, e.g. adaptive span's trimmed spans); `setup.model` when none."""
+  config = transformer.specialized(setup.model_config, params)
   return setup.model if config == setup.model_config else transformer.Decoder(config)
 
 
@@ -213,9 +212,9 @@ def fresh_memory(setup: Setup, rows: int):
   if rows != setup.config.batch_size:
     raise ValueError(f'segment memory is laid out for batch_size={setup.config.batch_size} '
                      f'rows; set eval_batch_size to the same ({rows} given)')
-  return jax.tree.map(
-      lambda a: jax.device_put(np.full(a.shape, -1 if a.dtype == np.int32 else 0, a.dtype),
-                               a.sharding), setup.abstract_state.memory)
+  abstract = setup.abstract_state.memory
+  return jax.tree.map(jax.device_put, segment_memory.fresh(abstract),
+                      jax.tree.map(lambda a: a.sharding, abstract))
 
 
 def _eval_local_batches(setup: Setup):
@@ -406,28 +405,24 @@ class _MetricWindow:
 
 
 class _SpecializedSteps:
-  """Jitted train/eval steps per static specialization of the model (adaptive spans' trimmed
-  T per layer): a step is compiled again only when some layer's T changes."""
+  """Jitted train/eval steps per static specialization of the model (the options its variants
+  derive from the parameters, e.g. adaptive spans' trimmed T per layer): a step is compiled
+  again only when one of those options changes."""
 
   def __init__(self, setup: Setup):
     self._setup = setup
-    self._dynamic = bool(adaptive_span.learned_layers(setup.model_config))
     self._steps = {}
     self._current = None
 
-  def _model(self, params):
-    if not self._dynamic:
-      return self._setup.model
-    return specialized_model(self._setup, params)
-
   def update(self, params):
     """Selects the steps for the current parameters; returns (train_step, eval_step)."""
-    model = self._model(params)
+    model = specialized_model(self._setup, params)
     key = model.config.attention_options
     if key not in self._steps:
       if self._current is not None:
-        logging.info('attention spans changed: trimmed spans %s; compiling their step',
-                     dict(key).get('span_trim'))
+        changed = {k: v for k, v in key if dict(self._current).get(k) != v}
+        logging.info('specialized attention options changed to %s; compiling their step',
+                     changed)
       self._steps[key] = (jit_train_step(self._setup, model), jit_eval_step(self._setup, model))
     self._current = key
     return self._steps[key]

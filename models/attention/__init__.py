@@ -13,6 +13,8 @@ from models.attention import dense  # noqa: F401  (registers 'dense')
 from models.attention import selective  # noqa: F401  (registers 'selective')
 from models.attention import sparse  # noqa: F401  (strided, fixed, local, block_local, local_global)
 from models.attention.base import IMPLEMENTATIONS, MultiHeadAttention, causal_segment_mask
-from models.attention.registry import get, known, register
+from models.attention.registry import (default_options, get, known, options, register,
+                                       resolve_options)
 
-__all__ = ['IMPLEMENTATIONS', 'MultiHeadAttention', 'causal_segment_mask', 'get', 'known', 'register']
+__all__ = ['IMPLEMENTATIONS', 'MultiHeadAttention', 'causal_segment_mask', 'default_options',
+           'get', 'known', 'options', 'register', 'resolve_options']

@@ -28,7 +28,6 @@ segments of one text to each batch row, and the training loop carries the collec
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import ClassVar
 
@@ -37,13 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.attention import base
+from models.attention import base, memory
 from models.attention import registry
 from models.attention.registry import register
-
-# Logical axes of the cached segment inputs.
-MEMORY_AXES = ('batch', 'length', 'embed')
-
 
 def soft_mask(x, z, ramp: float):
   """m_z(x) = clamp((R + z - x) / R, 0, 1) (section 2.2); differentiable in z on the ramp."""
@@ -112,39 +107,35 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
   return jnp.swapaxes(jnp.concatenate(outputs, axis=2), 1, 2)
 
 
-def learned_layers(config) -> list[int]:
-  """Layers whose trimmed span follows their learned z (adaptive_span with span_learned)."""
-  if not dict(config.attention_options).get('span_learned', True):
-    return []
-  return [i for i, name in enumerate(config.attention)
-          if registry.get(name) is AdaptiveSpanAttention]
-
-
-def with_trims(config, params):
-  """`config` with attention_options.span_trim set from the current z' of each layer.
-
-  Reads one (heads,) vector per adaptive-span layer from `params` (a device-to-host copy);
-  layers without a learned span keep T = S.
+def span_report(config, head_spans: np.ndarray) -> dict:
+  """Average span, attention FLOPs per token and decoding cache of learned spans (table 1).
 
   Args:
-    config: a TransformerConfig.
-    params: the Decoder's (unboxed) parameters.
+    config: the TransformerConfig.
+    head_spans: (layers, heads) spans z.
 
   Returns:
-    The config, unchanged when no layer learns its span.
+    JSON-ready dict. FLOPs count q.k and a.v (2 x 2 head_dim FLOPs per key) of one predicted
+    token: `per_head` lets each head stop at z + R; `trimmed` computes a layer's heads
+    together up to its trimmed span T (what this code does); `full_span` uses S everywhere.
   """
-  layers = learned_layers(config)
-  if not layers:
-    return config
   opts = dict(config.attention_options)
-  limit = opts['span_limit']
-  fractions = jax.device_get([params[f'block_{i}']['attention']['span_fraction'] for i in layers])
-  trims = [limit] * config.n_layers
-  for i, frac in zip(layers, fractions):
-    trims[i] = trimmed_span(limit * float(np.max(frac)), ramp=opts['span_ramp'], limit=limit,
-                            block=opts['span_block'])
-  opts['span_trim'] = tuple(trims)
-  return dataclasses.replace(config, attention_options=tuple(sorted(opts.items())))
+  limit, ramp, block = opts['span_limit'], opts['span_ramp'], opts['span_block']
+  d = config.head_dim
+  reach = np.minimum(head_spans + ramp, limit)  # Keys with a non-zero mask.
+  trims = [trimmed_span(float(z.max()), ramp=ramp, limit=limit, block=block) for z in head_spans]
+  heads = config.n_heads
+  flops = {'per_head': float(4 * d * reach.sum()),
+           'trimmed': float(4 * d * heads * sum(trims)),
+           'full_span': float(4 * d * heads * limit * len(trims))}
+  kv_bytes = 2 * heads * d * 4  # float32 key and value per cached position
+  return {'span_limit': limit, 'average_span': float(head_spans.mean()),
+          'max_span': float(head_spans.max()),
+          'head_spans': head_spans.round(2).tolist(), 'trimmed_spans': trims,
+          'attention_flops_per_token': flops,
+          'flops_saved_vs_full_span': 1.0 - flops['trimmed'] / flops['full_span'],
+          'decode_cache_bytes_per_row': {'trimmed': kv_bytes * sum(trims),
+                                         'full_span': kv_bytes * limit * len(trims)}}
 
 
 @register('adaptive_span')
@@ -157,11 +148,66 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
   (per-layer T, set by the training loop).
   """
   dynamic: ClassVar[bool] = False
+  OPTIONS = {
+      'span_limit': base.Option(1024, 'S: the longest span a head may learn'),
+      'span_ramp': base.Option(32, "R: width of the soft mask's ramp"),
+      'span_init': base.Option(0.0, "z' = z / S at init (paper: 0)"),
+      'span_penalty': base.Option(2e-6, 'lambda of the L1 penalty (lambda / M) sum z'),
+      'span_block': base.Option(64, 'the trimmed span T is rounded up to a multiple of this'),
+      'span_learned': base.Option(True, 'False: z = S for every head (fixed-span baseline)'),
+      'span_memory': base.Option(False, "attend into the previous segment (needs data.packing="
+                                 "'stream'; the loop carries the 'memory' collection)"),
+      'span_trim': base.Option(None, 'per-layer trimmed span T, set by the training loop from '
+                               "the learned z'", internal=True),
+  }
 
   @classmethod
   def layer_period(cls, options, n_layers):
     """The trimmed span T differs between layers and is static: every layer is its own."""
     return None
+
+  @classmethod
+  def param_bounds(cls, options):
+    return {'span_fraction': (0.0, 1.0)}  # z' = z / S stays in [0, 1].
+
+  @classmethod
+  def inspect(cls, config, layers, batch, source):
+    """Each head's span per layer (figure 4; dynamic spans averaged over the batch), with
+    the average span, attention FLOPs per token and decoding cache (spans.json)."""
+    del batch
+    if not all('head_spans' in layer for layer in layers):
+      return []  # Spans of a model whose every layer has one (one figure for both kinds).
+    head_spans = np.stack([np.asarray(layer['head_spans'][0], np.float64) for layer in layers])
+    report = span_report(config, head_spans)
+    kinds = ','.join(sorted(set(config.attention)))
+    flops = report['attention_flops_per_token']
+    return [base.Figure(
+        name='spans', file='spans', kind='head_bars', panels={'values': head_spans},
+        title=f'{kinds}: average span {report["average_span"]:.0f} of '
+              f'S={report["span_limit"]} ({source})',
+        report=report, y_max=report['span_limit'], y_label='span z',
+        summary=f'average {report["average_span"]:.1f} (max {report["max_span"]:.0f}) of '
+                f'S={report["span_limit"]}; trimmed spans {report["trimmed_spans"]}; attention '
+                f'FLOPs per token {flops["trimmed"]:.3g} (full span {flops["full_span"]:.3g}, '
+                f'{100 * report["flops_saved_vs_full_span"]:.0f}% saved)')]
+
+  @classmethod
+  def specialize(cls, config, layer_params):
+    """span_trim: each layer's T from the current z' (a device-to-host copy of one (heads,)
+    vector per learned-span layer); layers without a learned span keep T = S."""
+    opts = dict(config.attention_options)
+    if not opts['span_learned']:
+      return None
+    layers = [i for i, name in enumerate(config.attention) if registry.get(name) is cls]
+    if not layers:
+      return None
+    limit = opts['span_limit']
+    fractions = jax.device_get([layer_params(i)['attention']['span_fraction'] for i in layers])
+    trims = [limit] * config.n_layers
+    for i, frac in zip(layers, fractions):
+      trims[i] = trimmed_span(limit * float(np.max(frac)), ramp=opts['span_ramp'], limit=limit,
+                              block=opts['span_block'])
+    return {'span_trim': tuple(trims)}
 
   @classmethod
   def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
@@ -219,60 +265,45 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
     self.sow('intermediates', 'head_spans', z)
     return z
 
-  @nn.compact
-  def __call__(self, x, *, positions, segment_ids, cache=None, deterministic=True):
-    del deterministic
-    b, n, d_model = x.shape
+  def features(self, x, segment_ids):
+    """(z, rel): the spans and p_1 .. p_S, the relative embeddings shared by the heads
+    (section 3)."""
     z = self.spans(x, segment_ids)
     rel = self.param('rel_pos', nn.with_logical_partitioning(
         nn.initializers.normal(1.0), (None, 'kv')), (self.limit, self.head_dim),
-        self.param_dtype)  # p_1 .. p_S, shared by the heads (section 3).
-    if cache:
-      q, k, v = self.project(x)
-      return self.project_out(self.decode_step(q, k, v, z, rel), d_model)
-    k_segments, context = segment_ids, x
-    if self.uses_memory(dict(self.options)):
-      context, k_segments = self._with_memory(x, segment_ids)
-    q, k, v = self.project(context)
-    q = q[:, context.shape[1] - n:]
-    impl_block = n if self.impl == 'xla' else self.block_size
-    out = span_attention(q, k, v, segment_ids, k_segments, rel, z,
-                         ramp=self.option('span_ramp'), span=self.trim, block=impl_block,
-                         scale=self.head_dim ** -0.5, dtype=self.dtype)
-    return self.project_out(out, d_model)
+        self.param_dtype)
+    return z, rel
 
-  def _with_memory(self, x, segment_ids):
-    """[last T cached inputs; x] and their document ids; caches the last S inputs of x."""
-    b, n, d_model = x.shape
-    limit, trim = self.limit, self.trim
-    hidden = self.variable('memory', 'hidden', nn.with_logical_partitioning(
-        jnp.zeros, MEMORY_AXES), (b, limit, d_model), self.dtype)
-    ids = self.variable('memory', 'segment_ids', nn.with_logical_partitioning(
-        lambda shape: jnp.full(shape, -1, jnp.int32), ('batch', 'length')), (b, limit))
-    past, past_ids = nn.unbox(hidden.value), nn.unbox(ids.value)
-    if past.shape[0] != b:
-      raise ValueError(f'the segment cache holds {past.shape[0]} rows but the batch has {b}: '
-                       'carry the memory of the same batch size (attention_options.span_memory)')
-    context = jnp.concatenate([jax.lax.stop_gradient(past[:, limit - trim:]).astype(self.dtype),
-                               x.astype(self.dtype)], axis=1)
-    k_segments = jnp.concatenate([past_ids[:, limit - trim:], segment_ids], axis=1)
-    if self.is_mutable_collection('memory') and not self.is_initializing():
-      hidden.value = jax.lax.stop_gradient(
-          jnp.concatenate([past, x.astype(past.dtype)], axis=1)[:, -limit:])
-      ids.value = jnp.concatenate([past_ids, segment_ids], axis=1)[:, -limit:]
-    return context, k_segments
+  def memory_spec(self):
+    """With span_memory: keep the last S inputs, attend into the last T of them."""
+    if not self.uses_memory(dict(self.options)):
+      return None
+    return memory.Spec(keep=self.limit, use=self.trim)
 
-  def decode_step(self, q, k, v, z, rel):
+  def attend(self, q, k, v, *, positions, segment_ids, deterministic, key_segment_ids=None,
+             extra=None):
+    del positions, deterministic
+    z, rel = extra
+    impl_block = q.shape[1] if self.impl == 'xla' else self.block_size
+    if key_segment_ids is None:
+      key_segment_ids = segment_ids
+    return span_attention(q, k, v, segment_ids, key_segment_ids, rel, z,
+                          ramp=self.option('span_ramp'), span=self.trim, block=impl_block,
+                          scale=self.head_dim ** -0.5, dtype=self.dtype)
+
+  def decode_step(self, q, k, v, *, positions, extra=None):
     """One token; the cache keeps the last T keys (T = this layer's trimmed span).
 
     Args:
       q, k, v: (batch, 1, heads, head_dim).
-      z: (heads,) or (batch, 1, heads) spans.
-      rel: (S, head_dim) relative embeddings.
+      positions: (batch, 1) the step's position (the cache counts steps itself).
+      extra: (z, rel): (heads,) or (batch, 1, heads) spans; (S, head_dim) relative embeddings.
 
     Returns:
       (batch, 1, heads, head_dim).
     """
+    del positions
+    z, rel = extra
     b, t, h, d = q.shape
     trim = self.trim
     ck = self.variable('cache', 'key', jnp.zeros, (b, trim, h, d), k.dtype)
@@ -317,6 +348,15 @@ class DynamicSpanAttention(AdaptiveSpanAttention):
   keys before it (still n S work, not n^2).
   """
   dynamic: ClassVar[bool] = True
+  OPTIONS = {'dynamic_span_bias': base.Option(-4.0, 'b at init (z_t = S sigmoid(v . x_t + b))')}
+
+  @classmethod
+  def specialize(cls, config, layer_params):
+    return None  # z_t follows the input: T = S.
+
+  @classmethod
+  def param_bounds(cls, options):
+    return {}
 
   @property
   def trim(self) -> int:

@@ -1,6 +1,7 @@
-"""Shared multi-head attention code; variants override `attend` only."""
+"""Shared multi-head attention: the one call path of every variant, which overrides `attend`."""
 
-from typing import Any
+import dataclasses
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import layers
-from models.attention import patterns
+from models.attention import memory, patterns
 
 Dtype = Any
 
@@ -109,12 +110,82 @@ def block_attention(q, k, v, segment_ids, *, key_range, allowed, block_size, sca
   return jnp.swapaxes(jnp.concatenate(outputs, axis=2), 1, 2)
 
 
+@dataclasses.dataclass(frozen=True)
+class Option:
+  """One hyper-parameter of a variant: config.model.attention_options.<name>.
+
+  Options share one flat namespace; a variant declares its own in `OPTIONS` (the registry
+  refuses a name two variants declare separately) and checks them together in `validate`.
+
+  Attributes:
+    default: the value configs start from; its type is the type the option must have
+      (a float option takes ints; None takes anything).
+    doc: one line: what it is, with the paper's symbol.
+    internal: set by the training loop, not by users (kept out of configs/default.py).
+  """
+  default: Any
+  doc: str
+  internal: bool = False
+
+  def check(self, name: str, value) -> None:
+    """Raises ValueError if `value` does not have the default's type."""
+    d = self.default
+    if d is None:
+      return
+    if isinstance(d, bool):
+      ok, kind = isinstance(value, bool), 'True or False'
+    elif isinstance(d, int):
+      ok, kind = isinstance(value, int) and not isinstance(value, bool), 'an integer'
+    elif isinstance(d, float):
+      ok, kind = isinstance(value, (int, float)) and not isinstance(value, bool), 'a number'
+    elif isinstance(d, (tuple, list)):
+      ok, kind = isinstance(value, (tuple, list)), 'a tuple'
+    else:
+      ok, kind = isinstance(value, type(d)), f'a {type(d).__name__}'
+    if not ok:
+      raise ValueError(f'model.attention_options.{name} ({self.doc}) must be {kind}, got '
+                       f'{value!r}')
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+  """A plot `--mode=inspect` draws from what a variant sows (training/inspect.py renders it).
+
+  Attributes:
+    name: key of the paths inspect returns (NAME_png, NAME_npz, NAME_json).
+    file: file stem under WORKDIR/inspect/.
+    kind: 'matrices' (one heatmap per panel, NaN left blank, greener = lower) or 'head_bars'
+      (panels['values'], (layers, heads), one bar per head grouped by layer, log scale).
+    panels: what is plotted, by panel title.
+    title: the figure's title.
+    arrays: saved to FILE.npz (nothing when empty).
+    report: saved to FILE.json (nothing when None).
+    summary: the log line.
+    y_max: top of a 'head_bars' axis.
+    y_label: its label.
+  """
+  name: str
+  file: str
+  kind: str
+  panels: dict
+  title: str
+  arrays: dict = dataclasses.field(default_factory=dict)
+  report: dict | None = None
+  summary: str = ''
+  y_max: float = 1.0
+  y_label: str = ''
+
+
 class MultiHeadAttention(nn.Module):
   """Projections, QK-norm, head split/merge and output projection shared by all variants.
 
-  Subclasses override `attend(q, k, v, *, positions, segment_ids, deterministic)`; they may
-  create parameters there (it runs inside the compact `__call__`), `self.sow('losses', ...)`
-  auxiliary losses and `self.sow('intermediates', ...)` statistics.
+  A variant subclasses it and overrides `attend` (which keys each query sees, how scores are
+  shaped). It may also override `features` (inputs it computes from x), `memory_spec`
+  (segment memory), `head_pattern` (a static pattern: decoding then comes for free) or
+  `decode_step`, and the class-level hooks below (validation, layer period, specialization,
+  parameter bounds, rng streams). `attend` runs inside the compact `__call__`: it may create
+  parameters, `self.sow('losses', ...)` auxiliary losses and `self.sow('intermediates', ...)`
+  statistics.
 
   Attributes:
     num_heads: number of attention heads.
@@ -143,9 +214,23 @@ class MultiHeadAttention(nn.Module):
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
+  # The variant's own hyper-parameters (name -> Option); subclasses inherit their parents'.
+  OPTIONS: ClassVar[dict[str, Option]] = {}
+
+  @classmethod
+  def declared_options(cls) -> dict[str, Option]:
+    """Every option the variant reads: its own OPTIONS and those of its parent classes."""
+    out = {}
+    for klass in reversed(cls.__mro__):
+      out.update(vars(klass).get('OPTIONS', {}))
+    return out
+
   @classmethod
   def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
-    """Raises ValueError for hyper-parameters the variant cannot use (before any compute)."""
+    """Raises ValueError for hyper-parameters the variant cannot use (before any compute).
+
+    `options` holds every declared option (defaults filled in), each of its declared type.
+    """
     del options, n_heads, n_layers
 
   @classmethod
@@ -155,6 +240,55 @@ class MultiHeadAttention(nn.Module):
     return False
 
   @classmethod
+  def specialize(cls, config, layer_params) -> dict | None:
+    """Option values that follow the parameters and are static in the compiled step (the
+    training loop recompiles when they change), or None (the default).
+
+    Args:
+      config: the model's TransformerConfig.
+      layer_params: i -> layer i's parameters (host or device arrays).
+
+    Returns:
+      {option name: value} to set in config.attention_options, or None.
+    """
+    del config, layer_params
+
+  @classmethod
+  def inspect(cls, config, layers: list[dict], batch: dict, source: str) -> list[Figure]:
+    """Figures of what the variant sows into 'intermediates' (none by default).
+
+    Args:
+      config: the model's TransformerConfig.
+      layers: layer i's sown attention intermediates on `batch` (host arrays, as sown:
+        tuples), {} where nothing is sown (e.g. layers of another variant).
+      batch: the first validation batch (host arrays: inputs, positions, segment_ids, ...).
+      source: where the parameters came from (e.g. 'checkpoint step 400'), for titles.
+    """
+    del config, layers, batch, source
+    return []
+
+  @classmethod
+  def row_period(cls, options: dict) -> int | None:
+    """p if the pattern's blocks are anchored to multiples of p in the row (packed documents
+    should then start on them: data.pack_align); None (the default) if it depends only on
+    i - j."""
+    del options
+
+  @classmethod
+  def param_bounds(cls, options: dict) -> dict[str, tuple[float, float]]:
+    """{parameter name: (lo, hi)}: parameters the optimizer keeps in a box after every
+    update (none by default)."""
+    del options
+    return {}
+
+  @classmethod
+  def rng_streams(cls, options: dict) -> tuple[str, ...]:
+    """Random streams the variant draws from in training besides 'dropout' (e.g. LSH's
+    random rotations); the train step provides a key for each."""
+    del options
+    return ()
+
+  @classmethod
   def layer_period(cls, options: dict, n_layers: int) -> int | None:
     """How the module depends on `layer_index`: 1, not at all (the default); p, only through
     layer_index mod p; None, every layer is its own (static per-layer settings)."""
@@ -162,16 +296,24 @@ class MultiHeadAttention(nn.Module):
     return 1
 
   def option(self, name: str):
-    """The variant hyper-parameter `name` from config.model.attention_options."""
+    """The variant hyper-parameter `name` from config.model.attention_options (its declared
+    default when the options leave it out)."""
     for key, value in self.options:
       if key == name:
         return value
-    raise ValueError(f'{type(self).__name__} needs model.attention_options.{name}; it has '
-                     f'{[k for k, _ in self.options]}')
+    declared = self.declared_options()
+    if name not in declared:
+      raise ValueError(f'{type(self).__name__} reads model.attention_options.{name}, which it '
+                       f'does not declare in OPTIONS')
+    return declared[name].default
 
   @nn.compact
   def __call__(self, x, *, positions, segment_ids, cache=None, deterministic=True):
-    """Self-attention over x.
+    """Self-attention over x (and over the cached past, for variants with segment memory).
+
+    The one path every variant runs: its `features` of x, the context (x, or the cached past
+    inputs then x, `memory_spec`), queries from x and keys/values from the context (one fused
+    projection), then `attend` (or `decode_step` when decoding) and the output projection.
 
     Args:
       x: (batch, length, d_model) inputs.
@@ -184,16 +326,35 @@ class MultiHeadAttention(nn.Module):
     Returns:
       (batch, length, d_model) outputs.
     """
-    if cache is not None and cache is not False and not isinstance(cache, bool):
+    if cache is not None and not isinstance(cache, bool):
       raise ValueError(f'cache must be None, False or True (decode with the mutable "cache" '
                        f'collection), got {cache!r}')
-    q, k, v = self.project(x)
+    n = x.shape[1]
+    extra = self.features(x, segment_ids)
     if cache:
-      out = self.decode_step(q, k, v, positions)
+      q, k, v = self.project(x)
+      out = self.decode_step(q, k, v, positions=positions, extra=extra)
     else:
-      out = self.attend(q, k, v, positions=positions, segment_ids=segment_ids,
-                        deterministic=deterministic)
+      context, key_segment_ids = x, segment_ids
+      spec = self.memory_spec()
+      if spec is not None:
+        context, key_segment_ids = memory.extend(self, x, segment_ids, spec)
+      q, k, v = self.project(context)
+      out = self.attend(q[:, context.shape[1] - n:], k, v, positions=positions,
+                        segment_ids=segment_ids, key_segment_ids=key_segment_ids,
+                        deterministic=deterministic, extra=extra)
     return self.project_out(out, x.shape[-1])
+
+  def features(self, x, segment_ids):
+    """What the variant computes from x besides q, k, v (e.g. per-token spans), handed to
+    `attend` and `decode_step` as `extra`; it may create parameters. None by default."""
+    del x, segment_ids
+
+  def memory_spec(self) -> memory.Spec | None:
+    """How many past inputs this layer keeps and attends into (models/attention/memory.py);
+    None (the default) for no segment memory. Variants that return one also return True
+    from `uses_memory`."""
+    return None
 
   def project(self, x):
     """Queries, keys and values of x: one fused matmul, then QK-norm.
@@ -235,12 +396,16 @@ class MultiHeadAttention(nn.Module):
                    w_o.astype(self.dtype).reshape(-1, d_model)).reshape(b, t, -1)
 
   def head_pattern(self, head: int):
-    """The static pattern of `head` (models/attention/patterns.py); causal by default."""
+    """The static pattern of `head` (models/attention/patterns.py), or None for a variant
+    whose connectivity is not a static pattern (the default)."""
     del head
-    return patterns.Dense()
+    return None
 
-  def decode_step(self, q, k, v, positions):
+  def decode_step(self, q, k, v, *, positions, extra=None):
     """One token of autoregressive decoding over the 'cache' collection.
+
+    This default serves every variant with a static pattern (`head_pattern`); a variant
+    without one implements its own (same signature) or cannot decode.
 
     The cache holds only the keys the pattern can still attend to: key j stays until the last
     query that may see it (patterns.cache_plan), so a sliding window keeps w entries and fixed
@@ -250,11 +415,17 @@ class MultiHeadAttention(nn.Module):
 
     Args:
       q, k, v: (batch, 1, heads, head_dim).
-      positions: (batch, 1) the step's position (only used to check the shape).
+      positions: (batch, 1) the step's position.
+      extra: the variant's `features` of the token.
 
     Returns:
       (batch, 1, heads, head_dim).
     """
+    del positions, extra
+    if self.head_pattern(0) is None:
+      raise NotImplementedError(
+          f'{type(self).__name__} cannot decode: it has no static pattern (head_pattern) and '
+          'does not implement decode_step')
     b, t, h, d = q.shape
     n = self.max_len
     if n < 1:
@@ -287,14 +458,20 @@ class MultiHeadAttention(nn.Module):
     out = jnp.where(allowed.any(axis=-1)[None, :, None], out, 0)
     return out[:, None].astype(self.dtype)
 
-  def attend(self, q, k, v, *, positions, segment_ids, deterministic):
+  def attend(self, q, k, v, *, positions, segment_ids, deterministic, key_segment_ids=None,
+             extra=None):
     """Which keys each query sees and how scores are shaped: the variant's whole job.
 
     Args:
-      q, k, v: (batch, length, heads, head_dim) after projection and QK-norm.
-      positions: (batch, length) int positions within each document.
-      segment_ids: (batch, length) int document ids.
+      q: (batch, length, heads, head_dim) queries after projection and QK-norm.
+      k, v: (batch, m + length, heads, head_dim): m cached past positions (segment memory,
+        m = 0 without), then the current ones.
+      positions: (batch, length) int positions of the queries within each document.
+      segment_ids: (batch, length) int document ids of the queries.
+      key_segment_ids: (batch, m + length) document ids of the keys (-1: empty memory slot);
+        None when they are the queries' (no memory).
       deterministic: True at eval.
+      extra: the variant's `features` of x (None by default).
 
     Returns:
       (batch, length, heads, head_dim).

@@ -13,8 +13,12 @@ class DenseAttention(base.MultiHeadAttention):
   softmax(Q K^T / sqrt(d_head) + M) V with M the causal, same-document mask.
   """
 
-  def attend(self, q, k, v, *, positions, segment_ids, deterministic):
-    del deterministic
+  def head_pattern(self, head):
+    return patterns.Dense()
+
+  def attend(self, q, k, v, *, positions, segment_ids, deterministic, key_segment_ids=None,
+             extra=None):
+    del key_segment_ids, deterministic, extra
     scale = q.shape[-1] ** -0.5
     if self.impl == 'splash':
       return splash.splash_attention(q, k, v, segment_ids, positions,

@@ -126,7 +126,7 @@ class BlockLocal:
 
   def __post_init__(self):
     _check('attention_options.local_block (b)', self.b, 1)
-    _check('attention_options.memory (m)', self.m, 0)
+    _check('attention_options.block_memory (m)', self.m, 0)
 
   def allowed(self, i, j, head: int = 0):
     del head

@@ -30,24 +30,24 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models import layers
 from models.attention import base
 from models.attention.registry import register
 
-# attention_options read by this module and their defaults.
-DEFAULTS = {
-    'selective_shift': True,              # F_{i,j} = sum_{k <= i-1} S_{k,j} (A.4).
-    'selective_relu': True,               # Constraint 1: S = max(S, 0).
-    'selective_mask_bos': True,           # Constraint 2: S[:, <BOS>] = 0.
-    'selective_mask_diag': True,          # Constraint 3: S[i, i] = 0.
-    'selective_separate_bilinear': False,  # S from its own bilinear form (A.3).
-    'selective_lmem_eps': 0.0,            # eps of L_mem (eq. 2); 0 = off (paper: 0.1).
-    'selective_lmem_tau': 1.0,            # tau of L_mem's M^l_i.
-    'selective_budgets': (),              # K_l per layer (context pruning); () = unlimited.
+Option = base.Option
+# attention_options read by this module and their defaults (the paper's setting).
+OPTIONS = {
+    'selective_shift': Option(True, 'F_ij = sum_{k<=i-1} S_kj: no self-impact (A.4)'),
+    'selective_relu': Option(True, 'constraint 1: S = relu(S) (A.5)'),
+    'selective_mask_bos': Option(True, "constraint 2: a document's <BOS> is never masked (A.5)"),
+    'selective_mask_diag': Option(True, 'constraint 3: a token never masks itself (A.5)'),
+    'selective_separate_bilinear': Option(False, 'S from its own bilinear form, not head 0 (A.3)'),
+    'selective_lmem_eps': Option(0.0, 'eps of L_mem (eq. 2); 0 = off (paper: 0.1)'),
+    'selective_lmem_tau': Option(1.0, "tau of L_mem's M^l_i (the clamp of F)"),
+    'selective_budgets': Option((), 'K_l per layer (context pruning); () = keep everything'),
 }
-_BOOLS = ('selective_shift', 'selective_relu', 'selective_mask_bos', 'selective_mask_diag',
-          'selective_separate_bilinear')
 # Eviction score of what may not be evicted (<BOS>, empty slots, other documents).
 _NEG = -jnp.inf
 
@@ -145,7 +145,8 @@ def kept_mask(e, bos, budget):
 
 @register('selective')
 class SelectiveAttention(base.MultiHeadAttention):
-  """Selective attention; options `selective_*` (see DEFAULTS and configs/default.py)."""
+  """Selective attention; options `selective_*` (OPTIONS above)."""
+  OPTIONS = OPTIONS
 
   @classmethod
   def layer_period(cls, options, n_layers):
@@ -156,10 +157,6 @@ class SelectiveAttention(base.MultiHeadAttention):
   @classmethod
   def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
     del n_heads
-    for name in _BOOLS:
-      if not isinstance(options.get(name, DEFAULTS[name]), bool):
-        raise ValueError(f'attention_options.{name} must be True or False, got '
-                         f'{options.get(name)!r}')
     eps = options.get('selective_lmem_eps', 0.0)
     if not isinstance(eps, (int, float)) or eps < 0:
       raise ValueError(f'attention_options.selective_lmem_eps (eps of L_mem) must be >= 0, got '
@@ -176,31 +173,36 @@ class SelectiveAttention(base.MultiHeadAttention):
                        f'{n_layers} integers K_l >= 2 (one per layer; <BOS> and the current '
                        f'token), or () for no pruning')
 
-  def opt(self, name: str):
-    """attention_options[name], or its default."""
-    for key, value in self.options:
-      if key == name:
-        return value
-    return DEFAULTS[name]
+  @classmethod
+  def inspect(cls, config, layers, batch, source):
+    """F of each selective layer on the batch's first row (figure 5), NaN where the query
+    cannot see the key; selective_F.npz also holds the row's tokens."""
+    seg = np.asarray(batch['segment_ids'][0])
+    n = seg.shape[0]
+    visible = (np.arange(n)[:, None] >= np.arange(n)[None, :]) & (seg[:, None] == seg[None, :])
+    matrices = {f'layer{i}': np.where(visible, np.asarray(layer['selection_F'][0], np.float32),
+                                      np.nan)
+                for i, layer in enumerate(layers) if 'selection_F' in layer}
+    if not matrices:
+      return []
+    return [base.Figure(
+        name='selective', file='selective_F', kind='matrices',
+        panels={f'layer {int(k[5:]) + 1}': m for k, m in matrices.items()},
+        title=f'selective attention F ({source})',
+        arrays={'tokens': np.asarray(batch['inputs'][0]), **matrices},
+        summary=f'F of {len(matrices)} layers ({source}): mean F '
+                f'{[round(float(np.nanmean(m)), 3) for m in matrices.values()]}')]
 
   @property
   def budget(self) -> int:
     """K_l of this layer (static); 0 = unlimited."""
-    budgets = self.opt('selective_budgets') or ()
+    budgets = self.option('selective_budgets') or ()
     return int(budgets[self.layer_index]) if budgets else 0
 
-  @nn.compact
-  def __call__(self, x, *, positions, segment_ids, cache=None, deterministic=True):
-    if cache is not None and cache is not False and not isinstance(cache, bool):
-      raise ValueError(f'cache must be None, False or True, got {cache!r}')
-    q, k, v = self.project(x)
-    sel = self.selection_projection(x) if self.opt('selective_separate_bilinear') else None
-    if cache:
-      out = self.decode_step(q, k, v, sel)
-    else:
-      out = self.attend(q, k, v, positions=positions, segment_ids=segment_ids,
-                        deterministic=deterministic, selection=sel)
-    return self.project_out(out, x.shape[-1])
+  def features(self, x, segment_ids):
+    """The separate bilinear form's (q_s, k_s) of appendix A.3, or None (S from head 0)."""
+    del segment_ids
+    return self.selection_projection(x) if self.option('selective_separate_bilinear') else None
 
   def selection_projection(self, x):
     """(q_s, k_s): (batch, n, head_dim) each, the separate bilinear form of appendix A.3."""
@@ -217,18 +219,20 @@ class SelectiveAttention(base.MultiHeadAttention):
     return qs, ks
 
   def _constrain(self, s, mask, bos_k, i, j):
-    return constrain(s, mask, bos_k, i, j, relu=self.opt('selective_relu'),
-                     mask_bos=self.opt('selective_mask_bos'),
-                     mask_diag=self.opt('selective_mask_diag'))
+    return constrain(s, mask, bos_k, i, j, relu=self.option('selective_relu'),
+                     mask_bos=self.option('selective_mask_bos'),
+                     mask_diag=self.option('selective_mask_diag'))
 
   def _sow_memory_loss(self, doc_max_total, segment_ids):
     """eq. 2: eps sum_l max_i M^l_i / (L n_{!=pad}), this layer's share, into 'losses'."""
-    eps = float(self.opt('selective_lmem_eps'))
+    eps = float(self.option('selective_lmem_eps'))
     n_real = jnp.maximum(jnp.sum(segment_ids > 0), 1).astype(jnp.float32)
     self.sow('losses', 'selective_lmem', eps * doc_max_total / (self.num_layers * n_real))
 
-  def attend(self, q, k, v, *, positions, segment_ids, deterministic, selection=None):
-    del positions, deterministic
+  def attend(self, q, k, v, *, positions, segment_ids, deterministic, key_segment_ids=None,
+             extra=None):
+    del positions, key_segment_ids, deterministic
+    selection = extra
     scale = q.shape[-1] ** -0.5
     pruning = self.budget or self.has_variable('pruning', 'budget')
     if self.impl == 'blocksparse' and not pruning:
@@ -248,11 +252,11 @@ class SelectiveAttention(base.MultiHeadAttention):
     s = self._constrain(s, mask, bos, i, j)
     f = jnp.cumsum(s, axis=1)                                # F = sum_{k <= i} S_{k,j}
     e = f - s                                                # sum_{k <= i-1} S_{k,j}
-    if self.opt('selective_shift'):
+    if self.option('selective_shift'):
       f = e
-    if self.opt('selective_lmem_eps') > 0:
+    if self.option('selective_lmem_eps') > 0:
       self._sow_memory_loss(memory_term(f, mask, segment_ids,
-                                        tau=float(self.opt('selective_lmem_tau'))), segment_ids)
+                                        tau=float(self.option('selective_lmem_tau'))), segment_ids)
     if self.is_mutable_collection('intermediates'):
       self.sow('intermediates', 'selection_F', f[0])
     if pruning:  # Section 4: the keys a budget of K_l would keep.
@@ -276,8 +280,8 @@ class SelectiveAttention(base.MultiHeadAttention):
       raise ValueError(f'attention block size must be >= 1, got {bs}')
     qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # (b, h, n, d)
     bos = bos_flags(segment_ids)
-    tau = float(self.opt('selective_lmem_tau'))
-    lmem = self.opt('selective_lmem_eps') > 0
+    tau = float(self.option('selective_lmem_tau'))
+    lmem = self.option('selective_lmem_eps') > 0
     carry = jnp.zeros((b, n), jnp.float32)  # sum over processed rows k of S_{k,j}
     outputs, m_rows, f_rows = [], [], []
     keep_f = self.is_mutable_collection('intermediates')
@@ -294,7 +298,7 @@ class SelectiveAttention(base.MultiHeadAttention):
                        preferred_element_type=jnp.float32) * scale
       s = self._constrain(s, mask, bos[:, :qe], i, j)
       f = carry[:, None, :qe] + jnp.cumsum(s, axis=1)
-      if self.opt('selective_shift'):
+      if self.option('selective_shift'):
         f = f - s
       carry = carry.at[:, :qe].add(jnp.sum(s, axis=1))
       if lmem:  # M_i of eq. 2 for the block's queries
@@ -313,7 +317,7 @@ class SelectiveAttention(base.MultiHeadAttention):
       self.sow('intermediates', 'selection_F', jnp.concatenate(f_rows, axis=0))
     return jnp.swapaxes(jnp.concatenate(outputs, axis=2), 1, 2)
 
-  def decode_step(self, q, k, v, selection=None):
+  def decode_step(self, q, k, v, *, positions, extra=None):
     """One token with a K_l-slot cache (section 4); F of each kept token kept incrementally.
 
     Each call takes one token per row, all rows at the same step, one document per row (step
@@ -322,11 +326,14 @@ class SelectiveAttention(base.MultiHeadAttention):
 
     Args:
       q, k, v: (batch, 1, heads, head_dim).
-      selection: (q_s, k_s) of the separate bilinear form, (batch, 1, head_dim) each, or None.
+      positions: (batch, 1) the step's position (the cache counts steps itself).
+      extra: (q_s, k_s) of the separate bilinear form, (batch, 1, head_dim) each, or None.
 
     Returns:
       (batch, 1, heads, head_dim).
     """
+    del positions
+    selection = extra
     b, t, h, d = q.shape
     if self.max_len < 1:
       raise ValueError('decoding needs the attention module to know max_len')
@@ -366,15 +373,15 @@ class SelectiveAttention(base.MultiHeadAttention):
       s = jnp.einsum('bd,bcd->bc', selection[0][:, 0], cks.value,
                      preferred_element_type=jnp.float32) * scale
     s = jnp.where(live, s, 0.0)
-    if self.opt('selective_relu'):
+    if self.option('selective_relu'):
       s = jax.nn.relu(s)
-    if self.opt('selective_mask_bos'):
+    if self.option('selective_mask_bos'):
       s = jnp.where(pos.value == 0, 0.0, s)
-    if self.opt('selective_mask_diag'):
+    if self.option('selective_mask_diag'):
       s = jnp.where(pos.value == step, 0.0, s)
-    if not self.opt('selective_shift'):
+    if not self.option('selective_shift'):
       f = f + s                       # F_{t,j} = sum_{k <= t} S_{k,j}
     probs = base.masked_softmax(logits - f[:, None], live[:, None], self.dtype)
     out = jnp.einsum('bhc,bchd->bhd', probs, cv.value)
-    fc.value = f + s if self.opt('selective_shift') else f  # F_{t+1,j} for the next token
+    fc.value = f + s if self.option('selective_shift') else f  # F_{t+1,j} for the next token
     return out[:, None].astype(self.dtype)

@@ -29,6 +29,15 @@ from models.attention import base, blocksparse, patterns, splash
 from models.attention.registry import register
 
 FACTORIZATIONS = ('interleave', 'merged', 'multihead')
+Option = base.Option
+
+# Options shared by the factorized patterns (strided and fixed) and by the sliding windows.
+FACTORIZED = {
+    'stride': Option(128, 'Sparse Transformer l: the stride (strided) or block length (fixed)'),
+    'factorization': Option('interleave', "how A1/A2 are used: 'interleave' (by layer), "
+                            "'merged' (A1 | A2 in every head), 'multihead' (half the heads each)"),
+}
+WINDOW = {'window': Option(128, 'sliding window w: the w most recent positions')}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +62,13 @@ class Minus:
 
 class PatternAttention(base.MultiHeadAttention):
   """Shared compute for static patterns; subclasses say which pattern each head uses."""
+  OPTIONS = {
+      'key_block': Option(16, "key block of the 'blocksparse' path for sparse patterns"),
+      'band_block': Option(64, 'query block of the band path for near-diagonal patterns (local, '
+                           'strided A1); 0 = never use it'),
+      'cpu_kernel': Option(True, "'blocksparse' on one CPU device runs the fused C++ tile kernel "
+                           '(models/attention/cpu_kernel.py), not XLA'),
+  }
 
   def head_pattern(self, head: int):
     """The pattern object of `head` in this layer."""
@@ -68,8 +84,9 @@ class PatternAttention(base.MultiHeadAttention):
     """True if the block-sparse path runs in the fused CPU kernel."""
     return bool(self.option('cpu_kernel')) and blocksparse.use_kernel(head_dim)
 
-  def attend(self, q, k, v, *, positions, segment_ids, deterministic):
-    del deterministic
+  def attend(self, q, k, v, *, positions, segment_ids, deterministic, key_segment_ids=None,
+             extra=None):
+    del key_segment_ids, deterministic, extra
     scale = q.shape[-1] ** -0.5
     heads = q.shape[2]
     if self.impl == 'blocksparse':
@@ -141,6 +158,7 @@ def _factorized_period(options: dict) -> int:
 @register('strided')
 class StridedAttention(PatternAttention):
   """Sparse Transformer strided attention: A1 the previous l positions, A2 every l-th one."""
+  OPTIONS = FACTORIZED
 
   @classmethod
   def layer_period(cls, options, n_layers):
@@ -172,6 +190,11 @@ class StridedAttention(PatternAttention):
 @register('fixed')
 class FixedAttention(PatternAttention):
   """Sparse Transformer fixed attention: A1 the same block of l, A2 the c summary cells."""
+  OPTIONS = {
+      **FACTORIZED,
+      'summary': Option(16, 'fixed: summary cells c per block (paper: 8, 16, 32)'),
+      'distinct_heads': Option(False, 'fixed: each head reads its own summary sub-block'),
+  }
 
   @classmethod
   def layer_period(cls, options, n_layers):
@@ -193,6 +216,7 @@ class FixedAttention(PatternAttention):
 @register('local')
 class LocalAttention(PatternAttention):
   """Sliding window: each query sees the `window` most recent positions."""
+  OPTIONS = WINDOW
 
   def head_pattern(self, head):
     return patterns.Local(self.option('window'))
@@ -205,15 +229,23 @@ class LocalAttention(PatternAttention):
 
 @register('block_local')
 class BlockLocalAttention(PatternAttention):
-  """Image Transformer 1D local attention: query blocks plus `memory` earlier positions."""
+  """Image Transformer 1D local attention: query blocks plus `block_memory` earlier positions."""
+  OPTIONS = {
+      'local_block': Option(128, 'block_local: query block length b'),
+      'block_memory': Option(128, 'block_local: earlier positions m each query block sees'),
+  }
 
   def head_pattern(self, head):
-    return patterns.BlockLocal(self.option('local_block'), self.option('memory'))
+    return patterns.BlockLocal(self.option('local_block'), self.option('block_memory'))
+
+  @classmethod
+  def row_period(cls, options):
+    return options['local_block']  # Query blocks [k b, (k + 1) b).
 
   @classmethod
   def validate(cls, options, n_heads, n_layers):
     _check_blocks(options)
-    patterns.BlockLocal(options.get('local_block'), options.get('memory'))
+    patterns.BlockLocal(options.get('local_block'), options.get('block_memory'))
 
 
 @register('local_global')
@@ -223,6 +255,7 @@ class LocalGlobalAttention(PatternAttention):
   The local-global baseline of the selective-attention paper's appendix A.8; layers
   global_every - 1, 2 global_every - 1, ... are the global ones.
   """
+  OPTIONS = {**WINDOW, 'global_every': Option(2, 'local_global: every k-th layer is global')}
 
   @classmethod
   def layer_period(cls, options, n_layers):
@@ -234,13 +267,13 @@ class LocalGlobalAttention(PatternAttention):
   def head_pattern(self, head):
     return patterns.Dense() if self.is_global() else patterns.Local(self.option('window'))
 
-  def attend(self, q, k, v, *, positions, segment_ids, deterministic):
+  def attend(self, q, k, v, **kwargs):
     if self.is_global() and self.impl == 'blocksparse' and not self.kernel(q.shape[-1]):
       return base.block_attention(  # The causal block engine.
-          q, k, v, segment_ids, key_range=lambda s, e: (0, e), allowed=lambda i, j: i >= j,
-          block_size=self.block_size, scale=q.shape[-1] ** -0.5, dtype=self.dtype)
-    return super().attend(q, k, v, positions=positions, segment_ids=segment_ids,
-                          deterministic=deterministic)
+          q, k, v, kwargs['segment_ids'], key_range=lambda s, e: (0, e),
+          allowed=lambda i, j: i >= j, block_size=self.block_size, scale=q.shape[-1] ** -0.5,
+          dtype=self.dtype)
+    return super().attend(q, k, v, **kwargs)
 
   @classmethod
   def validate(cls, options, n_heads, n_layers):

@@ -107,7 +107,7 @@ def layer_keys(name, options, layer, head, heads):
   if name == 'local':
     return lambda i, n: local_keys(i, n, o['window'])
   if name == 'block_local':
-    return lambda i, n: block_local_keys(i, n, o['local_block'], o['memory'])
+    return lambda i, n: block_local_keys(i, n, o['local_block'], o['block_memory'])
   assert name == 'local_global'
   if layer % o['global_every'] == o['global_every'] - 1:  # Layers k-1, 2k-1, ... are global.
     return dense_keys

@@ -162,7 +162,7 @@ def test_penalty_equals_its_formula_and_spans_are_logged():
 def test_z_stays_in_zero_to_s_after_updates():
   config = default.get_config()
   config.learning_rate, config.warmup_steps, config.total_steps = 0.1, 0, 10
-  tx = optimizer.make_optimizer(config)
+  tx = optimizer.make_optimizer(config, A.AdaptiveSpanAttention.param_bounds({}))
   params = {'attention': {'span_fraction': jnp.asarray([0.999, 0.001, 0.5]),
                           'other': jnp.asarray([0.999, 0.001, 0.5])}}
   state = tx.init(params)
@@ -180,18 +180,18 @@ def test_z_stays_in_zero_to_s_after_updates():
 def test_with_trims_follows_the_largest_span_per_layer():
   model = _model()
   params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))['params']
-  cfg = A.with_trims(model.config, _set_spans(params, [[0.1, 0.2], [0.0, 0.0]]))
+  cfg = transformer.specialized(model.config, _set_spans(params, [[0.1, 0.2], [0.0, 0.0]]))
   assert dict(cfg.attention_options)['span_trim'] == (12, 4)  # ceil(4.8 + 4) -> 12; R -> 4
-  same = A.with_trims(model.config, _set_spans(params, [[0.1, 0.3], [0.0, 0.0]]))
+  same = transformer.specialized(model.config, _set_spans(params, [[0.1, 0.3], [0.0, 0.0]]))
   assert same == cfg  # 7.2 + 4 still rounds to 12: the compiled step is reused.
-  assert A.with_trims(model.config, _set_spans(params, [[0.1, 0.34], [0.0, 0.0]])) != cfg
+  assert transformer.specialized(model.config, _set_spans(params, [[0.1, 0.34], [0.0, 0.0]])) != cfg
 
 
 def test_trimmed_model_equals_untrimmed_model():
   model = _model()
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 40)))
   params = _set_spans(model.init(jax.random.key(0), tokens)['params'], [[0.1, 0.3], [0.0, 0.5]])
-  trimmed = transformer.Decoder(A.with_trims(model.config, params))
+  trimmed = transformer.Decoder(transformer.specialized(model.config, params))
   assert dict(trimmed.config.attention_options)['span_trim'] == (12, 16)
   np.testing.assert_allclose(trimmed.apply({'params': params}, tokens),
                              model.apply({'params': params}, tokens), atol=2e-5)
@@ -230,7 +230,7 @@ def test_decoding_with_the_trimmed_cache_equals_the_full_forward(name):
     for i in range(2):
       att = params[f'block_{i}']['attention']
       att['span_v'] = jax.random.normal(jax.random.key(i), att['span_v'].shape)
-  model = transformer.Decoder(A.with_trims(model.config, params))
+  model = transformer.Decoder(transformer.specialized(model.config, params))
   full = model.apply({'params': params}, tokens)
   cache = decode.init_cache(model, params, 2)
   run = jax.jit(lambda c, tok, t: decode.step(model, params, c, tok, t))
@@ -256,7 +256,7 @@ def test_dynamic_span_starts_small_and_varies_per_token():
   # A few steps of training on next-token loss move v, so spans differ between tokens.
   config = default.get_config()
   config.learning_rate, config.warmup_steps, config.total_steps = 0.05, 0, 10
-  tx = optimizer.make_optimizer(config)
+  tx = optimizer.make_optimizer(config, A.DynamicSpanAttention.param_bounds({}))
   batch = {'inputs': tokens, 'targets': jnp.roll(tokens, -1, axis=1),
            'weights': jnp.ones(tokens.shape, jnp.float32),
            'positions': jnp.broadcast_to(jnp.arange(32), tokens.shape),

@@ -215,3 +215,30 @@ def test_register_new_name(monkeypatch):
   assert 'test_registry_new' in attention.known()
   with pytest.raises(ValueError, match='twice'):
     attention.register('test_registry_new')(NewAttention)
+
+
+class _AttendOnly(base.MultiHeadAttention):
+  """A variant with no static pattern that overrides only `attend`."""
+
+  def attend(self, q, k, v, **kwargs):
+    return v
+
+
+def test_variant_without_pattern_or_decode_step_refuses_to_decode():
+  module = _AttendOnly(num_heads=2, head_dim=4, max_len=8)
+  x = jnp.zeros((1, 1, 8))
+  pos = jnp.zeros((1, 1), jnp.int32)
+  # Full-sequence calls work; decoding raises instead of decoding as dense attention.
+  variables = module.init(jax.random.key(0), x, positions=pos, segment_ids=jnp.ones((1, 1)))
+  with pytest.raises(NotImplementedError, match='_AttendOnly cannot decode'):
+    module.init(jax.random.key(0), x, positions=pos, segment_ids=jnp.ones((1, 1)), cache=True)
+  assert 'cache' not in variables
+
+
+def test_dense_decodes_through_its_static_pattern():
+  module = dense.DenseAttention(num_heads=2, head_dim=4, max_len=8)
+  x = jnp.ones((1, 1, 8))
+  pos = jnp.zeros((1, 1), jnp.int32)
+  variables = module.init(jax.random.key(0), x, positions=pos, segment_ids=jnp.ones((1, 1)),
+                          cache=True)
+  assert variables['cache']['key'].shape == (1, 8, 2, 4)

@@ -28,8 +28,26 @@ def _check(pattern, keys, n, head=0):
                 f'definition {want[i, j]}')
 
 
-def test_parts_constant():
-  assert patterns.PARTS == PARTS
+def test_part_names_select_a1_a2_and_their_union():
+  """Every part name the library accepts selects the set the Sparse Transformer paper gives it
+  (section 4.2's formulas, written here with numpy): 'a1' and 'a2' the two halves of the
+  factorization, 'union' (the merged head) A1 | A2, for both factorized patterns."""
+  n, l, c = 45, 6, 2
+  i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+  causal = j <= i
+  paper = {
+      'strided': {'a1': causal & (j >= i - l), 'a2': causal & ((i - j) % l == 0)},
+      'fixed': {'a1': causal & (j // l == i // l), 'a2': causal & (j % l >= l - c)},
+  }
+  for name, make in (('strided', lambda part: patterns.Strided(l, part)),
+                     ('fixed', lambda part: patterns.Fixed(l, c, part))):
+    want = {**paper[name], 'union': paper[name]['a1'] | paper[name]['a2']}
+    assert set(patterns.PARTS) == set(want), f'untested part names {patterns.PARTS}'
+    for part in patterns.PARTS:
+      np.testing.assert_array_equal(patterns.mask(make(part), n), want[part],
+                                    err_msg=f'{name} {part}')
+    # The three names select three different sets at this size.
+    assert len({want[part].tobytes() for part in patterns.PARTS}) == 3
 
 
 @pytest.mark.parametrize('part', PARTS)

@@ -6,6 +6,7 @@ switches of appendix A.4-A.5), independently of models/attention/selective.py.
 
 import itertools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,7 +61,7 @@ def _attend(q, k, v, segment_ids, impl='xla', selection=None, block=8, **opts):
                                   block_size=block, max_len=n, num_layers=2,
                                   options=tuple(sorted({**ALL_ON, **opts}.items())))
   return jax.jit(lambda q, k, v, seg, sel: module.apply(
-      {}, q, k, v, positions=None, segment_ids=seg, deterministic=True, selection=sel,
+      {}, q, k, v, positions=None, segment_ids=seg, deterministic=True, extra=sel,
       method='attend', mutable=['losses', 'intermediates']))(q, k, v, segment_ids, selection)
 
 
@@ -195,10 +196,35 @@ def test_invalid_options_are_rejected():
     _attend(q, k, v, jnp.ones((2, 8), jnp.int32), impl='splash')
 
 
-def test_all_switch_combinations_build():
+def test_every_switch_combination_in_the_model_config_follows_the_sketch():
+  """Each of the 16 combinations of the four constraint switches, set through the model
+  config, reaches every layer's attention: its output and F equal figure 2's sketch with the
+  same switches (on that layer's own q, k, v), and the 16 models' logits all differ."""
+  tokens = jnp.asarray(np.random.default_rng(7).integers(0, 40, (2, 24)))
+  params = _params(_model(), tokens)
+  logits = {}
   for combo in itertools.product([False, True], repeat=4):
     opts = dict(zip(sorted(ALL_ON), combo))
-    assert _model(**opts).config.attention == ('selective', 'selective')
+    seen = []
+
+    def capture(next_fun, args, kwargs, context, seen=seen):
+      out = next_fun(*args, **kwargs)
+      if context.method_name == 'attend':
+        seen.append((context.module.layer_index, args[:3], out))
+      return out
+
+    with nn.intercept_methods(capture):  # Eager: the captured arrays are concrete.
+      logits[combo], sown = _model(**opts).apply({'params': params}, tokens,
+                                                 mutable=['intermediates'])
+    assert sorted(layer for layer, _, _ in seen) == [0, 1], opts
+    switches = {key.replace('selective_', ''): val for key, val in opts.items()}
+    for layer, (q, k, v), out in seen:
+      want, f = _sketch(q, k, v, **switches)
+      np.testing.assert_allclose(out, want, atol=2e-5, err_msg=f'{opts} layer {layer}')
+      got_f = sown['intermediates'][f'block_{layer}']['attention']['selection_F'][0]
+      np.testing.assert_allclose(got_f, f[0], rtol=1e-5, atol=1e-4, err_msg=f'{opts}')
+  for a, b in itertools.combinations(logits, 2):
+    assert np.abs(np.asarray(logits[a]) - np.asarray(logits[b])).max() > 1e-4, (a, b)
 
 
 def test_separate_bilinear_adds_counted_parameters():

@@ -27,7 +27,7 @@ NAMES = ('strided', 'fixed', 'local', 'block_local', 'local_global')
 D_MODEL, HEAD_DIM = 8, 4
 # Small pattern sizes so that n = 50 holds many blocks, strides and windows.
 OPTIONS = dict(stride=4, summary=2, factorization='interleave', distinct_heads=False, window=5,
-               local_block=8, memory=3, global_every=2, key_block=4, band_block=4,
+               local_block=8, block_memory=3, global_every=2, key_block=4, band_block=4,
                cpu_kernel=True)
 
 # (id, name, layer_index, heads, option overrides): every registry name, every factorization
@@ -325,7 +325,7 @@ def test_packed_document_sees_the_same_keys_wherever_it_starts(case_id):
 # ------------------------------------------------------------------------- layout and FLOPs
 
 LONG = dict(stride=128, summary=16, factorization='interleave', distinct_heads=False,
-            window=128, local_block=128, memory=64, global_every=2, key_block=16,
+            window=128, local_block=128, block_memory=64, global_every=2, key_block=16,
             band_block=64, cpu_kernel=True)
 FLOP_Q_BLOCK = 128
 
@@ -348,46 +348,85 @@ def _allowed_np(name, options, layer, head, heads, n):
   if name == 'local':
     return bp.local_np(n, o['window'])
   if name == 'block_local':
-    return bp.block_local_np(n, o['local_block'], o['memory'])
+    return bp.block_local_np(n, o['local_block'], o['block_memory'])
   if layer % o['global_every'] == o['global_every'] - 1:
     return bp.dense_np(n)
   return bp.local_np(n, o['window'])
 
 
+def _block_cover_pairs(part_mask, order, q_block, k_block):
+  """Brute force from the pattern's mask: for each query block (q_block rows of the
+  computation order), the key blocks (k_block columns of that order, the last one ragged)
+  holding at least one allowed pair; returns ({query block: those key blocks}, the pairs
+  multiplied when each query block is computed against all the keys of its key blocks)."""
+  n = len(order)
+  m = part_mask[np.ix_(order, order)]
+  touched, pairs = {}, 0
+  for qb, qs in enumerate(range(0, n, q_block)):
+    rows = range(qs, min(qs + q_block, n))
+    touched[qb] = {int(col) // k_block for col in np.flatnonzero(m[rows].any(axis=0))}
+    pairs += len(rows) * sum(min(k_block, n - kb * k_block) for kb in touched[qb])
+  return touched, pairs
+
+
 @pytest.mark.parametrize('case_id', CASE_IDS)
 def test_blocksparse_layout_covers_the_pattern_with_disjoint_parts(case_id):
+  """Each head's parts are disjoint, their union is the pattern's definition, and each
+  part's layout computes exactly the key blocks that hold an allowed pair (counted by brute
+  force from the mask), which is also what computed_pairs reports; the total never exceeds
+  the causal dense layout's work."""
   _, name, layer, heads, overrides = BY_ID[case_id]
   n, q_block = 100, 16
   options = _options(**overrides)
   k_block = options['key_block']
   i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+  dense = blocksparse.computed_pairs([blocksparse.Part(sparse.HeadView(patterns.Dense()))], n,
+                                     q_block, k_block)
+  assert dense == _block_cover_pairs(bp.dense_np(n), np.arange(n), q_block, k_block)[1]
   for head in range(heads):
     parts = _head_parts(name, layer, heads, overrides, head)
     union = np.zeros((n, n), bool)
-    computed = 0
+    total = 0
     for part in parts:
+      what = f'{case_id} head {head} {part}'
+      part_mask = np.asarray(part.allowed(i, j), bool)
       order, keys_of_block = blocksparse.layout(part, n, q_block, k_block)
-      assert sorted(order) == list(range(n))
-      covered = np.zeros((n, n), bool)
+      l = part.residue_stride
+      want_order = sorted(range(n), key=lambda t: (t % l, t)) if l else list(range(n))
+      np.testing.assert_array_equal(order, want_order, err_msg=what)
+      touched, brute = _block_cover_pairs(part_mask, order, q_block, k_block)
+      assert len(keys_of_block) == len(touched), what
+      covered = np.zeros((n, n), bool)  # In the part's order.
+      layout_pairs = 0
       for b, idx in enumerate(keys_of_block):
         queries = order[b * q_block:(b + 1) * q_block]
         covered[np.ix_(queries, order[idx])] = True
-        computed += len(queries) * len(idx)
+        layout_pairs += len(queries) * len(idx)
+        assert set((np.asarray(idx) // k_block).tolist()) == touched[b], f'{what} block {b}'
         # Whole key blocks (in the part's order) except the ragged last one.
         assert all(len(set(idx) & set(range(s, s + k_block))) in (0, min(k_block, n - s))
                    for s in range(0, n, k_block))
-      part_mask = np.asarray(part.allowed(i, j), bool)
-      assert not np.any(part_mask & ~covered), f'{case_id} head {head}: pairs not computed'
-      assert not np.any(part_mask & union), f'{case_id} head {head}: parts overlap'
+      assert not np.any(part_mask & ~covered), f'{what}: pairs not computed'
+      assert layout_pairs == brute, what
+      assert not np.any(part_mask & union), f'{what}: parts overlap'
       union |= part_mask
+      reported = blocksparse.computed_pairs([part], n, q_block, k_block)
+      if l:
+        # A residue part pairs only positions of equal residue mod l, and is computed as one
+        # attention per class over its positions padded to ceil(n / l): count those pairs.
+        assert np.all((i - j)[part_mask] % l == 0), what
+        grid = np.arange(-(-n // l) * l)
+        assert reported == int(np.sum(grid[:, None] % l == grid[None, :] % l)), what
+        # Cheaper than the key blocks it touches in sequence order (all up to the diagonal).
+        seq_order = _block_cover_pairs(part_mask, np.arange(n), q_block, k_block)[1]
+        assert part_mask.sum() <= reported < seq_order, what
+      else:
+        assert reported == brute, what
+      total += reported
     want = _allowed_np(name, options, layer, head, heads, n)
     np.testing.assert_array_equal(union, want, err_msg=f'{case_id} head {head}')
-    # Residue-class parts run as one (g x g) attention per class, g = ceil(n / l).
-    residue = sum(p.residue_stride * (-(-n // p.residue_stride)) ** 2 for p in parts
-                  if p.residue_stride)
-    blocked = [p for p in parts if not p.residue_stride]
-    assert blocksparse.computed_pairs(parts, n, q_block, k_block) == residue + (
-        blocksparse.computed_pairs(blocked, n, q_block, k_block))
+    assert blocksparse.computed_pairs(parts, n, q_block, k_block) == total, case_id
+    assert want.sum() <= total <= dense, (case_id, head, total, dense)
 
 
 LINEAR = [('local', 0, {}), ('block_local', 0, {}), ('fixed', 0, {}), ('strided', 0, {}),
@@ -462,8 +501,11 @@ def _model_config(name, n_heads=2, **overrides):
 def test_valid_options_resolve(name):
   cfg = transformer.TransformerConfig.from_config(_model_config(name))
   assert cfg.attention == (name, name)
-  assert dict(cfg.attention_options) == OPTIONS
-  assert [k for k, _ in cfg.attention_options] == sorted(OPTIONS)
+  # The given options win; every other declared option takes its declared default.
+  resolved = dict(cfg.attention_options)
+  assert {k: resolved[k] for k in OPTIONS} == OPTIONS
+  assert resolved == {k: o.default for k, o in attention.options().items()} | OPTIONS
+  assert [k for k, _ in cfg.attention_options] == sorted(resolved)
 
 
 INVALID = [
@@ -475,7 +517,7 @@ INVALID = [
     ('local', 2, {'window': 0}, r'window'),
     ('local_global', 2, {'window': 0}, r'window'),
     ('block_local', 2, {'local_block': 0}, r'local_block'),
-    ('block_local', 2, {'memory': -1}, r'memory'),
+    ('block_local', 2, {'block_memory': -1}, r'block_memory'),
     ('local_global', 2, {'global_every': 0}, r'global_every'),
     ('strided', 2, {'factorization': 'diagonal'}, r'factorization'),
     ('fixed', 2, {'factorization': 'diagonal'}, r'factorization'),

@@ -23,11 +23,10 @@ PROBE_NAME = 'test_layer_index_probe'
 class DummyAuxAttention(dense.DenseAttention):
   """Dense attention that sows AUX_COEF * aux_w**2 into 'losses' (aux_w: scalar param)."""
 
-  def attend(self, q, k, v, *, positions, segment_ids, deterministic):
+  def attend(self, q, k, v, **kwargs):
     w = self.param('aux_w', nn.initializers.ones, (), jnp.float32)
     self.sow('losses', 'dummy', AUX_COEF * jnp.square(w))
-    return super().attend(q, k, v, positions=positions, segment_ids=segment_ids,
-                          deterministic=deterministic)
+    return super().attend(q, k, v, **kwargs)
 
 
 if AUX_NAME not in attention.known():
@@ -41,10 +40,9 @@ class LayerIndexProbe(dense.DenseAttention):
   def layer_period(cls, options, n_layers):
     return None
 
-  def attend(self, q, k, v, *, positions, segment_ids, deterministic):
+  def attend(self, q, k, v, **kwargs):
     self.sow('intermediates', 'layer_index', jnp.float32(self.layer_index))
-    return super().attend(q, k, v, positions=positions, segment_ids=segment_ids,
-                          deterministic=deterministic)
+    return super().attend(q, k, v, **kwargs)
 
 
 if PROBE_NAME not in attention.known():

@@ -1,11 +1,14 @@
 """Selective attention in the training loop: L_mem, --mode=inspect, budget allocation and eval.
 
 One tiny Variable Assignment run (configs/tiny.py, 2 layers, sequences of 18) trains a
-selective model with L_mem; the pruning modes and inspect then read its checkpoint.
+selective model with L_mem; the pruning modes and inspect then read its checkpoint, in process
+and (--mode=eval_budgets) through main.py. The runs of every mode through main.py and on an
+8-device mesh are slow (run them with `-m slow`).
 """
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -98,6 +101,23 @@ def test_allocate_and_evaluate_budgets(harness, trained):
   assert result['budgets'] == [18, 18] and result['memory_reduction'] == 1.0
   evaluated = pruning.evaluate_budgets(strict, str(workdir))
   assert evaluated['loss'] == pytest.approx(evaluated['unpruned_loss'], rel=1e-5)
+
+
+def test_main_evaluates_budgets_of_the_trained_run(harness, trained, tmp_path):
+  """main.py --mode=eval_budgets on a copy of the trained run with a budget file written here:
+  the default run's smoke test of main.py for selective attention (one subprocess; the slow
+  test below runs every mode from training on)."""
+  workdir = tmp_path / 'run'
+  shutil.copytree(trained[0], workdir)
+  (workdir / 'budgets.json').write_text(json.dumps({'budgets': [6, 6]}))
+  proc = harness.run_main(workdir, EXTRA, mode='eval_budgets')
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(workdir / f'eval_budgets_step_{STEPS}.json') as f:
+    result = json.load(f)
+  assert result['step'] == STEPS and result['budgets'] == [6, 6] and result['context'] == 18
+  assert result['memory_reduction'] == pytest.approx(3.0)
+  assert np.isfinite(result['loss']) and np.isfinite(result['unpruned_loss'])
+  assert result['loss'] != pytest.approx(result['unpruned_loss'], abs=1e-6)  # Budgets bite.
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ FAST_COMPILE = {'xla_backend_optimization_level': 0, 'xla_llvm_disable_expensive
 NAMES = ('strided', 'fixed', 'local', 'block_local', 'local_global')
 STEPS = 20
 MAX_FINAL_FRACTION = 0.85  # Mean loss of the last 5 steps / first loss; measured 0.50-0.62.
-OPTIONS = {'stride': 4, 'summary': 2, 'window': 4, 'local_block': 4, 'memory': 2,
+OPTIONS = {'stride': 4, 'summary': 2, 'window': 4, 'local_block': 4, 'block_memory': 2,
            'key_block': 2}
 # The default impl, 'blocksparse', runs for every variant; the dense reference for one of the
 # factorized ones (two parts merged) unless slow tests are selected.
