@@ -55,12 +55,7 @@ class Harness:
   def config(self, extra: dict | None = None) -> ml_collections.ConfigDict:
     """configs/tiny.py with FAST and `extra` applied (the same run as `flags(extra)`)."""
     config = tiny.get_config()
-    for key, value in self.overrides(extra).items():
-      node = config
-      *parents, leaf = key.split('.')
-      for p in parents:
-        node = node[p]
-      node[leaf] = value
+    config.update_from_flattened_dict(self.overrides(extra))
     return config
 
   def flags(self, extra: dict | None = None) -> list[str]:

@@ -1,4 +1,5 @@
-"""Checkpoints: preemption (SIGKILL and SIGTERM), keep-last-K, NaN, corruption and eval mode.
+"""Checkpoints: preemption (SIGKILL and SIGTERM), keep-last-K, NaN, corruption, eval mode, and
+resuming on another mesh.
 
 Most tests run `main.py` in subprocesses on the tiny recipe with a small batch (see
 conftest.FAST); the subprocesses share one JAX compilation cache.
@@ -9,6 +10,7 @@ import math
 import pathlib
 import shutil
 import signal
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +34,27 @@ TERM_AFTER = 10
 
 # Keep-last-K test (also the run that the corruption test damages).
 SHORT = {'total_steps': 10, 'checkpoint_every_steps': 2, 'keep_checkpoints': 2}
+
+# Resume on another mesh: a run on MESH_A to MESH_STEPS saves every MESH_EVERY steps; a copy
+# without its last checkpoint resumes from step MESH_EVERY on another mesh. The vocabulary is
+# set (32 ids, the task uses 25): left at 0 it is padded to a multiple of the tensor axis, so a
+# model trained with tensor=2 would not be the one built on a mesh without it.
+MESH_STEPS = 6
+MESH_EVERY = 3
+MESH_RUN = {'total_steps': MESH_STEPS, 'checkpoint_every_steps': MESH_EVERY, 'warmup_steps': 2,
+            'model.vocab_size': 32, 'adam_eps': 1e-3}
+MESH_A = {'mesh.data': 4, 'mesh.fsdp': 1, 'mesh.tensor': 2}
+MESH_B = {'mesh.data': 2, 'mesh.fsdp': 2, 'mesh.tensor': 2}
+# Largest difference of parameters and optimizer state between the run resumed on another mesh
+# and the uninterrupted one, after MESH_STEPS - MESH_EVERY steps on different meshes: only
+# reduction orders differ (float32, ~1e-7 a step). adam_eps 1e-3 bounds how much AdamW
+# amplifies that: its update lr g / (|g| + eps) has slope at most lr / eps = 5 in g; with the
+# default 1e-8 a gradient entry that is rounding noise can flip sign and move its weight by lr
+# (see test_sharded_step.ADAM_EPS). A resume that restored the wrong step, the wrong batch
+# position or a wrongly resharded array differs by > 1e-3. A run that silently started over
+# instead of resuming would match the uninterrupted one (its batches are a function of the
+# step), so the resumed runs fail if they initialize parameters (train.init_state).
+MESH_TOL = 1e-5
 
 EVAL_KEYS = {'step', 'loss', 'perplexity', 'accuracy'}
 # Eval on a differently sized mesh: same batches, only reduction orders differ.
@@ -260,3 +283,105 @@ def test_eval_restores_onto_eight_devices(harness, reference, eval_one_device, t
   result = json.loads((workdir / f'eval_step_{N}.json').read_text())
   assert result['step'] == N
   assert result['loss'] == pytest.approx(loss1, rel=EVAL_RTOL)
+
+
+_MESH_CHANGE_SCRIPT = textwrap.dedent('''\
+    """Trains on mesh A, then resumes a copy of the run from its first checkpoint on mesh B."""
+    import json
+    import pathlib
+    import shutil
+    import sys
+
+    import jax
+
+    from configs import tiny
+    from training import train
+
+    out, spec = pathlib.Path(sys.argv[1]), json.loads(sys.argv[2])
+
+
+    def make_config(overrides):
+      config = tiny.get_config()
+      config.update_from_flattened_dict(overrides)
+      return config
+
+
+    def summary(state):
+      return {'step': int(state.step),
+              'mesh': dict(jax.tree.leaves(state.params)[0].sharding.mesh.shape)}
+
+
+    straight = train.train_and_evaluate(make_config(spec['a']), str(out / 'straight'))
+    shutil.copytree(out / 'straight', out / 'resumed')
+    shutil.rmtree(out / 'resumed' / 'checkpoints' / str(spec['last']))
+
+
+    def fresh_init(*args, **kwargs):
+      raise AssertionError('the resumed run initialized new parameters instead of restoring')
+
+
+    train.init_state = fresh_init
+    resumed = train.train_and_evaluate(make_config(spec['b']), str(out / 'resumed'))
+    with open(out / 'result.json', 'w') as f:
+      json.dump({'device_count': jax.device_count(), 'straight': summary(straight),
+                 'resumed': summary(resumed)}, f)
+    ''')
+
+
+@pytest.fixture(scope='module')
+def mesh_change(harness, tmp_path_factory):
+  """In one 8-device process: a run to MESH_STEPS on MESH_A (checkpoints every MESH_EVERY),
+  and a copy of it without its last checkpoint resumed on MESH_B. Returns the folder."""
+  out = tmp_path_factory.mktemp('mesh_change')
+  script = out / 'mesh_change.py'
+  script.write_text(_MESH_CHANGE_SCRIPT)
+  spec = {'a': harness.overrides({**MESH_RUN, **MESH_A}),
+          'b': harness.overrides({**MESH_RUN, **MESH_B}), 'last': MESH_STEPS}
+  proc = harness.run_script(script, out, json.dumps(spec), devices=8)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  result = json.loads((out / 'result.json').read_text())
+  assert result['device_count'] == 8
+  assert result['straight'] == {'step': MESH_STEPS, 'mesh': {'data': 4, 'fsdp': 1, 'tensor': 2}}
+  assert harness.step_dirs(out / 'straight') == [MESH_EVERY, MESH_STEPS]
+  return out, result
+
+
+def _assert_resumed_run_matches(harness, resumed_dir, straight_dir):
+  """Both runs' last checkpoints, restored onto one device, hold the same state."""
+  assert harness.step_dirs(resumed_dir) == [MESH_EVERY, MESH_STEPS]
+  resumed = harness.restore(resumed_dir, MESH_RUN)
+  straight = harness.restore(straight_dir, MESH_RUN)
+  assert int(resumed.step) == int(straight.step) == MESH_STEPS
+  init = harness.restore(straight_dir, MESH_RUN, step=MESH_EVERY)
+  # The last steps moved the parameters far more than the tolerance.
+  assert harness.max_abs_diff(straight.params, init.params) > 100 * MESH_TOL
+  diff = harness.max_abs_diff(resumed.params, straight.params)
+  assert diff <= MESH_TOL, f'resumed params differ from the uninterrupted run by {diff}'
+  diff = harness.max_abs_diff(resumed.opt_state, straight.opt_state)
+  assert diff <= MESH_TOL, f'resumed optimizer state differs from the uninterrupted run by {diff}'
+
+
+def test_resume_on_another_eight_device_mesh_matches_uninterrupted_run(harness, mesh_change):
+  out, result = mesh_change
+  assert result['resumed'] == {'step': MESH_STEPS, 'mesh': {'data': 2, 'fsdp': 2, 'tensor': 2}}
+  _assert_resumed_run_matches(harness, out / 'resumed', out / 'straight')
+
+
+def test_resume_on_one_device_matches_uninterrupted_run(harness, mesh_change, tmp_path,
+                                                        monkeypatch):
+  out, _ = mesh_change
+  workdir = tmp_path / 'run'
+  shutil.copytree(out / 'straight', workdir)
+  shutil.rmtree(workdir / 'checkpoints' / str(MESH_STEPS))
+
+  def fresh_init(*args, **kwargs):
+    del args, kwargs
+    pytest.fail('the resumed run initialized new parameters instead of restoring')
+
+  monkeypatch.setattr(train, 'init_state', fresh_init)
+  # This process's devices (one, unless XLA_FLAGS says otherwise): data=-1 takes them all.
+  state = train.train_and_evaluate(harness.config(MESH_RUN), str(workdir))
+  assert int(state.step) == MESH_STEPS
+  mesh = dict(jax.tree.leaves(state.params)[0].sharding.mesh.shape)
+  assert mesh == {'data': jax.device_count(), 'fsdp': 1, 'tensor': 1}
+  _assert_resumed_run_matches(harness, workdir, out / 'straight')

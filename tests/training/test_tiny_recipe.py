@@ -53,12 +53,7 @@ def _config(overrides):
   config = tiny.get_config()
   config.peak_tflops_per_device = 1.0
   config.eval_every_steps = 0  # Evaluated once at the end, by train.evaluate.
-  for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split('.')
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
+  config.update_from_flattened_dict(overrides)
   return config
 
 

@@ -1,0 +1,291 @@
+"""Every attention variant: one train step on 8 fake CPU devices equals the one-device step.
+
+For each registered variant (`models.attention.known()`, so a new one is covered when it
+registers) and each mesh of a run in RUNS, the same small model, initial parameters and batch
+give, on 8 devices and on 1, the same
+- loss, auxiliary loss (adaptive span's L1 penalty, selective's L_mem) and gradient norm;
+- gradient, as the optimizer saw it after global-norm clipping: after one AdamW step from a
+  zero state the first moment is mu = (1 - b1) g, so g = mu / (1 - b1) is read back from the
+  optimizer state without compiling a second program;
+- parameters after the step (`train.jit_train_step`, the loop's step, with its shardings).
+
+The model: 2 layers, d_model 32, 4 heads of 8 (2 per device with tensor=2), float32, on the
+Copy task (rows of 32 with padding, so document masks matter; most positions are scored), with
+pattern sizes of 2-16 so the sparse patterns are sparse at that length. The default run uses
+the einsum reference ('xla') on two meshes with tensor=2; the slow runs add the default
+'blocksparse' implementation and meshes with tensor=4 and fsdp=8.
+
+Cost: everything runs in one 8-device subprocess per run (the fake device count is fixed when
+JAX starts); the initial parameters are computed once, on one device, and put onto each mesh;
+all variants share one compiled program per mesh (each variant's own jitted train step called
+inside one outer jit), since XLA:CPU takes about 1 CPU-second per variant and mesh to compile
+this step and a program of its own adds fixed costs.
+
+Tolerances (float32; the only legitimate differences are reduction orders across devices;
+measured on every variant and mesh: loss and gradient norm <= 4e-7 relative, clipped gradient
+<= 1.5e-7 absolute, parameters after the step <= 2.7e-7 absolute):
+- LOSS_RTOL 1e-5 on loss, auxiliary loss and gradient norm: sums over ~130 scored tokens and
+  over the parameters, reordered, move by a few ulp. A wrongly split, dropped or double-counted
+  row or shard moves them by > 1e-2.
+- GRAD_ATOL 1e-5 (GRAD_RTOL 1e-4) on the clipped gradient, whose global norm is 1 and largest
+  entries 0.09-0.13: about 1e-4 of the largest entries. Small entries come out of cancellation
+  and their relative error can be large, hence a bound at the scale of the whole gradient.
+- PARAM_ATOL 1e-5 after the step: with adam_eps 1e-3 the first AdamW step moves a weight by
+  lr g / (|g| + eps), whose slope in g is at most lr / eps = 5, so a gradient error of 1e-7
+  moves it by < 1e-6 (test_sharded_step.ADAM_EPS says why the default eps 1e-8 is not usable:
+  a gradient entry that is pure rounding noise can flip sign and move its weight by lr).
+"""
+
+import json
+import textwrap
+
+import numpy as np
+import pytest
+
+from models import attention
+
+# The product's variants: those a fresh process registers (test modules register their own
+# toy variants in this process, which the 8-device subprocess does not import).
+VARIANTS = [name for name in attention.known()
+            if attention.get(name).__module__.startswith('models.')]
+# Variants that cannot run on this configuration, with the reason; none so far.
+SKIP: dict[str, str] = {}
+
+# Meshes (data, fsdp, tensor) compared with one device: heads, MLP width and the vocabulary
+# split over tensor, parameters and optimizer state over fsdp, batch rows over data and fsdp.
+MESHES = {
+    'data4_tensor2': (4, 1, 2),
+    'data2_fsdp2_tensor2': (2, 2, 2),
+}
+# More meshes, and the default implementation ('blocksparse': the plain-JAX block-sparse path
+# on several devices), in the slow run only: each compiled program costs ~10 CPU-seconds.
+SLOW_MESHES = {
+    'fsdp2_tensor4': (1, 2, 4),
+    'fsdp8': (1, 8, 1),
+}
+RUNS = {  # name: (model.attention_impl, meshes)
+    'xla': ('xla', MESHES),
+    'blocksparse': ('blocksparse', {**MESHES, **SLOW_MESHES}),
+    'xla_more_meshes': ('xla', SLOW_MESHES),
+}
+REFERENCE = 'one'
+
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-4
+GRAD_ATOL = 1e-5
+PARAM_RTOL = 1e-5
+PARAM_ATOL = 1e-5
+ADAM_EPS = 1e-3
+
+# Pattern sizes for a sequence of 32: stride / block l = 4 with c = 2 summary cells, a window
+# of 8, query blocks of 8, spans of at most 16 with a ramp of 4 (z starts at 4: trimmed span
+# 8), selective attention's L_mem on (an auxiliary loss summed over the batch), and
+# block_local's m = 4 earlier positions (sparse on a 32-position row).
+OPTIONS = {'stride': 4, 'summary': 2, 'window': 8, 'local_block': 8, 'block_memory': 4,
+           'key_block': 4, 'span_limit': 16, 'span_ramp': 4, 'span_block': 4, 'span_init': 0.25,
+           'selective_lmem_eps': 0.1}
+# Dotted config keys applied on top of configs/tiny.py.
+CONFIG = {
+    'data.name': 'copy', 'data.num_symbols': 28, 'data.max_length': 15,  # seq 32, 32 ids.
+    'model.d_model': 32, 'model.n_heads': 4, 'model.n_layers': 2, 'model.vocab_size': 32,
+    'model.dtype': 'float32', 'model.param_dtype': 'float32', 'model.attention_block_size': 8,
+    'batch_size': 8, 'warmup_steps': 0, 'adam_eps': ADAM_EPS, 'peak_tflops_per_device': 1.0,
+    **{f'model.attention_options.{k}': v for k, v in OPTIONS.items()},
+}
+
+_SCRIPT = textwrap.dedent('''\
+    """One train step of every variant on 1 device and on 8-device meshes; saves the results."""
+    import json
+    import sys
+    import traceback
+
+    import jax
+    import numpy as np
+    import optax
+
+    from configs import tiny
+    from training import sharding, train
+
+    out_dir = sys.argv[1]
+    spec = json.loads(sys.argv[2])
+    meshes = {'one': (1, 1, 1), **{k: tuple(v) for k, v in spec['meshes'].items()}}
+    FAST_COMPILE = {'xla_backend_optimization_level': 0,
+                    'xla_llvm_disable_expensive_passes': True}
+    errors = {}
+
+
+    def make_config(name, mesh):
+      config = tiny.get_config()
+      for key, value in {**spec['config'], 'model.attention': name}.items():
+        node = config
+        *parents, leaf = key.split('.')
+        for p in parents:
+          node = node[p]
+        node[leaf] = value
+      config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh
+      return config
+
+
+    def fail(name, where):
+      errors.setdefault(name, f'{where}:\\n{traceback.format_exc()}')
+
+
+    # Setups per variant and mesh; a variant whose config does not build is reported.
+    setups = {}
+    for name in spec['variants']:
+      try:
+        setups[name] = {tag: train.build(make_config(name, mesh),
+                                         devices=jax.devices()[:int(np.prod(mesh))])
+                        for tag, mesh in meshes.items()}
+      except Exception:  # pylint: disable=broad-except
+        fail(name, 'train.build')
+
+    # Initial states: every variant initialized once on one device (one compiled program).
+    one = {name: s['one'] for name, s in setups.items()}
+    first = next(iter(one.values()))
+    key = jax.random.key(first.config.seed)
+    with sharding.activate(first.mesh, first.rules):
+      init = jax.jit(lambda k: {n: s.init_fn(k) for n, s in one.items()},
+                     out_shardings={n: s.state_sharding for n, s in one.items()})
+      host_init = jax.device_get(init.lower(key).compile(FAST_COMPILE)(key))
+    host_batch = first.data.train_batch(0)
+    rng = jax.random.key(first.config.seed + 1)
+
+
+    def run_group(tag, names):
+      """One step of each variant in `names` on mesh `tag`, compiled as one program."""
+      group = {n: setups[n][tag] for n in names}
+      lead = group[names[0]]
+      states = {n: jax.device_put(host_init[n], s.state_sharding) for n, s in group.items()}
+      batch = train.device_batch(lead, host_batch)
+      # The loop's step: each model specialized to its parameters (adaptive span's trim).
+      fns = {n: train.jit_train_step(s, train.specialized_model(s, host_init[n].params))
+             for n, s in group.items()}
+      with sharding.activate(lead.mesh, lead.rules):
+        step = jax.jit(lambda st, b, r: {n: fns[n](st[n], b, r) for n in names})
+        return step.lower(states, batch, rng).compile(FAST_COMPILE)(states, batch, rng)
+
+
+    def run_mesh(tag, names):
+      """run_group, falling back to one variant at a time to name the one that fails."""
+      try:
+        return run_group(tag, names)
+      except Exception:  # pylint: disable=broad-except
+        if len(names) == 1:
+          fail(names[0], f'mesh {tag}')
+          return {}
+        out = {}
+        for n in names:
+          out.update(run_mesh(tag, [n]))
+        return out
+
+
+    arrays, results = {}, {}
+    for name in setups:
+      for path, leaf in jax.tree_util.tree_leaves_with_path(host_init[name].params):
+        arrays[f'{name}|init|{jax.tree_util.keystr(path)}'] = np.asarray(leaf)
+    b1 = first.config.adam_b1
+    for tag in meshes:
+      for name, (state, metrics) in run_mesh(tag, list(setups)).items():
+        grads = jax.tree.map(lambda mu: mu / (1.0 - b1),
+                             optax.tree_utils.tree_get(state.opt_state, 'mu'))
+        layout = {}
+        for kind, tree in (('params', state.params), ('grads', grads)):
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            arrays[f'{name}|{tag}|{kind}|{jax.tree_util.keystr(path)}'] = np.asarray(
+                jax.device_get(leaf))
+            if kind == 'params':
+              axes = [a for entry in leaf.sharding.spec if entry is not None
+                      for a in ((entry,) if isinstance(entry, str) else entry)]
+              layout[jax.tree_util.keystr(path)] = {
+                  'spec': str(leaf.sharding.spec), 'devices': len(leaf.sharding.device_set),
+                  'split_axes': [a for a in axes if leaf.sharding.mesh.shape[a] > 1],
+                  'global_shape': list(leaf.shape),
+                  'shard_shape': list(leaf.addressable_shards[0].data.shape)}
+        results[f'{name}|{tag}'] = {
+            'metrics': {k: float(metrics[k]) for k in ('loss', 'aux_loss', 'grad_norm')},
+            'mesh': dict(setups[name][tag].mesh.shape), 'step': int(state.step),
+            'layout': layout}
+    np.savez(f'{out_dir}/arrays.npz', **arrays)
+    with open(f'{out_dir}/results.json', 'w') as f:
+      json.dump({'device_count': jax.device_count(), 'errors': errors, 'results': results}, f)
+    ''')
+
+
+def _run(harness, out, run):
+  """Runs the script for every variant on one device and on the meshes of RUNS[run]."""
+  impl, meshes = RUNS[run]
+  script = out / 'sharding_variants.py'
+  script.write_text(_SCRIPT)
+  spec = {'variants': [v for v in VARIANTS if v not in SKIP], 'meshes': meshes,
+          'config': {**CONFIG, 'model.attention_impl': impl}}
+  proc = harness.run_script(script, out, json.dumps(spec), devices=8)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  result = json.loads((out / 'results.json').read_text())
+  assert result['device_count'] == 8
+  with np.load(out / 'arrays.npz') as arrays:
+    return result, dict(arrays)
+
+
+@pytest.fixture(scope='module')
+def runs(harness, tmp_path_factory):
+  """run name -> (results json, {name: array}); each run's subprocess starts on first use."""
+  cache = {}
+
+  def get(run):
+    if run not in cache:
+      cache[run] = _run(harness, tmp_path_factory.mktemp(f'sharding_{run}'), run)
+    return cache[run]
+
+  return get
+
+
+def _tree(arrays, prefix: str) -> dict[str, np.ndarray]:
+  return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+
+
+def _cases():
+  for run, (_, meshes) in RUNS.items():
+    for mesh in meshes:
+      for name in VARIANTS:
+        marks = [pytest.mark.slow] if run != 'xla' else []
+        if name in SKIP:
+          marks.append(pytest.mark.skip(reason=SKIP[name]))
+        yield pytest.param(run, mesh, name, marks=marks, id=f'{run}-{mesh}-{name}')
+
+
+@pytest.mark.parametrize('run,mesh,name', list(_cases()))
+def test_step_on_eight_devices_matches_one_device(runs, run, mesh, name):
+  result, arrays = runs(run)
+  assert name not in result['errors'], result['errors'][name]
+  one, eight = result['results'][f'{name}|{REFERENCE}'], result['results'][f'{name}|{mesh}']
+  data, fsdp, tensor = RUNS[run][1][mesh]
+  assert one['mesh'] == {'data': 1, 'fsdp': 1, 'tensor': 1}
+  assert eight['mesh'] == {'data': data, 'fsdp': fsdp, 'tensor': tensor}
+  assert one['step'] == eight['step'] == 1
+
+  # The 8-device parameters really are split over every mesh axis of size > 1.
+  layout = eight['layout']
+  assert all(v['devices'] == 8 for v in layout.values()), layout
+  split = {a for v in layout.values() for a in v['split_axes']}
+  assert split == {a for a, size in (('fsdp', fsdp), ('tensor', tensor)) if size > 1}, layout
+  qkv = next(v for k, v in layout.items() if k.endswith("['qkv']"))
+  assert int(np.prod(qkv['shard_shape'])) * fsdp * tensor == int(np.prod(qkv['global_shape']))
+
+  m1, m8 = one['metrics'], eight['metrics']
+  assert np.isfinite(m1['loss']) and m1['grad_norm'] > 0, m1
+  for k in ('loss', 'aux_loss', 'grad_norm'):
+    assert m8[k] == pytest.approx(m1[k], rel=LOSS_RTOL, abs=1e-7), (k, m8, m1)
+
+  init = _tree(arrays, f'{name}|init|')
+  for kind, rtol, atol in (('grads', GRAD_RTOL, GRAD_ATOL), ('params', PARAM_RTOL, PARAM_ATOL)):
+    ref, got = _tree(arrays, f'{name}|{REFERENCE}|{kind}|'), _tree(arrays, f'{name}|{mesh}|{kind}|')
+    assert ref and sorted(ref) == sorted(got) == sorted(init)
+    for leaf in sorted(ref):
+      np.testing.assert_allclose(got[leaf], ref[leaf], rtol=rtol, atol=atol,
+                                 err_msg=f'{name} {mesh} {kind} {leaf}')
+  # The comparison is not between zeros or untouched initializations.
+  grads = _tree(arrays, f'{name}|{REFERENCE}|grads|')
+  assert max(float(np.max(np.abs(g))) for g in grads.values()) > 100 * GRAD_ATOL
+  params = _tree(arrays, f'{name}|{REFERENCE}|params|')
+  assert max(float(np.max(np.abs(params[k] - init[k]))) for k in init) > 100 * PARAM_ATOL
