@@ -4,20 +4,22 @@
   python benchmarks/attention_scaling.py --n 1024 2048 --heads 8
 
 Dense causal attention against each sparse pattern computed block-sparse (l = 128, c = 16,
-w = 128), each in two implementations: 'jax', the plain-JAX path that also runs on GPU/TPU
-(for dense, the causal block engine, which already skips the blocks above the diagonal), and
-'kernel', the fused CPU tile kernel (models/attention/cpu_kernel.py; for dense, the same
-kernel on the causal layout, i.e. flash attention). For each n: the time of the jitted
-forward + backward of softmax attention on (batch, n, heads, 64) inputs (best of --iters
-rounds; all rows of one n are timed round-robin, each round starting one row later, so that
-a slow phase of a shared machine hits them alike; the median is printed too), XLA's
-compiled peak memory (arguments + outputs + temporaries), the ideal FLOP ratio (causal
-pairs / pairs the pattern allows), the ratio the tiles allow (pairs the fastest dense row
-computes / pairs this row computes) and the achieved speedup over the FASTER of the two
-dense rows (speedup_over_ideal: best time over best time, divided by the FLOP ratio;
-paired_over_ideal: the median over rounds of each round's dense time over this row's,
-divided by the FLOP ratio). Targets (CPU): at 8K the achieved speedup is at least 70% of the
-FLOP ratio; the sparse paths' memory grows linearly in n.
+w = 128; strided and fixed with factorization='merged', one head over A1 | A2), each row the
+variant's own `attend` under one model.attention_impl: 'jax' rows run 'blocksparse', the
+plain-JAX path that also runs on GPU/TPU (for dense, the causal block engine, which already
+skips the blocks above the diagonal); 'kernel' rows run 'cpu_kernel', the fused CPU tile
+kernel (models/attention/cpu_kernel.py; for dense, the same kernel on the causal layout, i.e.
+flash attention), which attention_impl='auto' picks on one CPU device. For each n: the time of
+the jitted forward + backward of softmax attention on (batch, n, heads, 64) inputs (best of
+--iters rounds; all rows of one n are timed round-robin, each round starting one row later, so
+that a slow phase of a shared machine hits them alike; the median is printed too), XLA's
+compiled peak memory (arguments + outputs + temporaries), the ideal FLOP ratio (causal pairs /
+pairs the pattern allows), the ratio the tiles allow (pairs the fastest dense row computes /
+pairs this row computes) and the achieved speedup over the FASTER of the two dense rows
+(speedup_over_ideal: best time over best time, divided by the FLOP ratio; paired_over_ideal:
+the median over rounds of each round's dense time over this row's, divided by the FLOP ratio).
+Targets (CPU): at 8K the achieved speedup is at least 70% of the FLOP ratio; the sparse paths'
+memory grows linearly in n.
 """
 
 import argparse
@@ -36,19 +38,29 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from models.attention import base, blocksparse, cpu_kernel, patterns, sparse  # noqa: E402
+from models import attention  # noqa: E402
+from models.attention import blocksparse, cpu_kernel, dense  # noqa: E402
+
+# Row implementation -> model.attention_impl.
+IMPLEMENTATIONS = {'jax': 'blocksparse', 'kernel': 'cpu_kernel'}
 
 
-def pattern_parts(name: str, l: int, c: int, w: int):
+def module(name: str, impl: str, args):
+  """The attention module of a benchmark row (a registry name, a row implementation)."""
+  cls = attention.get(name)
+  options = dict(stride=args.l, summary=args.c, factorization='merged', distinct_heads=False,
+                 window=args.w, local_block=args.l, block_memory=args.l,
+                 key_block=args.key_block, band_block=args.band_block)
+  declared = cls.declared_options()
+  return cls(num_heads=args.heads, head_dim=args.head_dim, impl=IMPLEMENTATIONS[impl],
+             block_size=args.block,
+             options=tuple(sorted((k, v) for k, v in options.items() if k in declared)))
+
+
+def pattern_parts(name: str, args):
   """(pattern for counting allowed pairs, block-sparse parts) of a benchmark row."""
-  if name == 'strided':
-    a1 = sparse.HeadView(patterns.Strided(l, 'a1'))
-    a2 = sparse.HeadView(patterns.Strided(l, 'a2'))
-    return patterns.Strided(l), [blocksparse.Part(a1),
-                                 blocksparse.Part(sparse.Minus(a2, a1), residue_stride=l)]
-  pattern = {'fixed': patterns.Fixed(l, c), 'local': patterns.Local(w),
-             'block_local': patterns.BlockLocal(l, l)}[name]
-  return pattern, [blocksparse.Part(sparse.HeadView(pattern))]
+  m = module(name, 'jax', args)
+  return m.head_pattern(0), list(dense.DENSE_PARTS) if name == 'dense' else m.parts(0)
 
 
 def allowed_pairs(pattern, n: int, chunk: int = 1024) -> int:
@@ -60,24 +72,13 @@ def allowed_pairs(pattern, n: int, chunk: int = 1024) -> int:
   return total
 
 
-DENSE_PARTS = [blocksparse.Part(sparse.HeadView(patterns.Dense()))]
-
-
 def make_fn(name: str, impl: str, args):
-  scale = args.head_dim ** -0.5
-  if name == 'dense' and impl == 'jax':
-    def attend(q, k, v, seg):
-      return base.block_attention(q, k, v, seg, key_range=lambda s, e: (0, e),
-                                  allowed=lambda i, j: i >= j, block_size=args.block,
-                                  scale=scale, dtype=jnp.float32)
-  else:
-    parts = DENSE_PARTS if name == 'dense' else pattern_parts(name, args.l, args.c, args.w)[1]
+  m = module(name, impl, args)
 
-    def attend(q, k, v, seg):
-      return blocksparse.pattern_attention(q, k, v, seg, parts, q_block=args.block,
-                                           k_block=args.key_block, band_block=args.band_block,
-                                           scale=scale, dtype=jnp.float32,
-                                           kernel=impl == 'kernel')
+  def attend(q, k, v, seg):
+    pos = jnp.broadcast_to(jnp.arange(q.shape[1]), seg.shape)
+    return m.apply({}, q, k, v, positions=pos, segment_ids=seg, deterministic=True,
+                   method='attend')
 
   def loss(q, k, v, seg):
     return jnp.sum(attend(q, k, v, seg) ** 2)
@@ -103,10 +104,7 @@ def prepare(name: str, impl: str, n: int, args) -> dict:
   run = lambda: jax.block_until_ready(compiled(q, k, v, seg))
   run()  # Warm-up.
   causal = n * (n + 1) // 2
-  if name == 'dense':
-    pattern, parts = patterns.Dense(), DENSE_PARTS
-  else:
-    pattern, parts = pattern_parts(name, args.l, args.c, args.w)
+  pattern, parts = pattern_parts(name, args)
   pairs = causal if name == 'dense' else allowed_pairs(pattern, n)
   if impl == 'kernel':
     computed = kernel_pairs(parts, n)
@@ -156,7 +154,8 @@ def main():
   p.add_argument('--band_block', type=int, default=64,
                  help='query block of the band path (local, strided A1); 0 = blocked only')
   p.add_argument('--impls', nargs='+', default=['jax', 'kernel'], choices=['jax', 'kernel'],
-                 help="'jax': plain-JAX paths; 'kernel': the fused CPU kernel")
+                 help="'jax': attention_impl='blocksparse' (plain JAX); 'kernel': "
+                 "attention_impl='cpu_kernel' (the fused CPU kernel)")
   p.add_argument('--iters', type=int, default=5, help='rounds of round-robin timing')
   p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
                                                'attention_scaling.json'))

@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from configs import default  # noqa: E402
+from models import transformer  # noqa: E402
 from training import flops, sharding, train  # noqa: E402,I100
 
 
@@ -70,8 +71,10 @@ def bench_step(d: int, seq_len: int, batch: int, dtype: str, impl: str, remat: s
   mc = setup.model_config
   fpt = mc.train_flops_per_token(seq_len)
   tok_s = batch * seq_len / t['median_s']
-  return {'d': d, 'seq_len': seq_len, 'batch': batch, 'dtype': dtype, 'impl': impl, 'remat': remat,
-          'scan': scan,
+  # What the layers ran: model.attention_impl resolved ('auto' on one CPU device: cpu_kernel).
+  ran = ','.join(dict.fromkeys(transformer.implementations(mc)))
+  return {'d': d, 'seq_len': seq_len, 'batch': batch, 'dtype': dtype, 'impl': ran,
+          'attention_impl': impl, 'remat': remat, 'scan': scan,
           'params_M': mc.num_params() / 1e6, 'flops_per_token': fpt, 'step_ms': 1e3 * t['median_s'],
           'tokens_per_s': tok_s, 'achieved_tflops': fpt * tok_s / 1e12}
 
@@ -82,7 +85,8 @@ def main():
   p.add_argument('--seq_len', type=int, default=512)
   p.add_argument('--batch', type=int, default=8)
   p.add_argument('--dtype', default='float32', help='compute dtype (float32 on CPU)')
-  p.add_argument('--impl', default='blocksparse', help="attention implementation ('xla', 'blocksparse', 'fused')")
+  p.add_argument('--impl', default='auto',
+                 help="model.attention_impl ('auto', 'xla', 'blocksparse', 'cpu_kernel', 'fused')")
   p.add_argument('--remat', default='none')
   p.add_argument('--scan', type=int, default=0,
                  help='1: nn.scan over layers; 0: unrolled (faster on CPU: no per-layer copies)')

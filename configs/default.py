@@ -28,7 +28,8 @@ def get_config() -> ml_collections.ConfigDict:
   model.position_embedding = 'learned'  # 'learned' absolute positions or 'none' (variants with
                                         # relative positions, e.g. adaptive_span).
   model.attention = 'dense'             # Registry name, or a comma list with one name per layer.
-  model.attention_impl = 'blocksparse'  # 'xla' (einsum reference), 'blocksparse', 'fused', 'cudnn'.
+  model.attention_impl = 'auto'         # 'auto' (per backend and variant), 'xla', 'blocksparse',
+                                        # 'cpu_kernel', 'fused', 'cudnn', 'splash'.
   model.attention_block_size = 128      # Query/key block length of 'blocksparse'.
   # Every variant's hyper-parameters, with the defaults each variant declares next to its code
   # (OPTIONS in models/attention/<family>.py: one-line docs there). Override them as

@@ -43,10 +43,17 @@ class LayerContext:
 
 
 def make_attention(config, variant: str, layer_index: int, **kwargs) -> nn.Module:
-  """Layer `layer_index`'s attention module of `variant`, configured from `config`."""
-  return attention.get(variant)(
+  """Layer `layer_index`'s attention module of `variant`, configured from `config`; its `impl`
+  is the concrete implementation model.attention_impl gives this variant on this run's
+  backend ('auto' resolved: MultiHeadAttention.implementation)."""
+  cls = attention.get(variant)
+  impl = cls.implementation(
+      config.attention_impl, options=dict(config.attention_options), head_dim=config.head_dim,
+      backend=jax.default_backend(), dtype=config.dtype, block_size=config.attention_block_size,
+      devices=jax.device_count())
+  return cls(
       num_heads=config.n_heads, head_dim=config.head_dim, qk_norm=config.qk_norm,
-      impl=config.attention_impl, block_size=config.attention_block_size,
+      impl=impl, block_size=config.attention_block_size,
       layer_index=layer_index, max_len=config.max_len, num_layers=config.n_layers,
       options=config.attention_options, dtype=config.dtype, param_dtype=config.param_dtype,
       **kwargs)

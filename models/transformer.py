@@ -84,6 +84,8 @@ class TransformerConfig:
     if self.attention_impl not in attention.IMPLEMENTATIONS:
       raise ValueError(f'unknown model.attention_impl {self.attention_impl!r}; known: '
                        f'{", ".join(attention.IMPLEMENTATIONS)}')
+    if self.attention_impl != 'auto':  # A name no layer can run fails now ('auto' cannot).
+      implementations(self)
     if self.position_embedding not in POSITION_EMBEDDINGS:
       raise ValueError(f'unknown model.position_embedding {self.position_embedding!r}; known: '
                        f'{", ".join(POSITION_EMBEDDINGS)}')
@@ -285,3 +287,19 @@ def rng_streams(config: TransformerConfig) -> tuple[str, ...]:
   options = dict(config.attention_options)
   extra = [s for cls in variant_classes(config) for s in cls.rng_streams(options)]
   return ('dropout', *dict.fromkeys(s for s in extra if s != 'dropout'))
+
+
+def implementations(config: TransformerConfig) -> list[str]:
+  """The implementation each layer's attention runs on this backend (model.attention_impl
+  resolved per variant, as models/blocks.py builds the modules).
+
+  Raises:
+    ValueError: model.attention_impl names one that a layer's variant cannot run here.
+  """
+  out = []
+  for i, name in enumerate(config.attention):
+    try:
+      out.append(blocks.make_attention(config, name, i, parent=None).impl)
+    except ValueError as e:
+      raise ValueError(f'model.attention {name!r} (layer {i}): {e}') from None
+  return out

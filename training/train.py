@@ -322,6 +322,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> steps
                '%.3g training FLOPs/token; peak %.3g FLOP/s/device (%s); mesh %s',
                mc.n_layers, mc.n_heads, mc.d_model, ','.join(sorted(set(mc.attention))),
                n_params / 1e6, flops_per_token, peak, peak_source, dict(setup.mesh.shape))
+  logging.info('attention implementation per layer: %s', ', '.join(
+      f'{i} {name}:{impl}' for i, (name, impl) in
+      enumerate(zip(mc.attention, transformer.implementations(mc)))))
   if jax.process_index() == 0:
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
       f.write(config.to_json_best_effort(indent=2))
@@ -438,11 +441,18 @@ def _train_loop(setup: Setup, state, data_state, ckpt, logger, flops_per_token: 
   window = _MetricWindow(ckpt)
   step = int(state.step)
   batches = setup.data.train_iter(step, data_state)
+  compiling = True
   with sharding.activate(setup.mesh, setup.rules), _Preemption() as preemption:
     while step < config.total_steps:
       local, data_state = next(batches)
       batch = device_batch(setup, local)
+      started = time.time()
       state, step_metrics = train_step(state, batch, rng)
+      if compiling:  # The model's (and its stack's) compile time, in the log.
+        jax.block_until_ready(step_metrics)
+        logging.info('first train step (compile and run): %.1f s (%s stack)',
+                     time.time() - started, setup.model_config.stack_name)
+        compiling = False
       train_step, eval_step = specialized.update(state.params)
       step += 1
       window.add(step, step_metrics)

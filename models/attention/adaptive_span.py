@@ -167,6 +167,19 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
     return None
 
   @classmethod
+  def implementation(cls, impl, **kwargs):
+    """'xla' computes all T keys of every query at once; every other name runs the blocked
+    path (query blocks of attention_block_size), reported as 'blocksparse'. The span is
+    learned, not a static pattern: 'cpu_kernel' is refused."""
+    if impl == 'cpu_kernel':
+      raise ValueError("adaptive span's soft mask follows the learned spans z, not a static "
+                       "pattern: attention_impl='cpu_kernel' cannot compute it; use 'auto' "
+                       "(blocked), 'blocksparse' or 'xla'")
+    if impl in base.IMPLEMENTATIONS and impl != 'xla':
+      return 'blocksparse'
+    return super().implementation(impl, **kwargs)
+
+  @classmethod
   def param_bounds(cls, options):
     return {'span_fraction': (0.0, 1.0)}  # z' = z / S stays in [0, 1].
 

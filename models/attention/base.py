@@ -13,12 +13,14 @@ from models.attention import memory, patterns
 
 Dtype = Any
 
-# How a variant's scores are computed: 'xla' is the plain einsum reference that every fast
+# How a variant's scores are computed: 'auto' picks per backend and variant
+# (MultiHeadAttention.implementation); 'xla' is the plain einsum reference that every fast
 # path is tested against; 'blocksparse' computes only the key blocks a query block can see
-# (plain JAX, any backend); 'fused' is jax.nn.dot_product_attention (XLA picks the kernel);
+# (plain JAX, any backend); 'cpu_kernel' is the fused C++ tile kernel of cpu_kernel.py (one
+# CPU device, static patterns); 'fused' is jax.nn.dot_product_attention (XLA's own einsum);
 # 'cudnn' forces the cuDNN flash kernel on NVIDIA GPUs; 'splash' is the Pallas TPU kernel
 # (interpret mode elsewhere, for tests).
-IMPLEMENTATIONS = ('xla', 'blocksparse', 'fused', 'cudnn', 'splash')
+IMPLEMENTATIONS = ('auto', 'xla', 'blocksparse', 'cpu_kernel', 'fused', 'cudnn', 'splash')
 
 # Masked logits get this instead of -inf so a fully masked row (padding) gives a uniform
 # distribution rather than NaN; such rows carry zero loss weight.
@@ -294,6 +296,54 @@ class MultiHeadAttention(nn.Module):
     layer_index mod p; None, every layer is its own (static per-layer settings)."""
     del options, n_layers
     return 1
+
+  @classmethod
+  def implementation(cls, impl: str, *, options: dict, head_dim: int, backend: str,
+                     dtype: Dtype = jnp.float32, block_size: int = 128, devices: int = 1) -> str:
+    """What the variant's layers run for model.attention_impl=`impl` on `backend`: 'auto'
+    resolved, an explicit name checked (a ValueError says what to use where it cannot run).
+
+    This default serves every variant; those with fewer implementations override it. A
+    variant has a static pattern when it overrides `head_pattern`. 'auto' picks:
+      tpu  'splash' for a static pattern (block_size a multiple of 128), else 'blocksparse';
+      gpu  'blocksparse' (DenseAttention: cuDNN flash where dtype and head_dim allow it);
+      cpu  'cpu_kernel' for a static pattern on one device, at a head width the kernel is
+           built for, with a compiler; else 'blocksparse' (no compiler: one warning).
+    A variant without a static pattern gets 'blocksparse' (its own blocked path) everywhere.
+
+    Args:
+      impl: one of IMPLEMENTATIONS.
+      options: the resolved config.model.attention_options.
+      head_dim: width of each head.
+      backend: the run's jax.default_backend(): 'cpu', 'gpu' or 'tpu'.
+      dtype: computation dtype.
+      block_size: config.model.attention_block_size.
+      devices: the run's jax.device_count().
+
+    Returns:
+      A name of IMPLEMENTATIONS other than 'auto'.
+    """
+    from models.attention import cpu_kernel  # pylint: disable=import-outside-toplevel
+    del options, dtype
+    if impl not in IMPLEMENTATIONS:
+      raise ValueError(f'unknown model.attention_impl {impl!r}; known: '
+                       f'{", ".join(IMPLEMENTATIONS)}')
+    static = cls.head_pattern is not MultiHeadAttention.head_pattern
+    if impl == 'auto':
+      if not static:
+        return 'blocksparse'
+      if backend == 'tpu':
+        return 'splash' if block_size % 128 == 0 else 'blocksparse'
+      if backend == 'cpu' and cpu_kernel.unusable(head_dim, backend, devices) is None:
+        return 'cpu_kernel'
+      return 'blocksparse'
+    if impl in ('splash', 'cpu_kernel') and not static:
+      raise ValueError(f'attention_impl={impl!r} computes a static pattern, and {cls.__name__} '
+                       "has none: use 'auto', 'xla' or 'blocksparse'")
+    if impl == 'cpu_kernel' and (why := cpu_kernel.unusable(head_dim, backend, devices)):
+      raise ValueError(f"attention_impl='cpu_kernel' cannot run here: {why}. Use 'auto' (the "
+                       "kernel where it can run, else 'blocksparse') or 'blocksparse'")
+    return impl
 
   def option(self, name: str):
     """The variant hyper-parameter `name` from config.model.attention_options (its declared

@@ -13,10 +13,8 @@ query block of `band_block` positions sees the same number of keys just before i
 blocks go through one batched matmul on a strided view of the keys. Whichever of the two
 computes fewer pairs is used.
 
-With `kernel=True` (the default on a single CPU device, see `use_kernel`) the parts run in
-the fused tile kernel of models/attention/cpu_kernel.py instead, all in one call, each on a
-layout of 16 x 16 tiles derived from the same `allowed` function (a residue part in residue
-order), merged inside the kernel.
+This is plain JAX, the same code on every backend (attention_impl='blocksparse'). The fused
+CPU kernel takes the same parts (attention_impl='cpu_kernel': cpu_kernel.pattern_attention).
 """
 
 from __future__ import annotations
@@ -29,16 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.attention import cpu_kernel
-
 NEG_INF = -1e30
-
-
-def use_kernel(head_dim: int) -> bool:
-  """True where the fused CPU kernel should run: a single CPU device, a head width it is built
-  for, and a working compiler. (Across several devices XLA would replicate the custom call.)"""
-  return (jax.default_backend() == 'cpu' and jax.device_count() == 1
-          and cpu_kernel.supports(head_dim) and cpu_kernel.available())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,15 +247,8 @@ def _part_stats(q, k, v, segment_ids, part: Part, *, q_block, k_block, band_bloc
   return o, m, s
 
 
-def _kernel_attention(q, k, v, segment_ids, parts, *, scale):
-  """pattern_attention through the fused CPU kernel: all parts in one call, each on its own
-  tile layout (a residue part in residue order), merged inside the kernel."""
-  return cpu_kernel.attention(q, k, v, segment_ids,
-                              [(p.allowed, p.residue_stride) for p in parts], scale=scale)[0]
-
-
 def pattern_attention(q, k, v, segment_ids, parts, *, q_block: int, k_block: int, scale: float,
-                      dtype, band_block: int = 0, kernel: bool = False):
+                      dtype, band_block: int = 0):
   """softmax over the union of `parts` (which must be disjoint), block-sparse.
 
   Args:
@@ -276,7 +258,6 @@ def pattern_attention(q, k, v, segment_ids, parts, *, q_block: int, k_block: int
     q_block: query block length.
     k_block: key block length (smaller blocks follow thin patterns more closely).
     band_block: query block of the band computation of near-diagonal parts (0: never).
-    kernel: compute the parts in the fused CPU kernel (cpu_kernel.py; CPU backend only).
     scale: logit multiplier.
     dtype: dtype of the probabilities fed to the value matmul and of the output.
 
@@ -286,8 +267,6 @@ def pattern_attention(q, k, v, segment_ids, parts, *, q_block: int, k_block: int
   if q_block < 1 or k_block < 1 or band_block < 0:
     raise ValueError(f'block sizes must be >= 1 (band_block >= 0), got q_block={q_block}, '
                      f'k_block={k_block}, band_block={band_block}')
-  if kernel:
-    return _kernel_attention(q, k, v, segment_ids, parts, scale=scale).astype(dtype)
   qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
   stats = [_part_stats(qh, kh, vh, segment_ids, p, q_block=q_block, k_block=k_block,
                        band_block=band_block, scale=scale, dtype=dtype) for p in parts]

@@ -13,7 +13,8 @@ call: the kernel merges the parts' softmaxes itself.
 The kernel is compiled with the system C++ compiler on first use and cached under
 $ZOO_KERNEL_CACHE (default ~/.cache/attention_zoo); the cache key covers the source, the
 flags, the jax version and its XLA FFI headers, and the CPU. Without a compiler or a writable
-cache, `available()` is False (with one warning) and callers use the plain-JAX path.
+cache, `available()` is False (with one warning): attention_impl='auto' then runs the plain-JAX
+'blocksparse' path, and an explicit attention_impl='cpu_kernel' is refused (`unusable`).
 """
 
 from __future__ import annotations
@@ -117,6 +118,22 @@ def available() -> bool:
 def supports(head_dim: int) -> bool:
   """True if `head_dim` is one the kernel is compiled for."""
   return head_dim in HEAD_DIMS
+
+
+def unusable(head_dim: int, backend: str, devices: int) -> str | None:
+  """Why the kernel cannot run a layer of `head_dim` on `backend` with `devices` devices, or
+  None if it can (which builds it, on the first call: the compiler is checked last)."""
+  if backend != 'cpu':
+    return f'it runs on the CPU backend only, and this run is on {backend}'
+  if devices != 1:
+    return (f'it needs a single CPU device, and this run has {devices} (XLA would replicate '
+            'the custom call on every device)')
+  if not supports(head_dim):
+    return f'it is built for head_dim in {HEAD_DIMS}, and model.head_dim is {head_dim}'
+  if not available():
+    return ('it could not be built (see the warning above: it needs a C++ compiler, g++ or '
+            '$CXX, and a writable $ZOO_KERNEL_CACHE)')
+  return None
 
 
 def computation_order(n: int, residue_stride: int = 0) -> np.ndarray:
@@ -276,3 +293,21 @@ def attention(q, k, v, seg, parts, *, scale):
   o, lse = _attention(by_head(q), by_head(k), by_head(v), seg, parts, float(scale))
   return (jnp.swapaxes(o.reshape(b, h, n, d), 1, 2),
           jnp.swapaxes(lse.reshape(b, h, n), 1, 2))
+
+
+def pattern_attention(q, k, v, segment_ids, parts, *, scale: float, dtype):
+  """blocksparse.pattern_attention computed by the kernel: softmax over the union of the
+  disjoint `parts` (blocksparse.Part: allowed, residue_stride), all in one call.
+
+  Args:
+    q, k, v: (batch, length, heads, head_dim).
+    segment_ids: (batch, length) document ids; keys of other documents are never seen.
+    parts: disjoint blocksparse.Parts whose union is the pattern.
+    scale: logit multiplier.
+    dtype: dtype of the output (the kernel computes in float32).
+
+  Returns:
+    (batch, length, heads, head_dim); a query that sees no key outputs zeros.
+  """
+  return attention(q, k, v, segment_ids, [(p.allowed, p.residue_stride) for p in parts],
+                   scale=scale)[0].astype(dtype)

@@ -237,9 +237,9 @@ class SelectiveAttention(base.MultiHeadAttention):
     pruning = self.budget or self.has_variable('pruning', 'budget')
     if self.impl == 'blocksparse' and not pruning:
       return self._attend_blocks(q, k, v, segment_ids, selection, scale)
-    if self.impl == 'splash':
+    if self.impl in ('splash', 'cpu_kernel'):
       raise ValueError('selective attention subtracts F from the logits: use attention_impl '
-                       "'xla', 'blocksparse', 'fused' or 'cudnn', not 'splash'")
+                       f"'auto', 'xla', 'blocksparse', 'fused' or 'cudnn', not {self.impl!r}")
     n = q.shape[1]
     mask = base.causal_segment_mask(segment_ids)  # (b, n, n)
     logits = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32) * scale

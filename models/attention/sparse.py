@@ -5,11 +5,12 @@ pattern each layer and head uses, and how it is computed:
 
 * `attention_impl='xla'` (and 'fused'/'cudnn'): the dense reference, a mask on full scores.
 * `attention_impl='blocksparse'`: blocksparse.pattern_attention, only the key blocks the
-  pattern touches (key blocks of `attention_options.key_block` positions). On a single CPU
-  device it runs the fused tile kernel of cpu_kernel.py unless
-  `attention_options.cpu_kernel=False` (plain JAX: the same code as on GPU/TPU).
+  pattern touches (key blocks of `attention_options.key_block` positions); plain JAX, the
+  same code on every backend.
+* `attention_impl='cpu_kernel'`: the same parts in the fused C++ tile kernel of cpu_kernel.py
+  (one CPU device; what 'auto' picks there).
 * `attention_impl='splash'`: the Pallas TPU splash kernel with a lazy mask from the same
-  pattern function (interpret mode off TPU).
+  pattern function (interpret mode off TPU; what 'auto' picks on TPU).
 
 The Sparse Transformer's three ways to use a factorized pattern (A1, A2) are
 `attention_options.factorization`:
@@ -22,10 +23,12 @@ A query that sees no key (e.g. the first block under fixed A2 alone) outputs zer
 from __future__ import annotations
 
 import dataclasses
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 
-from models.attention import base, blocksparse, patterns, splash
+from models.attention import base, blocksparse, cpu_kernel, patterns, splash
 from models.attention.registry import register
 
 FACTORIZATIONS = ('interleave', 'merged', 'multihead')
@@ -66,8 +69,6 @@ class PatternAttention(base.MultiHeadAttention):
       'key_block': Option(16, "key block of the 'blocksparse' path for sparse patterns"),
       'band_block': Option(64, 'query block of the band path for near-diagonal patterns (local, '
                            'strided A1); 0 = never use it'),
-      'cpu_kernel': Option(True, "'blocksparse' on one CPU device runs the fused C++ tile kernel "
-                           '(models/attention/cpu_kernel.py), not XLA'),
   }
 
   def head_pattern(self, head: int):
@@ -80,31 +81,28 @@ class PatternAttention(base.MultiHeadAttention):
     # Heads whose pattern does not depend on the head share one view (and one computation).
     return [blocksparse.Part(HeadView(p, head if getattr(p, 'distinct_heads', False) else 0))]
 
-  def kernel(self, head_dim: int) -> bool:
-    """True if the block-sparse path runs in the fused CPU kernel."""
-    return bool(self.option('cpu_kernel')) and blocksparse.use_kernel(head_dim)
-
   def attend(self, q, k, v, *, positions, segment_ids, deterministic, key_segment_ids=None,
              extra=None):
     del key_segment_ids, deterministic, extra
     scale = q.shape[-1] ** -0.5
     heads = q.shape[2]
-    if self.impl == 'blocksparse':
-      blocks = dict(q_block=self.block_size, k_block=self.option('key_block'),
-                    band_block=self.option('band_block'), kernel=self.kernel(q.shape[-1]))
+    if self.impl in ('blocksparse', 'cpu_kernel'):
+      if self.impl == 'cpu_kernel':
+        compute = functools.partial(cpu_kernel.pattern_attention, scale=scale, dtype=self.dtype)
+      else:
+        compute = functools.partial(
+            blocksparse.pattern_attention, q_block=self.block_size,
+            k_block=self.option('key_block'), band_block=self.option('band_block'), scale=scale,
+            dtype=self.dtype)
       groups: dict[tuple, list[int]] = {}  # Heads with the same parts share one computation.
       for h in range(heads):
         groups.setdefault(tuple(self.parts(h)), []).append(h)
       if len(groups) == 1:
-        return blocksparse.pattern_attention(
-            q, k, v, segment_ids, list(next(iter(groups))), scale=scale, dtype=self.dtype,
-            **blocks)
+        return compute(q, k, v, segment_ids, list(next(iter(groups))))
       outs = {}
       for parts, hs in groups.items():
         sel = np.asarray(hs)
-        out = blocksparse.pattern_attention(
-            q[:, :, sel], k[:, :, sel], v[:, :, sel], segment_ids, list(parts), scale=scale,
-            dtype=self.dtype, **blocks)
+        out = compute(q[:, :, sel], k[:, :, sel], v[:, :, sel], segment_ids, list(parts))
         for idx, h in enumerate(hs):
           outs[h] = out[:, :, idx]
       return jnp.stack([outs[h] for h in range(heads)], axis=2)
@@ -145,9 +143,6 @@ def _check_blocks(options: dict) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
       raise ValueError(f'model.attention_options.{name} must be an integer >= {minimum}, '
                        f'got {value!r}')
-  if not isinstance(options.get('cpu_kernel'), bool):
-    raise ValueError('model.attention_options.cpu_kernel must be True or False, got '
-                     f'{options.get("cpu_kernel")!r}')
 
 
 def _factorized_period(options: dict) -> int:
@@ -268,8 +263,8 @@ class LocalGlobalAttention(PatternAttention):
     return patterns.Dense() if self.is_global() else patterns.Local(self.option('window'))
 
   def attend(self, q, k, v, **kwargs):
-    if self.is_global() and self.impl == 'blocksparse' and not self.kernel(q.shape[-1]):
-      return base.block_attention(  # The causal block engine.
+    if self.is_global() and self.impl == 'blocksparse':
+      return base.block_attention(  # The causal block engine, as DenseAttention's.
           q, k, v, kwargs['segment_ids'], key_range=lambda s, e: (0, e),
           allowed=lambda i, j: i >= j, block_size=self.block_size, scale=q.shape[-1] ** -0.5,
           dtype=self.dtype)

@@ -64,10 +64,11 @@ def splash_attention(q, k, v, segment_ids, positions, head_patterns, *, block_si
   if block % 128 or n % block:
     raise ValueError(f"attention_impl='splash' needs model.attention_block_size (now {block}) "
                      f'to be a multiple of 128 that divides the sequence length (now {n}); pad '
-                     'the sequence or change the block size')
+                     "the sequence, change the block size or use attention_impl='blocksparse'")
   backend = jax.default_backend()
   if backend == 'gpu':
-    raise ValueError("attention_impl='splash' is a TPU kernel; on GPU use 'blocksparse'")
+    raise ValueError("attention_impl='splash' is a TPU kernel; on GPU use 'auto' or "
+                     "'blocksparse'")
   kernel = _kernel(tuple(head_patterns), n, block, backend != 'tpu')
 
   def one(qb, kb, vb, seg):

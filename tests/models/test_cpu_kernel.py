@@ -4,10 +4,11 @@
   merging parts needs) equal a dense masked softmax, for every pattern and the strided parts
   in residue order, packed documents, lengths that 16 does not divide, one or more heads,
   and keys that no query sees (the backward writes dk and dv rather than zeroing them first).
-* Each registry name through the module path (attention_impl='blocksparse' with the kernel)
-  equals the dense reference, outputs and gradients.
+* Each registry name through the module path (attention_impl='cpu_kernel') equals the dense
+  reference, outputs and gradients.
 * The tile layout covers exactly the allowed pairs; a missing compiler turns the kernel off
-  with a warning instead of failing.
+  with a warning instead of failing, and `unusable` says why the kernel cannot run where it
+  cannot (tests/models/test_implementations.py: what 'auto' and the explicit name do then).
 * The built library holds the prefetches that ask for a tile's rows ahead of use (GCC once
   deleted them, finding the helper that issued them free of side effects).
 
@@ -25,7 +26,7 @@ import numpy as np
 import pytest
 
 from models import attention
-from models.attention import blocksparse, cpu_kernel, patterns, sparse
+from models.attention import cpu_kernel, patterns, sparse
 
 
 @pytest.fixture(scope='module')
@@ -237,8 +238,7 @@ CASES = [  # (name, layer, heads, overrides): every registry name and kind of pa
     ('local_global', 1, 2, {}),                      # The global (dense) layer.
 ]
 OPTIONS = dict(stride=8, summary=3, factorization='interleave', distinct_heads=False,
-               window=11, local_block=8, block_memory=5, global_every=2, key_block=4, band_block=8,
-               cpu_kernel=True)
+               window=11, local_block=8, block_memory=5, global_every=2, key_block=4, band_block=8)
 
 
 @needs_kernel
@@ -256,8 +256,7 @@ def test_module_with_kernel_matches_dense_reference(name, layer, heads, override
                                layer_index=layer,
                                options=tuple(sorted({**OPTIONS, **overrides}.items())))
 
-  kernel_module = module('blocksparse')
-  assert kernel_module.kernel(d)
+  kernel_module = module('cpu_kernel')
 
   def run(m):
     def f(q, k, v):
@@ -274,11 +273,14 @@ def test_module_with_kernel_matches_dense_reference(name, layer, heads, override
     np.testing.assert_allclose(g, g_ref, atol=5e-5)
 
 
-def test_module_without_kernel_option_uses_plain_jax():
-  m = attention.get('local')(num_heads=1, head_dim=16, impl='blocksparse',
-                             options=tuple(sorted({**OPTIONS, 'cpu_kernel': False}.items())))
-  assert not m.kernel(16)
-  assert not blocksparse.use_kernel(12)  # A head width the kernel is not compiled for.
+def test_unusable_says_why(monkeypatch):
+  monkeypatch.setattr(cpu_kernel, 'available', lambda: True)
+  assert cpu_kernel.unusable(16, 'cpu', 1) is None
+  assert 'head_dim' in cpu_kernel.unusable(12, 'cpu', 1)  # A width it is not compiled for.
+  assert 'single CPU device' in cpu_kernel.unusable(16, 'cpu', 8)
+  assert 'CPU backend only' in cpu_kernel.unusable(16, 'gpu', 1)
+  monkeypatch.setattr(cpu_kernel, 'available', lambda: False)
+  assert 'compiler' in cpu_kernel.unusable(16, 'cpu', 1)
 
 
 def test_missing_compiler_turns_the_kernel_off_with_a_warning(monkeypatch, tmp_path, caplog):

@@ -9,8 +9,7 @@ from models import decode, transformer
 from models.attention import patterns
 
 _OPTIONS = dict(stride=8, summary=3, factorization='interleave', distinct_heads=True, window=6,
-                local_block=8, block_memory=5, global_every=2, key_block=4, band_block=4,
-                cpu_kernel=True)
+                local_block=8, block_memory=5, global_every=2, key_block=4, band_block=4)
 _MAX_LEN = 40
 
 

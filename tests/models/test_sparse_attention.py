@@ -27,8 +27,7 @@ NAMES = ('strided', 'fixed', 'local', 'block_local', 'local_global')
 D_MODEL, HEAD_DIM = 8, 4
 # Small pattern sizes so that n = 50 holds many blocks, strides and windows.
 OPTIONS = dict(stride=4, summary=2, factorization='interleave', distinct_heads=False, window=5,
-               local_block=8, block_memory=3, global_every=2, key_block=4, band_block=4,
-               cpu_kernel=True)
+               local_block=8, block_memory=3, global_every=2, key_block=4, band_block=4)
 
 # (id, name, layer_index, heads, option overrides): every registry name, every factorization
 # ('interleave' at layers 0 and 1 gives A1 and A2), distinct summary heads, both kinds of
@@ -326,7 +325,7 @@ def test_packed_document_sees_the_same_keys_wherever_it_starts(case_id):
 
 LONG = dict(stride=128, summary=16, factorization='interleave', distinct_heads=False,
             window=128, local_block=128, block_memory=64, global_every=2, key_block=16,
-            band_block=64, cpu_kernel=True)
+            band_block=64)
 FLOP_Q_BLOCK = 128
 
 
@@ -524,7 +523,9 @@ INVALID = [
     ('strided', 1, {'factorization': 'multihead'}, r'at least 2 heads'),
     ('fixed', 1, {'factorization': 'multihead'}, r'at least 2 heads'),
 ] + [(name, 2, {'key_block': 0}, r'key_block') for name in NAMES] + [
-    (name, 2, {'cpu_kernel': 1}, r'cpu_kernel') for name in NAMES] + [
+    # The kernel is attention_impl='cpu_kernel' now, not an option.
+    (name, 2, {'cpu_kernel': True}, r'unknown model.attention_options cpu_kernel')
+    for name in NAMES] + [
     (name, 2, {'band_block': -1}, r'band_block') for name in NAMES]
 
 

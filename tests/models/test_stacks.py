@@ -9,7 +9,7 @@ from models import blocks, stacks, transformer
 
 VOCAB = 32
 SPARSE = {'stride': 4, 'summary': 2, 'factorization': 'interleave', 'window': 4,
-          'global_every': 3, 'cpu_kernel': False, 'key_block': 4, 'band_block': 0,
+          'global_every': 3, 'key_block': 4, 'band_block': 0,
           'distinct_heads': False}
 
 

@@ -1,0 +1,266 @@
+"""Tests for model.attention_impl: what 'auto' picks per backend and variant, the explicit names.
+
+* 'auto' resolves to the documented implementation per backend and variant
+  (MultiHeadAttention.implementation, called with backend='tpu'/'gpu'/'cpu': no accelerator
+  needed): splash on TPU, cuDNN flash for bf16 dense on GPU else block-sparse, the C++ kernel
+  on one CPU device else block-sparse; variants without a static pattern get their own
+  blocked path everywhere.
+* attention_impl='cpu_kernel' gives the outputs and gradients of 'xla' for dense and a sparse
+  pattern; 'blocksparse' never calls the kernel.
+* Without a compiler 'auto' falls back to 'blocksparse' with one warning, and an explicit
+  'cpu_kernel' is refused at config time saying what to use; so is 'cpu_kernel' for a variant
+  without a static pattern (selective, adaptive and dynamic span), naming the variant.
+* transformer.implementations lists each layer's implementation, and the training log says it.
+"""
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import tiny
+from models import attention, transformer
+from models.attention import cpu_kernel
+from training import train
+
+STATIC = ('dense', 'strided', 'fixed', 'local', 'block_local', 'local_global')
+LEARNED = ('selective', 'adaptive_span', 'dynamic_span')  # No static pattern.
+OPTIONS = dict(stride=4, summary=2, factorization='merged', window=5, global_every=2,
+               key_block=4, band_block=4)
+
+
+def _auto(name, backend, *, head_dim=64, dtype=jnp.float32, block_size=128, devices=1):
+  return attention.get(name).implementation(
+      'auto', options=attention.resolve_options({}, [name]), head_dim=head_dim,
+      backend=backend, dtype=dtype, block_size=block_size, devices=devices)
+
+
+@pytest.fixture
+def kernel_builds(monkeypatch):
+  """The kernel counts as built (nothing is compiled): 'auto' may pick it on CPU."""
+  monkeypatch.setattr(cpu_kernel, 'available', lambda: True)
+
+
+@pytest.fixture
+def no_compiler(monkeypatch, tmp_path):
+  """No compiler and no cached build: the kernel cannot be built (warns once, as in a fresh
+  process)."""
+  monkeypatch.setenv('ZOO_KERNEL_CACHE', str(tmp_path))
+  monkeypatch.setenv('CXX', str(tmp_path / 'no-such-compiler'))
+  load = cpu_kernel._load  # pylint: disable=protected-access
+  monkeypatch.setattr(cpu_kernel, '_load', load.__wrapped__)
+  monkeypatch.setattr(cpu_kernel, 'available', functools.cache(cpu_kernel.available.__wrapped__))
+
+
+@pytest.fixture(scope='module')
+def _kernel_build():
+  try:
+    cpu_kernel._load()  # pylint: disable=protected-access
+  except cpu_kernel.KernelUnavailable as e:
+    return f'CPU kernel unavailable (needs a C++ compiler): {str(e).splitlines()[0]}'
+  return None
+
+
+@pytest.fixture
+def built_kernel(_kernel_build):
+  if _kernel_build is not None:
+    pytest.skip(_kernel_build)
+
+
+# ------------------------------------------------------------------------ what 'auto' picks
+
+
+@pytest.mark.parametrize('name', STATIC + LEARNED)
+def test_auto_picks_the_documented_implementation(name, kernel_builds):
+  del kernel_builds
+  static = name in STATIC
+  # TPU: splash for a static pattern whose blocks it can tile (multiples of 128).
+  assert _auto(name, 'tpu') == ('splash' if static else 'blocksparse')
+  assert _auto(name, 'tpu', block_size=64) == 'blocksparse'
+  # GPU: cuDNN flash for dense in bf16/fp16 at head widths it takes; otherwise block-sparse.
+  assert _auto(name, 'gpu') == 'blocksparse'  # float32
+  for dtype in (jnp.bfloat16, jnp.float16):
+    assert _auto(name, 'gpu', dtype=dtype) == ('cudnn' if name == 'dense' else 'blocksparse')
+  assert _auto(name, 'gpu', dtype=jnp.bfloat16, head_dim=12) == 'blocksparse'  # Not 8 k.
+  assert _auto(name, 'gpu', dtype=jnp.bfloat16, head_dim=256) == 'blocksparse'
+  # CPU: the kernel for a static pattern on one device at a width it is built for.
+  assert _auto(name, 'cpu') == ('cpu_kernel' if static else 'blocksparse')
+  assert _auto(name, 'cpu', head_dim=12) == 'blocksparse'
+  assert _auto(name, 'cpu', devices=8) == 'blocksparse'
+
+
+@pytest.mark.parametrize('impl', [i for i in attention.IMPLEMENTATIONS if i != 'auto'])
+def test_an_explicit_name_is_kept_where_it_runs(impl, kernel_builds):
+  del kernel_builds
+  assert attention.get('strided').implementation(
+      impl, options=attention.resolve_options({}, ['strided']), head_dim=64,
+      backend='cpu') == impl
+
+
+def test_auto_without_a_compiler_falls_back_with_one_warning(no_compiler, caplog):
+  del no_compiler
+  cfg = transformer.TransformerConfig.from_config(dict(
+      d_model=32, n_heads=2, n_layers=2, vocab_size=16, max_len=24, attention='dense,strided',
+      attention_impl='auto', attention_options=OPTIONS))
+  with caplog.at_level(logging.WARNING):
+    assert transformer.implementations(cfg) == ['blocksparse', 'blocksparse']
+    assert transformer.implementations(cfg) == ['blocksparse', 'blocksparse']
+  warnings = [r for r in caplog.records if 'kernel unavailable' in r.getMessage()]
+  assert len(warnings) == 1, caplog.text
+
+
+# --------------------------------------------------------- explicit names that cannot run
+
+
+def test_explicit_cpu_kernel_without_a_compiler_is_refused_at_config_time(no_compiler):
+  del no_compiler
+  with pytest.raises(ValueError, match=r"compiler.*Use 'auto'"):
+    transformer.TransformerConfig.from_config(dict(
+        d_model=32, n_heads=2, n_layers=2, vocab_size=16, max_len=24, attention='strided',
+        attention_impl='cpu_kernel', attention_options=OPTIONS))
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(head_dim=12), r'head_dim in \(16, 32, 64, 128, 256\).*12'),
+    (dict(devices=8), 'single CPU device'),
+    (dict(backend='gpu'), 'CPU backend only'),
+])
+def test_explicit_cpu_kernel_where_it_cannot_run_says_why(kwargs, match, kernel_builds):
+  del kernel_builds
+  args = dict(options=attention.resolve_options({}, ['local']), head_dim=64, backend='cpu',
+              devices=1)
+  with pytest.raises(ValueError, match=match):
+    attention.get('local').implementation('cpu_kernel', **{**args, **kwargs})
+
+
+@pytest.mark.parametrize('name,match', [
+    ('selective', "'selective'.*SelectiveAttention has none"),
+    ('adaptive_span', "'adaptive_span'.*adaptive span"),
+    ('dynamic_span', "'dynamic_span'.*adaptive span"),
+])
+def test_explicit_cpu_kernel_for_a_variant_without_a_static_pattern_names_it(
+    name, match, kernel_builds):
+  del kernel_builds
+  with pytest.raises(ValueError, match=match):
+    transformer.TransformerConfig.from_config(dict(
+        d_model=32, n_heads=2, n_layers=2, vocab_size=16, max_len=24, attention=name,
+        position_embedding='none' if 'span' in name else 'learned', attention_impl='cpu_kernel'))
+
+
+def test_splash_for_selective_is_refused_at_config_time():
+  with pytest.raises(ValueError, match="'selective'.*'splash'"):
+    transformer.TransformerConfig.from_config(dict(
+        d_model=32, n_heads=2, n_layers=2, vocab_size=16, max_len=24, attention='selective',
+        attention_impl='splash'))
+
+
+def test_adaptive_span_runs_its_blocked_path_for_every_name_but_xla():
+  cls = attention.get('adaptive_span')
+  for backend in ('cpu', 'gpu', 'tpu'):
+    for impl in ('auto', 'blocksparse', 'fused', 'cudnn', 'splash'):
+      assert cls.implementation(impl, options={}, head_dim=64, backend=backend) == 'blocksparse'
+    assert cls.implementation('xla', options={}, head_dim=64, backend=backend) == 'xla'
+
+
+# --------------------------------------------------------------- what the implementations run
+
+
+def _decoder(impl, attention_names='dense,strided', stack='unrolled'):
+  cfg = transformer.TransformerConfig.from_config(dict(
+      d_model=32, n_heads=2, n_layers=2, vocab_size=16, max_len=40, attention=attention_names,
+      attention_impl=impl, attention_options=OPTIONS, stack=stack))
+  return transformer.Decoder(cfg)
+
+
+def _logits_and_grads(model, params):
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, 16, (2, 40)), jnp.int32)
+  seg = np.ones((2, 40), np.int32)
+  seg[0, 23:] = 2  # Two packed documents in row 0.
+  pos = np.broadcast_to(np.arange(40), (2, 40)).copy()
+  pos[0, 23:] -= 23
+  cotangent = jnp.asarray(rng.normal(size=(2, 40, 16)), jnp.float32)
+
+  def loss(p):
+    logits = model.apply({'params': p}, tokens, positions=jnp.asarray(pos),
+                         segment_ids=jnp.asarray(seg))
+    return jnp.sum(logits * cotangent), logits
+
+  (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+  return logits, grads
+
+
+@pytest.mark.usefixtures('built_kernel')
+@pytest.mark.parametrize('names,stack', [('dense', 'unrolled'), ('dense', 'scan'),
+                                         ('strided', 'unrolled'), ('local_global', 'unrolled')])
+def test_cpu_kernel_equals_xla_outputs_and_gradients(names, stack):
+  ref, kernel = _decoder('xla', names, stack), _decoder('cpu_kernel', names, stack)
+  assert transformer.implementations(kernel.config) == ['cpu_kernel'] * 2
+  params = ref.init(jax.random.key(0), jnp.zeros((1, 40), jnp.int32))['params']
+  want, g_want = _logits_and_grads(ref, params)
+  got, g_got = _logits_and_grads(kernel, params)
+  for g, g_ref in [(got, want)] + list(zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want))):
+    scale = float(np.max(np.abs(g_ref)))  # float32 rounding, relative to the leaf's size.
+    np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_blocksparse_never_calls_the_kernel(monkeypatch, kernel_builds):
+  del kernel_builds
+
+  def fail(*args, **kwargs):
+    del args, kwargs
+    raise AssertionError('the CPU kernel was called')
+
+  monkeypatch.setattr(cpu_kernel, 'attention', fail)
+  # Dense, a sparse pattern, and local_global's global (dense) layer 1; head_dim 16 is one the
+  # kernel is built for, on one CPU device: the old option would have used it.
+  for names in ('dense,strided', 'local_global'):
+    model = _decoder('blocksparse', names)
+    assert transformer.implementations(model.config) == ['blocksparse'] * 2
+    params = model.init(jax.random.key(0), jnp.zeros((1, 40), jnp.int32))['params']
+    _logits_and_grads(model, params)
+  with pytest.raises(AssertionError, match='kernel was called'):  # The patch is the live path.
+    model = _decoder('cpu_kernel', 'local_global')
+    model.init(jax.random.key(0), jnp.zeros((1, 40), jnp.int32))
+
+
+# ---------------------------------------------------------------------------- per-layer log
+
+
+def test_implementations_per_layer_of_a_mixed_model(monkeypatch, kernel_builds):
+  del kernel_builds
+  for impl, want in [('auto', ['cpu_kernel', 'cpu_kernel']), ('xla', ['xla', 'xla']),
+                     ('blocksparse', ['blocksparse', 'blocksparse'])]:
+    assert transformer.implementations(_decoder(impl).config) == want
+  cfg = _decoder('auto').config
+  for backend, dtype, want in [('tpu', jnp.float32, ['splash', 'splash']),
+                               ('gpu', jnp.float32, ['blocksparse', 'blocksparse']),
+                               ('gpu', jnp.bfloat16, ['cudnn', 'blocksparse'])]:
+    monkeypatch.setattr(jax, 'default_backend', lambda b=backend: b)
+    assert transformer.implementations(dataclasses.replace(cfg, dtype=dtype)) == want
+
+
+class _Stop(Exception):
+  pass
+
+
+def test_training_log_says_each_layers_implementation(monkeypatch, tmp_path, caplog):
+  config = tiny.get_config()
+  config.model.attention = 'dense,strided'
+  config.model.attention_options.stride = 4
+  config.peak_tflops_per_device = 1.0  # No matmul peak measurement.
+
+  def stop(*args, **kwargs):  # Right after the model lines: nothing is compiled.
+    raise _Stop
+
+  monkeypatch.setattr(train.checkpoints, 'Checkpointer', stop)
+  with caplog.at_level(logging.INFO), pytest.raises(_Stop):
+    train.train_and_evaluate(config, str(tmp_path))
+  # The tiny recipe's heads are 64 wide: the kernel where it builds, else block-sparse.
+  impl = 'cpu_kernel' if cpu_kernel.unusable(64, 'cpu', 1) is None else 'blocksparse'
+  assert (f'attention implementation per layer: 0 dense:{impl}, 1 strided:{impl}'
+          in caplog.text), caplog.text
