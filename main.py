@@ -73,7 +73,7 @@ def main(argv):
     else:
       train.evaluate(FLAGS.config, workdir)
   except (ValueError, NotImplementedError, PermissionError, FileNotFoundError, FloatingPointError,
-          train.checkpoints.CheckpointError) as e:
+          train.checkpoints.CheckpointError, train.workdir_lock.WorkdirBusy) as e:
     logging.error('%s: %s', type(e).__name__, e)
     print(f'error: {e}', file=sys.stderr)
     sys.exit(1)

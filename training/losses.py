@@ -38,7 +38,9 @@ def _chunk_stats(x, w, t, wt):
   s = jnp.sum(e, axis=-1)
   target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
   loss = jnp.sum(wt * (m + jnp.log(s) - target_logit))
-  correct = jnp.sum(wt * (target_logit >= m))  # The target is (one of) the arg-max.
+  # Correct iff the target is the arg-max (ties: the first index), so all-equal logits of a
+  # diverged model do not count as right.
+  correct = jnp.sum(wt * (jnp.argmax(logits, axis=-1) == t))
   return loss, correct, e / s[..., None]
 
 
@@ -55,7 +57,7 @@ def linear_cross_entropy(x, w, targets, weights, chunk: int = 128):
 
   Returns:
     (loss_sum, correct_sum): sum of weights * cross-entropy, and sum of weights over the
-    positions where the target has the largest logit.
+    positions whose arg-max logit (the first on ties) is the target.
   """
   chunk = _chunk_len(x.shape[1], chunk)
 

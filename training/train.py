@@ -19,7 +19,8 @@ from absl import logging
 import input_pipeline
 from models import transformer
 from models.attention import memory as segment_memory
-from training import checkpoints, flops, metrics as metrics_lib, optimizer, sharding, steps
+from training import (checkpoints, flops, metrics as metrics_lib, optimizer, sharding, steps,
+                      workdir_lock)
 
 
 @dataclasses.dataclass
@@ -131,6 +132,8 @@ def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None =
   _warn_unaligned_packing(config, model_config)
   _check_memory(config, model_config)
   data_parallel = mesh.shape['data'] * mesh.shape['fsdp']
+  if isinstance(config.grad_accum_steps, bool) or config.grad_accum_steps < 1:
+    raise ValueError(f'grad_accum_steps must be an integer >= 1, got {config.grad_accum_steps}')
   if config.batch_size % config.grad_accum_steps:
     raise ValueError(f'batch_size={config.batch_size} is not divisible by '
                      f'grad_accum_steps={config.grad_accum_steps}')
@@ -313,6 +316,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> steps
     The final TrainState.
   """
   check_workdir(workdir)
+  with workdir_lock.hold(workdir):  # One run per workdir.
+    return _train_and_evaluate(config, workdir)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> steps.TrainState:
   setup = build(config, workdir=workdir)
   mc = setup.model_config
   n_params = mc.num_params()
@@ -325,10 +333,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> steps
   logging.info('attention implementation per layer: %s', ', '.join(
       f'{i} {name}:{impl}' for i, (name, impl) in
       enumerate(zip(mc.attention, transformer.implementations(mc)))))
-  if jax.process_index() == 0:
-    with open(os.path.join(workdir, 'config.json'), 'w') as f:
-      f.write(config.to_json_best_effort(indent=2))
-
   ckpt = checkpoints.Checkpointer(workdir, keep=config.keep_checkpoints,
                                   async_save=config.async_checkpointing)
   logger = metrics_lib.MetricLogger(workdir, config.total_steps)
@@ -341,6 +345,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> steps
                    data_state)
     else:
       state = init_state(setup, config.seed)
+    if jax.process_index() == 0:  # Only once the state matches: a failed restore keeps it.
+      with open(os.path.join(workdir, 'config.json'), 'w') as f:
+        f.write(config.to_json_best_effort(indent=2))
     return _train_loop(setup, state, data_state, ckpt, logger, flops_per_token, peak)
   finally:  # Also on errors: pending checkpoint writes finish, event files are flushed.
     setup.data.close()
@@ -467,11 +474,12 @@ def _train_loop(setup: Setup, state, data_state, ckpt, logger, flops_per_token: 
         scalars['mfu'] = scalars['tokens_per_sec'] * flops_per_token / (peak * jax.device_count())
         logger.write(step, scalars)
         window.reset()
-      if config.eval_every_steps and (step % config.eval_every_steps == 0 or last):
-        logger.write(step, run_eval(setup, eval_step, state.params), prefix='eval')
       if step % config.checkpoint_every_steps == 0 or last or stop:
         window.flush()  # Never save a state whose last step has not been checked.
         ckpt.save(step, state, _gather_data_state(data_state))
+      # After the save: a failing evaluation never costs the step's checkpoint.
+      if config.eval_every_steps and (step % config.eval_every_steps == 0 or last):
+        logger.write(step, run_eval(setup, eval_step, state.params), prefix='eval')
       if stop:
         logging.warning('preemption requested: saved step %d, exiting', step)
         break

@@ -25,6 +25,9 @@ _BAD_CONFIGS = {
     'batch_not_divisible_by_grad_accum': (
         {'batch_size': 10, 'grad_accum_steps': 3},
         r'batch_size=10 is not divisible by grad_accum_steps=3'),
+    'grad_accum_zero': ({'grad_accum_steps': 0}, r'grad_accum_steps must be an integer >= 1, got 0'),
+    'grad_accum_negative': ({'grad_accum_steps': -1},
+                            r'grad_accum_steps must be an integer >= 1, got -1'),
     'unknown_data_name': (
         {'data.name': 'no_such_task'},
         r"unknown data\.name 'no_such_task'; known: c4, tfds, local_text, copy, parity, "
