@@ -15,7 +15,7 @@ def get_config():
   """Tiny Variable Assignment recipe."""
   config = default.get_config()
   config.model.d = 2
-  config.model.vocab_size = 0           # 0 = the synthetic task's vocabulary.
+  config.model.vocab_size = 0           # 0 = the task's vocabulary, padded to a multiple of 128.
   config.model.max_len = 0              # 0 = the task's sequence length.
   config.model.dtype = 'float32'        # bf16 matmuls are slow on most CPUs.
 

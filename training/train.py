@@ -23,6 +23,12 @@ from training import (checkpoints, flops, metrics as metrics_lib, optimizer, sha
                       workdir_lock)
 
 
+# A vocabulary taken from the data (model.vocab_size=0) is padded to a multiple of this: the
+# 'vocab' axis then splits over any tensor-parallel size that divides it, and fills whole
+# 128-wide matrix units.
+VOCAB_MULTIPLE = 128
+
+
 @dataclasses.dataclass
 class Setup:
   """Everything built from a config before any compute.
@@ -117,9 +123,10 @@ def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None =
       workdir=workdir)
   mesh = sharding.make_mesh(config.mesh, devices)
   model_cfg = dict(config.model)
-  # A vocabulary taken from the data is padded so the 'vocab' axis splits over 'tensor'.
-  tensor = mesh.shape['tensor']
-  model_cfg['vocab_size'] = config.model.vocab_size or -(-data.vocab_size // tensor) * tensor
+  # A vocabulary taken from the data is padded to a multiple of VOCAB_MULTIPLE, whatever the
+  # mesh: parameter shapes, and so checkpoints, are the same on every mesh.
+  model_cfg['vocab_size'] = (config.model.vocab_size
+                             or -(-data.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
   model_cfg['max_len'] = config.model.max_len or data.seq_len
   model_config = transformer.TransformerConfig.from_config(model_cfg)
   if data.seq_len > model_config.max_len:

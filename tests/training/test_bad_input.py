@@ -97,7 +97,8 @@ def test_main_reports_unwritable_workdir(harness, tmp_path):
 
 _INDIVISIBLE_SCRIPT = textwrap.dedent('''\
     """The tiny recipe on a tensor=2 mesh: an explicit 25-id vocabulary cannot split in 2;
-    the vocabulary derived from the data (model.vocab_size=0) is padded so that it does."""
+    the vocabulary derived from the data (model.vocab_size=0) is padded (to 128, whatever the
+    mesh) so that it does."""
     import jax
 
     from configs import tiny
@@ -132,7 +133,7 @@ def test_parameter_not_divisible_by_mesh_axis_fails_in_build(harness, tmp_path):
   proc = harness.run_script(script, devices=2)
   assert proc.returncode == 0, proc.stderr[-5000:]
   padded, out = proc.stdout.strip().splitlines()[-2:]
-  assert padded == 'PADDED_OK 26', padded
+  assert padded == 'PADDED_OK 128', padded
   assert out.startswith('BUILD_ERROR'), (
       'train.build accepted a mesh that cannot hold the parameters; the error only comes '
       f'later, from compute: {out}')

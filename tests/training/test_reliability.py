@@ -68,3 +68,16 @@ def test_accuracy_does_not_count_tied_logits_as_right():
   w = jnp.asarray(np.eye(3, 5, dtype=np.float32))
   _, correct = losses.linear_cross_entropy(x, w, jnp.asarray([[0, 1, 2, 1]]), weights, 4)
   assert float(correct) == 3.0
+
+
+def test_a_one_device_checkpoint_evaluates_on_a_tensor_parallel_mesh(harness, tmp_path):
+  # The vocabulary taken from the data (model.vocab_size=0) is padded independently of the
+  # mesh, so parameter shapes, and checkpoints, are the same on every mesh.
+  workdir = tmp_path / 'run'
+  train.train_and_evaluate(harness.config({'total_steps': 2, 'checkpoint_every_steps': 2}),
+                           str(workdir))
+  proc = harness.run_main(workdir, {'total_steps': 2, 'mesh.data': 1, 'mesh.tensor': 2},
+                          mode='eval', devices=2)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads((workdir / 'eval_step_2.json').read_text())
+  assert np.isfinite(result['loss'])
