@@ -27,9 +27,28 @@ flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'inspect', 'allocate_budget
                   '(WORKDIR/inspect/); allocate_budgets: greedy per-layer context budgets of a '
                   'selective model (WORKDIR/budgets.json); eval_budgets: loss and KV-cache '
                   'reduction with those budgets.')
-config_flags.DEFINE_config_file('config', os.path.join(os.path.dirname(__file__), 'configs/tiny.py'),
-                                'Recipe file (a get_config() in configs/); override fields with '
-                                '--config.key=value.', lock_config=True)
+
+
+def _bad_command_line(error: Exception, argv) -> None:
+  """Reports a bad flag or --config override (unknown field, wrong type) in one line, not as
+  absl's and ml_collections' chained tracebacks, and exits 1."""
+  cause = error
+  while cause.__cause__ is not None or cause.__context__ is not None:
+    cause = cause.__cause__ or cause.__context__
+  overrides = [a for a in argv[1:] if a.startswith('--config.')]
+  print(f'error: bad command line ({type(cause).__name__}: {cause}); config overrides given: '
+        f'{" ".join(overrides) or "none"}. Fields and their types are in the recipe and '
+        'configs/default.py', file=sys.stderr)
+  sys.exit(1)
+
+
+try:  # ml_collections applies the --config.* overrides here, at definition.
+  config_flags.DEFINE_config_file(
+      'config', os.path.join(os.path.dirname(__file__), 'configs/tiny.py'),
+      'Recipe file (a get_config() in configs/); override fields with --config.key=value.',
+      lock_config=True)
+except Exception as e:  # pylint: disable=broad-except  (it raises many kinds)
+  _bad_command_line(e, sys.argv)
 
 
 def _quiet_libraries():
@@ -79,5 +98,13 @@ def main(argv):
     sys.exit(1)
 
 
+def parse_flags(argv):
+  """absl's flag parsing, with a bad flag or override reported in one line."""
+  try:
+    return FLAGS(argv)
+  except Exception as e:  # pylint: disable=broad-except  (absl and ml_collections raise many)
+    _bad_command_line(e, argv)
+
+
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

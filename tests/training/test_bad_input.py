@@ -5,6 +5,7 @@ function that fails the test, so the error must come from the up-front checks (c
 build); one test goes through main.py for the exit code and the stderr line.
 """
 
+import subprocess
 import textwrap
 
 import pytest
@@ -140,3 +141,18 @@ def test_parameter_not_divisible_by_mesh_axis_fails_in_build(harness, tmp_path):
   # The message names the parameter (or its vocab axis) and the mesh axis.
   assert 'tensor' in out, out
   assert any(name in out for name in ('vocab', 'logits_kernel', 'token_embed')), out
+
+
+@pytest.mark.parametrize('flag,message', [
+    ('--config.no_such_field=1', "KeyError: 'no_such_field'"),
+    ('--config.total_steps=abc', "invalid literal for int() with base 10: 'abc'"),
+    ('--no_such_flag', "Unknown command line flag 'no_such_flag'"),
+])
+def test_bad_command_line_is_one_line_and_exit_1(harness, tmp_path, flag, message):
+  proc = subprocess.run(harness.main_command(tmp_path / 'run') + [flag], env=harness.env(),
+                        cwd=harness.repo, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1
+  assert 'Traceback' not in proc.stderr, proc.stderr[-3000:]
+  errors = [line for line in proc.stderr.splitlines() if line.startswith('error: ')]
+  assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
+  assert not (tmp_path / 'run').exists()
