@@ -75,6 +75,15 @@ def _check_split(builder, split: str, role: str) -> None:
                      f'{sorted(builder.info.splits)}')
   if builder.info.splits[base].num_examples == 0:
     raise ValueError(f'the {base!r} split of {builder.info.full_name} is empty')
+  try:  # A slice ('validation[:0]', 'train[99%:]') may select nothing of a full split.
+    selected = builder.info.splits[split].num_examples
+  except (ValueError, KeyError, AssertionError) as e:
+    raise ValueError(f'data.{role}_split={split!r} is not a valid TFDS split of '
+                     f'{builder.info.full_name}: {e}') from None
+  if selected == 0:
+    raise ValueError(f'data.{role}_split={split!r} selects no example of '
+                     f'{builder.info.full_name} (the {base!r} split has '
+                     f'{builder.info.splits[base].num_examples})')
 
 
 def documents(builder, split: str, *, text_key: str = 'text', seed: int = 0,

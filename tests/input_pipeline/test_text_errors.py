@@ -4,6 +4,8 @@ Every case runs train.train_and_evaluate with the compute entry points replaced 
 that fails the test (the no_compute fixture), and checks that no checkpoint folder appears.
 """
 
+import re
+
 import pytest
 
 from training import train
@@ -35,6 +37,14 @@ def test_unknown_split(c4, spm_path, kit, no_compute, tmp_path):
   _fails_before_compute(config, tmp_path / 'run', ValueError,
                         r"data\.eval_split='valid': c4/en/3\.0\.1 has splits "
                         r"\['train', 'validation'\]")
+
+
+@pytest.mark.parametrize('split', ['validation[:0]', 'validation[100%:]'])
+def test_empty_split_slice(c4, spm_path, kit, no_compute, tmp_path, split):
+  config = kit.config({'data.data_dir': c4.data_dir, 'data.vocab_path': spm_path,
+                       'data.eval_split': split})
+  _fails_before_compute(config, tmp_path / 'run', ValueError,
+                        rf"data\.eval_split='{re.escape(split)}' selects no example of c4/en/3\.0\.1")
 
 
 def test_unknown_text_feature(c4, spm_path, kit, no_compute, tmp_path):
