@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from training import checkpoints, train
+from training import checkpoints, train, xla_flags
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -66,7 +66,7 @@ class Harness:
     """Environment for a CPU-only subprocess with `devices` fake host devices."""
     env = dict(os.environ)
     env['JAX_PLATFORMS'] = 'cpu'
-    env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
+    env['XLA_FLAGS'] = xla_flags.fake_cpu_devices(devices)  # With the deadlock-safe scheduler.
     env['PYTHONPATH'] = os.pathsep.join([str(REPO)] + (
         [env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
     env['TF_CPP_MIN_LOG_LEVEL'] = '2'
