@@ -6,8 +6,9 @@ of checkpoints; N independent single-process runs on one workdir would overwrite
 other's saves. What describes a cluster, in order:
 
 1. Explicit settings: the flags --coordinator_address, --num_processes and --process_id, each
-   falling back to JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID. Settings a
-   detected launcher (below) can supply may be left out; --num_processes=1 means one process.
+   falling back to JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID. All three
+   given, no launcher variable is read; settings a detected launcher (below) can supply may be
+   left out; --num_processes=1 means one process.
 2. Open MPI (`mpirun`): OMPI_COMM_WORLD_SIZE > 1; the coordinator comes from the launcher's
    OMPI_MCA_orte_hnp_uri.
 3. SLURM: a job step of more than one task (SLURM_JOB_ID with SLURM_NTASKS > 1). jax's SLURM
@@ -97,8 +98,8 @@ def _launcher_ints(environ, count_var: str, index_var: str, required: tuple[str,
   if missing:
     raise LaunchError(f'{launcher} describes {n} processes ({count_var}={n}) but '
                       f'{", ".join(missing)} {"is" if len(missing) == 1 else "are"} not set: '
-                      f'{hint}, or give --coordinator_address, --num_processes and --process_id '
-                      'explicitly')
+                      f'{hint}, give --coordinator_address, --num_processes and --process_id '
+                      'explicitly, or --num_processes=1 for a single process')
   try:
     index = int(environ[index_var])
   except ValueError:
@@ -159,6 +160,8 @@ def plan(environ: Mapping[str, str], *, coordinator_address: str | None = None,
     return None
   explicit = {k: v for k, v in (('coordinator_address', coordinator), ('num_processes', n),
                                 ('process_id', index)) if v is not None}
+  if len(explicit) == 3:  # All given: no detector may change them (a stray SLURM variable).
+    return {**explicit, 'cluster_detection_method': 'deactivate'}
   # Open MPI first: mpirun inside a SLURM job also carries the job's SLURM variables.
   for name, detected in (('ompi', _ompi(environ)), ('slurm', _slurm(environ))):
     if detected is None:
@@ -179,13 +182,10 @@ def plan(environ: Mapping[str, str], *, coordinator_address: str | None = None,
                                                ('num_processes', ENV_NUM_PROCESSES),
                                                ('process_id', ENV_PROCESS_ID))
              if k not in explicit]
-  if missing:
-    given = ', '.join(f'{k}={v}' for k, v in explicit.items())
-    raise LaunchError(f'a multi-process run is described in part ({given}) and no cluster '
-                      f'launcher (srun, mpirun, Cloud TPU) was detected to supply the rest: '
-                      f'give {" and ".join(missing)} too, the same coordinator on every process')
-  # Everything is given: no detector may override it (a stray Kubernetes or MPI variable).
-  return {**explicit, 'cluster_detection_method': 'deactivate'}
+  given = ', '.join(f'{k}={v}' for k, v in explicit.items())
+  raise LaunchError(f'a multi-process run is described in part ({given}) and no cluster '
+                    f'launcher (srun, mpirun, Cloud TPU) was detected to supply the rest: '
+                    f'give {" and ".join(missing)} too, the same coordinator on every process')
 
 
 def _running_on_cloud_tpu_vm() -> bool:
