@@ -5,6 +5,7 @@ resumed and evaluated, ending with the parameters of a 1-process x 4-device run.
 import contextlib
 import json
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -215,7 +216,7 @@ def test_srun_tasks_form_one_run_and_one_sigterm_stops_both_at_one_saved_step(ha
 @pytest.mark.slow  # About 75 s on 2 busy cores: 6 process starts, 3 compiles.
 def test_two_processes_preempted_resumed_and_evaluated_match_one_process(harness, tmp_path):
   total = 16
-  extra = {'total_steps': total, 'checkpoint_every_steps': 4}
+  extra = {'total_steps': total, 'checkpoint_every_steps': 4, 'eval_every_steps': total}
   reference = tmp_path / 'one'  # 1 process x 4 devices, uninterrupted, alongside.
   single = harness.start_main(reference, tmp_path / 'one.log', extra, devices=4)
   workdir = tmp_path / 'two'
@@ -228,10 +229,13 @@ def test_two_processes_preempted_resumed_and_evaluated_match_one_process(harness
     for text in texts:
       assert f'resumed from checkpoint step {stopped}' in text
     assert harness.step_dirs(workdir)[-1] == total
+    # The evaluation at the last step ran over both processes' rows.
+    two_process_loss = float(re.search(rf'eval step {total} .* loss (\S+)', texts[0]).group(1))
 
     evaluated = harness.run_main(workdir, extra, mode='eval', devices=1)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-    assert json.loads((workdir / f'eval_step_{total}.json').read_text())['step'] == total
+    result = json.loads((workdir / f'eval_step_{total}.json').read_text())
+    assert result['step'] == total and abs(result['loss'] - two_process_loss) < 1e-4
     assert single.wait(timeout=300) == 0, (tmp_path / 'one.log').read_text()[-3000:]
   finally:
     if single.poll() is None:
