@@ -27,6 +27,13 @@ flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'inspect', 'allocate_budget
                   '(WORKDIR/inspect/); allocate_budgets: greedy per-layer context budgets of a '
                   'selective model (WORKDIR/budgets.json); eval_budgets: loss and KV-cache '
                   'reduction with those budgets.')
+flags.DEFINE_string('coordinator_address', None,
+                    'Multi-host: host:port of process 0 (default: env JAX_COORDINATOR_ADDRESS; '
+                    'srun, mpirun and Cloud TPU pods are detected without it).')
+flags.DEFINE_integer('num_processes', None,
+                     'Multi-host: number of processes (default: env JAX_NUM_PROCESSES).')
+flags.DEFINE_integer('process_id', None, 'Multi-host: this process\'s index in '
+                     '[0, num_processes) (default: env JAX_PROCESS_ID).')
 
 
 def _bad_command_line(error: Exception, argv) -> None:
@@ -69,15 +76,15 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   _quiet_libraries()
   import jax
-  if os.environ.get('JAX_COORDINATOR_ADDRESS') or os.environ.get('TPU_WORKER_HOSTNAMES'):
-    jax.distributed.initialize()  # Multi-host: one process per host.
-  from training import train
+  from training import distributed, train
   recipe = os.path.splitext(os.path.basename(config_flags.get_config_filename(FLAGS['config'])))[0]
   workdir = FLAGS.workdir or os.path.join('runs', recipe)
-  logging.info('JAX %s, %d devices (%s), process %d/%d; workdir %s', jax.__version__,
-               jax.device_count(), jax.devices()[0].device_kind, jax.process_index(),
-               jax.process_count(), workdir)
   try:
+    distributed.initialize(os.environ, coordinator_address=FLAGS.coordinator_address,
+                           num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
+    logging.info('JAX %s, %d devices (%s), process %d/%d; workdir %s', jax.__version__,
+                 jax.device_count(), jax.devices()[0].device_kind, jax.process_index(),
+                 jax.process_count(), workdir)
     if FLAGS.mode == 'train':
       train.train_and_evaluate(FLAGS.config, workdir)
     elif FLAGS.mode == 'inspect':
