@@ -231,7 +231,7 @@ class StreamState:
     rows = [[self.next - d, o] + ([s] if s != segment_id(d) else [])
             for d, o, s in self.streams]
     state = {'next': self.next, 'streams': rows}
-    if _json_bytes(state) <= STATE_BYTES:
+    if _json_bytes(state) <= min(STATE_BYTES, limit or STATE_BYTES):
       return state
     state = {'next': self.next, 'streams': _varints(
         v for d, o, s in self.streams for v in (self.next - d, o, 0 if s == segment_id(d) else s))}

@@ -18,13 +18,15 @@ those not dealt yet. Eval in that layout deals the validation split to the rows 
 
 from __future__ import annotations
 
+import os
 import queue
+import re
 import threading
 from typing import Iterator
 
 import numpy as np
 
-from input_pipeline import packing
+from input_pipeline import packing, shards
 
 TFDS_NAMES = ('c4', 'tfds', 'local_text')
 _TOKENIZE_BATCH = 64  # Documents per tokenizer call.
@@ -52,15 +54,41 @@ def make_builder(data_cfg, *, process_index: int = 0):
   try:
     builder = tfds.builder(data_cfg.tfds_name, data_dir=data_cfg.data_dir or None)
   except Exception as e:  # TFDS raises several types for unknown names or versions.
-    raise FileNotFoundError(f'TFDS dataset {data_cfg.tfds_name!r} not found in {where}: '
-                            f'{type(e).__name__}: {e}') from e
+    raise FileNotFoundError(f'TFDS dataset {data_cfg.tfds_name!r} not found in {where}'
+                            f'{_present_versions(data_cfg)}: {type(e).__name__}: {e}') from e
   if not builder.is_prepared():
     raise FileNotFoundError(
-        f'TFDS dataset {data_cfg.tfds_name!r} is not prepared in {where}. This code never '
-        'downloads: prepare it once (tfds build, or copy the prepared files) and point '
-        'data.data_dir at the folder or gs:// bucket holding '
-        f'{data_cfg.tfds_name.replace(":", "/")}/')
+        f'TFDS dataset {data_cfg.tfds_name!r} is not prepared in {where}'
+        f'{_present_versions(data_cfg)}. This code never downloads: prepare it once (tfds '
+        'build, or copy the prepared files; for C4 3.0.1, which TFDS >= 4.9.7 no longer builds, '
+        'use the public prepared copy: data.data_dir=gs://tfds-data/datasets, or copy '
+        'gs://tfds-data/datasets/c4/en/3.0.1) and point data.data_dir at the folder or gs:// '
+        f'bucket holding {data_cfg.tfds_name.replace(":", "/")}/')
   return builder
+
+
+def _present_versions(data_cfg) -> str:
+  """'; versions present: ...' for the version folders of data.tfds_name in its data_dir."""
+  import tensorflow as tf
+  name = data_cfg.tfds_name.split(':')[0]
+  data_dir = data_cfg.data_dir or os.environ.get('TFDS_DATA_DIR') or os.path.expanduser(
+      '~/tensorflow_datasets')
+  folder = os.path.join(data_dir, name)
+  try:
+    entries = tf.io.gfile.listdir(folder)
+  except tf.errors.OpError:
+    return f' ({folder} does not exist)'
+  versions = sorted((e.rstrip('/') for e in entries if _VERSION.fullmatch(e.rstrip('/'))),
+                    key=lambda v: tuple(int(x) for x in v.split('.')))
+  if not versions:
+    return f' ({folder} holds no version folder)'
+  hint = ''
+  if ':' in data_cfg.tfds_name:
+    hint = f'; use one with data.tfds_name={name}:{versions[-1]}'
+  return f' (versions present in {folder}: {", ".join(versions)}{hint})'
+
+
+_VERSION = re.compile(r'\d+\.\d+\.\d+')
 
 
 def _exists(path: str) -> bool:
@@ -124,8 +152,16 @@ def documents(builder, split: str, *, text_key: str = 'text', seed: int = 0,
   options = tf.data.Options()
   options.deterministic = True
   ds = ds.with_options(options).batch(_TOKENIZE_BATCH).prefetch(tf.data.AUTOTUNE)
-  for texts in ds.as_numpy_iterator():
-    yield from texts
+  read = 0
+  try:
+    for texts in ds.as_numpy_iterator():
+      read += len(texts)
+      yield from texts
+  except tf.errors.OpError as e:  # The file is not known here: name the split and position.
+    raise shards.DataError(
+        f'{shards.dataset_name(builder)}, split {shards.split_name(split)}: reading failed after {skip + read} '
+        f'documents of the stream ({type(e).__name__}: {e.message.strip()}). A shard file is '
+        'damaged: copy the dataset again.') from None
 
 
 def tokenized(docs: Iterator[bytes], tokenizer) -> Iterator[np.ndarray]:
@@ -141,36 +177,37 @@ def tokenized(docs: Iterator[bytes], tokenizer) -> Iterator[np.ndarray]:
 
 
 def train_batches(builder, tokenizer, data_cfg, *, split: str, seq_len: int, rows_per_batch: int,
-                  seed: int, cursor: packing.Cursor | packing.StreamState
+                  seed: int, cursor: packing.Cursor | packing.StreamState, legacy: bool = False
                   ) -> Iterator[tuple[dict, packing.Cursor | packing.StreamState]]:
   """Endless (batch, cursor after the batch) from `cursor` on; the same for the same arguments.
 
   With data.packing='stream', `cursor` and the yielded positions are `packing.StreamState`s.
+  Documents come in the shard order of `shards.Reader` (entered at the cursor by arithmetic),
+  or with `legacy` in the tf.data order of checkpoints written before it (resumed by skipping).
   """
+  def docs_from(start):
+    if legacy:
+      return documents(builder, split, text_key=data_cfg.text_key, seed=seed, shuffle=True,
+                       repeat=True, shuffle_buffer=data_cfg.shuffle_buffer, skip=start)
+    reader = shards.Reader(builder, split, text_key=data_cfg.text_key, seed=seed, shuffle=True,
+                           window=data_cfg.shuffle_buffer)
+    return reader.documents(start)
+
   if data_cfg.packing == 'stream':
-    yield from _stream_train_batches(builder, tokenizer, data_cfg, split=split, seq_len=seq_len,
-                                     rows_per_batch=rows_per_batch, seed=seed, state=cursor)
+    state = cursor
+    # Documents dealt before `state` and since consumed are read but not tokenized.
+    needed = (d for i, d in enumerate(docs_from(state.first), state.first) if state.needs(i))
+    yield from packing.stream_batches(tokenized(needed, tokenizer), seq_len, rows_per_batch,
+                                      state)
     return
-  docs = documents(builder, split, text_key=data_cfg.text_key, seed=seed, shuffle=True,
-                   repeat=True, shuffle_buffer=data_cfg.shuffle_buffer, skip=cursor.doc)
-  stream = packing.rows(tokenized(docs, tokenizer), seq_len, data_cfg.packing, cursor,
-                        min_piece=data_cfg.pack_min_piece, align=data_cfg.pack_align)
+  stream = packing.rows(tokenized(docs_from(cursor.doc), tokenizer), seq_len, data_cfg.packing,
+                        cursor, min_piece=data_cfg.pack_min_piece, align=data_cfg.pack_align)
   while True:
     rows = []
     for _ in range(rows_per_batch):
       row, cursor = next(stream)
       rows.append(row)
     yield packing.stack(rows), cursor
-
-
-def _stream_train_batches(builder, tokenizer, data_cfg, *, split, seq_len, rows_per_batch, seed,
-                          state: packing.StreamState):
-  start = state.first
-  docs = documents(builder, split, text_key=data_cfg.text_key, seed=seed, shuffle=True,
-                   repeat=True, shuffle_buffer=data_cfg.shuffle_buffer, skip=start)
-  # Documents dealt before `state` and since consumed are read but not tokenized.
-  needed = (d for i, d in enumerate(docs, start) if state.needs(i))
-  yield from packing.stream_batches(tokenized(needed, tokenizer), seq_len, rows_per_batch, state)
 
 
 def eval_batches(builder, tokenizer, data_cfg, *, split: str, seq_len: int, rows_per_batch: int,
