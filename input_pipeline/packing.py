@@ -245,7 +245,8 @@ class StreamState:
   @classmethod
   def from_json(cls, state: dict) -> StreamState:
     """The inverse of `to_json`."""
-    if not isinstance(state, dict) or set(state) != {'next', 'streams'}:
+    # 'order' (the document order, see shards.py) belongs to the caller.
+    if not isinstance(state, dict) or set(state) - {'order'} != {'next', 'streams'}:
       raise ValueError(f"data state {state!r} is not a data.packing='stream' state (was the "
                        'checkpoint written with another data.packing?)')
     n, rows = state['next'], state['streams']

@@ -116,22 +116,30 @@ def _check_split(builder, split: str, role: str) -> None:
 
 def documents(builder, split: str, *, text_key: str = 'text', seed: int = 0,
               shuffle: bool = False, repeat: bool = False, shuffle_buffer: int = 0,
-              skip: int = 0) -> Iterator[bytes]:
+              skip: int = 0, legacy: bool = False) -> Iterator[bytes]:
   """Raw documents of `split`, in an order that depends only on the arguments.
 
   Args:
     builder: a prepared TFDS builder.
     split: the TFDS split string (may be a per-process slice).
     text_key: the feature holding the text.
-    seed: file-shuffle and shuffle-buffer seed.
+    seed: file-shuffle and shuffle-window seed.
     shuffle: shuffle files and documents.
-    repeat: repeat forever (training).
-    shuffle_buffer: documents in the shuffle buffer (0 or 1: files are shuffled only).
-    skip: documents to skip first (resume); read but not tokenized.
+    repeat: repeat forever (training): the order of `shards.Reader`, entered at `skip` without
+      reading what comes before (unless `legacy`).
+    shuffle_buffer: documents per shuffle window (0 or 1: files are shuffled only).
+    skip: documents to skip first (resume).
+    legacy: the tf.data order of training streams before `shards.Reader` (files interleaved
+      by TFDS, a shuffle buffer across epochs): `skip` documents are read and dropped.
 
   Yields:
     Document bytes.
   """
+  if repeat and not legacy:
+    reader = shards.Reader(builder, split, text_key=text_key, seed=seed, shuffle=shuffle,
+                           window=shuffle_buffer)
+    yield from reader.documents(skip)
+    return
   import tensorflow as tf
   tfds = _tfds()
   read_config = tfds.ReadConfig(shuffle_seed=seed, shuffle_reshuffle_each_iteration=True,
@@ -186,12 +194,9 @@ def train_batches(builder, tokenizer, data_cfg, *, split: str, seq_len: int, row
   or with `legacy` in the tf.data order of checkpoints written before it (resumed by skipping).
   """
   def docs_from(start):
-    if legacy:
-      return documents(builder, split, text_key=data_cfg.text_key, seed=seed, shuffle=True,
-                       repeat=True, shuffle_buffer=data_cfg.shuffle_buffer, skip=start)
-    reader = shards.Reader(builder, split, text_key=data_cfg.text_key, seed=seed, shuffle=True,
-                           window=data_cfg.shuffle_buffer)
-    return reader.documents(start)
+    return documents(builder, split, text_key=data_cfg.text_key, seed=seed, shuffle=True,
+                     repeat=True, shuffle_buffer=data_cfg.shuffle_buffer, skip=start,
+                     legacy=legacy)
 
   if data_cfg.packing == 'stream':
     state = cursor
