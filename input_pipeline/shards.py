@@ -49,7 +49,7 @@ def dataset_name(builder) -> str:
 
 def split_name(split) -> str:
   """A split string, or a per-process split as 'train' (process 1 of 4)."""
-  if hasattr(split, 'index') and hasattr(split, 'count') and hasattr(split, 'split'):
+  if not isinstance(split, str) and all(hasattr(split, a) for a in ('split', 'index', 'count')):
     return f'{split.split!r} (the part of process {split.index} of {split.count})'
   return repr(str(split))
 

@@ -450,6 +450,10 @@ def _save_before_data_error(ckpt, window, step: int, state, data_state) -> None:
   ends the run; the save's own failure is logged, and the data error is what gets raised."""
   if step == 0 or ckpt.latest_step() == step:
     return
+  if jax.process_count() > 1:  # Saving is collective: the other hosts are in a train step.
+    logging.error('input read failed on process %d: not saving step %d alone (the last '
+                  'checkpoint is step %s)', jax.process_index(), step, ckpt.latest_step())
+    return
   try:
     window.flush()
     ckpt.save(step, state, _gather_data_state(data_state))

@@ -255,3 +255,14 @@ def test_state_of_older_runs_resumes_in_the_older_order(c4, spm_path, kit, tmp_p
     assert not _same(_take(source, 6)[5][0], legacy[5][0])  # The new order differs.
   finally:
     source.close()
+
+
+def test_eval_read_error_names_the_dataset_split_and_position(damaged, kit):
+  data_dir, files = damaged
+  builder = tfds.builder('c4/en:3.0.1', data_dir=str(data_dir))
+  assert len(list(text.documents(builder, 'train'))) == SHARDS * PER_SHARD
+  _corrupt_middle(files[0])
+  with pytest.raises(input_pipeline.DataError) as e:  # TFDS's reader: the file is not known.
+    list(text.documents(builder, 'train'))
+  assert 'c4/en/3.0.1' in str(e.value) and "split 'train'" in str(e.value), str(e.value)
+  assert 'documents of the stream' in str(e.value)
