@@ -163,6 +163,12 @@ def _text_source(config, process_index, process_count, workdir) -> DataSource:
     packing.StreamState(local_rows, tuple(
         (d, 0, packing.segment_id(d)) for d in range(local_rows))).to_json(state_limit)
 
+  shard_order = shards.readable(builder)
+  if not shard_order:
+    logging.warning('%s is stored as %s, not TFRecord: training reads it through TFDS, and a '
+                    'resume re-reads every earlier document (~20K documents/s)',
+                    builder.info.full_name, builder.info.file_format)
+
   def to_json(cursor, legacy):
     if stream:
       state = cursor.to_json(state_limit and state_limit - 16)  # Room for 'order'.
@@ -174,10 +180,12 @@ def _text_source(config, process_index, process_count, workdir) -> DataSource:
     del step  # The cursor says where the stream is.
     state = dict(state or {})
     order = state.pop('order', None)
-    legacy = bool(state) and order is None  # Written before the shard order: resumed slowly.
-    if order not in (None, shards.ORDER_VERSION):
+    # Written before the shard order, or a dataset it cannot read: TFDS's order, resumed slowly.
+    legacy = (bool(state) and order is None) or not shard_order
+    if order not in (None, shards.ORDER_VERSION) or (order and not shard_order):
       raise ValueError(f'data state {state!r} has document order {order!r}; this code reads '
-                       f'order {shards.ORDER_VERSION} (a checkpoint of newer code?)')
+                       f'order {shards.ORDER_VERSION} from TFRecord datasets (a checkpoint of '
+                       f'newer code, or of another dataset than {builder.info.full_name}?)')
     if stream:
       cursor = packing.StreamState.from_json(state) if state else packing.StreamState()
     elif state and set(state) != {'doc', 'offset'}:
@@ -185,7 +193,7 @@ def _text_source(config, process_index, process_count, workdir) -> DataSource:
                        'the checkpoint written with another data.packing?)')
     else:
       cursor = packing.Cursor(**state) if state else packing.Cursor()
-    if legacy:
+    if legacy and state:
       logging.warning('the input state %s was saved in the older tf.data document order: the '
                       'stream resumes exactly in that order, skipping documents (slow, ~20K '
                       'documents/s)', state)

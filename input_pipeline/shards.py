@@ -54,6 +54,11 @@ def split_name(split) -> str:
   return repr(str(split))
 
 
+def readable(builder) -> bool:
+  """Whether `Reader` can read the dataset (TFRecord shards)."""
+  return getattr(builder.info.file_format, 'value', builder.info.file_format) == 'tfrecord'
+
+
 def pieces(builder, split) -> list[Piece]:
   """The shard pieces of `split` (a split name, slice or per-process split), in file order."""
   out = []
@@ -96,13 +101,13 @@ def check_files(builder, split: str, role: str) -> None:
         f'{where}: {len(missing)} of its {len(files)} shard files are missing, first {missing[0]}'
         '. Copy the prepared dataset again (all files of the version folder).')
   for (f, records), size in zip(files, sizes):
-    if size < RECORD_FRAMING * records:
+    if size < (RECORD_FRAMING * records if readable(builder) else 1) and records:
       raise DataError(f'{where}: shard file {f} is truncated: {size} bytes cannot hold the '
                       f'{records} records the metadata gives it. Copy it again.')
   num_bytes = int(info.num_bytes or 0)
   total_records = sum(r for _, r in files)
   need = num_bytes + RECORD_FRAMING * total_records
-  if num_bytes and builder.info.file_format.value == 'tfrecord' and sum(sizes) < need:
+  if num_bytes and readable(builder) and sum(sizes) < need:
     # Name the file furthest below its share of the split's bytes (shards hold random records).
     per_record = need / max(total_records, 1)
     ratio, f, size, records = min((s / (per_record * r), f, s, r)

@@ -1,16 +1,18 @@
 """Text data streamed by TFDS: C4 (or any TFDS text dataset) and local corpora, one code path.
 
-  documents (tf.data: per-process split, seeded file shuffle, repeat, shuffle buffer, skip)
+  documents (per-process split; training: shards.Reader's seeded shard order and shuffle
+             windows, entered at any document; eval: TFDS's reader in file order)
     -> tokenizer (SentencePiece or bytes, batched on the host)
     -> packing.rows (packed documents or concat-and-chunk), or packing.stream_batches
        (data.packing='stream': row r of consecutive batches continues one text stream)
     -> per-process batches, built ahead of the train step by a background thread.
 
-Exact resume: the document order is a pure function of the seed (seeded file shuffle and
-shuffle buffer, deterministic tf.data), so the stream position after any batch is a
-`packing.Cursor` (document index, token offset). The training loop checkpoints the cursor of
-the last batch it consumed; a restart skips that many documents (read, not tokenized) and
-continues the same rows. Each process has its own cursor. With data.packing='stream' the
+Exact resume: the document order is a pure function of the seed and the dataset's metadata
+(see input_pipeline/shards.py), so the stream position after any batch is a `packing.Cursor`
+(document index, token offset). The training loop checkpoints the cursor of the last batch it
+consumed (with 'order': 2); a restart starts reading at the shard and shuffle window holding
+that document, found by arithmetic, and continues the same rows. A cursor without 'order'
+(older checkpoints) resumes in the older tf.data order by skipping that many documents. Each process has its own cursor. With data.packing='stream' the
 position is a `packing.StreamState` (next unread document; per row, its open document and
 offset): a restart re-reads from the oldest open document, tokenizing only the open ones and
 those not dealt yet. Eval in that layout deals the validation split to the rows in order.

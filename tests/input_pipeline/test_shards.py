@@ -149,7 +149,8 @@ def test_read_error_in_training_saves_the_last_step_and_names_the_file(
   last = pathlib.Path(order[-1].filename)
   _corrupt_middle(last)
   workdir = tmp_path / 'run'
-  overrides = {**sys.modules[kit.__module__].TINY, 'data.data_dir': str(data_dir), 'data.vocab_path': spm_path,
+  kit_tiny = sys.modules[kit.__module__].TINY
+  overrides = {**kit_tiny, 'data.data_dir': str(data_dir), 'data.vocab_path': spm_path,
                'data.pack_min_piece': 16, 'total_steps': 200, 'checkpoint_every_steps': 1000}
   flags_ = [f'--config.{k}={v}' for k, v in overrides.items()]
   proc = subprocess.run(
@@ -163,6 +164,16 @@ def test_read_error_in_training_saves_the_last_step_and_names_the_file(
   saved = sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir() if p.name.isdigit())
   assert len(saved) == 1 and 0 < saved[0] < 200, proc.stderr[-4000:]
   assert f'saved step {saved[0]} before stopping' in proc.stderr
+  # The saved input position is where the stream stands after exactly that many batches.
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  with ocp.CheckpointManager(workdir / 'checkpoints') as manager:
+    data = manager.restore(saved[0], args=ocp.args.Composite(data=ocp.args.JsonRestore())).data
+  config = kit.config({k: v for k, v in overrides.items() if k not in kit_tiny})
+  source = input_pipeline.make_source(config, workdir=str(workdir))
+  try:
+    assert data['processes'][0] == _take(source, saved[0])[-1][1]
+  finally:
+    source.close()
 
 
 def test_missing_version_lists_the_versions_present(sharded, spm_path, kit, tmp_path):
