@@ -231,7 +231,7 @@ class StreamState:
     rows = [[self.next - d, o] + ([s] if s != segment_id(d) else [])
             for d, o, s in self.streams]
     state = {'next': self.next, 'streams': rows}
-    if _json_bytes(state) <= STATE_BYTES:
+    if _json_bytes(state) <= min(STATE_BYTES, limit or STATE_BYTES):
       return state
     state = {'next': self.next, 'streams': _varints(
         v for d, o, s in self.streams for v in (self.next - d, o, 0 if s == segment_id(d) else s))}
@@ -245,7 +245,8 @@ class StreamState:
   @classmethod
   def from_json(cls, state: dict) -> StreamState:
     """The inverse of `to_json`."""
-    if not isinstance(state, dict) or set(state) != {'next', 'streams'}:
+    # 'order' (the document order, see shards.py) belongs to the caller.
+    if not isinstance(state, dict) or set(state) - {'order'} != {'next', 'streams'}:
       raise ValueError(f"data state {state!r} is not a data.packing='stream' state (was the "
                        'checkpoint written with another data.packing?)')
     n, rows = state['next'], state['streams']

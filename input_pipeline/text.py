@@ -1,16 +1,18 @@
 """Text data streamed by TFDS: C4 (or any TFDS text dataset) and local corpora, one code path.
 
-  documents (tf.data: per-process split, seeded file shuffle, repeat, shuffle buffer, skip)
+  documents (per-process split; training: shards.Reader's seeded shard order and shuffle
+             windows, entered at any document; eval: TFDS's reader in file order)
     -> tokenizer (SentencePiece or bytes, batched on the host)
     -> packing.rows (packed documents or concat-and-chunk), or packing.stream_batches
        (data.packing='stream': row r of consecutive batches continues one text stream)
     -> per-process batches, built ahead of the train step by a background thread.
 
-Exact resume: the document order is a pure function of the seed (seeded file shuffle and
-shuffle buffer, deterministic tf.data), so the stream position after any batch is a
-`packing.Cursor` (document index, token offset). The training loop checkpoints the cursor of
-the last batch it consumed; a restart skips that many documents (read, not tokenized) and
-continues the same rows. Each process has its own cursor. With data.packing='stream' the
+Exact resume: the document order is a pure function of the seed and the dataset's metadata
+(see input_pipeline/shards.py), so the stream position after any batch is a `packing.Cursor`
+(document index, token offset). The training loop checkpoints the cursor of the last batch it
+consumed (with 'order': 2); a restart starts reading at the shard and shuffle window holding
+that document, found by arithmetic, and continues the same rows. A cursor without 'order'
+(older checkpoints) resumes in the older tf.data order by skipping that many documents. Each process has its own cursor. With data.packing='stream' the
 position is a `packing.StreamState` (next unread document; per row, its open document and
 offset): a restart re-reads from the oldest open document, tokenizing only the open ones and
 those not dealt yet. Eval in that layout deals the validation split to the rows in order.
@@ -18,13 +20,15 @@ those not dealt yet. Eval in that layout deals the validation split to the rows 
 
 from __future__ import annotations
 
+import os
 import queue
+import re
 import threading
 from typing import Iterator
 
 import numpy as np
 
-from input_pipeline import packing
+from input_pipeline import packing, shards
 
 TFDS_NAMES = ('c4', 'tfds', 'local_text')
 _TOKENIZE_BATCH = 64  # Documents per tokenizer call.
@@ -52,15 +56,41 @@ def make_builder(data_cfg, *, process_index: int = 0):
   try:
     builder = tfds.builder(data_cfg.tfds_name, data_dir=data_cfg.data_dir or None)
   except Exception as e:  # TFDS raises several types for unknown names or versions.
-    raise FileNotFoundError(f'TFDS dataset {data_cfg.tfds_name!r} not found in {where}: '
-                            f'{type(e).__name__}: {e}') from e
+    raise FileNotFoundError(f'TFDS dataset {data_cfg.tfds_name!r} not found in {where}'
+                            f'{_present_versions(data_cfg)}: {type(e).__name__}: {e}') from e
   if not builder.is_prepared():
     raise FileNotFoundError(
-        f'TFDS dataset {data_cfg.tfds_name!r} is not prepared in {where}. This code never '
-        'downloads: prepare it once (tfds build, or copy the prepared files) and point '
-        'data.data_dir at the folder or gs:// bucket holding '
-        f'{data_cfg.tfds_name.replace(":", "/")}/')
+        f'TFDS dataset {data_cfg.tfds_name!r} is not prepared in {where}'
+        f'{_present_versions(data_cfg)}. This code never downloads: prepare it once (tfds '
+        'build, or copy the prepared files; for C4 3.0.1, which TFDS >= 4.9.7 no longer builds, '
+        'use the public prepared copy: data.data_dir=gs://tfds-data/datasets, or copy '
+        'gs://tfds-data/datasets/c4/en/3.0.1) and point data.data_dir at the folder or gs:// '
+        f'bucket holding {data_cfg.tfds_name.replace(":", "/")}/')
   return builder
+
+
+def _present_versions(data_cfg) -> str:
+  """'; versions present: ...' for the version folders of data.tfds_name in its data_dir."""
+  import tensorflow as tf
+  name = data_cfg.tfds_name.split(':')[0]
+  data_dir = data_cfg.data_dir or os.environ.get('TFDS_DATA_DIR') or os.path.expanduser(
+      '~/tensorflow_datasets')
+  folder = os.path.join(data_dir, name)
+  try:
+    entries = tf.io.gfile.listdir(folder)
+  except tf.errors.OpError:
+    return f' ({folder} does not exist)'
+  versions = sorted((e.rstrip('/') for e in entries if _VERSION.fullmatch(e.rstrip('/'))),
+                    key=lambda v: tuple(int(x) for x in v.split('.')))
+  if not versions:
+    return f' ({folder} holds no version folder)'
+  hint = ''
+  if ':' in data_cfg.tfds_name:
+    hint = f'; use one with data.tfds_name={name}:{versions[-1]}'
+  return f' (versions present in {folder}: {", ".join(versions)}{hint})'
+
+
+_VERSION = re.compile(r'\d+\.\d+\.\d+')
 
 
 def _exists(path: str) -> bool:
@@ -88,22 +118,30 @@ def _check_split(builder, split: str, role: str) -> None:
 
 def documents(builder, split: str, *, text_key: str = 'text', seed: int = 0,
               shuffle: bool = False, repeat: bool = False, shuffle_buffer: int = 0,
-              skip: int = 0) -> Iterator[bytes]:
+              skip: int = 0, legacy: bool = False) -> Iterator[bytes]:
   """Raw documents of `split`, in an order that depends only on the arguments.
 
   Args:
     builder: a prepared TFDS builder.
     split: the TFDS split string (may be a per-process slice).
     text_key: the feature holding the text.
-    seed: file-shuffle and shuffle-buffer seed.
+    seed: file-shuffle and shuffle-window seed.
     shuffle: shuffle files and documents.
-    repeat: repeat forever (training).
-    shuffle_buffer: documents in the shuffle buffer (0 or 1: files are shuffled only).
-    skip: documents to skip first (resume); read but not tokenized.
+    repeat: repeat forever (training): the order of `shards.Reader`, entered at `skip` without
+      reading what comes before (unless `legacy`).
+    shuffle_buffer: documents per shuffle window (0 or 1: files are shuffled only).
+    skip: documents to skip first (resume).
+    legacy: the tf.data order of training streams before `shards.Reader` (files interleaved
+      by TFDS, a shuffle buffer across epochs): `skip` documents are read and dropped.
 
   Yields:
     Document bytes.
   """
+  if repeat and not legacy:
+    reader = shards.Reader(builder, split, text_key=text_key, seed=seed, shuffle=shuffle,
+                           window=shuffle_buffer)
+    yield from reader.documents(skip)
+    return
   import tensorflow as tf
   tfds = _tfds()
   read_config = tfds.ReadConfig(shuffle_seed=seed, shuffle_reshuffle_each_iteration=True,
@@ -124,8 +162,16 @@ def documents(builder, split: str, *, text_key: str = 'text', seed: int = 0,
   options = tf.data.Options()
   options.deterministic = True
   ds = ds.with_options(options).batch(_TOKENIZE_BATCH).prefetch(tf.data.AUTOTUNE)
-  for texts in ds.as_numpy_iterator():
-    yield from texts
+  read = 0
+  try:
+    for texts in ds.as_numpy_iterator():
+      read += len(texts)
+      yield from texts
+  except tf.errors.OpError as e:  # The file is not known here: name the split and position.
+    raise shards.DataError(
+        f'{shards.dataset_name(builder)}, split {shards.split_name(split)}: reading failed after {skip + read} '
+        f'documents of the stream ({type(e).__name__}: {e.message.strip()}). A shard file is '
+        'damaged: copy the dataset again.') from None
 
 
 def tokenized(docs: Iterator[bytes], tokenizer) -> Iterator[np.ndarray]:
@@ -141,36 +187,34 @@ def tokenized(docs: Iterator[bytes], tokenizer) -> Iterator[np.ndarray]:
 
 
 def train_batches(builder, tokenizer, data_cfg, *, split: str, seq_len: int, rows_per_batch: int,
-                  seed: int, cursor: packing.Cursor | packing.StreamState
+                  seed: int, cursor: packing.Cursor | packing.StreamState, legacy: bool = False
                   ) -> Iterator[tuple[dict, packing.Cursor | packing.StreamState]]:
   """Endless (batch, cursor after the batch) from `cursor` on; the same for the same arguments.
 
   With data.packing='stream', `cursor` and the yielded positions are `packing.StreamState`s.
+  Documents come in the shard order of `shards.Reader` (entered at the cursor by arithmetic),
+  or with `legacy` in the tf.data order of checkpoints written before it (resumed by skipping).
   """
+  def docs_from(start):
+    return documents(builder, split, text_key=data_cfg.text_key, seed=seed, shuffle=True,
+                     repeat=True, shuffle_buffer=data_cfg.shuffle_buffer, skip=start,
+                     legacy=legacy)
+
   if data_cfg.packing == 'stream':
-    yield from _stream_train_batches(builder, tokenizer, data_cfg, split=split, seq_len=seq_len,
-                                     rows_per_batch=rows_per_batch, seed=seed, state=cursor)
+    state = cursor
+    # Documents dealt before `state` and since consumed are read but not tokenized.
+    needed = (d for i, d in enumerate(docs_from(state.first), state.first) if state.needs(i))
+    yield from packing.stream_batches(tokenized(needed, tokenizer), seq_len, rows_per_batch,
+                                      state)
     return
-  docs = documents(builder, split, text_key=data_cfg.text_key, seed=seed, shuffle=True,
-                   repeat=True, shuffle_buffer=data_cfg.shuffle_buffer, skip=cursor.doc)
-  stream = packing.rows(tokenized(docs, tokenizer), seq_len, data_cfg.packing, cursor,
-                        min_piece=data_cfg.pack_min_piece, align=data_cfg.pack_align)
+  stream = packing.rows(tokenized(docs_from(cursor.doc), tokenizer), seq_len, data_cfg.packing,
+                        cursor, min_piece=data_cfg.pack_min_piece, align=data_cfg.pack_align)
   while True:
     rows = []
     for _ in range(rows_per_batch):
       row, cursor = next(stream)
       rows.append(row)
     yield packing.stack(rows), cursor
-
-
-def _stream_train_batches(builder, tokenizer, data_cfg, *, split, seq_len, rows_per_batch, seed,
-                          state: packing.StreamState):
-  start = state.first
-  docs = documents(builder, split, text_key=data_cfg.text_key, seed=seed, shuffle=True,
-                   repeat=True, shuffle_buffer=data_cfg.shuffle_buffer, skip=start)
-  # Documents dealt before `state` and since consumed are read but not tokenized.
-  needed = (d for i, d in enumerate(docs, start) if state.needs(i))
-  yield from packing.stream_batches(tokenized(needed, tokenizer), seq_len, rows_per_batch, state)
 
 
 def eval_batches(builder, tokenizer, data_cfg, *, split: str, seq_len: int, rows_per_batch: int,

@@ -445,6 +445,25 @@ class _SpecializedSteps:
     return self._steps[key]
 
 
+def _save_before_data_error(ckpt, window, step: int, state, data_state) -> None:
+  """Saves `step` (its batches all consumed) unless it is saved already, before a data error
+  ends the run; the save's own failure is logged, and the data error is what gets raised."""
+  if step == 0 or ckpt.latest_step() == step:
+    return
+  if jax.process_count() > 1:  # Saving is collective: the other hosts are in a train step.
+    logging.error('input read failed on process %d: not saving step %d alone (the last '
+                  'checkpoint is step %s)', jax.process_index(), step, ckpt.latest_step())
+    return
+  try:
+    window.flush()
+    ckpt.save(step, state, _gather_data_state(data_state))
+    ckpt.wait()
+    logging.warning('input read failed: saved step %d before stopping', step)
+  except Exception as e:  # pylint: disable=broad-except  (the data error matters more)
+    logging.error('could not save step %d before the input error: %s: %s', step,
+                  type(e).__name__, e)
+
+
 def _train_loop(setup: Setup, state, data_state, ckpt, logger, flops_per_token: float,
                 peak: float):
   config = setup.config
@@ -458,7 +477,11 @@ def _train_loop(setup: Setup, state, data_state, ckpt, logger, flops_per_token: 
   compiling = True
   with sharding.activate(setup.mesh, setup.rules), _Preemption() as preemption:
     while step < config.total_steps:
-      local, data_state = next(batches)
+      try:
+        local, data_state = next(batches)
+      except input_pipeline.DataError:  # A damaged shard: keep the last good step, then fail.
+        _save_before_data_error(ckpt, window, step, state, data_state)
+        raise
       batch = device_batch(setup, local)
       started = time.time()
       state, step_metrics = train_step(state, batch, rng)
