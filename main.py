@@ -27,6 +27,12 @@ flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'inspect', 'allocate_budget
                   '(WORKDIR/inspect/); allocate_budgets: greedy per-layer context budgets of a '
                   'selective model (WORKDIR/budgets.json); eval_budgets: loss and KV-cache '
                   'reduction with those budgets.')
+flags.DEFINE_list('allow_config_change', [],
+                  'In a workdir that holds a run (WORKDIR/config.json, the source of truth for '
+                  'resume, eval, inspect and pruning): config keys, or groups such as model, '
+                  'whose --config overrides may change the recorded model or training (e.g. '
+                  'learning_rate,model.attention_options.window), or all. Run-time settings '
+                  '(steps, eval, logging, checkpoints, mesh, data paths) never need it.')
 
 
 def _bad_command_line(error: Exception, argv) -> None:
@@ -71,26 +77,32 @@ def main(argv):
   import jax
   if os.environ.get('JAX_COORDINATOR_ADDRESS') or os.environ.get('TPU_WORKER_HOSTNAMES'):
     jax.distributed.initialize()  # Multi-host: one process per host.
-  from training import train
-  recipe = os.path.splitext(os.path.basename(config_flags.get_config_filename(FLAGS['config'])))[0]
+  from training import run_config, train
+  recipe_file = config_flags.get_config_filename(FLAGS['config'])
+  # The workdir's record is the run's config; the command line asks for the --config.KEY
+  # flags given (and a recipe named with --config), not for the recipe's defaults.
+  request = run_config.Request(
+      keys=frozenset(config_flags.get_override_values(FLAGS['config'])), recipe=recipe_file,
+      recipe_given=FLAGS['config'].present > 0, allow=tuple(FLAGS.allow_config_change))
+  recipe = os.path.splitext(os.path.basename(recipe_file))[0]
   workdir = FLAGS.workdir or os.path.join('runs', recipe)
   logging.info('JAX %s, %d devices (%s), process %d/%d; workdir %s', jax.__version__,
                jax.device_count(), jax.devices()[0].device_kind, jax.process_index(),
                jax.process_count(), workdir)
   try:
     if FLAGS.mode == 'train':
-      train.train_and_evaluate(FLAGS.config, workdir)
+      train.train_and_evaluate(FLAGS.config, workdir, request)
     elif FLAGS.mode == 'inspect':
       from training import inspect
-      inspect.inspect(FLAGS.config, workdir)
+      inspect.inspect(FLAGS.config, workdir, request)
     elif FLAGS.mode == 'allocate_budgets':
       from training import pruning
-      pruning.allocate_budgets(FLAGS.config, workdir)
+      pruning.allocate_budgets(FLAGS.config, workdir, request)
     elif FLAGS.mode == 'eval_budgets':
       from training import pruning
-      pruning.evaluate_budgets(FLAGS.config, workdir)
+      pruning.evaluate_budgets(FLAGS.config, workdir, request)
     else:
-      train.evaluate(FLAGS.config, workdir)
+      train.evaluate(FLAGS.config, workdir, request)
   except (ValueError, NotImplementedError, PermissionError, FileNotFoundError, FloatingPointError,
           train.checkpoints.CheckpointError, train.workdir_lock.WorkdirBusy) as e:
     logging.error('%s: %s', type(e).__name__, e)
