@@ -173,3 +173,17 @@ def test_inspect_uses_the_recorded_model(trained, tmp_path):
   paths = inspect.inspect(tiny.get_config(), str(workdir), run_config.Request(keys=frozenset()))
   mask = np.load(paths['npz'])['layer0_head0']
   assert mask[5, 4] and mask[5, 5] and not mask[5, 3]  # Window 2, not dense.
+
+
+def test_main_allows_a_change_named_by_the_flag(harness, trained, tmp_path):
+  workdir = _copy(trained, tmp_path)
+  # A resume at the last step: it restores, records and stops (no step to compile).
+  command = harness.main_command(workdir, {**TRAINED, 'learning_rate': 0.002})
+  proc = subprocess.run([*command, '--allow_config_change=learning_rate'], env=harness.env(),
+                        cwd=harness.repo, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'changing the recorded run' in proc.stderr
+  resume = _history(workdir)[-1]
+  assert resume['allowed'] == ['learning_rate'] and resume['step'] == 4
+  assert resume['changes'] == [{'key': 'learning_rate', 'recorded': 0.005, 'given': 0.002,
+                                'kind': 'training'}]
