@@ -130,9 +130,12 @@ class Checkpointer:
     item = {'params': abstract_params,
             'step': jax.ShapeDtypeStruct((), np.int32, sharding=jax.sharding.NamedSharding(
                 mesh, jax.sharding.PartitionSpec()))}
-    # A manager of its own: this one may have bound 'state' to StandardSave/Restore, and
-    # orbax keeps one handler per item name.
-    reader = ocp.CheckpointManager(self.directory, item_names=('state',))
+    # A read-only manager of its own: this one may have bound 'state' to StandardSave/Restore,
+    # and orbax keeps one handler per item name.
+    reader = ocp.CheckpointManager(
+        self.directory, item_names=('state',),
+        options=ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0,
+                                             create=False))
     try:
       restored = reader.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
           item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),

@@ -378,7 +378,7 @@ def _log(changes: tuple[Change, ...], trains: bool, request: Request) -> None:
                       ','.join(request.allow), c.describe())
   unused = [a for a in request.allow if a != ALL and not any(_covers(a, c.key) for c in changes)]
   if unused:
-    logging.warning('--allow_config_change=%s: nothing asked for changes %s', 
+    logging.warning('--allow_config_change=%s: nothing asked for changes %s',
                     ','.join(request.allow), ', '.join(unused))
 
 
