@@ -187,3 +187,14 @@ def test_main_allows_a_change_named_by_the_flag(harness, trained, tmp_path):
   assert resume['allowed'] == ['learning_rate'] and resume['step'] == 4
   assert resume['changes'] == [{'key': 'learning_rate', 'recorded': 0.005, 'given': 0.002,
                                 'kind': 'training'}]
+
+
+def test_an_allowed_change_that_cannot_restore_records_nothing(harness, trained, tmp_path):
+  workdir = _copy(trained, tmp_path)
+  record = (workdir / 'config.json').read_text()
+  history = (workdir / 'config_history.jsonl').read_text()
+  request = run_config.Request(keys=frozenset({'model.d'}), allow=('model',))
+  with pytest.raises(train.checkpoints.CheckpointError, match='different model configuration'):
+    train.train_and_evaluate(harness.config({**TRAINED, 'model.d': 1}), str(workdir), request)
+  assert (workdir / 'config.json').read_text() == record
+  assert (workdir / 'config_history.jsonl').read_text() == history
