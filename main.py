@@ -34,6 +34,12 @@ flags.DEFINE_integer('num_processes', None,
                      'Multi-host: number of processes (default: env JAX_NUM_PROCESSES).')
 flags.DEFINE_integer('process_id', None, 'Multi-host: this process\'s index in '
                      '[0, num_processes) (default: env JAX_PROCESS_ID).')
+flags.DEFINE_list('allow_config_change', [],
+                  'In a workdir that holds a run (WORKDIR/config.json, the source of truth for '
+                  'resume, eval, inspect and pruning): config keys, or groups such as model, '
+                  'whose --config overrides may change the recorded model or training (e.g. '
+                  'learning_rate,model.attention_options.window), or all. Run-time settings '
+                  '(steps, eval, logging, checkpoints, mesh, data paths) never need it.')
 
 
 def _bad_command_line(error: Exception, argv) -> None:
@@ -76,8 +82,14 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   _quiet_libraries()
   import jax
-  from training import distributed, train
-  recipe = os.path.splitext(os.path.basename(config_flags.get_config_filename(FLAGS['config'])))[0]
+  from training import distributed, run_config, train
+  recipe_file = config_flags.get_config_filename(FLAGS['config'])
+  # The workdir's record is the run's config; the command line asks for the --config.KEY
+  # flags given (and a recipe named with --config), not for the recipe's defaults.
+  request = run_config.Request(
+      keys=frozenset(config_flags.get_override_values(FLAGS['config'])), recipe=recipe_file,
+      recipe_given=FLAGS['config'].present > 0, allow=tuple(FLAGS.allow_config_change))
+  recipe = os.path.splitext(os.path.basename(recipe_file))[0]
   workdir = FLAGS.workdir or os.path.join('runs', recipe)
   try:
     distributed.initialize(os.environ, coordinator_address=FLAGS.coordinator_address,
@@ -86,18 +98,18 @@ def main(argv):
                  jax.device_count(), jax.devices()[0].device_kind, jax.process_index(),
                  jax.process_count(), workdir)
     if FLAGS.mode == 'train':
-      train.train_and_evaluate(FLAGS.config, workdir)
+      train.train_and_evaluate(FLAGS.config, workdir, request)
     elif FLAGS.mode == 'inspect':
       from training import inspect
-      inspect.inspect(FLAGS.config, workdir)
+      inspect.inspect(FLAGS.config, workdir, request)
     elif FLAGS.mode == 'allocate_budgets':
       from training import pruning
-      pruning.allocate_budgets(FLAGS.config, workdir)
+      pruning.allocate_budgets(FLAGS.config, workdir, request)
     elif FLAGS.mode == 'eval_budgets':
       from training import pruning
-      pruning.evaluate_budgets(FLAGS.config, workdir)
+      pruning.evaluate_budgets(FLAGS.config, workdir, request)
     else:
-      train.evaluate(FLAGS.config, workdir)
+      train.evaluate(FLAGS.config, workdir, request)
   except (ValueError, NotImplementedError, PermissionError, FileNotFoundError, FloatingPointError,
           train.checkpoints.CheckpointError, train.workdir_lock.WorkdirBusy) as e:
     logging.error('%s: %s', type(e).__name__, e)

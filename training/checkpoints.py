@@ -105,6 +105,50 @@ class Checkpointer:
     self._manager.close()
     logging.info('checkpoints closed: %s', self.directory)
 
+  def restore_params(self, abstract_params, step: int | None = None):
+    """Restores only the parameters and the step of a checkpoint (orbax partial restore).
+
+    The optimizer state is not read, so a config whose optimizer differs from the run's
+    (e.g. clip_grad_norm=0, another opt_state tree) can still evaluate its parameters.
+
+    Args:
+      abstract_params: tree of jax.ShapeDtypeStruct with the target shardings; the saved
+        arrays are resharded onto them, whatever mesh wrote them.
+      step: which checkpoint; defaults to the latest.
+
+    Returns:
+      (step, params).
+
+    Raises:
+      FileNotFoundError: there is no checkpoint.
+      CheckpointError: the checkpoint cannot be read or its parameters do not match.
+    """
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f'no checkpoint found in {self.directory}')
+    mesh = jax.tree.leaves(abstract_params)[0].sharding.mesh
+    item = {'params': abstract_params,
+            'step': jax.ShapeDtypeStruct((), np.int32, sharding=jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec()))}
+    # A read-only manager of its own: this one may have bound 'state' to StandardSave/Restore,
+    # and orbax keeps one handler per item name.
+    reader = ocp.CheckpointManager(
+        self.directory, item_names=('state',),
+        options=ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0,
+                                             create=False))
+    try:
+      restored = reader.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+          item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+          partial_restore=True)))
+    except Exception as e:  # Orbax raises many types; name the folder and the cause.
+      raise CheckpointError(
+          f'could not restore the parameters of checkpoint step {step} from {self.directory}: '
+          f'it is corrupt or was written by a different model configuration '
+          f'({type(e).__name__}: {e})') from e
+    finally:
+      reader.close()
+    return int(restored.state['step']), restored.state['params']
+
 
 def restore_latest(workdir: str, abstract_state, *, keep: int, required: str = ''):
   """(step, state) of the latest checkpoint in `workdir`, or (None, None) if there is none.

@@ -28,6 +28,7 @@ from absl import logging
 
 from models import blocks, stacks, transformer
 from models.attention import base, patterns
+from training import run_config
 
 
 def connectivity(model_config: transformer.TransformerConfig, n: int) -> dict[str, np.ndarray]:
@@ -78,7 +79,8 @@ def _first_eval_batch(setup):
 def sown_per_layer(config: ml_collections.ConfigDict, workdir: str):
   """What each layer's attention sows into 'intermediates' on the first validation batch.
 
-  Uses the latest checkpoint of `workdir`, or the initial parameters without one.
+  Uses the latest checkpoint's parameters of `workdir`, or the initial parameters without one.
+  `config` is the resolved one (the record's, training/run_config.py).
 
   Returns:
     (list of layer i's sown attention intermediates (host arrays; {} where nothing is
@@ -86,11 +88,11 @@ def sown_per_layer(config: ml_collections.ConfigDict, workdir: str):
     description of the parameters' source).
   """
   import jax
-  from training import checkpoints, sharding, train
+  from training import sharding, train
   setup = train.build(config, workdir=workdir)
-  step, state = checkpoints.restore_latest(workdir, setup.abstract_state,
-                                           keep=config.keep_checkpoints)
-  params = state.params if state is not None else train.init_state(setup, config.seed).params
+  step, params = train.latest_params(setup, workdir)
+  if params is None:
+    params = train.init_state(setup, config.seed).params
   local = _first_eval_batch(setup)
   model = train.specialized_model(setup, params)
   with sharding.activate(setup.mesh, setup.rules):
@@ -177,10 +179,19 @@ def write_figure(figure, out_dir: str) -> dict[str, str]:
   return paths
 
 
-def inspect(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
+def inspect(config: ml_collections.ConfigDict, workdir: str,
+            request: run_config.Request | None = None) -> dict[str, str]:
   """Writes the connectivity masks and their plot, and the figures of each variant in use
   (its `inspect` hook: F of selective attention, spans of adaptive spans); returns the paths
-  written."""
+  written.
+
+  Args:
+    config: the config given; in a workdir with a recorded run, the record's model is
+      inspected (training/run_config.py: `request` may change run-time settings).
+    workdir: the run's folder (or a new one: the configured model, initialized).
+    request: what the command line asked for; None: every field of `config`.
+  """
+  config = run_config.resolve(config, workdir, trains=False, request=request).config
   model_cfg = dict(config.model)
   model_cfg['vocab_size'] = model_cfg.get('vocab_size') or 1  # Not needed for the masks.
   n = config.inspect_len or config.seq_len

@@ -29,7 +29,7 @@ from absl import logging
 from models import stacks
 from models.attention import selective
 from models.attention import registry
-from training import checkpoints, losses, sharding, train
+from training import losses, run_config, sharding, train
 
 
 def selective_layers(model_config) -> list[int]:
@@ -44,13 +44,12 @@ def memory_reduction(budgets, context: int) -> float:
 
 
 def _restore(config, workdir):
+  """(setup, step, params) of the latest checkpoint; `config` is the resolved one."""
   setup = train.build(config, workdir=workdir)
   if not selective_layers(setup.model_config):
     raise ValueError('context pruning needs model.attention = \'selective\' (in some layer)')
-  _, state = checkpoints.restore_latest(workdir, setup.abstract_state,
-                                        keep=config.keep_checkpoints,
-                                        required='train a selective model first')
-  return setup, state
+  step, params = train.latest_params(setup, workdir, required='train a selective model first')
+  return setup, step, params
 
 
 def budget_path(config, workdir: str) -> str:
@@ -118,14 +117,19 @@ def greedy_budgets(loss_of, n_layers: int, layers: list[int], context: int, step
   return budgets, base, current, target, history
 
 
-def allocate_budgets(config, workdir: str) -> dict:
-  """Greedy per-layer budgets on a training sample; writes the budget file (JSON)."""
+def allocate_budgets(config, workdir: str, request: run_config.Request | None = None) -> dict:
+  """Greedy per-layer budgets on a training sample; writes the budget file (JSON).
+
+  The model is the workdir's recorded one (training/run_config.py); `request` (what the
+  command line asked for; None: every field of `config`) may change run-time settings.
+  """
   train.check_workdir(workdir)
+  config = run_config.resolve(config, workdir, trains=False, request=request).config
   pc = config.pruning
   if pc.step < 1 or pc.batches < 1:
     raise ValueError(f'pruning.step (C) and pruning.batches must be >= 1, got {pc.step}, '
                      f'{pc.batches}')
-  setup, state = _restore(config, workdir)
+  setup, step, params = _restore(config, workdir)
   try:
     it = setup.data.train_iter(0, None)
     sample = [next(it)[0] for _ in range(pc.batches)]
@@ -141,7 +145,7 @@ def allocate_budgets(config, workdir: str) -> dict:
       arr = jnp.asarray(budgets, jnp.int32)
       total, weight = 0.0, 0.0
       for batch in batches:
-        s, w = jax.device_get(loss_fn(state.params, batch, arr))
+        s, w = jax.device_get(loss_fn(params, batch, arr))
         total, weight = total + float(s), weight + float(w)
       return total / max(weight, 1.0)
 
@@ -152,7 +156,7 @@ def allocate_budgets(config, workdir: str) -> dict:
   result = {'budgets': budgets, 'context': context, 'step': int(pc.step),
             'unpruned_loss': base, 'loss': final, 'target_loss': target,
             'memory_reduction': memory_reduction(budgets, context),
-            'checkpoint_step': int(state.step), 'history': history}
+            'checkpoint_step': step, 'history': history}
   path = budget_path(config, workdir)
   if jax.process_index() == 0:
     with open(path, 'w') as f:
@@ -163,26 +167,30 @@ def allocate_budgets(config, workdir: str) -> dict:
   return result
 
 
-def evaluate_budgets(config, workdir: str) -> dict:
-  """Validation loss with the budget file's K_l and without; the memory reduction factor."""
+def evaluate_budgets(config, workdir: str, request: run_config.Request | None = None) -> dict:
+  """Validation loss with the budget file's K_l and without; the memory reduction factor.
+
+  The model is the workdir's recorded one, as in `allocate_budgets`.
+  """
   train.check_workdir(workdir)
+  config = run_config.resolve(config, workdir, trains=False, request=request).config
   path = budget_path(config, workdir)
   if not os.path.exists(path):
     raise FileNotFoundError(f'no budget file {path}: run --mode=allocate_budgets first')
   with open(path) as f:
     budgets = tuple(int(k) for k in json.load(f)['budgets'])
-  setup, state = _restore(config, workdir)
+  setup, step, params = _restore(config, workdir)
   setup.data.close()
-  unpruned = train.run_eval(setup, train.jit_eval_step(setup), state.params)
+  unpruned = train.run_eval(setup, train.jit_eval_step(setup), params)
   pruned_config = copy.deepcopy(config)
   pruned_config.model.attention_options.selective_budgets = budgets
   pruned_setup = train.build(pruned_config, workdir=workdir)
   try:
-    pruned = train.run_eval(pruned_setup, train.jit_eval_step(pruned_setup), state.params)
+    pruned = train.run_eval(pruned_setup, train.jit_eval_step(pruned_setup), params)
   finally:
     pruned_setup.data.close()
   context = setup.data.seq_len
-  result = {'step': int(state.step), 'budgets': list(budgets), 'context': context,
+  result = {'step': step, 'budgets': list(budgets), 'context': context,
             'loss': pruned['loss'], 'perplexity': pruned['perplexity'],
             'accuracy': pruned['accuracy'], 'unpruned_loss': unpruned['loss'],
             'unpruned_accuracy': unpruned['accuracy'],

@@ -19,8 +19,8 @@ from absl import logging
 import input_pipeline
 from models import transformer
 from models.attention import memory as segment_memory
-from training import (checkpoints, flops, metrics as metrics_lib, optimizer, sharding, steps,
-                      workdir_lock)
+from training import (checkpoints, flops, metrics as metrics_lib, optimizer, run_config, sharding,
+                      steps, workdir_lock)
 
 
 # A vocabulary taken from the data (model.vocab_size=0) is padded to a multiple of this: the
@@ -312,22 +312,28 @@ def _check_finite(step: int, host_metrics: dict[str, float], ckpt: checkpoints.C
         'learning rate, enable clipping or check the data.')
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> steps.TrainState:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       request: run_config.Request | None = None) -> steps.TrainState:
   """Trains to config.total_steps, resuming from the latest checkpoint in `workdir`.
 
   Args:
-    config: the run config.
+    config: the run config; on a resume, the keys `request` names are checked against and
+      applied on top of the workdir's record (training/run_config.py).
     workdir: checkpoints, TensorBoard events and eval JSON go here.
+    request: what the command line asked for; None: every field of `config`.
 
   Returns:
     The final TrainState.
   """
   check_workdir(workdir)
   with workdir_lock.hold(workdir):  # One run per workdir.
-    return _train_and_evaluate(config, workdir)
+    return _train_and_evaluate(config, workdir, request)
 
 
-def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> steps.TrainState:
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                        request: run_config.Request | None = None) -> steps.TrainState:
+  resolved = run_config.resolve(config, workdir, trains=True, request=request)
+  config = resolved.config
   setup = build(config, workdir=workdir)
   mc = setup.model_config
   n_params = mc.num_params()
@@ -353,8 +359,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> step
     else:
       state = init_state(setup, config.seed)
     if jax.process_index() == 0:  # Only once the state matches: a failed restore keeps it.
-      with open(os.path.join(workdir, 'config.json'), 'w') as f:
-        f.write(config.to_json_best_effort(indent=2))
+      run_config.record_start(workdir, resolved, int(state.step))
     return _train_loop(setup, state, data_state, ckpt, logger, flops_per_token, peak)
   finally:  # Also on errors: pending checkpoint writes finish, event files are flushed.
     setup.data.close()
@@ -516,28 +521,55 @@ def _train_loop(setup: Setup, state, data_state, ckpt, logger, flops_per_token: 
   return state
 
 
-def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
-  """Restores the latest checkpoint of `workdir` onto this machine's mesh and evaluates it.
-
-  Writes `workdir/eval_step_<step>.json` with step, loss, perplexity and accuracy.
+def latest_params(setup: Setup, workdir: str, *, required: str = ''):
+  """(step, params) of the latest checkpoint of `workdir`, restored onto `setup`'s mesh; only
+  the parameters and the step are read, so the optimizer settings need not match the run's.
 
   Args:
-    config: the run config (its model must match the checkpoint).
+    setup: the Setup of the run's (resolved) config.
+    workdir: the run's folder.
+    required: if not empty, a missing checkpoint raises FileNotFoundError ending with this;
+      otherwise it returns (None, None).
+  """
+  ckpt = checkpoints.Checkpointer(workdir, keep=setup.config.keep_checkpoints, async_save=False)
+  try:
+    if ckpt.latest_step() is None:
+      if required:
+        raise FileNotFoundError(f'no checkpoint found in {ckpt.directory}: {required}')
+      return None, None
+    return ckpt.restore_params(setup.abstract_state.params)
+  finally:
+    ckpt.close()
+
+
+def evaluate(config: ml_collections.ConfigDict, workdir: str,
+             request: run_config.Request | None = None) -> dict[str, float]:
+  """Restores the latest checkpoint's parameters onto this machine's mesh and evaluates them.
+
+  The model is the workdir's recorded one (training/run_config.py); the asked-for keys may
+  change run-time and training settings (e.g. eval_steps, the mesh), not the model unless
+  allowed. Writes `workdir/eval_step_<step>.json` with step, loss, perplexity and accuracy,
+  and the keys that differ from the record, if any ('config_overrides').
+
+  Args:
+    config: the config given.
     workdir: the training run's workdir.
+    request: what the command line asked for; None: every field of `config`.
 
   Returns:
     The metrics written.
   """
   check_workdir(workdir)
-  setup = build(config, workdir=workdir)
-  ckpt = checkpoints.Checkpointer(workdir, keep=config.keep_checkpoints, async_save=False)
+  resolved = run_config.resolve(config, workdir, trains=False, request=request)
+  setup = build(resolved.config, workdir=workdir)
   try:
-    state = ckpt.restore(setup.abstract_state)
+    step, params = latest_params(setup, workdir, required='train a model first')
   finally:
-    ckpt.close()
     setup.data.close()
-  model = specialized_model(setup, state.params)
-  result = {'step': int(state.step), **run_eval(setup, jit_eval_step(setup, model), state.params)}
+  model = specialized_model(setup, params)
+  result = {'step': step, **run_eval(setup, jit_eval_step(setup, model), params)}
+  if resolved.changes:
+    result['config_overrides'] = {c.key: c.given for c in resolved.changes}
   if jax.process_index() == 0:
     path = os.path.join(workdir, f'eval_step_{result["step"]}.json')
     with open(path, 'w') as f:

@@ -234,6 +234,9 @@ def test_corrupt_checkpoint_raises_checkpoint_error_and_keeps_files(harness, sho
 def test_checkpoint_of_another_model_raises_checkpoint_error(harness, short_run, tmp_path):
   workdir = tmp_path / 'run'
   shutil.copytree(short_run, workdir)
+  # Without the config record (a run older than it; with it, the change is refused first:
+  # test_run_config.py), the config given meets the checkpoint.
+  (workdir / 'config.json').unlink()
   before = _files(workdir)
   config = harness.config({**SHORT, 'model.d': 1})  # d_model 64 instead of 128.
   with pytest.raises(checkpoints.CheckpointError, match='different model configuration') as info:

@@ -1,0 +1,200 @@
+"""WORKDIR/config.json is the run's config: resume, eval and inspect start from it, and a
+change of the model or the training is refused unless allowed (issue 20)."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from configs import tiny
+from training import inspect, run_config, train
+
+# A model the default recipe does not describe: evaluating with the recipe's defaults would
+# score dense attention with these parameters (same shapes), silently.
+TRAINED = {'total_steps': 4, 'checkpoint_every_steps': 2, 'model.attention': 'local',
+           'model.attention_options.window': 2}
+
+
+@pytest.fixture(scope='module')
+def trained(harness, tmp_path_factory):
+  """A run trained through main.py (so its record names the recipe): 4 steps of local
+  attention with window 2."""
+  workdir = tmp_path_factory.mktemp('recorded') / 'run'
+  proc = harness.run_main(workdir, TRAINED)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return workdir
+
+
+def _copy(trained, tmp_path):
+  workdir = tmp_path / 'run'
+  shutil.copytree(trained, workdir)
+  return workdir
+
+
+def _errors(proc) -> list[str]:
+  return [line for line in proc.stderr.splitlines() if line.startswith('error: ')]
+
+
+def _history(workdir) -> list[dict]:
+  return [json.loads(line) for line in (workdir / 'config_history.jsonl').read_text().splitlines()]
+
+
+def test_the_classification_table():
+  assert run_config.kind('model.attention_options.window') == run_config.MODEL
+  assert run_config.kind('model.attention_impl') == run_config.RUNTIME
+  assert run_config.kind('data.num_assignments') == run_config.MODEL
+  assert run_config.kind('data.data_dir') == run_config.RUNTIME
+  for key in ('learning_rate', 'clip_grad_norm', 'batch_size', 'seed', 'data.packing'):
+    assert run_config.kind(key) == run_config.TRAINING, key
+  for key in ('total_steps', 'eval_steps', 'mesh.tensor', 'keep_checkpoints', 'pruning.step'):
+    assert run_config.kind(key) == run_config.RUNTIME, key
+  assert run_config.kind('a_field_added_later') == run_config.MODEL  # Safe by default.
+  # Every field of the base recipe is classified by an entry, not by the fallback.
+  fields = run_config.as_flat_json(tiny.get_config())
+  unlisted = [k for k in fields if not any(
+      k == e or k.startswith(e + '.') for e in run_config.KINDS)]
+  assert not unlisted
+
+
+def test_the_first_start_records_the_config_and_the_recipe(trained):
+  record = json.loads((trained / 'config.json').read_text())
+  assert record['model']['attention'] == 'local' and record['total_steps'] == 4
+  [start] = _history(trained)
+  assert start['start'] == 'new' and start['step'] == 0
+  assert start['recipe'].endswith('configs/tiny.py')
+  assert start['overrides']['model.attention_options.window'] == 2
+
+
+def test_eval_with_no_flags_scores_the_recorded_model(harness, trained, tmp_path):
+  workdir = _copy(trained, tmp_path)
+  # No --config at all: the default recipe (dense attention, batch 256, 4 assignments) is
+  # not what was trained; the record is.
+  proc = subprocess.run([sys.executable, str(harness.repo / 'main.py'), f'--workdir={workdir}',
+                         '--mode=eval'], env=harness.env(), cwd=harness.repo,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads((workdir / 'eval_step_4.json').read_text())
+  assert 'config_overrides' not in result
+  # The same numbers as evaluating the recorded model itself.
+  reference = train.evaluate(harness.config(TRAINED), str(_copy(trained, tmp_path / 'ref')))
+  assert result['loss'] == pytest.approx(reference['loss'], rel=1e-5)
+
+
+def test_eval_with_a_model_override_is_refused(harness, trained, tmp_path):
+  workdir = _copy(trained, tmp_path)
+  proc = harness.run_main(workdir, {**TRAINED, 'model.attention_options.window': 4},
+                          mode='eval')
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  [error] = _errors(proc)
+  assert 'model.attention_options.window: recorded 2, given 4' in error, error
+  assert '--allow_config_change=model.attention_options.window' in error
+  assert not list(workdir.glob('eval_step_*.json'))
+
+
+def test_a_different_recipe_file_counts_but_its_defaults_do_not(harness, trained, tmp_path):
+  workdir = _copy(trained, tmp_path)
+  proc = subprocess.run([sys.executable, str(harness.repo / 'main.py'), f'--workdir={workdir}',
+                         f'--config={harness.repo / "configs" / "default.py"}', '--mode=eval'],
+                        env=harness.env(), cwd=harness.repo, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  [error] = _errors(proc)
+  assert 'model.d: recorded 2, given 8 (recipe ' in error, error
+
+
+def test_eval_reads_parameters_only_so_optimizer_settings_never_block_it(harness, trained,
+                                                                         tmp_path):
+  workdir = _copy(trained, tmp_path)
+  proc = harness.run_main(workdir, {**TRAINED, 'clip_grad_norm': 0.0}, mode='eval')
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads((workdir / 'eval_step_4.json').read_text())
+  assert result['config_overrides'] == {'clip_grad_norm': 0.0}
+  # Without a record (an older run) the config given is used as it is: its optimizer state
+  # tree (no clipping) differs from the checkpoint's, and only the parameters are read.
+  (workdir / 'config.json').unlink()
+  again = train.evaluate(harness.config({**TRAINED, 'clip_grad_norm': 0.0}), str(workdir))
+  assert again['loss'] == pytest.approx(result['loss'], rel=1e-5)
+
+
+def test_resume_with_more_steps_keeps_the_record(harness, trained, tmp_path):
+  workdir = _copy(trained, tmp_path)
+  record = (workdir / 'config.json').read_text()
+  request = run_config.Request(keys=frozenset({'total_steps'}))
+  state = train.train_and_evaluate(harness.config({**TRAINED, 'total_steps': 6}),
+                                   str(workdir), request)
+  assert int(state.step) == 6 and 6 in harness.step_dirs(workdir)
+  assert (workdir / 'config.json').read_text() == record
+  resume = _history(workdir)[-1]
+  assert resume['start'] == 'resume' and resume['step'] == 4
+  assert resume['changes'] == [{'key': 'total_steps', 'recorded': 4, 'given': 6,
+                                'kind': 'runtime'}]
+
+
+def test_resume_with_another_learning_rate_needs_allowing(harness, trained, tmp_path, caplog):
+  workdir = _copy(trained, tmp_path)
+  record = (workdir / 'config.json').read_text()
+  config = harness.config({**TRAINED, 'total_steps': 6, 'learning_rate': 0.001})
+  keys = frozenset({'total_steps', 'learning_rate'})
+  with pytest.raises(ValueError, match='learning_rate: recorded 0.005, given 0.001'):
+    train.train_and_evaluate(config, str(workdir), run_config.Request(keys=keys))
+  assert harness.step_dirs(workdir) == [2, 4] and len(_history(workdir)) == 1
+  with pytest.raises(ValueError, match='no config field or group'):
+    train.train_and_evaluate(config, str(workdir),
+                             run_config.Request(keys=keys, allow=('learning_rat',)))
+
+  with caplog.at_level('WARNING'):
+    train.train_and_evaluate(config, str(workdir),
+                             run_config.Request(keys=keys, allow=('learning_rate',)))
+  assert 'changing the recorded run' in caplog.text and 'learning_rate' in caplog.text
+  assert (workdir / 'config.json').read_text() == record
+  assert {'key': 'learning_rate', 'recorded': 0.005, 'given': 0.001,
+          'kind': 'training'} in _history(workdir)[-1]['changes']
+  # The accepted change stays: a later start without the flag trains with 0.001 (and
+  # asking for 0.005 again is a change back that needs allowing).
+  later = run_config.resolve(harness.config(), str(workdir), trains=True,
+                             request=run_config.Request(keys=frozenset()))
+  assert later.config.learning_rate == 0.001 and later.config.model.attention == 'local'
+
+
+def test_a_start_that_saved_no_checkpoint_is_replaced(harness, trained, tmp_path):
+  workdir = _copy(trained, tmp_path)
+  old = json.loads((workdir / 'config.json').read_text())
+  shutil.rmtree(workdir / 'checkpoints')
+  resolved = run_config.resolve(harness.config({'model.d': 1}), str(workdir), trains=True)
+  assert resolved.new_start and resolved.replaced == old
+  assert resolved.config.model.d == 1
+
+
+def test_inspect_uses_the_recorded_model(trained, tmp_path):
+  workdir = _copy(trained, tmp_path)
+  paths = inspect.inspect(tiny.get_config(), str(workdir), run_config.Request(keys=frozenset()))
+  mask = np.load(paths['npz'])['layer0_head0']
+  assert mask[5, 4] and mask[5, 5] and not mask[5, 3]  # Window 2, not dense.
+
+
+def test_main_allows_a_change_named_by_the_flag(harness, trained, tmp_path):
+  workdir = _copy(trained, tmp_path)
+  # A resume at the last step: it restores, records and stops (no step to compile).
+  command = harness.main_command(workdir, {**TRAINED, 'learning_rate': 0.002})
+  proc = subprocess.run([*command, '--allow_config_change=learning_rate'], env=harness.env(),
+                        cwd=harness.repo, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'changing the recorded run' in proc.stderr
+  resume = _history(workdir)[-1]
+  assert resume['allowed'] == ['learning_rate'] and resume['step'] == 4
+  assert resume['changes'] == [{'key': 'learning_rate', 'recorded': 0.005, 'given': 0.002,
+                                'kind': 'training'}]
+
+
+def test_an_allowed_change_that_cannot_restore_records_nothing(harness, trained, tmp_path):
+  workdir = _copy(trained, tmp_path)
+  record = (workdir / 'config.json').read_text()
+  history = (workdir / 'config_history.jsonl').read_text()
+  request = run_config.Request(keys=frozenset({'model.d'}), allow=('model',))
+  with pytest.raises(train.checkpoints.CheckpointError, match='different model configuration'):
+    train.train_and_evaluate(harness.config({**TRAINED, 'model.d': 1}), str(workdir), request)
+  assert (workdir / 'config.json').read_text() == record
+  assert (workdir / 'config_history.jsonl').read_text() == history

@@ -1,0 +1,409 @@
+"""One record of a run's config: WORKDIR/config.json is the source of truth for the run.
+
+The first start of training in a workdir that succeeds (state initialized) writes
+WORKDIR/config.json. Every later use of the workdir -- resuming, --mode=eval, inspect,
+allocate_budgets, eval_budgets -- starts from that record, not from the recipe file:
+
+  effective config = the record + the keys the user asked for on this command line
+
+"Asked for" means the `--config.KEY=VALUE` flags given, plus every field of a `--config`
+recipe file given explicitly that is not the recorded recipe. The defaults of the recipe
+(given or not) never count: `main.py --workdir=W --mode=eval` evaluates the recorded model
+even if configs/ has changed since, or the run was trained with overrides. Called from
+Python without a Request, every field of the config passed counts as asked for.
+
+Each asked-for value that differs from the record is a change, of one of three kinds (the
+KINDS table below, by dotted-key prefix):
+
+- runtime: how the run is executed (steps, evaluation, logging, checkpoint cadence, mesh,
+  data paths, attention kernel). Applied and logged, never refused.
+- training: what the optimizer does (learning rate and schedule, AdamW, clipping, batch,
+  seed, data order and packing). A resume refuses it; eval, inspect and the pruning modes
+  read parameters only, so they apply it (e.g. batch_size sizes the eval batch) and log it.
+- model: what the parameters mean (shapes, attention variants and options, vocabulary,
+  task). Every mode refuses it.
+
+A refused change is one ValueError naming each key with its recorded and given values.
+`--allow_config_change=KEY[,KEY...]` accepts changes of the named keys, or of every key
+under a named group (`model.attention_options`, `model`), or `all`; each name must be a
+config field or group. Accepted changes of a resume are kept: they are appended to
+WORKDIR/config_history.jsonl, and later starts begin from the record with them applied
+(config.json itself is never rewritten, so it keeps what the run started with). A run-time
+override lasts for the one command only.
+
+WORKDIR/config_history.jsonl has one JSON line per successful start of training: time,
+'new' or 'resume', step, recipe file, the command-line overrides and the changes (key,
+recorded, given, kind). A workdir without config.json (a run older than this record) uses
+the config given, with a warning. A start of training in a workdir whose record has no
+checkpoint yet (the first start died before saving) is a new start: the given config
+replaces the record, and the old record is kept in the history line.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import json
+import os
+import re
+from typing import Any
+
+import ml_collections
+from absl import logging
+from etils import epath
+
+RECORD = 'config.json'
+HISTORY = 'config_history.jsonl'
+
+RUNTIME = 'runtime'
+TRAINING = 'training'
+MODEL = 'model'
+
+# Dotted config key, or group of keys, -> kind of change (see the module docstring). The
+# longest entry that is the key or a group above it decides; a key no entry covers is a
+# model change, so a field added to configs/default.py is refused until it is listed here.
+KINDS = {
+    # What the parameters mean.
+    'model': MODEL,
+    'model.attention_impl': RUNTIME,        # The same attention on another kernel.
+    'model.attention_block_size': RUNTIME,  # Block length of that kernel.
+    'model.remat': RUNTIME,                 # Recomputation: the same values.
+    'model.dtype': TRAINING,                # Compute precision: eval may use another one.
+    'model.dropout_rate': TRAINING,         # Training only.
+    'seq_len': MODEL,
+    'data': MODEL,                          # Dataset, tokenizer, vocabulary, task sizes.
+    'data.data_dir': RUNTIME,               # Where the prepared data lives.
+    'data.eval_split': RUNTIME,
+    'data.prefetch_batches': RUNTIME,
+    'data.train_split': TRAINING,           # What is trained on, and in which order.
+    'data.packing': TRAINING,
+    'data.pack_min_piece': TRAINING,
+    'data.pack_align': TRAINING,
+    'data.shuffle_buffer': TRAINING,
+    # What the optimizer does.
+    'seed': TRAINING,
+    'batch_size': TRAINING,
+    'grad_accum_steps': TRAINING,
+    'learning_rate': TRAINING,
+    'warmup_steps': TRAINING,
+    'end_learning_rate_fraction': TRAINING,
+    'adam_b1': TRAINING,
+    'adam_b2': TRAINING,
+    'adam_eps': TRAINING,
+    'weight_decay': TRAINING,
+    'clip_grad_norm': TRAINING,
+    # How the run is executed.
+    'total_steps': RUNTIME,                 # Also stretches the cosine decay from here on.
+    'loss_chunk_len': RUNTIME,
+    'log_every_steps': RUNTIME,
+    'eval_every_steps': RUNTIME,
+    'eval_steps': RUNTIME,
+    'eval_batch_size': RUNTIME,
+    'checkpoint_every_steps': RUNTIME,
+    'keep_checkpoints': RUNTIME,
+    'async_checkpointing': RUNTIME,
+    'inspect_len': RUNTIME,
+    'peak_tflops_per_device': RUNTIME,
+    'pruning': RUNTIME,                     # Parameters of the pruning modes.
+    'mesh': RUNTIME,
+    'logical_axis_rules': RUNTIME,
+}
+
+ALL = 'all'
+
+
+def kind(key: str) -> str:
+  """The kind of a change of dotted config `key` (KINDS; MODEL when no entry covers it)."""
+  parts = key.split('.')
+  for n in range(len(parts), 0, -1):
+    found = KINDS.get('.'.join(parts[:n]))
+    if found:
+      return found
+  return MODEL
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """What the user asked for on the command line, beyond the workdir's record.
+
+  Attributes:
+    keys: dotted keys of the --config.KEY=VALUE flags given; None: every field of the config.
+    recipe: the recipe file the config was read from ('' when unknown).
+    recipe_given: the recipe was named with --config (not the flag's default).
+    allow: --allow_config_change: keys or groups whose refused changes are accepted, or 'all'.
+  """
+  keys: frozenset[str] | None = None
+  recipe: str = ''
+  recipe_given: bool = False
+  allow: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+  """One asked-for value that differs from the record.
+
+  Attributes:
+    key: dotted config key.
+    recorded: the record's value (JSON form).
+    given: the value asked for (JSON form).
+    kind: RUNTIME, TRAINING or MODEL.
+    source: where the given value came from ('--config.KEY' or the recipe file).
+  """
+  key: str
+  recorded: Any
+  given: Any
+  kind: str
+  source: str
+
+  def describe(self) -> str:
+    return (f'{self.key}: recorded {self.recorded!r}, given {self.given!r} '
+            f'({self.source})')
+
+  def to_json(self) -> dict:
+    return {'key': self.key, 'recorded': self.recorded, 'given': self.given,
+            'kind': self.kind}
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+  """The config a run uses and how it came about.
+
+  Attributes:
+    config: the effective config.
+    new_start: training starts a new run here (no record, or a record without checkpoints):
+      the config becomes the record.
+    replaced: the record a new start replaces (JSON), or None.
+    changes: the asked-for values that differ from the record (all applied).
+    request: the Request.
+  """
+  config: ml_collections.ConfigDict
+  new_start: bool
+  replaced: dict | None
+  changes: tuple[Change, ...]
+  request: Request
+
+
+def flatten(tree: dict, prefix: str = '') -> dict[str, Any]:
+  """Nested dicts -> {'a.b': leaf}; lists and other values are leaves."""
+  out = {}
+  for k, v in tree.items():
+    key = f'{prefix}{k}'
+    if isinstance(v, dict) and v:
+      out.update(flatten(v, key + '.'))
+    else:
+      out[key] = v
+  return out
+
+
+def as_flat_json(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The config's fields in their JSON form (what config.json holds), flattened."""
+  return flatten(json.loads(config.to_json_best_effort()))
+
+
+def _path(workdir: str, name: str) -> epath.Path:
+  return epath.Path(workdir) / name
+
+
+def read_record(workdir: str) -> dict | None:
+  """WORKDIR/config.json as a nested dict, or None when there is none.
+
+  Raises:
+    ValueError: it cannot be read as JSON.
+  """
+  path = _path(workdir, RECORD)
+  if not path.exists():
+    return None
+  try:
+    return json.loads(path.read_text())
+  except (ValueError, OSError) as e:
+    raise ValueError(f'the run\'s config record {path} cannot be read ({e}); restore it from a '
+                     'copy, or move it aside to use the config given') from e
+
+
+def read_history(workdir: str) -> list[dict]:
+  """The lines of WORKDIR/config_history.jsonl (an unreadable line is skipped with a warning)."""
+  path = _path(workdir, HISTORY)
+  if not path.exists():
+    return []
+  lines = []
+  for n, line in enumerate(path.read_text().splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      lines.append(json.loads(line))
+    except ValueError:
+      logging.warning('%s line %d is not JSON; skipped', path, n)
+  return lines
+
+
+def _has_checkpoints(workdir: str) -> bool:
+  folder = _path(workdir, 'checkpoints')
+  return folder.is_dir() and any(re.fullmatch(r'\d+', p.name) for p in folder.iterdir())
+
+
+def current_record(workdir: str) -> tuple[dict | None, str]:
+  """The run's config now, flattened: config.json with the accepted changes of the
+  resumes after its start applied (config_history.jsonl); and its recipe ('' if unknown)."""
+  record = read_record(workdir)
+  if record is None:
+    return None, ''
+  flat = flatten(record)
+  history = read_history(workdir)
+  starts = [i for i, line in enumerate(history) if line.get('start') == 'new']
+  recipe = history[starts[-1]].get('recipe', '') if starts else ''
+  for line in history[starts[-1] + 1 if starts else 0:]:
+    for change in line.get('changes', []):
+      if change.get('kind') != RUNTIME and change.get('key') in flat:
+        flat[change['key']] = change['given']
+  return flat, recipe
+
+
+def _recipe_name(recipe: str) -> str:
+  """A recipe's identity: its file name (and argument), wherever the checkout lies."""
+  path, sep, arg = recipe.partition(':')
+  return os.path.basename(path) + sep + arg
+
+
+def _asked(request: Request, given: dict, recipe: str) -> dict[str, str]:
+  """Asked-for key -> where its value came from."""
+  if request.keys is None:
+    return {k: 'config given' for k in given}
+  asked = {}
+  if (request.recipe_given and recipe and request.recipe
+      and _recipe_name(request.recipe) != _recipe_name(recipe)):
+    asked = {k: f'recipe {request.recipe}; the run was recorded with {recipe}' for k in given}
+  asked.update({k: f'--config.{k}' for k in request.keys})
+  return asked
+
+
+def _covers(name: str, key: str) -> bool:
+  return name == ALL or key == name or key.startswith(name + '.')
+
+
+def _check_allow(allow: tuple[str, ...], given: dict) -> None:
+  unknown = [a for a in allow if a != ALL and not any(_covers(a, k) for k in given)]
+  if unknown:
+    raise ValueError(f'--allow_config_change names {", ".join(unknown)}, which is no config '
+                     'field or group (use dotted keys such as learning_rate or '
+                     'model.attention_options, or all)')
+
+
+def _like(value, template):
+  """`value` (JSON form) with the sequence types of `template` (tuples come back as lists)."""
+  if isinstance(value, list) and isinstance(template, (list, tuple)):
+    items = [_like(v, template[min(i, len(template) - 1)] if template else None)
+             for i, v in enumerate(value)]
+    return type(template)(items)
+  return value
+
+
+def _apply(config: ml_collections.ConfigDict, flat: dict[str, Any], keys) -> None:
+  for key in keys:
+    *parents, leaf = key.split('.')
+    node = config
+    for p in parents:
+      node = node[p]
+    try:
+      node[leaf] = _like(flat[key], node[leaf])
+    except (TypeError, ValueError) as e:
+      raise ValueError(f'the recorded {key}={flat[key]!r} does not fit the current config '
+                       f'field ({type(node[leaf]).__name__}): {e}') from e
+
+
+def resolve(config: ml_collections.ConfigDict, workdir: str, *, trains: bool,
+            request: Request | None = None) -> Resolved:
+  """The config to run with in `workdir`: its record plus the asked-for changes.
+
+  Args:
+    config: the config given (recipe and command-line overrides).
+    workdir: the run's folder.
+    trains: training (refuses training changes too) rather than reading parameters.
+    request: what was asked for on the command line; None: every field of `config`.
+
+  Returns:
+    The Resolved config.
+
+  Raises:
+    ValueError: a change of the model (or, when training, of the training) that is not
+      allowed; a bad --allow_config_change; an unreadable record.
+  """
+  request = request or Request()
+  given = as_flat_json(config)
+  _check_allow(request.allow, given)
+  recorded, recipe = current_record(workdir)
+  if recorded is None or (trains and not _has_checkpoints(workdir)):
+    if recorded is None and _has_checkpoints(workdir):
+      logging.warning('%s has checkpoints but no %s (a run older than the record): using the '
+                      'config given', workdir, RECORD)
+    elif recorded is not None:
+      logging.warning('%s records a run that saved no checkpoint: this start replaces the '
+                      'record (the old one is kept in %s)', workdir, HISTORY)
+    return Resolved(config=config, new_start=trains, changes=(), request=request,
+                    replaced=read_record(workdir) if recorded is not None else None)
+  asked = _asked(request, given, recipe)
+  changes = tuple(Change(k, recorded[k], given[k], kind(k), asked[k]) for k in sorted(asked)
+                  if k in recorded and k in given and recorded[k] != given[k])
+  refused = [c for c in changes
+             if (c.kind == MODEL or (trains and c.kind == TRAINING))
+             and not any(_covers(a, c.key) for a in request.allow)]
+  if refused:
+    what = 'model or training' if trains else 'model'
+    raise ValueError(
+        f'{workdir} holds a run recorded in {RECORD}, and this changes its {what}: '
+        f'{"; ".join(c.describe() for c in refused)}. Use a new workdir for another run, or '
+        f'pass --allow_config_change={",".join(c.key for c in refused)} to change it '
+        'deliberately')
+  effective = copy.deepcopy(config)
+  _apply(effective, recorded, [k for k in recorded if k in given and k not in asked])
+  for k in sorted(set(given) - set(recorded)):
+    logging.info('%s is not in the record (a newer field): using %r', k, given[k])
+  for k in sorted(set(recorded) - set(given)):
+    logging.warning('the record\'s %s=%r is no field of the current config: ignored', k,
+                    recorded[k])
+  _log(changes, trains, request)
+  return Resolved(config=effective, new_start=False, replaced=None, changes=changes,
+                  request=request)
+
+
+def _log(changes: tuple[Change, ...], trains: bool, request: Request) -> None:
+  for c in changes:
+    if c.kind == RUNTIME:
+      logging.info('run-time override of the record: %s', c.describe())
+    elif c.kind == TRAINING and not trains:
+      logging.info('override of the record (training setting; parameters are read only): %s',
+                   c.describe())
+    else:
+      logging.warning('changing the recorded run (allowed by --allow_config_change=%s): %s',
+                      ','.join(request.allow), c.describe())
+  unused = [a for a in request.allow if a != ALL and not any(_covers(a, c.key) for c in changes)]
+  if unused:
+    logging.warning('--allow_config_change=%s: nothing asked for changes %s',
+                    ','.join(request.allow), ', '.join(unused))
+
+
+def record_start(workdir: str, resolved: Resolved, step: int) -> None:
+  """Records a start of training whose state is restored or initialized: writes config.json
+  on a new start (never on a resume) and appends a line to config_history.jsonl.
+
+  Call it on process 0 only.
+  """
+  config = resolved.config
+  if resolved.new_start:
+    _path(workdir, RECORD).write_text(config.to_json_best_effort(indent=2))
+  request = resolved.request
+  line = {
+      'time': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+      'start': 'new' if resolved.new_start else 'resume',
+      'step': step,
+      'recipe': request.recipe,
+      'overrides': ({k: v for k, v in as_flat_json(config).items() if k in request.keys}
+                    if request.keys is not None else None),
+      'changes': [c.to_json() for c in resolved.changes],
+  }
+  if request.allow:
+    line['allowed'] = list(request.allow)
+  if resolved.replaced is not None:
+    line['replaced_record'] = resolved.replaced
+  with _path(workdir, HISTORY).open('a') as f:
+    f.write(json.dumps(line, default=repr) + '\n')
