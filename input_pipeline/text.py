@@ -63,8 +63,8 @@ def make_builder(data_cfg, *, process_index: int = 0):
         f'TFDS dataset {data_cfg.tfds_name!r} is not prepared in {where}'
         f'{_present_versions(data_cfg)}. This code never downloads: prepare it once (tfds '
         'build, or copy the prepared files; for C4 3.0.1, which TFDS >= 4.9.7 no longer builds, '
-        'use the public prepared copy: data.data_dir=gs://tfds-data/datasets, or copy '
-        'gs://tfds-data/datasets/c4/en/3.0.1) and point data.data_dir at the folder or gs:// '
+        'copy the prepared files of gs://allennlp-tensorflow-datasets/c4/en/3.0.1, a '
+        'requester-pays bucket; see README, Data) and point data.data_dir at the folder or gs:// '
         f'bucket holding {data_cfg.tfds_name.replace(":", "/")}/')
   return builder
 
