@@ -278,15 +278,25 @@ def run_eval(setup: Setup, eval_step, params) -> dict[str, float]:
 
 
 class _Preemption:
-  """SIGTERM (a TPU/cloud preemption notice) sets a flag the loop checks after each step."""
+  """SIGTERM (a TPU/cloud preemption notice) sets a flag the loop checks after each step.
+
+  The handler stays installed until the block ends, which the loop leaves only once its last
+  checkpoint is committed: a second SIGTERM during that save is logged, not fatal.
+  """
 
   def __init__(self):
     self._event = threading.Event()
     self._previous = None
 
+  def _handle(self, *_):
+    if self._event.is_set():
+      logging.warning('SIGTERM again: the checkpoint save is still in progress; exiting once '
+                      'it is committed')
+    self._event.set()
+
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, lambda *_: self._event.set())
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
     return self
 
   def __exit__(self, *exc):
@@ -488,8 +498,10 @@ def _train_loop(setup: Setup, state, data_state, ckpt, logger, flops_per_token: 
       if config.eval_every_steps and (step % config.eval_every_steps == 0 or last):
         logger.write(step, run_eval(setup, eval_step, state.params), prefix='eval')
       if stop:
+        ckpt.wait()  # Committed before the SIGTERM handler goes and before saying so.
         logging.warning('preemption requested: saved step %d, exiting', step)
         break
+    ckpt.wait()  # The last save is committed while SIGTERM is still handled.
   return state
 
 
