@@ -168,7 +168,11 @@ class Checkpointer:
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=async_save))
+            max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
+            # Folders are made in save(): an unwritable folder fails there. Made in the
+            # background, the failure left orbax's writer threads waiting 20 minutes for a
+            # folder signal that never came, and the process hung at exit.
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False)))
 
   def latest_step(self) -> int | None:
     """Step of the newest complete checkpoint, or None."""

@@ -280,8 +280,10 @@ def run_eval(setup: Setup, eval_step, params) -> dict[str, float]:
 class _Preemption:
   """SIGTERM (a TPU/cloud preemption notice) sets a flag the loop checks after each step.
 
-  The handler stays installed until the block ends, which the loop leaves only once its last
-  checkpoint is committed: a second SIGTERM during that save is logged, not fatal.
+  The loop leaves the block only once its last checkpoint is committed, so a second SIGTERM
+  during that save is logged, not fatal. Once one has arrived, the handler stays after the
+  block too: the process is exiting with its checkpoint saved, and a repeated notice must
+  not turn that into a kill (exit -15).
   """
 
   def __init__(self):
@@ -290,8 +292,8 @@ class _Preemption:
 
   def _handle(self, *_):
     if self._event.is_set():
-      logging.warning('SIGTERM again: the checkpoint save is still in progress; exiting once '
-                      'it is committed')
+      logging.warning('SIGTERM again: already stopping; the checkpoint is saved (or still '
+                      'being committed) before the process exits')
     self._event.set()
 
   def __enter__(self):
@@ -300,7 +302,7 @@ class _Preemption:
     return self
 
   def __exit__(self, *exc):
-    if self._previous is not None:
+    if self._previous is not None and not self._event.is_set():
       signal.signal(signal.SIGTERM, self._previous)
 
   def requested(self, step: int) -> bool:
@@ -498,7 +500,7 @@ def _train_loop(setup: Setup, state, data_state, ckpt, logger, flops_per_token: 
       if config.eval_every_steps and (step % config.eval_every_steps == 0 or last):
         logger.write(step, run_eval(setup, eval_step, state.params), prefix='eval')
       if stop:
-        ckpt.wait()  # Committed before the SIGTERM handler goes and before saying so.
+        ckpt.wait()  # "saved" only once it is committed.
         logging.warning('preemption requested: saved step %d, exiting', step)
         break
     ckpt.wait()  # The last save is committed while SIGTERM is still handled.
