@@ -12,6 +12,7 @@ and moves the bad folder to `checkpoints/corrupt/`.
 
 import datetime
 import functools
+import json
 import os
 
 import jax
@@ -140,6 +141,11 @@ def _short(error: BaseException, limit: int = 300) -> str:
     root = root.__cause__ or root.__context__
   text = line(error) if root is error else f'{line(error)} <- {line(root)}'
   return text if len(text) <= limit else text[:limit] + '...'
+
+
+def _first(items: list[str], count: int = 3) -> str:
+  more = f' (and {len(items) - count} more)' if len(items) > count else ''
+  return '; '.join(items[:count]) + more
 
 
 def _agree(code: int) -> int:
@@ -328,7 +334,11 @@ class Checkpointer:
 
   def _check_metadata(self, abstract_state, step: int) -> None:
     """Raises _Corrupt if the step's metadata is missing or unreadable, _Incompatible if the
-    saved arrays' names or shapes differ from the model's."""
+    saved arrays' names or shapes differ from the model's.
+
+    The names come from the item's `_METADATA` (a small JSON file), the shapes from the array
+    store: names that `_METADATA` lists but the store does not are damage, not another model.
+    """
     step_dir = epath.Path(self.directory) / str(step)
     path = step_dir / 'state'
     # Orbax writes both for every committed step (without the second it guesses the tree).
@@ -336,19 +346,31 @@ class Checkpointer:
       if not required.exists():
         raise _Corrupt(f'{required.relative_to(step_dir)} is missing')
     try:
-      with ocp.StandardCheckpointer() as reader:
-        metadata = reader.metadata(path).item_metadata
-      saved = {leaf_name(p): tuple(m.shape) for p, m in
-               jax.tree_util.tree_flatten_with_path(metadata)[0]}
+      entries = json.loads((path / '_METADATA').read_text())['tree_metadata'].values()
+      listed = {'.'.join(str(k['key']) for k in entry['key_metadata']) for entry in entries
+                if not entry['value_metadata'].get('skip_deserialize')}  # Not empty nodes.
     except Exception as e:  # pylint: disable=broad-except
-      raise _Corrupt(f'its array metadata cannot be read ({_short(e)})') from e
+      raise _Corrupt(f'state/_METADATA cannot be read ({_short(e)})') from e
     wanted = {leaf_name(p): tuple(a.shape) for p, a in
               jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
-    differences = [f'{n}: stored {saved.get(n)}, requested {wanted.get(n)}'
-                   for n in sorted(set(saved) | set(wanted)) if saved.get(n) != wanted.get(n)]
+    if listed != set(wanted):
+      differences = [f'{n}: {"only in the checkpoint" if n in listed else "not in the checkpoint"}'
+                     for n in sorted(listed ^ set(wanted))]
+      raise _Incompatible(_first(differences))
+    try:
+      with ocp.StandardCheckpointer() as reader:
+        metadata = reader.metadata(path).item_metadata
+      stored = {leaf_name(p): tuple(m.shape) for p, m in
+                jax.tree_util.tree_flatten_with_path(metadata)[0]}
+    except Exception as e:  # pylint: disable=broad-except
+      raise _Corrupt(f'its array metadata cannot be read ({_short(e)})') from e
+    if set(stored) != listed:
+      raise _Corrupt(f'the array store lacks {_first(sorted(listed - set(stored)))} '
+                     'listed in state/_METADATA')
+    differences = [f'{n}: stored {stored[n]}, requested {wanted[n]}'
+                   for n in sorted(wanted) if stored[n] != wanted[n]]
     if differences:
-      more = f' (and {len(differences) - 3} more)' if len(differences) > 3 else ''
-      raise _Incompatible('; '.join(differences[:3]) + more)
+      raise _Incompatible(_first(differences))
 
   def _verify(self, saved: dict, state, step: int) -> None:
     """Raises _Corrupt when a restored array's checksum differs from the saved one."""
