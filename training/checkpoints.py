@@ -186,8 +186,8 @@ class Checkpointer:
 
   def _save_error(self, step: int, error: BaseException) -> CheckpointSaveError:
     return CheckpointSaveError(
-        f'saving checkpoint step {step} to {self.directory} failed ({type(error).__name__}: '
-        f'{error}); the last committed checkpoint is step {self._committed_step()}')
+        f'saving checkpoint step {step} to {self.directory} failed ({_short(error, 2000)}); '
+        f'the last committed checkpoint is step {self._committed_step()}')
 
   def _committed_step(self) -> int | None:
     try:
