@@ -24,9 +24,10 @@ from etils import epath
 
 # Folder (inside `checkpoints/`) where corrupt step folders are moved; orbax ignores it.
 CORRUPT_DIR = 'corrupt'
-CHECKSUM_ALGORITHM = 'fmix32-position-sum-x2'
-# Seeds of the two 32-bit checksum lanes.
-_SEEDS = (0x9E3779B9, 0x7F4A7C15)
+CHECKSUM_ALGORITHM = 'fmix32-golden-position-sum-x2'
+# Seeds of the two 32-bit checksum lanes, and the odd multiplier spreading positions.
+_SEEDS = (0x7F4A7C15, 0x2545F491)
+_GOLDEN = 0x9E3779B9
 
 
 class CheckpointError(RuntimeError):
@@ -86,12 +87,12 @@ def _words(x):
 
 
 def _leaf_checksum(x):
-  """Two wrapping uint32 sums of fmix32(bits ^ fmix32(position + seed)) over all elements.
+  """Two wrapping uint32 sums, one per seed s, of fmix32(bits ^ (position * GOLDEN + s)).
 
-  A change of one element changes its term (fmix32 is a bijection), so its sums always
-  change; a larger damage goes unnoticed with probability about 2^-64. The position is the
-  row-major index built from per-axis iotas, so the arrays keep their sharding (a reshape to
-  1-D would gather them).
+  A change of one element changes its term (fmix32 is a bijection of the bits for a given
+  position), so its sums always change; a larger damage, or values moved to other positions,
+  goes unnoticed with probability about 2^-64. The position is the row-major index built from
+  per-axis iotas, so the arrays keep their sharding (a reshape to 1-D would gather them).
   """
   words = _words(x)
   index = jnp.zeros(words.shape, jnp.uint32)
@@ -100,7 +101,8 @@ def _leaf_checksum(x):
     index = index + jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis) * np.uint32(
         stride % 2**32)
     stride *= words.shape[axis]
-  return jnp.stack([jnp.sum(_fmix32(words ^ _fmix32(index + np.uint32(seed))), dtype=jnp.uint32)
+  key = index * np.uint32(_GOLDEN)
+  return jnp.stack([jnp.sum(_fmix32(words ^ (key + np.uint32(seed))), dtype=jnp.uint32)
                     for seed in _SEEDS])
 
 
