@@ -150,12 +150,15 @@ def _first(items: list[str], count: int = 3) -> str:
   return '; '.join(items[:count]) + more
 
 
-def _agree(code: int) -> int:
-  """The largest of every process's `code` (0 ok, 1 corrupt, 2 incompatible)."""
+def _agree(code: int) -> tuple[int, str]:
+  """The largest of every process's `code` (0 ok, 1 corrupt, 2 incompatible), and which
+  processes reported it ('' with one process)."""
   if jax.process_count() == 1:
-    return code
+    return code, ''
   from jax.experimental import multihost_utils
-  return int(np.max(multihost_utils.process_allgather(np.array(code, np.int32))))
+  codes = np.asarray(multihost_utils.process_allgather(np.array(code, np.int32))).reshape(-1)
+  worst = int(codes.max())
+  return worst, ', '.join(str(i) for i in np.flatnonzero(codes == worst)) if worst else ''
 
 
 class Checkpointer:
@@ -306,10 +309,10 @@ class Checkpointer:
       code, problem = 2, e
     except _Corrupt as e:
       code, problem = 1, e
-    agreed = _agree(code)
+    agreed, where = _agree(code)
     if agreed:
       raise problem or (_Incompatible if agreed == 2 else _Corrupt)(
-          'another process found it unusable')
+          f'unusable on process {where}')
     names = self._item_names(step)
     items = {'state': ocp.args.StandardRestore(abstract_state)}
     has_data = with_data and 'data' in names
@@ -319,11 +322,12 @@ class Checkpointer:
       items['checksums'] = ocp.args.JsonRestore()
     restored, problem = None, None
     try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+      restored = self._read(step, ocp.args.Composite(**items))
     except Exception as e:  # pylint: disable=broad-except  (orbax raises many types)
       problem = _Corrupt(f'read error: {_short(e)}')
-    if _agree(int(problem is not None)):
-      raise problem or _Corrupt('a read error on another process')
+    failed, where = _agree(int(problem is not None))
+    if failed:
+      raise problem or _Corrupt(f'a read error on process {where}')
     if 'checksums' in names:
       self._verify(restored.checksums, restored.state, step)
     else:
@@ -333,6 +337,16 @@ class Checkpointer:
     if not with_data:
       return state
     return state, (restored.data if has_data else None)
+
+  def _read(self, step: int, args):
+    """Orbax's restore of one step without its closing cross-process barrier: a process
+    whose read fails would skip the barrier the others wait in (they then fail with a
+    barrier name mismatch, or hang). The processes agree afterwards (_agree)."""
+    me = jax.process_index()
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler(),
+                          multiprocessing_options=ocp.options.MultiprocessingOptions(
+                              primary_host=me, active_processes={me})) as reader:
+      return reader.restore(epath.Path(self.directory) / str(step), args=args)
 
   def _check_metadata(self, abstract_state, step: int) -> None:
     """Raises _Corrupt if the step's metadata is missing or unreadable, _Incompatible if the

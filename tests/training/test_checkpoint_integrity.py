@@ -10,7 +10,10 @@ import logging
 import os
 import pathlib
 import shutil
+import socket
 import subprocess
+import sys
+import textwrap
 
 import jax
 import pytest
@@ -247,3 +250,90 @@ def test_write_error_in_the_background_save_ends_the_run_with_an_error(harness, 
                         text=True, timeout=SUBPROCESS_TIMEOUT)
   assert 'resumed from checkpoint step 6' in proc.stderr
   assert 'File too large' in _assert_save_error(harness, proc, workdir)
+
+
+_TWO_PROCESS_SCRIPT = textwrap.dedent('''\
+    """One of two processes (one CPU device each): saves steps 1 and 2 of a state sharded over
+    both, damages (process 1) its own array file of step 2, restores the newest good step."""
+    import json
+    import pathlib
+    import sys
+
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+    pid, port, workdir = int(sys.argv[1]), sys.argv[2], pathlib.Path(sys.argv[3])
+    jax.distributed.initialize(f'localhost:{port}', num_processes=2, process_id=pid)
+    from training import checkpoints, steps
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ('data',))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data', None))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+    def state(step):
+      full = np.random.default_rng(step).normal(size=(2048, 256)).astype(np.float32)
+      return steps.TrainState(
+          step=jax.make_array_from_callback((), replicated, lambda _: np.array(step, np.int32)),
+          params={'w': jax.make_array_from_callback(full.shape, rows, lambda i: full[i])},
+          opt_state=(), memory={})
+
+
+    ckpt = checkpoints.Checkpointer(str(workdir), keep=3, async_save=False)
+    for step in (1, 2):
+      ckpt.save(step, state(step))
+      ckpt.wait()
+    multihost_utils.sync_global_devices('saved')
+    if pid == 1:  # Only process 1 reads this file back: process 0 sees nothing wrong.
+      folder = workdir / 'checkpoints' / '2' / 'state' / 'ocdbt.process_1' / 'd'
+      path = max(folder.iterdir(), key=lambda p: p.stat().st_size)
+      data = bytearray(path.read_bytes())
+      data[len(data) // 2] ^= 0x10
+      path.write_bytes(bytes(data))
+    multihost_utils.sync_global_devices('damaged')
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state(0))
+    restored = ckpt.restore(abstract)
+    ckpt.close()
+    expected = state(1).params['w'].addressable_data(0)
+    with open(workdir / f'result_{pid}.json', 'w') as f:
+      json.dump({'restored_step': ckpt.restored_step,
+                 'step': int(restored.step.addressable_data(0)),
+                 'equal': bool(np.array_equal(restored.params['w'].addressable_data(0),
+                                              expected))}, f)
+    ''')
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    return s.getsockname()[1]
+
+
+def test_processes_agree_on_the_fallback(harness, tmp_path):
+  """A read error on one process of two: both fall back to the same step, moved once."""
+  script = tmp_path / 'two_process.py'
+  script.write_text(_TWO_PROCESS_SCRIPT)
+  workdir, port = tmp_path / 'run', _free_port()
+  # pylint: disable-next=consider-using-with
+  logs = [open(tmp_path / f'process_{i}.log', 'w') for i in range(2)]
+  procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port), str(workdir)],
+                            env=harness.env(), cwd=harness.repo, stdout=log,
+                            stderr=subprocess.STDOUT) for i, log in enumerate(logs)]
+  try:
+    codes = [p.wait(timeout=SUBPROCESS_TIMEOUT) for p in procs]
+  finally:
+    for p, log in zip(procs, logs):
+      p.kill()
+      p.wait()
+      log.close()
+  text = '\n'.join((tmp_path / f'process_{i}.log').read_text()[-3000:] for i in range(2))
+  assert codes == [0, 0], text
+  results = [json.loads((workdir / f'result_{i}.json').read_text()) for i in range(2)]
+  assert results == [{'restored_step': 1, 'step': 1, 'equal': True}] * 2, text
+  assert harness.step_dirs(workdir) == [1]
+  moved = list((workdir / 'checkpoints' / checkpoints.CORRUPT_DIR).iterdir())
+  assert [p.name.split('-')[0] for p in moved] == ['2'], moved
+  assert 'read error on process 1' in (tmp_path / 'process_0.log').read_text()
