@@ -242,6 +242,9 @@ class Checkpointer:
     try:
       self._manager.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except
+      if step is None:  # Already raised for its step: do not mask what came since.
+        logging.error('checkpoint save failure seen again: %s', _short(e))
+        return
       raise self._save_error(step, e) from e
     if step is not None and not (epath.Path(self.directory) / str(step)).is_dir():
       # Orbax logs some commit errors instead of raising them.
