@@ -277,6 +277,8 @@ class Checkpointer:
     steps = sorted(self._manager.all_steps(), reverse=True) if step is None else [step]
     if not steps:
       raise FileNotFoundError(f'no checkpoint found in {self.directory}')
+    if step is not None and not (epath.Path(self.directory) / str(step)).exists():
+      raise FileNotFoundError(f'no checkpoint step {step} in {self.directory}')
     bad = []
     for candidate in steps:
       try:
