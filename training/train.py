@@ -278,19 +278,31 @@ def run_eval(setup: Setup, eval_step, params) -> dict[str, float]:
 
 
 class _Preemption:
-  """SIGTERM (a TPU/cloud preemption notice) sets a flag the loop checks after each step."""
+  """SIGTERM (a TPU/cloud preemption notice) sets a flag the loop checks after each step.
+
+  The loop leaves the block only once its last checkpoint is committed, so a second SIGTERM
+  during that save is logged, not fatal. Once one has arrived, the handler stays after the
+  block too: the process is exiting with its checkpoint saved, and a repeated notice must
+  not turn that into a kill (exit -15).
+  """
 
   def __init__(self):
     self._event = threading.Event()
     self._previous = None
 
+  def _handle(self, *_):
+    if self._event.is_set():
+      logging.warning('SIGTERM again: already stopping; the checkpoint is saved (or still '
+                      'being committed) before the process exits')
+    self._event.set()
+
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, lambda *_: self._event.set())
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
     return self
 
   def __exit__(self, *exc):
-    if self._previous is not None:
+    if self._previous is not None and not self._event.is_set():
       signal.signal(signal.SIGTERM, self._previous)
 
   def requested(self, step: int) -> bool:
@@ -516,8 +528,10 @@ def _train_loop(setup: Setup, state, data_state, ckpt, logger, flops_per_token: 
       if config.eval_every_steps and (step % config.eval_every_steps == 0 or last):
         logger.write(step, run_eval(setup, eval_step, state.params), prefix='eval')
       if stop:
+        ckpt.wait()  # "saved" only once it is committed.
         logging.warning('preemption requested: saved step %d, exiting', step)
         break
+    ckpt.wait()  # The last save is committed while SIGTERM is still handled.
   return state
 
 
@@ -531,7 +545,12 @@ def latest_params(setup: Setup, workdir: str, *, required: str = ''):
     required: if not empty, a missing checkpoint raises FileNotFoundError ending with this;
       otherwise it returns (None, None).
   """
-  ckpt = checkpoints.Checkpointer(workdir, keep=setup.config.keep_checkpoints, async_save=False)
+  if not os.path.isdir(os.path.join(workdir, 'checkpoints')) and '://' not in workdir:
+    if required:
+      raise FileNotFoundError(f'no checkpoint found in {workdir}/checkpoints: {required}')
+    return None, None
+  ckpt = checkpoints.Checkpointer(workdir, keep=setup.config.keep_checkpoints, async_save=False,
+                                  read_only=True)
   try:
     if ckpt.latest_step() is None:
       if required:

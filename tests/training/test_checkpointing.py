@@ -202,33 +202,51 @@ def _files(root: pathlib.Path) -> dict[str, int]:
   return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob('*') if p.is_file()}
 
 
-def test_corrupt_checkpoint_raises_checkpoint_error_and_keeps_files(harness, short_run,
-                                                                    tmp_path):
-  workdir = tmp_path / 'run'
-  shutil.copytree(short_run, workdir)
-  step_dir = workdir / 'checkpoints' / '10'
-  # The OCDBT data files holding the arrays.
+def _overwrite_array_files(step_dir: pathlib.Path) -> None:
+  """Overwrites the OCDBT data files holding the arrays."""
   damaged = [p for p in step_dir.rglob('*') if p.is_file() and p.parent.name == 'd']
   assert damaged, sorted(_files(step_dir))
   for p in damaged:
     p.write_bytes(b'\xde\xad\xbe\xef' * (p.stat().st_size // 4 + 1))
+
+
+def test_corrupt_checkpoint_falls_back_and_keeps_files(harness, short_run, tmp_path):
+  workdir = tmp_path / 'run'
+  shutil.copytree(short_run, workdir)
+  folder = workdir / 'checkpoints'
+  _overwrite_array_files(folder / '10')
   before = _files(workdir)
   config = harness.config(SHORT)
 
-  with pytest.raises(checkpoints.CheckpointError) as info:
-    train.evaluate(config, str(workdir))
-  message = str(info.value)
-  assert str(workdir / 'checkpoints') in message and 'step 10' in message, message
-  # Training does not silently start over either.
-  with pytest.raises(checkpoints.CheckpointError):
-    train.train_and_evaluate(config, str(workdir))
-
+  # The newest good checkpoint is evaluated; eval only reads, so nothing is moved.
+  assert train.evaluate(config, str(workdir))['step'] == 8
+  assert [p.name for p in workdir.glob('eval_step_*.json')] == ['eval_step_8.json']
+  assert _files(folder) == {k.removeprefix('checkpoints/'): v for k, v in before.items()
+                            if k.startswith('checkpoints/')}
+  # A writable restore (what a resuming run does) moves the corrupt one aside, not deleted.
+  assert int(harness.restore(workdir, SHORT).step) == 8
+  assert harness.step_dirs(workdir) == [8]
+  moved = list((folder / checkpoints.CORRUPT_DIR).iterdir())
+  assert len(moved) == 1 and moved[0].name.startswith('10-'), moved
   after = _files(workdir)
+  prefix = f'checkpoints/{checkpoints.CORRUPT_DIR}/{moved[0].name}/'
+  after = {k.replace(prefix, 'checkpoints/10/'): v for k, v in after.items()}
   missing = {k for k in before if k not in after}
   assert not missing, f'files removed: {sorted(missing)}'
   assert {k: after[k] for k in before} == before
-  assert not list(workdir.glob('eval_step_*.json'))
-  assert harness.step_dirs(workdir) == [8, 10]
+
+  # With no good checkpoint left: an error naming the step; training does not start over.
+  _overwrite_array_files(folder / '8')
+  before = _files(workdir)
+  with pytest.raises(checkpoints.CheckpointError) as info:
+    train.evaluate(config, str(workdir))
+  message = str(info.value)
+  assert str(folder) in message and 'step 8' in message, message
+  with pytest.raises(checkpoints.CheckpointError):
+    train.train_and_evaluate(config, str(workdir))
+  after = _files(workdir)
+  assert {k: after.get(k) for k in before} == before
+  assert harness.step_dirs(workdir) == [8]
 
 
 def test_checkpoint_of_another_model_raises_checkpoint_error(harness, short_run, tmp_path):
