@@ -152,6 +152,7 @@ class Kit:
   train_docs = TRAIN_DOCS
   validation_docs = VALIDATION_DOCS
   spm_vocab = SPM_VOCAB
+  tiny = TINY
   make_text = staticmethod(make_text)
   make_docs = staticmethod(make_docs)
 

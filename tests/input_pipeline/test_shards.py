@@ -149,8 +149,7 @@ def test_read_error_in_training_saves_the_last_step_and_names_the_file(
   last = pathlib.Path(order[-1].filename)
   _corrupt_middle(last)
   workdir = tmp_path / 'run'
-  kit_tiny = sys.modules[kit.__module__].TINY
-  overrides = {**kit_tiny, 'data.data_dir': str(data_dir), 'data.vocab_path': spm_path,
+  overrides = {**kit.tiny, 'data.data_dir': str(data_dir), 'data.vocab_path': spm_path,
                'data.pack_min_piece': 16, 'total_steps': 200, 'checkpoint_every_steps': 1000}
   flags_ = [f'--config.{k}={v}' for k, v in overrides.items()]
   proc = subprocess.run(
