@@ -34,10 +34,13 @@ class LayerContext:
       scalar), None for stacks whose layers are distinct.
     deterministic: disables dropout and other randomness (static).
     decode: one-token decoding with the attention caches (static).
+    shared: {variant: {name: array}}: parameters a variant shares across its layers
+      (MultiHeadAttention.shared_params), made once by the Decoder.
   """
   positions: jax.Array
   segment_ids: jax.Array
   step: Any = None
+  shared: dict = flax.struct.field(default_factory=dict)
   deterministic: bool = flax.struct.field(pytree_node=False, default=True)
   decode: bool = flax.struct.field(pytree_node=False, default=False)
 
@@ -79,7 +82,8 @@ class BlockBase(nn.Module):
 
   def attention(self, x, ctx: LayerContext):
     """This layer's attention over x (already normalized)."""
-    return make_attention(self.config, self.attention_name, self.layer_index, name='attention')(
+    return make_attention(self.config, self.attention_name, self.layer_index, name='attention',
+                          shared=ctx.shared.get(self.attention_name))(
         x, positions=ctx.positions, segment_ids=ctx.segment_ids, cache=ctx.decode or None,
         deterministic=ctx.deterministic)
 

@@ -89,6 +89,10 @@ class TransformerConfig:
     if self.position_embedding not in POSITION_EMBEDDINGS:
       raise ValueError(f'unknown model.position_embedding {self.position_embedding!r}; known: '
                        f'{", ".join(POSITION_EMBEDDINGS)}')
+    relative = sorted(n for n in set(self.attention) if attention.get(n).RELATIVE_POSITIONS)
+    if relative and self.position_embedding != 'none':
+      raise ValueError(f'{", ".join(relative)} attention encodes relative positions itself: set '
+                       f"model.position_embedding='none' (got {self.position_embedding!r})")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f'unknown model.remat {self.remat!r}; known: {", ".join(REMAT_POLICIES)}')
     if not 0.0 <= self.dropout_rate < 1.0:
@@ -187,6 +191,18 @@ class Decoder(nn.Module):
   """
   config: TransformerConfig
 
+  def shared_attention_params(self) -> dict:
+    """{variant: {name: parameter}} of the variants that share parameters across layers
+    (MultiHeadAttention.shared_params), created here as '<variant>_shared/<name>'."""
+    cfg = self.config
+    options = dict(cfg.attention_options)
+    shared = {}
+    for variant in dict.fromkeys(cfg.attention):
+      specs = attention.get(variant).shared_params(options, cfg.n_heads, cfg.head_dim)
+      if specs:
+        shared[variant] = SharedParams(specs, cfg.param_dtype, name=f'{variant}_shared')()
+    return shared
+
   @nn.compact
   def __call__(self, inputs, *, positions=None, segment_ids=None, deterministic=True,
                return_hidden=False, decode=False):
@@ -225,7 +241,8 @@ class Decoder(nn.Module):
     x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
 
     ctx = blocks.LayerContext(positions=positions, segment_ids=segment_ids,
-                              deterministic=deterministic, decode=decode)
+                              deterministic=deterministic, decode=decode,
+                              shared=self.shared_attention_params())
     x = stacks.of(cfg).apply(cfg, x, ctx)
 
     x = layers.RMSNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype, name='final_norm')(x)
@@ -240,6 +257,31 @@ class Decoder(nn.Module):
       return x, w
     logits = jnp.einsum('btd,dv->btv', x, w, preferred_element_type=jnp.float32)
     return nn.with_logical_constraint(logits, ('batch', 'length', 'vocab'))
+
+
+class SharedParams(nn.Module):
+  """The parameters one variant shares across its layers, by name."""
+  specs: dict
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self) -> dict:
+    return {name: self.param(name, nn.with_logical_partitioning(spec.init, spec.axes),
+                             spec.shape, self.param_dtype)
+            for name, spec in sorted(self.specs.items())}
+
+
+def for_eval(config: TransformerConfig) -> TransformerConfig:
+  """`config` with the option values its variants use at evaluation
+  (MultiHeadAttention.eval_options); the same object when none differ."""
+  options = dict(config.attention_options)
+  updates = {}
+  for cls in variant_classes(config):
+    updates.update(cls.eval_options(options))
+  merged = {**options, **updates}
+  if merged == options:
+    return config
+  return dataclasses.replace(config, attention_options=tuple(sorted(merged.items())))
 
 
 def count_params(config: TransformerConfig) -> int:

@@ -206,17 +206,65 @@ def jit_train_step(setup: Setup, model: transformer.Decoder | None = None):
                  out_shardings=(setup.state_sharding, replicated), donate_argnums=(0,))
 
 
-def jit_eval_step(setup: Setup, model: transformer.Decoder | None = None):
-  """The sharded eval step: (params, batch, memory) -> (sums, memory)."""
-  replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
-  memory = setup.state_sharding.memory if setup.model_config.uses_memory else replicated
-  return jax.jit(steps.make_eval_step(model or setup.model, setup.config.loss_chunk_len),
-                 in_shardings=(setup.state_sharding.params, setup.batch_sharding, memory),
-                 out_shardings=(replicated, memory))
+class EvalStep:
+  """The sharded eval step of a model, (params, batch, memory) -> (sums, memory), with the
+  layout of the segment memory it carries (its own when evaluation uses other options, e.g.
+  Transformer-XL's eval_mem_len).
+
+  Attributes:
+    model: the Decoder it evaluates (transformer.for_eval of the trained one).
+    memory: abstract memory (shapes, dtypes, shardings) for one eval batch, or None.
+  """
+
+  def __init__(self, setup: Setup, model: transformer.Decoder):
+    self.model = model
+    self.memory = memory_layout(setup, model)
+    replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
+    memory = (jax.tree.map(lambda a: a.sharding, self.memory) if self.memory is not None
+              else replicated)
+    self._fn = jax.jit(steps.make_eval_step(model, setup.config.loss_chunk_len),
+                       in_shardings=(setup.state_sharding.params, setup.batch_sharding, memory),
+                       out_shardings=(replicated, memory))
+
+  def __call__(self, params, batch, memory):
+    return self._fn(params, batch, memory)
+
+  def fresh_memory(self, setup: Setup, rows: int):
+    """Empty memory for `rows` eval rows ({} for models without memory)."""
+    if self.memory is None:
+      return {}
+    if rows != setup.config.batch_size:
+      raise ValueError(f'segment memory is laid out for batch_size={setup.config.batch_size} '
+                       f'rows; set eval_batch_size to the same ({rows} given)')
+    return jax.tree.map(jax.device_put, segment_memory.fresh(self.memory),
+                        jax.tree.map(lambda a: a.sharding, self.memory))
+
+
+def jit_eval_step(setup: Setup, model: transformer.Decoder | None = None) -> EvalStep:
+  """The sharded eval step of `model` (default `setup.model`), with the option values its
+  variants use at evaluation (transformer.for_eval)."""
+  model = model or setup.model
+  config = transformer.for_eval(model.config)
+  return EvalStep(setup, model if config == model.config else transformer.Decoder(config))
+
+
+def memory_layout(setup: Setup, model: transformer.Decoder):
+  """Abstract segment memory of `model` for one batch (shapes, dtypes and shardings), or
+  None for a model without memory."""
+  if not model.config.uses_memory:
+    return None
+  if model.config == setup.model_config:
+    return setup.abstract_state.memory
+  boxed = jax.eval_shape(lambda rng: model.init(
+      rng, jnp.zeros((setup.config.batch_size, setup.data.seq_len), jnp.int32)),
+      jax.random.key(0))['memory']
+  shardings = sharding.logical_shardings(boxed, setup.mesh, setup.rules)
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      nn.unbox(boxed), shardings)
 
 
 def fresh_memory(setup: Setup, rows: int):
-  """Empty segment memory for `rows` batch rows ({} for models without memory)."""
+  """Empty training segment memory for `rows` batch rows ({} for models without memory)."""
   if not setup.model_config.uses_memory:
     return {}
   if rows != setup.config.batch_size:
@@ -248,14 +296,15 @@ def _eval_local_batches(setup: Setup):
     yield template if local is None else local
 
 
-def run_eval(setup: Setup, eval_step, params) -> dict[str, float]:
+def run_eval(setup: Setup, eval_step: EvalStep, params) -> dict[str, float]:
   """Loss, perplexity and accuracy over the validation batches, and bits per byte on text.
 
-  Segment memory, if the model has it, starts empty and is carried across the eval batches.
+  Segment memory, if the model has it, starts empty and is carried across the eval batches
+  (the eval step's own layout: it may be longer than training's).
   """
   totals = {'loss_sum': 0.0, 'correct_sum': 0.0, 'weight_sum': 0.0}
   text_bytes = 0.0
-  memory = fresh_memory(setup, setup.config.eval_batch_size or setup.config.batch_size)
+  memory = eval_step.fresh_memory(setup, setup.config.eval_batch_size or setup.config.batch_size)
   with sharding.activate(setup.mesh, setup.rules):
     for local in _eval_local_batches(setup):
       out, memory = eval_step(params, device_batch(setup, local), memory)

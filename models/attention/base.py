@@ -150,6 +150,21 @@ class Option:
 
 
 @dataclasses.dataclass(frozen=True)
+class SharedParam:
+  """A parameter every layer of a variant reads (one copy for the whole stack): the Decoder
+  creates it under `<variant>_shared/<name>` and hands it to each layer (`shared`).
+
+  Attributes:
+    shape: its shape.
+    init: a flax initializer, init(key, shape, dtype).
+    axes: logical axis names, one per dimension.
+  """
+  shape: tuple
+  init: Any
+  axes: tuple
+
+
+@dataclasses.dataclass(frozen=True)
 class Figure:
   """A plot `--mode=inspect` draws from what a variant sows (training/inspect.py renders it).
 
@@ -201,6 +216,8 @@ class MultiHeadAttention(nn.Module):
     num_layers: layers of the decoder (selective attention's L_mem divides by it).
     options: variant hyper-parameters as sorted (name, value) pairs (config.model.
       attention_options); read them with `option(name)`.
+    shared: {name: array} of the parameters the variant shares across layers
+      (`shared_params`), created by the Decoder; None for variants without.
     dtype: computation dtype.
     param_dtype: parameter dtype.
   """
@@ -213,11 +230,15 @@ class MultiHeadAttention(nn.Module):
   max_len: int = 0
   num_layers: int = 1
   options: tuple = ()
+  shared: Any = None
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
   # The variant's own hyper-parameters (name -> Option); subclasses inherit their parents'.
   OPTIONS: ClassVar[dict[str, Option]] = {}
+  # True for a variant that encodes positions itself, relative to each query, and is meant
+  # to run without absolute position embeddings (model.position_embedding='none').
+  RELATIVE_POSITIONS: ClassVar[bool] = False
 
   @classmethod
   def declared_options(cls) -> dict[str, Option]:
@@ -289,6 +310,20 @@ class MultiHeadAttention(nn.Module):
     random rotations); the train step provides a key for each."""
     del options
     return ()
+
+  @classmethod
+  def shared_params(cls, options: dict, num_heads: int, head_dim: int) -> dict[str, SharedParam]:
+    """Parameters one copy of which serves every layer of the variant (e.g. Transformer-XL's
+    u and v), by name; none by default. A layer reads them from `self.shared`."""
+    del options, num_heads, head_dim
+    return {}
+
+  @classmethod
+  def eval_options(cls, options: dict) -> dict:
+    """Option values that evaluation uses instead of training's (e.g. Transformer-XL's
+    longer eval memory); none by default. The eval step compiles a model with them."""
+    del options
+    return {}
 
   @classmethod
   def layer_period(cls, options: dict, n_layers: int) -> int | None:
