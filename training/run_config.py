@@ -71,6 +71,7 @@ KINDS = {
     'model.remat': RUNTIME,                 # Recomputation: the same values.
     'model.dtype': TRAINING,                # Compute precision: eval may use another one.
     'model.dropout_rate': TRAINING,         # Training only.
+    'model.attention_options.eval_mem_len': RUNTIME,  # Transformer-XL's memory at eval only.
     'seq_len': MODEL,
     'data': MODEL,                          # Dataset, tokenizer, vocabulary, task sizes.
     'data.data_dir': RUNTIME,               # Where the prepared data lives.

@@ -12,6 +12,7 @@ from models.attention import adaptive_span  # noqa: F401  (adaptive_span, dynami
 from models.attention import dense  # noqa: F401  (registers 'dense')
 from models.attention import selective  # noqa: F401  (registers 'selective')
 from models.attention import sparse  # noqa: F401  (strided, fixed, local, block_local, local_global)
+from models.attention import transformer_xl  # noqa: F401  (registers 'txl')
 from models.attention.base import IMPLEMENTATIONS, MultiHeadAttention, causal_segment_mask
 from models.attention.registry import (default_options, get, known, options, register,
                                        resolve_options)

@@ -1,0 +1,280 @@
+"""Transformer-XL attention (Dai et al., 2019): segment recurrence and relative positions.
+
+Segment recurrence: a layer's keys and values come from [stop_gradient(memory); h], where the
+memory is that layer's input over the previous M = `mem_len` positions of the same stream
+(models/attention/memory.py; data.packing='stream' gives each batch row consecutive segments
+of one text, and the training loop carries and checkpoints the 'memory' collection). Queries
+come from the current segment only.
+
+Relative attention, the survey's four terms for query i and key j (x = i - j >= 0):
+
+    score(i, j) = (q_i k_j + q_i W_R r_x + u k_j + v W_R r_x) / sqrt(d_head)
+                = ((q_i + u) k_j + (q_i + v) W_R r_x) / sqrt(d_head)
+
+  r_x   the sinusoid encoding of distance x (d_model wide, no parameters), x clamped at
+        `clamp_len`;
+  W_R   a per-layer projection (d_model -> heads x d_head), parameter 'pos_proj';
+  u, v  per head, one pair shared by every layer ('txl_shared/u', 'txl_shared/v'), the
+        official code's default (untie_r=False).
+
+The positional term is computed once per query and distance, (q_i + v) W_R r_x for the
+distances a query block can reach, then each (i, j) takes its distance's value (a gather
+with static indices). Nothing of shape (n, M + n, d) is made, and no relative shift wraps
+around, so nothing needs masking beyond causality.
+
+Which keys a query sees: those at distance 0..M + i across the memory (empty memory slots
+and other documents masked), at most `attn_window` back when that is set, and fewer than M
+back with `same_length` (every query then sees the same number of keys, as in the paper's
+evaluation). The blocked path ('blocksparse') multiplies only the key blocks in reach, so a
+window makes long-memory evaluation linear in the memory instead of quadratic.
+
+Evaluation may use a longer memory (`eval_mem_len`): the eval step compiles the model with
+mem_len = eval_mem_len (MultiHeadAttention.eval_options) and carries its own memory.
+
+Decoding keeps the last mem_len + max_len keys of each layer (a ring buffer) and attends with
+the same rule as the forward pass, whose outputs it reproduces.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import layers
+from models.attention import base, memory
+from models.attention.registry import register
+
+
+def sinusoid(distances, width: int):
+  """r_x: (len(distances), width) sinusoid encodings [sin(x w_k), cos(x w_k)],
+  w_k = 10000^(-2k / width), as Transformer-XL's relative position embedding."""
+  if width % 2:
+    raise ValueError(f'the sinusoid encoding needs an even width, got d_model={width}')
+  inv_freq = 1.0 / (10000.0 ** (np.arange(0, width, 2, dtype=np.float32) / width))
+  angles = jnp.asarray(distances, jnp.float32)[:, None] * inv_freq[None, :]
+  return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+
+
+def distance_table(length: int, clamp_len: int):
+  """Distances 0 .. length - 1, clamped at `clamp_len` (0: no clamp)."""
+  x = np.arange(length)
+  return np.minimum(x, clamp_len) if clamp_len > 0 else x
+
+
+def relative_attention(q, k, v, q_segments, k_segments, pos_keys, u, v_bias, *, reach, block,
+                       scale, dtype):
+  """Transformer-XL attention of n queries over m cached and n current keys, block by block.
+
+  Args:
+    q: (batch, n, heads, head_dim) queries of the current segment.
+    k, v: (batch, m + n, heads, head_dim): m memory positions, then the current ones.
+    q_segments: (batch, n) document ids of the queries (0 = padding).
+    k_segments: (batch, m + n) document ids of the keys (-1 = empty memory slot).
+    pos_keys: (L, heads, head_dim) W_R r_x for distances x = 0 .. L - 1 (clamped already);
+      L must exceed the farthest distance a query sees.
+    u, v_bias: (heads, head_dim) the global content and positional biases.
+    reach: the farthest distance a query sees (keys i - reach .. i), or None for all.
+    block: query block length (n: one block).
+    scale: logit multiplier (1 / sqrt(head_dim)).
+    dtype: dtype of the weights fed to the value matmul and of the output.
+
+  Returns:
+    (batch, n, heads, head_dim); a query with no visible key outputs zeros.
+  """
+  b, n, h, d = q.shape
+  m = k.shape[1] - n
+  qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # (b, h, len, d)
+  q_content = qh + u[None, :, None, :].astype(qh.dtype)
+  q_position = qh + v_bias[None, :, None, :].astype(qh.dtype)
+  outputs = []
+  for qs in range(0, n, block):
+    qe = min(qs + block, n)
+    # Query i is key index m + i and sees key indices m + i - reach .. m + i.
+    ks = 0 if reach is None else max(0, m + qs - reach)
+    ke = m + qe
+    x = (m + np.arange(qs, qe))[:, None] - np.arange(ks, ke)[None, :]  # (q, k) distances
+    # The farthest distance a visible pair has (pairs beyond `reach` are masked).
+    far = int(x.max()) if reach is None else min(int(x.max()), reach)
+    if far >= pos_keys.shape[0]:
+      raise ValueError(f'relative positions cover distances < {pos_keys.shape[0]}, the block '
+                       f'reaches {far}')
+    visible = x >= 0
+    if reach is not None:
+      visible &= x <= reach
+    live = (jnp.asarray(visible)[None, None]
+            & (q_segments[:, None, qs:qe, None] == k_segments[:, None, None, ks:ke]))
+    logits = jnp.einsum('bhqd,bhkd->bhqk', q_content[:, :, qs:qe], kh[:, :, ks:ke],
+                        preferred_element_type=jnp.float32)
+    # (q_i + v) W_R r_x once per query and distance, then placed at each key.
+    by_distance = jnp.einsum('bhqd,xhd->bhqx', q_position[:, :, qs:qe],
+                             pos_keys[:far + 1].astype(qh.dtype),
+                             preferred_element_type=jnp.float32)
+    rows = np.arange(qe - qs)[:, None]
+    logits = (logits + by_distance[:, :, rows, np.clip(x, 0, far)]) * scale
+    logits = jnp.where(live, logits, base.NEG_INF)
+    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    e = jnp.where(live, jnp.exp(logits - top), 0.0)
+    out = jnp.einsum('bhqk,bhkd->bhqd', e.astype(dtype), vh[:, :, ks:ke],
+                     preferred_element_type=jnp.float32)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    outputs.append(jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
+                   .astype(dtype))
+  return jnp.swapaxes(jnp.concatenate(outputs, axis=2), 1, 2)
+
+
+@register('txl')
+class TransformerXLAttention(base.MultiHeadAttention):
+  """Transformer-XL: attention into the previous segment's layer inputs with the four-term
+  relative score. Options mem_len, eval_mem_len, clamp_len, same_length, attn_window."""
+
+  RELATIVE_POSITIONS = True
+  OPTIONS = {
+      'mem_len': base.Option(128, "M: previous-segment inputs each layer attends into (0: "
+                                  "none; needs data.packing='stream')"),
+      'eval_mem_len': base.Option(0, 'M at evaluation (0: mem_len); the paper evaluates with '
+                                     'a longer memory than it trains with'),
+      'clamp_len': base.Option(0, 'distances beyond this share its encoding r (0: no clamp)'),
+      'same_length': base.Option(False, 'every query sees the same number of keys: those '
+                                        'fewer than M back'),
+      'attn_window': base.Option(0, 'w: keys at most w positions back, across the memory '
+                                    '(0: all M + i)'),
+  }
+
+  @classmethod
+  def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
+    del n_heads, n_layers
+    for name in ('mem_len', 'eval_mem_len', 'clamp_len', 'attn_window'):
+      if options[name] < 0:
+        raise ValueError(f'attention_options.{name} must be >= 0, got {options[name]}')
+    if options['same_length'] and options['mem_len'] < 1:
+      raise ValueError('attention_options.same_length limits each query to the keys fewer '
+                       'than mem_len back: it needs mem_len >= 1')
+    if options['eval_mem_len'] and not options['mem_len']:
+      raise ValueError('attention_options.eval_mem_len needs a model with segment memory '
+                       '(mem_len >= 1): the memory is carried only when training uses one')
+
+  @classmethod
+  def uses_memory(cls, options: dict) -> bool:
+    return options.get('mem_len', 0) > 0
+
+  @classmethod
+  def eval_options(cls, options: dict) -> dict:
+    """Evaluation attends into eval_mem_len cached inputs when it is set."""
+    return {'mem_len': options['eval_mem_len']} if options.get('eval_mem_len') else {}
+
+  @classmethod
+  def shared_params(cls, options, num_heads, head_dim):
+    """u and v, one (heads, head_dim) pair for every layer (the official untie_r=False)."""
+    del options
+    zeros = nn.initializers.zeros
+    return {'u': base.SharedParam((num_heads, head_dim), zeros, ('heads', 'kv')),
+            'v': base.SharedParam((num_heads, head_dim), zeros, ('heads', 'kv'))}
+
+  @classmethod
+  def implementation(cls, impl, **kwargs):
+    """'xla' computes every key of a query at once; other names run the blocked path
+    ('blocksparse'). The relative term is no static pattern: no kernel computes it."""
+    if impl in ('cpu_kernel', 'splash', 'fused', 'cudnn'):
+      raise ValueError(f"Transformer-XL's relative positional term is computed by its own "
+                       f"path: attention_impl={impl!r} cannot run it; use 'auto' (blocked), "
+                       "'blocksparse' or 'xla'")
+    if impl in base.IMPLEMENTATIONS and impl != 'xla':
+      return 'blocksparse'
+    return super().implementation(impl, **kwargs)
+
+  @property
+  def reach(self) -> int | None:
+    """The farthest distance a query sees (None: every key of the context)."""
+    limits = []
+    if self.option('attn_window'):
+      limits.append(self.option('attn_window'))
+    if self.option('same_length'):
+      limits.append(self.option('mem_len') - 1)
+    return min(limits) if limits else None
+
+  def memory_spec(self):
+    mem_len = self.option('mem_len')
+    return memory.Spec(keep=mem_len, use=mem_len) if mem_len else None
+
+  def features(self, x, segment_ids):
+    """W_R, the per-layer projection of the sinusoid r (d_model -> heads x d_head)."""
+    del segment_ids
+    return self.param('pos_proj', nn.with_logical_partitioning(
+        layers.default_kernel_init, ('embed', 'heads', 'kv')),
+        (x.shape[-1], self.num_heads, self.head_dim), self.param_dtype)
+
+  def biases(self):
+    """u, v: (heads, head_dim), shared by the layers (the Decoder hands them in)."""
+    if not self.shared or set(self.shared) != {'u', 'v'}:
+      raise ValueError('Transformer-XL attention reads u and v shared by all layers: build it '
+                       "through the Decoder, or pass shared={'u': ..., 'v': ...}")
+    return self.shared['u'], self.shared['v']
+
+  def position_keys(self, w_r, length: int):
+    """W_R r_x for x = 0 .. length - 1 (clamped): (length, heads, head_dim)."""
+    r = sinusoid(distance_table(length, self.option('clamp_len')), w_r.shape[0])
+    return jnp.einsum('xe,ehd->xhd', r.astype(self.dtype), w_r.astype(self.dtype))
+
+  def attend(self, q, k, v, *, positions, segment_ids, deterministic, key_segment_ids=None,
+             extra=None):
+    del positions, deterministic
+    n = q.shape[1]
+    if key_segment_ids is None:
+      key_segment_ids = segment_ids
+    reach = self.reach
+    span = k.shape[1] if reach is None else min(k.shape[1], reach + 1)
+    u, v_bias = self.biases()
+    block = n if self.impl == 'xla' else self.block_size
+    return relative_attention(q, k, v, segment_ids, key_segment_ids,
+                              self.position_keys(extra, span), u, v_bias, reach=reach,
+                              block=block, scale=self.head_dim ** -0.5, dtype=self.dtype)
+
+  def decode_step(self, q, k, v, *, positions, extra=None):
+    """One token over a ring buffer of the last mem_len + max_len keys.
+
+    Args:
+      q, k, v: (batch, 1, heads, head_dim).
+      positions: (batch, 1) the step's position (the cache counts steps itself).
+      extra: W_R (features).
+
+    Returns:
+      (batch, 1, heads, head_dim).
+    """
+    del positions
+    b, t, h, d = q.shape
+    if self.max_len < 1:
+      raise ValueError('decoding needs the attention module to know max_len')
+    capacity = self.option('mem_len') + self.max_len
+    ck = self.variable('cache', 'key', jnp.zeros, (b, capacity, h, d), k.dtype)
+    cv = self.variable('cache', 'value', jnp.zeros, (b, capacity, h, d), v.dtype)
+    pos = self.variable('cache', 'position', lambda: jnp.full((capacity,), -1, jnp.int32))
+    index = self.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
+    if self.is_initializing():
+      return jnp.zeros_like(q)
+    if t != 1:
+      raise ValueError(f'decoding takes one token per call, got {t}')
+    step = index.value
+    slot = step % capacity
+    ck.value = ck.value.at[:, slot].set(k[:, 0])
+    cv.value = cv.value.at[:, slot].set(v[:, 0])
+    pos.value = pos.value.at[slot].set(step)
+    index.value = step + 1
+    distance = step - pos.value  # (capacity,); the token itself is at distance 0.
+    live = pos.value >= 0
+    reach = self.reach
+    if reach is not None:
+      live &= distance <= reach
+    u, v_bias = self.biases()
+    q0 = q[:, 0]  # (b, h, d)
+    content = jnp.einsum('bhd,bchd->bhc', q0 + u.astype(q0.dtype), ck.value,
+                         preferred_element_type=jnp.float32)
+    by_distance = jnp.einsum('bhd,xhd->bhx', q0 + v_bias.astype(q0.dtype),
+                             self.position_keys(extra, capacity),
+                             preferred_element_type=jnp.float32)
+    positional = by_distance[:, :, jnp.clip(distance, 0, capacity - 1)]
+    logits = (content + positional) * d ** -0.5
+    probs = base.masked_softmax(logits, live[None, None], self.dtype)
+    out = jnp.einsum('bhc,bchd->bhd', probs, cv.value)
+    return out[:, None].astype(self.dtype)
