@@ -3,14 +3,20 @@
 import os
 import re
 
-# XLA:CPU's concurrency-optimized scheduler lets one device run several independent collectives
-# at once. With fake host devices (--xla_force_host_platform_device_count=N) the N devices share
-# a thread pool of about one thread per core, and on a 2-core machine devices can block in
-# different collectives, each waiting for a peer that has no thread left: the rendezvous times
-# out after 40 s and the process aborts (seen in CI on the 8-device sharding test, and here in
-# 2 of 7 runs pinned to one core; 0 of 7 with this scheduler off). Real accelerators and a
-# single CPU device are unaffected.
+# Fake host devices (--xla_force_host_platform_device_count=N) run their collectives on shared
+# thread pools of max(cores, N) threads, and a thread that enters a collective blocks until all
+# its peers arrive. One device may have several independent collectives in flight at once, so
+# on a 2-core machine the blocked threads can fill the pool while other devices still wait for
+# a thread to reach the collective they block on: the rendezvous times out after 40 s and the
+# process aborts. Seen in CI with 8 devices: 4 threads in a collective-permute of all 8 and 3 in
+# all-reduces and all-gathers of pairs, the other 4 devices never scheduled. Two defaults make
+# it unlikely: XLA:CPU's concurrency-optimized scheduler off (it orders collectives to overlap;
+# 2 aborts in 7 runs pinned to one core with it, 0 in 7 without, yet CI still met one), and
+# THREADS_PER_FAKE_DEVICE threads per device in the pools (PJRT_NPROC, which XLA reads instead
+# of the core count), so that blocked collectives cannot take every thread. Real accelerators
+# and a single CPU device are unaffected.
 FAKE_DEVICES_SAFE_SCHEDULER = '--xla_cpu_enable_concurrency_optimized_scheduler=false'
+THREADS_PER_FAKE_DEVICE = 8
 
 
 def _cpu_has_avx512() -> bool:
@@ -22,9 +28,19 @@ def _cpu_has_avx512() -> bool:
 
 
 def fake_cpu_devices(count: int) -> str:
-  """XLA_FLAGS for `count` fake CPU devices that cannot deadlock in their collectives."""
+  """XLA_FLAGS for `count` fake CPU devices, with the scheduler that keeps their collectives
+  from overlapping (fake_cpu_env adds the thread count)."""
   flags = f'--xla_force_host_platform_device_count={count}'
   return f'{flags} {FAKE_DEVICES_SAFE_SCHEDULER}' if count > 1 else flags
+
+
+def fake_cpu_env(count: int) -> dict[str, str]:
+  """Environment variables for a process with `count` fake CPU devices (XLA_FLAGS and, with
+  several devices, PJRT_NPROC: see THREADS_PER_FAKE_DEVICE)."""
+  env = {'XLA_FLAGS': fake_cpu_devices(count)}
+  if count > 1:
+    env['PJRT_NPROC'] = str(THREADS_PER_FAKE_DEVICE * count)
+  return env
 
 
 def set_cpu_defaults() -> None:
@@ -32,15 +48,18 @@ def set_cpu_defaults() -> None:
 
   - On AVX-512 machines, element-wise fusions are vectorized 512 bits wide: it shortens the
     d=8 train step by a few percent on such a CPU (benchmarks/train_step.py).
-  - With several fake host devices, the scheduler that keeps each device's collectives in one
-    order (FAKE_DEVICES_SAFE_SCHEDULER says why).
-  Other backends ignore both.
+  - With several fake host devices, the scheduler that does not overlap collectives and
+    THREADS_PER_FAKE_DEVICE threads per device (PJRT_NPROC, unless set), so that collectives
+    do not starve each other (the comment on FAKE_DEVICES_SAFE_SCHEDULER says why).
+  Other backends ignore these.
   """
   flags = os.environ.get('XLA_FLAGS', '')
   if 'xla_cpu_prefer_vector_width' not in flags and _cpu_has_avx512():
     flags += ' --xla_cpu_prefer_vector_width=512'
   fake = re.search(r'xla_force_host_platform_device_count=(\d+)', flags)
-  if (fake and int(fake.group(1)) > 1
-      and 'xla_cpu_enable_concurrency_optimized_scheduler' not in flags):
+  count = int(fake.group(1)) if fake else 1
+  if count > 1 and 'xla_cpu_enable_concurrency_optimized_scheduler' not in flags:
     flags += ' ' + FAKE_DEVICES_SAFE_SCHEDULER
+  if count > 1:
+    os.environ.setdefault('PJRT_NPROC', str(THREADS_PER_FAKE_DEVICE * count))
   os.environ['XLA_FLAGS'] = flags.strip()

@@ -66,7 +66,8 @@ class Harness:
     """Environment for a CPU-only subprocess with `devices` fake host devices."""
     env = dict(os.environ)
     env['JAX_PLATFORMS'] = 'cpu'
-    env['XLA_FLAGS'] = xla_flags.fake_cpu_devices(devices)  # With the deadlock-safe scheduler.
+    env.pop('PJRT_NPROC', None)
+    env.update(xla_flags.fake_cpu_env(devices))  # Collectives that cannot starve each other.
     env['PYTHONPATH'] = os.pathsep.join([str(REPO)] + (
         [env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
     env['TF_CPP_MIN_LOG_LEVEL'] = '2'

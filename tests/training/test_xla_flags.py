@@ -1,6 +1,9 @@
 """XLA:CPU defaults: the collective-safe scheduler with several fake devices, user flags win."""
 
+import json
 import os
+
+import pytest
 
 from training import xla_flags
 
@@ -32,3 +35,37 @@ def test_harness_flags_for_fake_devices():
   assert xla_flags.fake_cpu_devices(1) == '--xla_force_host_platform_device_count=1'
   assert xla_flags.fake_cpu_devices(8).split() == [
       '--xla_force_host_platform_device_count=8', xla_flags.FAKE_DEVICES_SAFE_SCHEDULER]
+
+
+def test_several_fake_devices_get_threads_for_their_collectives(monkeypatch):
+  monkeypatch.delenv('PJRT_NPROC', raising=False)
+  _defaults(monkeypatch, '--xla_force_host_platform_device_count=8')
+  assert os.environ['PJRT_NPROC'] == str(8 * xla_flags.THREADS_PER_FAKE_DEVICE)
+  monkeypatch.setenv('PJRT_NPROC', '3')  # The user's setting wins.
+  _defaults(monkeypatch, '--xla_force_host_platform_device_count=8')
+  assert os.environ['PJRT_NPROC'] == '3'
+  monkeypatch.delenv('PJRT_NPROC')
+  _defaults(monkeypatch, '--xla_force_host_platform_device_count=1')
+  assert 'PJRT_NPROC' not in os.environ
+  assert 'PJRT_NPROC' not in xla_flags.fake_cpu_env(1)
+
+
+_COUNT_THREADS = '''
+import collections, json, os
+import jax, jax.numpy as jnp
+jax.jit(lambda x: x + 1)(jnp.ones(4)).block_until_ready()
+names = collections.Counter(open(f'/proc/self/task/{t}/comm').read().strip()
+                            for t in os.listdir('/proc/self/task'))
+print(json.dumps({'devices': jax.device_count(), 'eigen': names['tf_XLAEigen']}))
+'''
+
+
+@pytest.mark.skipif(not os.path.isdir('/proc/self/task'), reason='needs Linux /proc')
+def test_the_thread_pool_really_grows(harness, tmp_path):
+  """XLA reads PJRT_NPROC when the CPU client starts: its pool has a thread per unit."""
+  script = tmp_path / 'count.py'
+  script.write_text(_COUNT_THREADS)
+  proc = harness.run_script(script, devices=4)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  got = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert got == {'devices': 4, 'eigen': 4 * xla_flags.THREADS_PER_FAKE_DEVICE}
