@@ -42,7 +42,7 @@ def get_config() -> ml_collections.ConfigDict:
   model.dtype = 'bfloat16'              # Compute dtype.
   model.param_dtype = 'float32'         # Parameter (and optimizer state) dtype.
   model.remat = 'none'                  # 'none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable'.
-  model.block = 'pre_ln'                # Residual wiring of a layer (models/blocks.py).
+  model.block = 'pre_ln'                # Residual wiring of a layer: pre_ln | gtrxl (models/blocks.py).
   model.stack = 'auto'                  # How blocks are applied (models/stacks.py): 'unrolled',
                                         # 'scan' (identical layers), 'scan_cycle' (a repeating
                                         # cycle, e.g. interleaved strided A1/A2); 'auto' = scan

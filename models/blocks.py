@@ -4,8 +4,11 @@ Every block has the same signature, `x = block(x, ctx)`, with the frozen `LayerC
 the stack hands to each layer, so a stack never needs to know which block it applies:
 
   pre_ln   x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))   (today's backbone)
+  gtrxl    g(x, ReLU(Attn(RMSNorm(x)))), then g(x, ReLU(SwiGLU(RMSNorm(x)))), g a GRU-type
+           gate (GTrXL, Parisotto et al. 2019)
 
-The later variants add their wiring here (GTrXL's gates, reversible halves) and nowhere else.
+The later variants add their wiring here (reversible halves) and nowhere else. A block whose
+wiring adds matmul weights declares them (`extra_matmul_weights`) for the FLOPs count.
 """
 
 from typing import Any
@@ -13,6 +16,8 @@ from typing import Any
 import flax
 import flax.linen as nn
 import jax
+
+import jax.numpy as jnp
 
 from models import attention, layers
 from models.registry import Registry
@@ -75,6 +80,13 @@ class BlockBase(nn.Module):
   attention_name: str
   layer_index: int = 0
 
+  @classmethod
+  def extra_matmul_weights(cls, d_model: int) -> int:
+    """Matmul weights per layer beyond attention and MLP (the block's own), for
+    TransformerConfig.train_flops_per_token."""
+    del d_model
+    return 0
+
   def norm(self, name: str) -> nn.Module:
     """An RMSNorm in the model's dtypes."""
     return layers.RMSNorm(dtype=self.config.dtype, param_dtype=self.config.param_dtype,
@@ -106,4 +118,76 @@ class PreLN(BlockBase):
   def __call__(self, x, ctx: LayerContext):
     x = x + self.dropout(self.attention(self.norm('pre_attention_norm')(x), ctx), ctx)
     x = x + self.dropout(self.mlp(self.norm('pre_mlp_norm')(x)), ctx)
+    return nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
+
+
+class GRUGate(nn.Module):
+  """GTrXL's gate g(x, y) in place of the residual sum x + y (Parisotto et al. 2019, eq. 4-7):
+
+    r = σ(W_r y + U_r x)
+    z = σ(W_z y + U_z x - b_g)
+    ĥ = tanh(W_g y + U_g (r ⊙ x))
+    g(x, y) = (1 - z) ⊙ x + z ⊙ ĥ
+
+  x is the residual stream and y the sublayer output. The matmuls run in `dtype` (W_r, W_z,
+  W_g as one (d, 3, d) kernel, U_r, U_z as one (d, 2, d)); the gating in float32. b_g is a
+  learned per-feature bias that starts at `gate_bias` (2, as in the paper), so z starts near
+  σ(-2) ≈ 0.12 and the block near the identity.
+
+  Attributes:
+    gate_bias: initial value of b_g.
+    dtype: computation dtype of the matmuls and of the output.
+    param_dtype: parameter dtype.
+  """
+  gate_bias: float = 2.0
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, y):
+    d = x.shape[-1]
+    kernel = lambda name, shape, axes: self.param(name, nn.with_logical_partitioning(
+        layers.default_kernel_init, axes), shape, self.param_dtype).astype(self.dtype)
+    w = kernel('w', (d, 3, d), ('embed', 'gate', 'mlp'))   # W_r, W_z, W_g.
+    u = kernel('u', (d, 2, d), ('embed', 'gate', 'mlp'))   # U_r, U_z.
+    u_g = kernel('u_g', (d, d), ('embed', 'mlp'))
+    b_g = self.param('gate_bias', nn.with_logical_partitioning(
+        nn.initializers.constant(self.gate_bias), ('norm',)), (d,), self.param_dtype)
+    f32 = lambda a: a.astype(jnp.float32)
+    wy = f32(jnp.einsum('bld,dgk->blgk', y.astype(self.dtype), w))
+    ux = f32(jnp.einsum('bld,dgk->blgk', x.astype(self.dtype), u))
+    r = jax.nn.sigmoid(wy[..., 0, :] + ux[..., 0, :])
+    z = jax.nn.sigmoid(wy[..., 1, :] + ux[..., 1, :] - f32(b_g))
+    rx = (r * f32(x)).astype(self.dtype)
+    h = jnp.tanh(wy[..., 2, :] + f32(jnp.einsum('bld,dk->blk', rx, u_g)))
+    out = (1.0 - z) * f32(x) + z * h
+    return out.astype(x.dtype)
+
+
+@register('gtrxl')
+class GTrXL(BlockBase):
+  """Gated block of GTrXL (Parisotto et al. 2019): the norm sits on the sublayer input only,
+  so the stream x is never normalized inside the stack; a ReLU follows each sublayer; and a
+  GRU-type gate (GRUGate) replaces both residual sums:
+
+    x = g_attn(x, ReLU(Attn(RMSNorm(x)))),  x = g_mlp(x, ReLU(SwiGLU(RMSNorm(x))))
+
+  Works with any attention variant. Residual dropout applies to the sublayer output before
+  the gate. The decoder's final RMSNorm still normalizes the stack's output.
+  """
+
+  @classmethod
+  def extra_matmul_weights(cls, d_model: int) -> int:
+    return 2 * 6 * d_model * d_model  # Two gates, six d x d matrices each.
+
+  def gate(self, name: str) -> nn.Module:
+    return GRUGate(dtype=self.config.dtype, param_dtype=self.config.param_dtype, name=name)
+
+  @nn.compact
+  def __call__(self, x, ctx: LayerContext):
+    y = jax.nn.relu(self.attention(self.norm('pre_attention_norm')(x), ctx))
+    x = self.gate('attention_gate')(x, self.dropout(y, ctx))
+    x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
+    y = jax.nn.relu(self.mlp(self.norm('pre_mlp_norm')(x)))
+    x = self.gate('mlp_gate')(x, self.dropout(y, ctx))
     return nn.with_logical_constraint(x, ('batch', 'length', 'embed'))

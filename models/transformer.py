@@ -169,8 +169,9 @@ class TransformerConfig:
   def train_flops_per_token(self, seq_len: int) -> float:
     """Training FLOPs per token: 6 N_matmul + 12 L H d_head T (PaLM, appendix B).
 
-    N_matmul counts the weights used in matmuls (blocks and output projection, not the
-    embedding lookups); the attention term counts the full T x T score matrix as PaLM does.
+    N_matmul counts the weights used in matmuls (blocks, with the block wiring's own, such as
+    GTrXL's gates, and the output projection, not the embedding lookups); the attention term
+    counts the full T x T score matrix as PaLM does.
 
     Args:
       seq_len: training sequence length T.
@@ -179,7 +180,9 @@ class TransformerConfig:
       FLOPs for a forward and backward pass per token.
     """
     matmul = self.n_layers * (4 * self.n_heads * self.head_dim * self.d_model
-                              + 3 * self.d_model * self.mlp_dim) + self.d_model * self.vocab_size
+                              + 3 * self.d_model * self.mlp_dim
+                              + blocks.get(self.block).extra_matmul_weights(self.d_model)
+                              ) + self.d_model * self.vocab_size
     return 6.0 * matmul + 12.0 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
 

@@ -1,0 +1,153 @@
+"""GTrXL's gated block (model.block='gtrxl', issue 21) against hand-written computations.
+
+The gate is checked against the paper's four equations written here in float64 from the
+module's parameters; the block against the same wiring composed by hand from its norm,
+attention and MLP; decoding against the forward pass; and the model with every variant.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import blocks, decode, transformer
+
+D = 16
+
+
+def _sigmoid(a):
+  return 1.0 / (1.0 + np.exp(-a))
+
+
+def _gate_by_hand(p, x, y):
+  """g(x, y) of the paper (eq. 4-7) in float64 from the GRUGate parameters."""
+  p = {k: np.asarray(v, np.float64) for k, v in nn.unbox(p).items()}
+  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  w_r, w_z, w_g = (p['w'][:, i] for i in range(3))
+  u_r, u_z = (p['u'][:, i] for i in range(2))
+  r = _sigmoid(y @ w_r + x @ u_r)
+  z = _sigmoid(y @ w_z + x @ u_z - p['gate_bias'])
+  h = np.tanh(y @ w_g + (r * x) @ p['u_g'])
+  return (1.0 - z) * x + z * h
+
+
+def _xy(seed=0, shape=(2, 5, D)):
+  rng = np.random.default_rng(seed)
+  return (jnp.asarray(rng.normal(size=shape), jnp.float32),
+          jnp.asarray(rng.normal(size=shape), jnp.float32))
+
+
+def test_gate_equals_the_papers_equations():
+  x, y = _xy()
+  gate = blocks.GRUGate()
+  params = nn.unbox(gate.init(jax.random.key(0), x, y)['params'])
+  np.testing.assert_array_equal(params['gate_bias'], np.full(D, 2.0))  # b_g starts at 2.
+  # A b_g that is not constant, so a wrong sign or axis would show.
+  params['gate_bias'] = jnp.linspace(-1.0, 3.0, D)
+  got = gate.apply({'params': params}, x, y)
+  np.testing.assert_allclose(got, _gate_by_hand(params, x, y), atol=2e-6)
+
+
+def test_gate_starts_near_the_identity():
+  """With b_g = 2 the update gate z starts near σ(-2) and g(x, y) near x; with b_g = 0 the same
+  weights put z near 1/2 and move the stream much further."""
+  x, y = _xy(shape=(4, 64, 256))
+  params = nn.unbox(blocks.GRUGate().init(jax.random.key(0), x, y)['params'])
+
+  def moved(bias):
+    p = {**params, 'gate_bias': jnp.full(x.shape[-1], bias)}
+    out = blocks.GRUGate(gate_bias=bias).apply({'params': p}, x, y)
+    return float(jnp.linalg.norm(out - x) / jnp.linalg.norm(x))
+
+  near, plain = moved(2.0), moved(0.0)
+  # |g - x| = z |ĥ - x|, and |ĥ - x| / |x| is about 1.2 for unit-variance inputs: z ~ 0.2
+  # (σ(-2) = 0.12, spread by the unit-variance pre-activation) against z ~ 0.5.
+  assert near < 0.35, near
+  assert near < 0.5 * plain, (near, plain)
+
+
+def _config(attention='dense', block='gtrxl', stack='unrolled', n_layers=2, **options):
+  extra = {'position_embedding': 'none'} if attention == 'txl' else {}
+  return transformer.TransformerConfig.from_config(dict(
+      d=0, d_model=D * 2, n_heads=2, n_layers=n_layers, vocab_size=40, max_len=32,
+      attention=attention, attention_impl='xla', attention_block_size=4, block=block,
+      stack=stack, attention_options=options, **extra))
+
+
+def test_block_equals_the_wiring_by_hand():
+  """x = g_a(x, ReLU(Attn(norm x))), x = g_m(x, ReLU(MLP(norm x))): norms on the sublayer
+  input only, the stream itself never normalized."""
+  cfg = _config(n_layers=1)
+  x, _ = _xy(shape=(2, 6, cfg.d_model))
+  x = 3.0 * x  # A stream far from unit RMS: a norm on it would show.
+  ctx = blocks.LayerContext(positions=jnp.broadcast_to(jnp.arange(6), (2, 6)),
+                            segment_ids=jnp.ones((2, 6), jnp.int32))
+  block = blocks.get('gtrxl')(config=cfg, attention_name='dense')
+  params = nn.unbox(block.init(jax.random.key(0), x, ctx)['params'])
+  assert set(params) == {'pre_attention_norm', 'attention', 'attention_gate', 'pre_mlp_norm',
+                         'mlp', 'mlp_gate'}
+  # Norm scales other than ones, so each norm's place matters.
+  params['pre_attention_norm']['scale'] = jnp.linspace(0.5, 1.5, cfg.d_model)
+  params['pre_mlp_norm']['scale'] = jnp.linspace(1.5, 0.5, cfg.d_model)
+  got = block.apply({'params': params}, x, ctx)
+
+  def norm(p, a):
+    a = np.asarray(a, np.float64)
+    return a / np.sqrt(np.mean(a * a, axis=-1, keepdims=True) + 1e-6) * np.asarray(p['scale'])
+
+  attn = blocks.make_attention(cfg, 'dense', 0)
+  mlp = blocks.layers.SwiGLU(cfg.mlp_dim)
+  h = norm(params['pre_attention_norm'], x)
+  y = np.asarray(attn.apply({'params': params['attention']}, jnp.asarray(h, jnp.float32),
+                            positions=ctx.positions, segment_ids=ctx.segment_ids))
+  x1 = _gate_by_hand(params['attention_gate'], x, np.maximum(y, 0.0))
+  h = norm(params['pre_mlp_norm'], x1)
+  y = np.asarray(mlp.apply({'params': params['mlp']}, jnp.asarray(h, jnp.float32)))
+  want = _gate_by_hand(params['mlp_gate'], x1, np.maximum(y, 0.0))
+  np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+@pytest.mark.parametrize('attention,stack,options', [
+    ('dense', 'scan', {}),
+    ('dense', 'unrolled', {}),
+    ('local', 'auto', {'window': 4}),
+    ('strided', 'scan_cycle', {'stride': 4}),
+    ('adaptive_span', 'auto', {'span_limit': 8, 'span_ramp': 2}),
+    ('selective', 'auto', {}),
+    ('txl', 'auto', {'mem_len': 4}),
+])
+def test_any_attention_variant_runs_in_gated_blocks(attention, stack, options):
+  """The gates add 2 x (6 d^2 + d) parameters per layer (counted from init) and 12 d^2
+  matmul weights per layer to the FLOPs count, whatever the attention and the stack."""
+  gated = _config(attention, 'gtrxl', stack, **options)
+  plain = _config(attention, 'pre_ln', stack, **options)
+  d, layers = gated.d_model, gated.n_layers
+  assert gated.num_params() - plain.num_params() == layers * 2 * (6 * d * d + d)
+  assert (gated.train_flops_per_token(16) - plain.train_flops_per_token(16)
+          == 6 * layers * 12 * d * d)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 16)))
+  model = transformer.Decoder(gated)
+  variables = model.init(jax.random.key(0), tokens)
+  logits, _ = model.apply(variables, tokens, mutable=True)
+  assert logits.shape == (2, 16, 40) and bool(jnp.all(jnp.isfinite(logits)))
+  grads = jax.grad(lambda p: model.apply({**variables, 'params': p}, tokens,
+                                         mutable=True)[0].mean())(variables['params'])
+  gate_grads = [g for path, g in jax.tree_util.tree_leaves_with_path(nn.unbox(grads))
+                if 'gate' in jax.tree_util.keystr(path)]
+  assert gate_grads and all(bool(jnp.any(g != 0)) for g in gate_grads)
+
+
+@pytest.mark.parametrize('attention,options', [('dense', {}), ('local', {'window': 5})])
+def test_decoding_equals_the_forward_pass(attention, options):
+  model = transformer.Decoder(_config(attention, **options))
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 12)))
+  params = nn.unbox(model.init(jax.random.key(0), tokens)['params'])
+  full = model.apply({'params': params}, tokens)
+  cache = decode.init_cache(model, params, 2)
+  run = jax.jit(lambda c, tok, t: decode.step(model, params, c, tok, t))
+  out = []
+  for t in range(tokens.shape[1]):
+    logits, cache = run(cache, tokens[:, t], t)
+    out.append(logits)
+  np.testing.assert_allclose(jnp.stack(out, axis=1), full, atol=3e-5)
