@@ -1,5 +1,7 @@
 """Every attention variant: one train step on 8 fake CPU devices equals the one-device step.
 
+(And every block wiring other than pre_ln, on dense attention: EXTRA_CASES.)
+
 For each registered variant (`models.attention.known()`, so a new one is covered when it
 registers) and each mesh of a run in RUNS, the same small model, initial parameters and batch
 give, on 8 devices and on 1, the same
@@ -93,6 +95,17 @@ CONFIG = {
     **{f'model.attention_options.{k}': v for k, v in OPTIONS.items()},
 }
 
+# Cases beyond one per variant: block wirings, on dense attention.
+EXTRA_CASES = ['gtrxl_block']
+CASES = VARIANTS + EXTRA_CASES
+# Per-case keys on top of CONFIG and model.attention=<case>: Transformer-XL encodes positions
+# itself, and the Copy task is not a stream, so its layers attend within the segment (the
+# relative score alone); GTrXL's gates replace the residual sums.
+CASE_CONFIG = {
+    'txl': {'model.position_embedding': 'none', 'model.attention_options.mem_len': 0},
+    'gtrxl_block': {'model.attention': 'dense', 'model.block': 'gtrxl'},
+}
+
 _SCRIPT = textwrap.dedent('''\
     """One train step of every variant on 1 device and on 8-device meshes; saves the results."""
     import json
@@ -116,7 +129,8 @@ _SCRIPT = textwrap.dedent('''\
 
     def make_config(name, mesh):
       config = tiny.get_config()
-      for key, value in {**spec['config'], 'model.attention': name}.items():
+      for key, value in {**spec['config'], 'model.attention': name,
+                         **spec['case_config'].get(name, {})}.items():
         node = config
         *parents, leaf = key.split('.')
         for p in parents:
@@ -217,8 +231,8 @@ def _run(harness, out, run):
   impl, meshes = RUNS[run]
   script = out / 'sharding_variants.py'
   script.write_text(_SCRIPT)
-  spec = {'variants': [v for v in VARIANTS if v not in SKIP], 'meshes': meshes,
-          'config': {**CONFIG, 'model.attention_impl': impl}}
+  spec = {'variants': [v for v in CASES if v not in SKIP], 'meshes': meshes,
+          'config': {**CONFIG, 'model.attention_impl': impl}, 'case_config': CASE_CONFIG}
   proc = harness.run_script(script, out, json.dumps(spec), devices=8)
   assert proc.returncode == 0, proc.stderr[-5000:]
   result = json.loads((out / 'results.json').read_text())
@@ -247,7 +261,7 @@ def _tree(arrays, prefix: str) -> dict[str, np.ndarray]:
 def _cases():
   for run, (_, meshes) in RUNS.items():
     for mesh in meshes:
-      for name in VARIANTS:
+      for name in CASES:
         marks = [pytest.mark.slow] if run != 'xla' else []
         if name in SKIP:
           marks.append(pytest.mark.skip(reason=SKIP[name]))
