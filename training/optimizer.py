@@ -1,5 +1,6 @@
 """AdamW with linear warm-up and cosine decay, global-norm clipping and a decay mask."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -21,9 +22,38 @@ def make_schedule(config) -> optax.Schedule:
       end_value=config.learning_rate * config.end_learning_rate_fraction)
 
 
-def decay_mask(params):
-  """Weight decay on matrices only: norm scales (1-D) are not decayed."""
-  return jax.tree.map(lambda p: p.ndim >= 2, params)
+def _is_box(x) -> bool:
+  return isinstance(x, nn.meta.AxisMetadata)
+
+
+def decay_mask(abstract_params=None):
+  """Weight decay on matrices only: the mask function for optax.adamw.
+
+  A parameter is decayed when it has two or more axes besides the leading axis a scanned
+  stack adds (logical name 'layers'): norm scales, GTrXL's gate bias b_g and other
+  per-feature vectors are not decayed, whether their layers are unrolled or scanned (a
+  scanned norm scale is (n_layers, d), two axes, yet one vector per layer).
+
+  Args:
+    abstract_params: the model's boxed parameters (nn.LogicalPartitioned leaves, as
+      `Decoder.init` makes them; shapes suffice), which name each axis. None: every axis
+      counts (for parameters without a layer axis).
+
+  Returns:
+    params -> a tree of bools laid out like params, boxed or not.
+  """
+  if abstract_params is None:
+    return lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  rank = jax.tree.map(
+      lambda x: (sum(name != 'layers' for name in x.names) if _is_box(x) else len(x.shape)),
+      abstract_params, is_leaf=_is_box)
+
+  def mask(params):
+    # rank is a prefix of params: a boxed parameter's subtree gets its bool inside the box.
+    return jax.tree.map(lambda r, p: jax.tree.map(lambda _: r >= 2, p), rank, params,
+                        is_leaf=_is_box)
+
+  return mask
 
 
 def keep_in_box(bounds: dict[str, tuple[float, float]]) -> optax.GradientTransformation:
@@ -56,14 +86,16 @@ def keep_in_box(bounds: dict[str, tuple[float, float]]) -> optax.GradientTransfo
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def make_optimizer(config, param_bounds: dict[str, tuple[float, float]] | None = None
-                   ) -> optax.GradientTransformation:
+def make_optimizer(config, param_bounds: dict[str, tuple[float, float]] | None = None,
+                   abstract_params=None) -> optax.GradientTransformation:
   """The optimizer of the selective-attention recipe (AdamW, beta2 0.999).
 
   Args:
     config: the run config.
     param_bounds: {parameter name: (lo, hi)} the variants in use keep in a box
       (models/transformer.py param_bounds, e.g. adaptive span's z' in [0, 1]).
+    abstract_params: the model's boxed parameters (shapes and axis names), which say
+      which parameters are matrices (decay_mask); None counts every axis.
 
   Returns:
     clip_by_global_norm (if clip_grad_norm > 0), AdamW with the schedule, then
@@ -76,6 +108,7 @@ def make_optimizer(config, param_bounds: dict[str, tuple[float, float]] | None =
   if config.clip_grad_norm > 0:
     chain.append(optax.clip_by_global_norm(config.clip_grad_norm))
   chain.append(optax.adamw(make_schedule(config), b1=config.adam_b1, b2=config.adam_b2,
-                           eps=config.adam_eps, weight_decay=config.weight_decay, mask=decay_mask))
+                           eps=config.adam_eps, weight_decay=config.weight_decay,
+                           mask=decay_mask(abstract_params)))
   chain.append(keep_in_box(param_bounds or {}))
   return optax.chain(*chain)

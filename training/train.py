@@ -156,12 +156,15 @@ def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None =
   rules = sharding.rules_from_config(config.logical_axis_rules)
   model = transformer.Decoder(model_config)
   schedule = optimizer.make_schedule(config)
-  tx = optimizer.make_optimizer(config, transformer.param_bounds(model_config))
+  # Segment memory has one row per batch row; parameters do not depend on the batch.
+  rows = config.batch_size if model_config.uses_memory else 1
+  init_model = lambda rng: model.init(rng, jnp.zeros((rows, data.seq_len), jnp.int32))
+  abstract_params = jax.eval_shape(init_model, jax.random.key(0))['params']
+  tx = optimizer.make_optimizer(config, transformer.param_bounds(model_config),
+                                abstract_params=abstract_params)
 
   def init_boxed(rng):
-    # Segment memory has one row per batch row; parameters do not depend on the batch.
-    rows = config.batch_size if model_config.uses_memory else 1
-    variables = model.init(rng, jnp.zeros((rows, data.seq_len), jnp.int32))
+    variables = init_model(rng)
     params = variables['params']
     return steps.TrainState(step=jnp.zeros((), jnp.int32), params=params,
                             opt_state=tx.init(params), memory=variables.get('memory', {}))
