@@ -26,6 +26,19 @@ def step(model, params, cache, tokens, position: int):
   return logits[:, 0], mutated['cache']
 
 
+def score(model, params, tokens):
+  """Logits (batch, n, vocab) of every position of `tokens` (batch, n), computed token by
+  token through the decoding caches (teacher forcing): what the forward pass gives, when the
+  caches are right."""
+  cache = init_cache(model, params, tokens.shape[0])
+  run = jax.jit(lambda c, t, i: step(model, params, c, t, i))
+  out = []
+  for i in range(tokens.shape[1]):
+    logits, cache = run(cache, tokens[:, i], i)
+    out.append(logits)
+  return jnp.stack(out, axis=1)
+
+
 def sample(model, params, prompt, num_steps: int, rng, temperature: float = 1.0):
   """Continues `prompt` (batch, p) by `num_steps` tokens (temperature 0 = greedy).
 
