@@ -167,7 +167,7 @@ def test_read_error_in_training_saves_the_last_step_and_names_the_file(
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   with ocp.CheckpointManager(workdir / 'checkpoints') as manager:
     data = manager.restore(saved[0], args=ocp.args.Composite(data=ocp.args.JsonRestore())).data
-  config = kit.config({k: v for k, v in overrides.items() if k not in kit_tiny})
+  config = kit.config({k: v for k, v in overrides.items() if k not in kit.tiny})
   source = input_pipeline.make_source(config, workdir=str(workdir))
   try:
     assert data['processes'][0] == _take(source, saved[0])[-1][1]
