@@ -319,14 +319,10 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
     z, rel = extra
     b, t, h, d = q.shape
     trim = self.trim
-    ck = self.variable('cache', 'key', jnp.zeros, (b, trim, h, d), k.dtype)
-    cv = self.variable('cache', 'value', jnp.zeros, (b, trim, h, d), v.dtype)
-    pos = self.variable('cache', 'position', lambda: jnp.full((trim,), -1, jnp.int32))
-    index = self.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
-    if self.is_initializing():
+    cache = self.kv_cache(q, k, v, trim, (trim,))
+    if cache is None:
       return jnp.zeros_like(q)
-    if t != 1:
-      raise ValueError(f'decoding takes one token per call, got {t}')
+    ck, cv, pos, index = cache
     step = index.value
     x = (step - pos.value).astype(jnp.float32)  # (trim,) distances of the cached keys
     live = (pos.value >= 0)[None, None, :]

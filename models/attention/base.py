@@ -486,6 +486,23 @@ class MultiHeadAttention(nn.Module):
     del head
     return None
 
+  def kv_cache(self, q, k, v, capacity: int, position_shape: tuple[int, ...]):
+    """The decoding cache of a layer: 'key' and 'value' (batch, capacity, heads, head_dim),
+    'position' (the position held by each slot, -1 when empty, laid out as
+    `position_shape`) and 'index' (the next step). Returns the four variables, or None
+    while the caches are being created (shapes only: the caller returns zeros). Decoding
+    takes one token per call."""
+    b, t, h, d = q.shape
+    ck = self.variable('cache', 'key', jnp.zeros, (b, capacity, h, d), k.dtype)
+    cv = self.variable('cache', 'value', jnp.zeros, (b, capacity, h, d), v.dtype)
+    pos = self.variable('cache', 'position', lambda: jnp.full(position_shape, -1, jnp.int32))
+    index = self.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
+    if self.is_initializing():
+      return None
+    if t != 1:
+      raise ValueError(f'decoding takes one token per call, got {t}')
+    return ck, cv, pos, index
+
   def decode_step(self, q, k, v, *, positions, extra=None):
     """One token of autoregressive decoding over the 'cache' collection.
 
@@ -518,14 +535,10 @@ class MultiHeadAttention(nn.Module):
     plans = [patterns.cache_plan(self.head_pattern(i), n, i) for i in range(h)]
     capacity = max(p[0] for p in plans)
     slot_of = jnp.asarray(np.stack([p[1] for p in plans]))  # (h, n)
-    ck = self.variable('cache', 'key', jnp.zeros, (b, capacity, h, d), k.dtype)
-    cv = self.variable('cache', 'value', jnp.zeros, (b, capacity, h, d), v.dtype)
-    pos = self.variable('cache', 'position', lambda: jnp.full((capacity, h), -1, jnp.int32))
-    index = self.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
-    if self.is_initializing():  # Shapes only; the init call's outputs are not meaningful.
+    cache = self.kv_cache(q, k, v, capacity, (capacity, h))
+    if cache is None:
       return jnp.zeros_like(q)
-    if t != 1:
-      raise ValueError(f'decoding takes one token per call, got {t}')
+    ck, cv, pos, index = cache
     step = index.value
     heads = jnp.arange(h)
     slots = slot_of[:, jnp.minimum(step, n - 1)]  # (h,)

@@ -338,17 +338,13 @@ class SelectiveAttention(base.MultiHeadAttention):
     if self.max_len < 1:
       raise ValueError('decoding needs the attention module to know max_len')
     cap = min(self.budget or self.max_len, self.max_len)
-    ck = self.variable('cache', 'key', jnp.zeros, (b, cap, h, d), k.dtype)
-    cv = self.variable('cache', 'value', jnp.zeros, (b, cap, h, d), v.dtype)
     if selection is not None:
       cks = self.variable('cache', 'selection_key', jnp.zeros, (b, cap, d), selection[1].dtype)
-    pos = self.variable('cache', 'position', lambda: jnp.full((b, cap), -1, jnp.int32))
     fc = self.variable('cache', 'F', lambda: jnp.zeros((b, cap), jnp.float32))
-    index = self.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
-    if self.is_initializing():
+    cache = self.kv_cache(q, k, v, cap, (b, cap))
+    if cache is None:
       return jnp.zeros_like(q)
-    if t != 1:
-      raise ValueError(f'decoding takes one token per call, got {t}')
+    ck, cv, pos, index = cache
     step = index.value
     rows = jnp.arange(b)
     # Evict the kept token with the highest F (not <BOS>, position 0); ties: earliest.

@@ -247,14 +247,10 @@ class TransformerXLAttention(base.MultiHeadAttention):
     if self.max_len < 1:
       raise ValueError('decoding needs the attention module to know max_len')
     capacity = self.option('mem_len') + self.max_len
-    ck = self.variable('cache', 'key', jnp.zeros, (b, capacity, h, d), k.dtype)
-    cv = self.variable('cache', 'value', jnp.zeros, (b, capacity, h, d), v.dtype)
-    pos = self.variable('cache', 'position', lambda: jnp.full((capacity,), -1, jnp.int32))
-    index = self.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
-    if self.is_initializing():
+    cache = self.kv_cache(q, k, v, capacity, (capacity,))
+    if cache is None:
       return jnp.zeros_like(q)
-    if t != 1:
-      raise ValueError(f'decoding takes one token per call, got {t}')
+    ck, cv, pos, index = cache
     step = index.value
     slot = step % capacity
     ck.value = ck.value.at[:, slot].set(k[:, 0])
