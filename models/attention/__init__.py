@@ -10,6 +10,7 @@ variant; look one up with `get(name)`.
 
 from models.attention import adaptive_span  # noqa: F401  (adaptive_span, dynamic_span)
 from models.attention import dense  # noqa: F401  (registers 'dense')
+from models.attention import lsh  # noqa: F401  (registers 'lsh')
 from models.attention import selective  # noqa: F401  (registers 'selective')
 from models.attention import sparse  # noqa: F401  (strided, fixed, local, block_local, local_global)
 from models.attention import transformer_xl  # noqa: F401  (registers 'txl')

@@ -82,10 +82,11 @@ ADAM_EPS = 1e-3
 # Pattern sizes for a sequence of 32: stride / block l = 4 with c = 2 summary cells, a window
 # of 8, query blocks of 8, spans of at most 16 with a ramp of 4 (z starts at 4: trimmed span
 # 8), selective attention's L_mem on (an auxiliary loss summed over the batch), and
-# block_local's m = 4 earlier positions (sparse on a 32-position row).
+# block_local's m = 4 earlier positions (sparse on a 32-position row), and LSH's 2 rounds of 4
+# buckets in chunks of 8.
 OPTIONS = {'stride': 4, 'summary': 2, 'window': 8, 'local_block': 8, 'block_memory': 4,
            'key_block': 4, 'span_limit': 16, 'span_ramp': 4, 'span_block': 4, 'span_init': 0.25,
-           'selective_lmem_eps': 0.1}
+           'selective_lmem_eps': 0.1, 'chunk_len': 8, 'n_buckets': 4, 'n_hashes': 2}
 # Dotted config keys applied on top of configs/tiny.py.
 CONFIG = {
     'data.name': 'copy', 'data.num_symbols': 28, 'data.max_length': 15,  # seq 32, 32 ids.
@@ -283,7 +284,8 @@ def test_step_on_eight_devices_matches_one_device(runs, run, mesh, name):
   assert all(v['devices'] == 8 for v in layout.values()), layout
   split = {a for v in layout.values() for a in v['split_axes']}
   assert split == {a for a, size in (('fsdp', fsdp), ('tensor', tensor)) if size > 1}, layout
-  qkv = next(v for k, v in layout.items() if k.endswith("['qkv']"))
+  # The fused input projection ('qv' for LSH's shared-QK) is split over fsdp and tensor.
+  qkv = next(v for k, v in layout.items() if k.endswith("['qkv']") or k.endswith("['qv']"))
   assert int(np.prod(qkv['shard_shape'])) * fsdp * tensor == int(np.prod(qkv['global_shape']))
 
   m1, m8 = one['metrics'], eight['metrics']

@@ -1,0 +1,254 @@
+"""LSH attention of the Reformer (Kitaev et al., 2020), causal, with shared-QK.
+
+Shared-QK: one projection gives the queries q and the values v; the keys are the queries
+normalized to unit length, k_j = q_j / |q_j|, so a query and its key hash alike.
+
+Angular LSH, `n_hashes` rounds of `n_buckets` (b) buckets: round r hashes a key with its own
+random rotation R_r in R^{d x b/2}, h_r(x) = argmax([x R_r; -x R_r]). The rotations are drawn
+from the model's 'lsh' rng stream, which the train step folds from (seed, step): fresh each
+step, the same in the backward pass (autodiff keeps them; remat and reversible layers
+replay the key) and in a resumed run. Without the stream (evaluation, decoding setup, init)
+a fixed key per layer index is used, so evaluation is deterministic.
+
+Each round sorts the positions by (bucket, position) and cuts the sorted order into chunks
+of `chunk_len` (m); a chunk attends to itself and to the previous chunk, keeping the pairs
+that share the round's bucket, are causal (j <= i) and of the same document. In a row of
+packed documents the sort key is (document, bucket, position): each document's chunks then
+depend on its own tokens and its start in the row only, never on another document (with
+one document per row this is the paper's order). A query does
+not attend to itself unless it has no other key: its own logit is replaced by SELF_LOGIT,
+far below any real logit and far above a masked one (the paper's shared-QK rule).
+
+The rounds combine with the weight of each round's log-sum-exp: out_i = sum_r
+exp(lse_r(i) - logsumexp_r lse_r(i)) out_r(i). A pair found by several rounds is counted
+once: its logit in each round is lowered by log N_ij, N_ij the number of rounds whose chunks
+pair i with j, so the result is the softmax over the union of the rounds' key sets
+(N_ij is found from each round's bucket and sorted rank of i and j).
+
+Cost: the sort is O(n log n); every score, mask and count is a (chunk, 2 chunk) block per
+chunk and round, so time and memory are O(n * chunk_len * n_hashes) (the duplicate count
+multiplies by n_hashes once more), never O(n^2).
+
+Decoding is refused: a query's chunk in the sorted order depends on how many later tokens
+hash into lower buckets, so a token-by-token cache cannot reproduce the forward pass (the
+forward pass itself therefore depends, through the chunk boundaries, on later tokens'
+hashes, as in the paper's causal LSH attention; no later token's value is ever read).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models import layers
+from models.attention import base
+from models.attention.registry import register
+
+# A query's logit to itself: exp(SELF_LOGIT - m) is exactly 0 in float32 next to any real
+# logit m, so the query falls back to itself only when it has no other key.
+SELF_LOGIT = -1e5
+# Rotations of a call with no 'lsh' stream (evaluation) come from this key, per layer.
+EVAL_KEY = 0x15A
+# Document id of the positions that pad the length to whole chunks.
+PAD_SEGMENT = 2**31 - 1
+
+
+def hash_buckets(unit_keys, rotations):
+  """h_r(x) = argmax([x R_r; -x R_r]) per round.
+
+  Args:
+    unit_keys: (batch, length, heads, head_dim) keys (unit length; any direction works).
+    rotations: (n_hashes, head_dim, n_buckets / 2) random rotations.
+
+  Returns:
+    (batch, heads, n_hashes, length) int32 buckets in [0, n_buckets).
+  """
+  proj = jnp.einsum('bnhd,rdk->bhrnk', unit_keys.astype(jnp.float32),
+                    rotations.astype(jnp.float32))
+  return jnp.argmax(jnp.concatenate([proj, -proj], axis=-1), axis=-1).astype(jnp.int32)
+
+
+def _lookup(table, pos):
+  """table (b, h, N, ...) read at the positions pos (b, h, ...) -> pos.shape + table's trailing
+  axes."""
+  flat = pos.reshape(pos.shape[:2] + (-1,))
+  out = jnp.take_along_axis(table, flat.reshape(flat.shape + (1,) * (table.ndim - 3)), axis=2)
+  return out.reshape(pos.shape + table.shape[3:])
+
+
+def _windows(chunks):
+  """(b, h, r, C, m, ...) chunks -> (b, h, r, C, 2m, ...): the previous chunk, then the chunk
+  itself (chunk 0's previous slot is filled with chunk 0 and masked by `look_back_valid`)."""
+  prev = jnp.concatenate([chunks[:, :, :, :1], chunks[:, :, :, :-1]], axis=3)
+  return jnp.concatenate([prev, chunks], axis=4)
+
+
+def lsh_attention(q, v, segment_ids, buckets, *, chunk_len: int, scale: float, dtype):
+  """Causal shared-QK attention within hash buckets, chunked in sorted order.
+
+  Args:
+    q: (batch, length, heads, head_dim) queries; the keys are q / |q|.
+    v: (batch, length, heads, head_dim) values.
+    segment_ids: (batch, length) document ids (packed documents never see each other).
+    buckets: (batch, heads, n_hashes, length) int bucket of every position in each round.
+    chunk_len: sorted positions per chunk (m); capped at the length.
+    scale: logit multiplier.
+    dtype: dtype of the weights fed to the value matmul and of the output.
+
+  Returns:
+    (batch, length, heads, head_dim).
+  """
+  b, n, h, d = q.shape
+  rounds = buckets.shape[2]
+  m = max(1, min(chunk_len, n))
+  total = -(-n // m) * m  # Padded to whole chunks; padding sorts last and sees only itself.
+  pad = total - n
+  qf = q.astype(jnp.float32)
+  k = qf * jax.lax.rsqrt(jnp.maximum(jnp.sum(qf * qf, axis=-1, keepdims=True), 1e-12))
+  k = k.astype(q.dtype)
+  qh, kh, vh = (jnp.pad(jnp.swapaxes(a, 1, 2), ((0, 0), (0, 0), (0, pad), (0, 0)))
+                for a in (q, k, v))  # (b, h, N, d)
+  # Padding gets a document id of its own that sorts after every real one.
+  seg = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=PAD_SEGMENT)
+  seg = jnp.broadcast_to(seg[:, None], (b, h, total))
+  buckets = jnp.pad(buckets, ((0, 0), (0, 0), (0, 0), (0, pad)))
+  index = jnp.broadcast_to(jnp.arange(total, dtype=jnp.int32), buckets.shape)
+  # Sort by (document, bucket, position): a document's positions are contiguous in the
+  # sorted order, so its chunks depend on its own tokens and on where it starts, never on
+  # another document's tokens.
+  order = jnp.lexsort((index, buckets, jnp.broadcast_to(seg[:, :, None], buckets.shape)),
+                      axis=-1).astype(jnp.int32)              # (b, h, r, N)
+  rank = jnp.argsort(order, axis=-1).astype(jnp.int32)  # Sorted slot of each position.
+
+  chunk = lambda a: a.reshape(a.shape[:3] + (total // m, m) + a.shape[4:])
+  pos_q = chunk(order)                                        # (b, h, r, C, m)
+  bucket_q = chunk(jnp.take_along_axis(buckets, order, axis=-1))
+  seg_q = chunk(_lookup(seg, order))
+  q_s = chunk(_lookup(qh, order))                             # (b, h, r, C, m, d)
+  pos_k, bucket_k, seg_k = _windows(pos_q), _windows(bucket_q), _windows(seg_q)
+  k_s = _windows(chunk(_lookup(kh, order)))                   # (b, h, r, C, 2m, d)
+  v_s = _windows(chunk(_lookup(vh, order)))
+  look_back_valid = jnp.concatenate(
+      [jnp.arange(total // m)[:, None] > 0, jnp.ones((total // m, 1), bool)], axis=1)
+  look_back_valid = jnp.repeat(look_back_valid, m, axis=1)    # (C, 2m)
+
+  live = ((bucket_q[..., :, None] == bucket_k[..., None, :])
+          & (pos_k[..., None, :] <= pos_q[..., :, None])
+          & (seg_q[..., :, None] == seg_k[..., None, :])
+          & look_back_valid[:, None, :])                      # (b, h, r, C, m, 2m)
+  logits = jnp.einsum('bhrcqd,bhrckd->bhrcqk', q_s, k_s,
+                      preferred_element_type=jnp.float32) * scale
+  logits = jnp.where(pos_k[..., None, :] == pos_q[..., :, None], SELF_LOGIT, logits)
+  if rounds > 1:
+    # N_ij: rounds whose chunks pair i with j (same bucket, j's chunk is i's or the one before).
+    per_round = jnp.stack([rank // m, buckets], axis=-1)      # (b, h, r, N, 2)
+    per_round = jnp.moveaxis(per_round, 2, 3)                 # (b, h, N, r, 2)
+    q_info, k_info = _lookup(per_round, pos_q), _lookup(per_round, pos_k)
+    step = q_info[..., :, None, :, 0] - k_info[..., None, :, :, 0]
+    together = ((q_info[..., :, None, :, 1] == k_info[..., None, :, :, 1])
+                & (step >= 0) & (step <= 1))
+    count = jnp.sum(together, axis=-1)                        # (b, h, r, C, m, 2m)
+    logits = logits - jnp.log(jnp.maximum(count, 1).astype(jnp.float32))
+  logits = jnp.where(live, logits, base.NEG_INF)
+  top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  e = jnp.where(live, jnp.exp(logits - top), 0.0)
+  mass = jnp.sum(e, axis=-1, keepdims=True)  # > 0: a query always sees itself.
+  out = jnp.einsum('bhrcqk,bhrckd->bhrcqd', e.astype(dtype), v_s,
+                   preferred_element_type=jnp.float32) / mass
+  lse = (top + jnp.log(mass))[..., 0]                         # (b, h, r, C, m)
+  # Back to position order, then the rounds weighted by their log-sum-exp.
+  out = jnp.take_along_axis(out.reshape(b, h, rounds, total, d), rank[..., None], axis=3)
+  lse = jnp.take_along_axis(lse.reshape(b, h, rounds, total), rank, axis=3)
+  weights = jax.nn.softmax(lse, axis=2)[..., None]
+  out = jnp.sum(weights * out, axis=2)[:, :, :n]              # (b, h, n, d)
+  return jnp.swapaxes(out, 1, 2).astype(dtype)
+
+
+@register('lsh')
+class LSHAttention(base.MultiHeadAttention):
+  """Reformer LSH attention with shared-QK (module docstring). Options n_buckets, n_hashes,
+  chunk_len."""
+
+  OPTIONS = {
+      'n_buckets': base.Option(8, 'b: hash buckets per round, even (1: one bucket, no hashing)'),
+      'n_hashes': base.Option(1, 'rounds of hashing; a query sees the union of its rounds'),
+      'chunk_len': base.Option(64, 'm: sorted positions per chunk; a chunk attends to itself '
+                                   'and the previous one'),
+  }
+
+  @classmethod
+  def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
+    del n_heads, n_layers
+    b = options['n_buckets']
+    if b < 1 or (b > 1 and b % 2):
+      raise ValueError(f'attention_options.n_buckets must be 1 or an even number (the hash '
+                       f'is an argmax over [xR; -xR], R of b/2 columns), got {b}')
+    for name in ('n_hashes', 'chunk_len'):
+      if options[name] < 1:
+        raise ValueError(f'attention_options.{name} must be >= 1, got {options[name]}')
+
+  @classmethod
+  def rng_streams(cls, options: dict) -> tuple[str, ...]:
+    return ('lsh',) if options.get('n_buckets', 1) > 1 else ()
+
+  @classmethod
+  def implementation(cls, impl, **kwargs):
+    """LSH attention has one path of its own (sort, chunk, attend); 'auto', 'xla' and
+    'blocksparse' all run it."""
+    if impl in ('cpu_kernel', 'splash', 'fused', 'cudnn'):
+      raise ValueError(f"lsh attention sorts positions by hash bucket and attends chunk by "
+                       f"chunk: attention_impl={impl!r} cannot run it; use 'auto', "
+                       "'blocksparse' or 'xla'")
+    if impl in base.IMPLEMENTATIONS and impl != 'xla':
+      return 'blocksparse'
+    return super().implementation(impl, **kwargs)
+
+  def project(self, x):
+    """Queries and values from one (d_model, 2, heads, head_dim) kernel (shared-QK has no key
+    projection); returns (q, q, v): the keys are derived from q in `attend`."""
+    d_model = x.shape[-1]
+    w_qv = self.param('qv', nn.with_logical_partitioning(
+        layers.default_kernel_init, ('embed', 'qkv', 'heads', 'kv')),
+        (d_model, 2, self.num_heads, self.head_dim), self.param_dtype)
+    b, t = x.shape[:2]
+    qv = jnp.dot(x.astype(self.dtype).reshape(b * t, d_model),
+                 w_qv.astype(self.dtype).reshape(d_model, -1))
+    qv = qv.reshape(b, t, 2, self.num_heads, self.head_dim)
+    q, v = qv[:, :, 0], qv[:, :, 1]
+    if self.qk_norm:
+      q = layers.RMSNorm(dtype=self.dtype, param_dtype=self.param_dtype, axis_name='kv',
+                         name='q_norm')(q)
+    constrain = lambda a: nn.with_logical_constraint(a, ('batch', 'length', 'heads', 'kv'))
+    return constrain(q), constrain(q), constrain(v)
+
+  def rotations(self):
+    """(n_hashes, head_dim, n_buckets / 2) random rotations of this call."""
+    shape = (self.option('n_hashes'), self.head_dim, self.option('n_buckets') // 2)
+    if self.has_rng('lsh'):
+      key = self.make_rng('lsh')
+    else:
+      key = jax.random.fold_in(jax.random.key(EVAL_KEY), self.layer_index)
+    return jax.random.normal(key, shape, jnp.float32)
+
+  def buckets(self, q):
+    """(batch, heads, n_hashes, length) buckets of the keys q / |q| (direction only)."""
+    b, n, h, _ = q.shape
+    if self.option('n_buckets') == 1:
+      return jnp.zeros((b, h, self.option('n_hashes'), n), jnp.int32)
+    return hash_buckets(q, self.rotations())
+
+  def attend(self, q, k, v, *, positions, segment_ids, deterministic, key_segment_ids=None,
+             extra=None):
+    del k, positions, deterministic, key_segment_ids, extra
+    buckets = self.buckets(q)
+    self.sow('intermediates', 'buckets', buckets)
+    return lsh_attention(q, v, segment_ids, buckets, chunk_len=self.option('chunk_len'),
+                         scale=self.head_dim ** -0.5, dtype=self.dtype)
+
+  def decode_step(self, q, k, v, *, positions, extra=None):
+    raise NotImplementedError(
+        'lsh attention cannot decode token by token: a query\'s chunk in the sorted order '
+        'depends on the buckets of later tokens, so no cache reproduces the forward pass. '
+        'Score whole sequences with the forward pass (models/decode.score) instead.')
+
