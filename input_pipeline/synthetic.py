@@ -2,7 +2,8 @@
 
 Deterministic numpy batch generators for the synthetic tasks of Leviathan et
 al. (2024), section 2 and appendix A.1-A.2: Variable Assignment, Copy and
-Parity. They are the embedded default training data: nothing is downloaded.
+Parity; and the Reformer paper's Duplication task (Kitaev et al., 2020). They
+are the embedded default training data: nothing is downloaded.
 
 Every task shares the reserved ids `PAD`, `BOS` and `EOS`; task tokens start at
 `NUM_RESERVED`. A task's `batch(seed, step, batch_size)` returns a dict of
@@ -361,12 +362,76 @@ class Parity(_Task):
     return tokens, weights
 
 
-Task = Union[VariableAssignment, Copy, Parity]
+@dataclasses.dataclass(frozen=True)
+class Duplication(_Task):
+  """Duplication (the Reformer paper's synthetic task, Kitaev et al. 2020, section 5): a
+  sequence `0 w 0 w`, w a string of random symbols; the second copy is scored.
+
+  A row is `BOS, SEP, w_1..w_L, SEP, w_1..w_L` with `L = dup_length` and symbols uniform over
+  the alphabet (the paper's `0` is SEP). The first half is unpredictable; each token of the
+  second copy is the token L + 1 positions back, which a model finds only by attending to it:
+  the paper uses it to compare full attention with LSH attention. Scored targets are the L
+  symbols of the second copy (the prediction made at the second SEP onward).
+
+  Token layout: `[reserved | SEP | num_symbols symbol tokens]`.
+
+  Attributes:
+    num_symbols: Alphabet size (paper: N = 127).
+    dup_length: Length L of w (paper: 511, a sequence of 1024).
+  """
+
+  num_symbols: int = 64
+  dup_length: int = 127
+
+  def __post_init__(self):
+    _check_int('num_symbols', self.num_symbols, 1)
+    _check_int('dup_length', self.dup_length, 1)
+
+  @property
+  def sep_id(self) -> int:
+    """Id of the `0` that precedes each copy."""
+    return NUM_RESERVED
+
+  @property
+  def symbol_offset(self) -> int:
+    """Id of the first symbol token."""
+    return NUM_RESERVED + 1
+
+  @property
+  def vocab_size(self) -> int:
+    """Total number of token ids."""
+    return self.symbol_offset + self.num_symbols
+
+  @property
+  def seq_len(self) -> int:
+    """Model input length: BOS + 2 (L + 1) tokens, minus the last (a power of two for
+    L = 2^k - 1)."""
+    return 2 * self.dup_length + 2
+
+  @property
+  def chance_loss(self) -> float:
+    """Loss (nats) of a uniform guess over the alphabet on the scored copy: ln(num_symbols)."""
+    return math.log(self.num_symbols)
+
+  def _tokens(self, rng, batch_size):
+    n = self.dup_length
+    w = (rng.integers(0, self.num_symbols, size=(batch_size, n)) + self.symbol_offset)
+    sep = np.full((batch_size, 1), self.sep_id)
+    tokens = np.concatenate([np.full((batch_size, 1), BOS), sep, w, sep, w],
+                            axis=1).astype(np.int32)
+    # Target i predicts token i + 1; the second copy is tokens n + 3 .. 2 n + 2.
+    weights = np.zeros((batch_size, self.seq_len), dtype=np.float32)
+    weights[:, n + 2:] = 1.0
+    return tokens, weights
+
+
+Task = Union[VariableAssignment, Copy, Parity, Duplication]
 
 TASKS = {
     'variable_assignment': VariableAssignment,
     'copy': Copy,
     'parity': Parity,
+    'duplication': Duplication,
 }
 
 

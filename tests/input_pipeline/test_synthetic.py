@@ -14,6 +14,7 @@ SMALL_TASKS = [
     synthetic.VariableAssignment(num_variables=3, num_values=20, num_assignments=16),
     synthetic.Copy(num_symbols=7, max_length=6, min_length=1),
     synthetic.Parity(num_bits=9),
+    synthetic.Duplication(num_symbols=5, dup_length=7),
 ]
 DEFAULT_TASKS = [cls() for cls in synthetic.TASKS.values()]
 ALL_TASKS = SMALL_TASKS + DEFAULT_TASKS
@@ -184,6 +185,30 @@ def test_parity_brute_force():
   assert task.chance_loss == pytest.approx(math.log(2))
 
 
+def test_duplication_brute_force():
+  """0 w 0 w (BOS first): the second copy repeats the first, and exactly its symbols are
+  scored, each predictable from the token dup_length + 1 back."""
+  task = synthetic.Duplication(num_symbols=6, dup_length=9)
+  batch = task.batch(seed=3, step=2, batch_size=16)
+  tokens = _tokens(batch)
+  n = task.dup_length
+  assert tokens.shape[1] == 2 * n + 3 and task.seq_len == 2 * n + 2
+  assert task.vocab_size == synthetic.NUM_RESERVED + 1 + 6
+  for row in tokens:
+    assert row[0] == synthetic.BOS and row[1] == row[n + 2] == task.sep_id
+    w = row[2:n + 2]
+    assert ((w >= task.symbol_offset) & (w < task.vocab_size)).all()
+    np.testing.assert_array_equal(row[n + 3:], w)
+  assert len(np.unique(tokens[:, 2:n + 2])) == 6  # Every symbol drawn somewhere.
+  scored = batch['weights'] > 0
+  for row in range(16):
+    idx = np.flatnonzero(scored[row])
+    np.testing.assert_array_equal(idx, np.arange(n + 2, 2 * n + 2))
+    # Target i is token i + 1 = token i - n (the same symbol in the first copy).
+    np.testing.assert_array_equal(batch['targets'][row, idx], tokens[row, idx - n])
+  assert synthetic.Duplication(dup_length=511).seq_len == 1024  # The paper's length.
+
+
 def test_make_task():
   task = synthetic.make_task('copy', max_length=5)
   assert task == synthetic.Copy(max_length=5)
@@ -220,6 +245,9 @@ def test_make_task():
     ('parity', {
         'num_bits': 0
     }, 'num_bits'),
+    ('duplication', {
+        'dup_length': 0
+    }, 'dup_length'),
 ])
 def test_invalid_hyper_parameters_raise(name, kwargs, message):
   with pytest.raises(ValueError, match=message):
