@@ -17,7 +17,10 @@ under scan_cycle, 0 under scan.
 
 The stack owns the layer naming: `layer_tree(config, tree, i)` is layer i's part of any tree
 laid out like the parameters (params, or a sown or persistent collection), and
-`stacked_tree(config, per_layer)` builds such a tree from one entry per layer.
+`stacked_tree(config, per_layer)` builds such a tree from one entry per layer. For code that
+applies the layers itself (models/reversible.py), `cycle(config)` gives the layers as repeats
+of a cycle, and `cycle_tree` / `from_cycle_trees` the trees per place of the cycle with the
+repeats on a leading axis, without slicing a scanned stack's arrays.
 """
 
 from __future__ import annotations
@@ -99,6 +102,25 @@ class Stack:
     where layers are stacked)."""
     raise NotImplementedError
 
+  @classmethod
+  def cycle(cls, config) -> tuple[int, int]:
+    """(repeats, p): the layers as `repeats` applications of a cycle of p layers; layer
+    i = r p + k is place k of repeat r, and its block gets layer_index k and
+    config.attention[k]."""
+    raise NotImplementedError
+
+  @classmethod
+  def cycle_tree(cls, config, tree, k: int):
+    """Place k's part of a tree laid out like the parameters, every repeat on a leading axis
+    ({} where it has none)."""
+    raise NotImplementedError
+
+  @classmethod
+  def from_cycle_trees(cls, config, per_place: list):
+    """The tree laid out like the parameters from one subtree per place of the cycle (each
+    with the repeats on a leading axis); empty subtrees are left out."""
+    raise NotImplementedError
+
 
 def _block(config):
   return blocks.get(config.block)
@@ -122,6 +144,18 @@ class Unrolled(Stack):
   @classmethod
   def stacked_tree(cls, config, per_layer):
     return {f'block_{i}': sub for i, sub in enumerate(per_layer) if sub is not None}
+
+  @classmethod
+  def cycle(cls, config):
+    return 1, config.n_layers
+
+  @classmethod
+  def cycle_tree(cls, config, tree, k):
+    return jax.tree.map(lambda a: a[None], tree.get(f'block_{k}', {}))
+
+  @classmethod
+  def from_cycle_trees(cls, config, per_place):
+    return {f'block_{k}': _index(sub, 0) for k, sub in enumerate(per_place) if sub}
 
 
 def _carry_only(block_cls):
@@ -173,6 +207,18 @@ class Scan(Stack):
   def stacked_tree(cls, config, per_layer):
     return {'blocks': _stack(per_layer)}
 
+  @classmethod
+  def cycle(cls, config):
+    return config.n_layers, 1
+
+  @classmethod
+  def cycle_tree(cls, config, tree, k):
+    return tree.get('blocks', {})
+
+  @classmethod
+  def from_cycle_trees(cls, config, per_place):
+    return {'blocks': per_place[0]} if per_place[0] else {}
+
 
 class _Cycle(nn.Module):
   """The p blocks of one cycle, applied in order; (carry, None) for nn.scan."""
@@ -219,6 +265,20 @@ class ScanCycle(Stack):
   def stacked_tree(cls, config, per_layer):
     p = cycle_length(config)
     return {'cycle': {f'layer_{k}': _stack(per_layer[k::p]) for k in range(p)}}
+
+  @classmethod
+  def cycle(cls, config):
+    p = cycle_length(config)
+    return config.n_layers // p, p
+
+  @classmethod
+  def cycle_tree(cls, config, tree, k):
+    return tree.get('cycle', {}).get(f'layer_{k}', {})
+
+  @classmethod
+  def from_cycle_trees(cls, config, per_place):
+    places = {f'layer_{k}': sub for k, sub in enumerate(per_place) if sub}
+    return {'cycle': places} if places else {}
 
 
 def resolve(config) -> str:

@@ -84,6 +84,27 @@ def test_bad_stack_or_block_is_reported_at_config_time(overrides, message):
     _config(**overrides)
 
 
+@pytest.mark.parametrize('name,cycle', [('unrolled', (1, 4)), ('scan', (4, 1)),
+                                        ('scan_cycle', (2, 2))])
+def test_cycle_trees_are_the_layers_as_repeats_of_a_cycle(name, cycle):
+  """Stack.cycle_tree(tree, k)[r] is layer r p + k's part, and from_cycle_trees puts the
+  places back where the stack keeps them."""
+  cfg = _config(attention='dense' if name == 'scan' else 'dense,local,dense,local', stack=name)
+  stack = stacks.get(name)
+  assert stack.cycle(cfg) == cycle
+  repeats, p = cycle
+  tree = stack.stacked_tree(cfg, [{'w': jnp.full((3,), float(i))} for i in range(4)])
+  places = [stack.cycle_tree(cfg, tree, k) for k in range(p)]
+  for r in range(repeats):
+    for k in range(p):
+      np.testing.assert_array_equal(places[k]['w'][r], stack.layer_tree(cfg, tree, r * p + k)['w'])
+  back = stack.from_cycle_trees(cfg, places)
+  assert jax.tree.structure(back) == jax.tree.structure(tree)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
+    np.testing.assert_array_equal(a, b)
+  assert stack.from_cycle_trees(cfg, [{}] * p) == {}  # Nothing sown: no entry.
+
+
 def test_auto_scans_only_identical_layer_independent_layers():
   assert _config(attention='dense').stack_name == 'scan'
   assert _config(attention='local').stack_name == 'scan'
