@@ -28,6 +28,9 @@ import pytest
 from models import attention
 from models.attention import cpu_kernel, patterns, sparse
 
+# The kernel is a CPU custom call: it has no handler on another platform.
+pytestmark = pytest.mark.cpu_only
+
 
 @pytest.fixture(scope='module')
 def _kernel_build() -> str | None:

@@ -101,6 +101,7 @@ def test_an_explicit_name_is_kept_where_it_runs(impl, kernel_builds):
       backend='cpu') == impl
 
 
+@pytest.mark.cpu_only  # What the real backend resolves to on one CPU device.
 def test_auto_without_a_compiler_falls_back_with_one_warning(no_compiler, caplog):
   del no_compiler
   cfg = transformer.TransformerConfig.from_config(dict(
@@ -116,6 +117,7 @@ def test_auto_without_a_compiler_falls_back_with_one_warning(no_compiler, caplog
 # --------------------------------------------------------- explicit names that cannot run
 
 
+@pytest.mark.cpu_only  # What the real backend resolves to on one CPU device.
 def test_explicit_cpu_kernel_without_a_compiler_is_refused_at_config_time(no_compiler):
   del no_compiler
   with pytest.raises(ValueError, match=r"compiler.*Use 'auto'"):
@@ -194,6 +196,7 @@ def _logits_and_grads(model, params):
   return logits, grads
 
 
+@pytest.mark.cpu_only
 @pytest.mark.usefixtures('built_kernel')
 @pytest.mark.parametrize('names,stack', [('dense', 'unrolled'), ('dense', 'scan'),
                                          ('strided', 'unrolled'), ('local_global', 'unrolled')])
@@ -208,6 +211,7 @@ def test_cpu_kernel_equals_xla_outputs_and_gradients(names, stack):
     np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-5 * scale)
 
 
+@pytest.mark.cpu_only  # What the real backend resolves to on one CPU device.
 def test_blocksparse_never_calls_the_kernel(monkeypatch, kernel_builds):
   del kernel_builds
 
@@ -231,6 +235,7 @@ def test_blocksparse_never_calls_the_kernel(monkeypatch, kernel_builds):
 # ---------------------------------------------------------------------------- per-layer log
 
 
+@pytest.mark.cpu_only  # What the real backend resolves to on one CPU device.
 def test_implementations_per_layer_of_a_mixed_model(monkeypatch, kernel_builds):
   del kernel_builds
   for impl, want in [('auto', ['cpu_kernel', 'cpu_kernel']), ('xla', ['xla', 'xla']),
@@ -248,6 +253,7 @@ class _Stop(Exception):
   pass
 
 
+@pytest.mark.cpu_only  # What the real backend resolves to on one CPU device.
 def test_training_log_says_each_layers_implementation(monkeypatch, tmp_path, caplog):
   config = tiny.get_config()
   config.model.attention = 'dense,strided'

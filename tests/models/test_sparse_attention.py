@@ -222,6 +222,7 @@ def fresh_splash_kernels():
     clear()
 
 
+@pytest.mark.cpu_only  # Pallas interpret mode (on TPU the kernel runs compiled).
 @pytest.mark.parametrize('case_id', [
     c if c in SPLASH_FAST else pytest.param(c, marks=pytest.mark.slow) for c in CASE_IDS])
 def test_splash_matches_xla_outputs_and_gradients(case_id, fresh_splash_kernels):
@@ -229,6 +230,7 @@ def test_splash_matches_xla_outputs_and_gradients(case_id, fresh_splash_kernels)
   _check_against_xla(case_id, 'splash', N_SPLASH, SPLASH_BLOCK, DOCS_256)
 
 
+@pytest.mark.cpu_only
 def test_splash_kernel_survives_a_second_trace():
   """The same splash module traced twice (e.g. a train step and an eval step).
 
@@ -248,6 +250,7 @@ def test_splash_kernel_survives_a_second_trace():
   _assert_close(second, 2.0 * np.asarray(first), 'second trace')
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize('scan', [True, False])
 def test_splash_decoder_builds_and_matches_xla(scan, fresh_splash_kernels):
   """What train.build and the train step do: an abstract init (jax.eval_shape), then a jit.
