@@ -42,11 +42,14 @@ def get_config() -> ml_collections.ConfigDict:
   model.dtype = 'bfloat16'              # Compute dtype.
   model.param_dtype = 'float32'         # Parameter (and optimizer state) dtype.
   model.remat = 'none'                  # 'none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable'.
-  model.block = 'pre_ln'                # Residual wiring of a layer: pre_ln | gtrxl (models/blocks.py).
+  model.block = 'pre_ln'                # Residual wiring of a layer: pre_ln | gtrxl | reversible
+                                        # (models/blocks.py).
   model.stack = 'auto'                  # How blocks are applied (models/stacks.py): 'unrolled',
                                         # 'scan' (identical layers), 'scan_cycle' (a repeating
                                         # cycle, e.g. interleaved strided A1/A2); 'auto' = scan
                                         # where it applies, else unrolled.
+  model.ff_chunk_len = 0                # Positions per chunk of the SwiGLU feed-forward (its
+                                        # hidden activation is never whole); 0 = no chunking.
 
   # Data.
   config.data = data = ml_collections.ConfigDict()

@@ -1,17 +1,23 @@
 """Residual wiring of one layer (`model.block`): a registry, one entry per wiring.
 
-Every block has the same signature, `x = block(x, ctx)`, with the frozen `LayerContext` that
-the stack hands to each layer, so a stack never needs to know which block it applies:
+Every block has the same signature, `carry = block(carry, ctx)`, with the frozen
+`LayerContext` that the stack hands to each layer, so a stack never needs to know which block
+it applies:
 
-  pre_ln   x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))   (today's backbone)
-  gtrxl    g(x, ReLU(Attn(RMSNorm(x)))), then g(x, ReLU(SwiGLU(RMSNorm(x)))), g a GRU-type
-           gate (GTrXL, Parisotto et al. 2019)
+  pre_ln      x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))   (today's backbone)
+  gtrxl       g(x, ReLU(Attn(RMSNorm(x)))), then g(x, ReLU(SwiGLU(RMSNorm(x)))), g a GRU-type
+              gate (GTrXL, Parisotto et al. 2019)
+  reversible  two residual halves: y1 = x1 + Attn(RMSNorm(x2)), y2 = x2 + SwiGLU(RMSNorm(y1))
+              (RevNet, Gomez et al. 2017; Reformer, Kitaev et al. 2020); training rebuilds
+              each layer's input from its output (models/reversible.py)
 
-The later variants add their wiring here (reversible halves) and nowhere else. A block whose
+The carry is what the block threads through the stack: the residual stream x for pre_ln and
+gtrxl, the pair (x1, x2) for reversible. The Decoder makes it from the embedding with the
+block's `split` and turns the stack's output back into one stream with `merge`. A block whose
 wiring adds matmul weights declares them (`extra_matmul_weights`) for the FLOPs count.
 """
 
-from typing import Any
+from typing import Any, ClassVar
 
 import flax
 import flax.linen as nn
@@ -80,6 +86,25 @@ class BlockBase(nn.Module):
   attention_name: str
   layer_index: int = 0
 
+  # True for a block whose input is a function of its output: the Decoder then trains the
+  # stack through models/reversible.py, which stores no layer's activations.
+  REVERSIBLE: ClassVar[bool] = False
+
+  @classmethod
+  def check(cls, config) -> None:
+    """Raises ValueError if this wiring cannot run `config` (at config time)."""
+    del config
+
+  @classmethod
+  def split(cls, x):
+    """The carry the stack threads through the layers, from the embedded input x."""
+    return x
+
+  @classmethod
+  def merge(cls, carry):
+    """The stream the final norm reads, from the stack's output carry."""
+    return carry
+
   @classmethod
   def extra_matmul_weights(cls, d_model: int) -> int:
     """Matmul weights per layer beyond attention and MLP (the block's own), for
@@ -100,14 +125,15 @@ class BlockBase(nn.Module):
         deterministic=ctx.deterministic)
 
   def mlp(self, x):
-    """The SwiGLU feed-forward of this layer."""
+    """The SwiGLU feed-forward of this layer (over chunks of model.ff_chunk_len positions
+    when set)."""
     cfg = self.config
     return layers.SwiGLU(cfg.mlp_dim, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                         name='mlp')(x)
+                         chunk_len=cfg.ff_chunk_len, name='mlp')(x)
 
-  def dropout(self, h, ctx: LayerContext):
+  def dropout(self, h, ctx: LayerContext, name: str | None = None):
     """Residual dropout (model.dropout_rate)."""
-    return nn.Dropout(self.config.dropout_rate)(h, deterministic=ctx.deterministic)
+    return nn.Dropout(self.config.dropout_rate, name=name)(h, deterministic=ctx.deterministic)
 
 
 @register('pre_ln')
@@ -191,3 +217,75 @@ class GTrXL(BlockBase):
     y = jax.nn.relu(self.mlp(self.norm('pre_mlp_norm')(x)))
     x = self.gate('mlp_gate')(x, self.dropout(y, ctx))
     return nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
+
+
+def _stream(x):
+  return nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
+
+
+@register('reversible')
+class Reversible(BlockBase):
+  """Reversible block (RevNet, Gomez et al. 2017; Reformer, Kitaev et al. 2020) over a
+  residual stream split into two halves:
+
+    y1 = x1 + F(x2),  F(a) = Dropout(Attn(RMSNorm(a)))
+    y2 = x2 + G(y1),  G(a) = Dropout(SwiGLU(RMSNorm(a)))
+
+  so the input follows from the output: x2 = y2 - G(y1), x1 = y1 - F(x2). The Decoder trains
+  a stack of these through models/reversible.py, which rebuilds each layer's input in the
+  backward pass instead of storing it; initialization and decoding run the block as written
+  here. Works with any attention variant and stack; segment memory is refused (`check`).
+
+  `split` puts the embedding into both halves; `merge` hands their mean (y1 + y2) / 2 to the
+  final norm, so every width, and the logits kernel, stays d_model (Reformer concatenates the
+  halves into a 2 d_model stream instead). The halves are carried in float32 whatever
+  model.dtype, so that subtracting F and G rebuilds the inputs to float32 rounding; F and G
+  compute in model.dtype. Residual dropout applies to each sublayer output, as in pre_ln.
+
+  `half='attention'` (or 'mlp') applies F (or G) alone to its one input, for the backward
+  pass. The sublayers' modules, dropout included, are named, so F and G alone draw the same
+  random masks (LSH rotations, dropout) as inside the whole block.
+  """
+
+  REVERSIBLE = True
+
+  @classmethod
+  def check(cls, config):
+    if config.uses_memory:
+      raise ValueError(
+          "model.block='reversible' cannot carry segment memory (Transformer-XL's mem_len, "
+          "adaptive span's span_memory): its training path rebuilds each layer's input and does "
+          'not update the memory collection. Set mem_len=0 / span_memory=False, or use '
+          "model.block='pre_ln'")
+
+  @classmethod
+  def split(cls, x):
+    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return x, x
+
+  @classmethod
+  def merge(cls, carry):
+    y1, y2 = carry
+    return (y1 + y2) / 2
+
+  def f(self, x2, ctx: LayerContext):
+    """F(x2) = Dropout(Attn(RMSNorm(x2)))."""
+    return self.dropout(self.attention(self.norm('pre_attention_norm')(x2), ctx), ctx,
+                        name='attention_dropout')
+
+  def g(self, y1, ctx: LayerContext):
+    """G(y1) = Dropout(SwiGLU(RMSNorm(y1)))."""
+    return self.dropout(self.mlp(self.norm('pre_mlp_norm')(y1)), ctx, name='mlp_dropout')
+
+  @nn.compact
+  def __call__(self, carry, ctx: LayerContext, half: str | None = None):
+    if half == 'attention':
+      return self.f(carry, ctx)
+    if half == 'mlp':
+      return self.g(carry, ctx)
+    if half is not None:
+      raise ValueError(f"half must be None, 'attention' or 'mlp', got {half!r}")
+    x1, x2 = carry
+    y1 = _stream(x1 + self.f(x2, ctx).astype(x1.dtype))
+    y2 = _stream(x2 + self.g(y1, ctx).astype(x2.dtype))
+    return y1, y2

@@ -106,6 +106,32 @@ def _swiglu_mlp_bwd(residuals, dy):
 swiglu_mlp.defvjp(_swiglu_mlp_fwd, _swiglu_mlp_bwd)
 
 
+def chunked_swiglu_mlp(x, w_in, w_out, chunk_len: int):
+  """swiglu_mlp over chunks of `chunk_len` positions (Reformer's chunked feed-forward,
+  Kitaev et al. 2020): the (tokens, 2, hidden) activation exists for one chunk at a time,
+  in the forward and in the backward pass.
+
+  The chunks run in a lax.map of a jax.checkpoint'ed chunk function, so the backward pass
+  keeps only each chunk's input and recomputes its hidden activation. A length that is not a
+  multiple of `chunk_len` is padded with zeros (SwiGLU(0) = 0) and the padding cut off.
+
+  Args:
+    x: (batch, length, d) inputs.
+    w_in: (d, 2, hidden) gate and up kernels.
+    w_out: (hidden, d) output kernel.
+    chunk_len: positions per chunk (>= 1).
+
+  Returns:
+    (batch, length, d) outputs, equal to swiglu_mlp(x, w_in, w_out).
+  """
+  b, n, d = x.shape
+  chunks = -(-n // chunk_len)
+  x = jnp.pad(x, ((0, 0), (0, chunks * chunk_len - n), (0, 0)))
+  xs = x.reshape(b, chunks, chunk_len, d).swapaxes(0, 1)   # (chunks, batch, chunk_len, d)
+  ys = jax.lax.map(jax.checkpoint(lambda xc: swiglu_mlp(xc, w_in, w_out)), xs)
+  return ys.swapaxes(0, 1).reshape(b, chunks * chunk_len, -1)[:, :n]
+
+
 class SwiGLU(nn.Module):
   """Gated feed-forward block (Shazeer, 2020): W_o (silu(x W_g) * (x W_u)), no biases.
 
@@ -113,10 +139,13 @@ class SwiGLU(nn.Module):
     hidden_dim: width of the gated hidden layer.
     dtype: computation dtype.
     param_dtype: parameter dtype.
+    chunk_len: positions per chunk of a (batch, length, d) input (chunked_swiglu_mlp); 0, or a
+      length no longer than it, computes all positions at once.
   """
   hidden_dim: int
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
+  chunk_len: int = 0
 
   @nn.compact
   def __call__(self, x):
@@ -126,7 +155,10 @@ class SwiGLU(nn.Module):
         default_kernel_init, ('embed', 'gate', 'mlp')), (d_model, 2, self.hidden_dim), self.param_dtype)
     w_out = self.param('wo', nn.with_logical_partitioning(default_kernel_init, ('mlp', 'embed')),
                        (self.hidden_dim, d_model), self.param_dtype)
-    return swiglu_mlp(x.astype(self.dtype), w_in.astype(self.dtype), w_out.astype(self.dtype))
+    x, w_in, w_out = x.astype(self.dtype), w_in.astype(self.dtype), w_out.astype(self.dtype)
+    if self.chunk_len and x.ndim == 3 and x.shape[1] > self.chunk_len:
+      return chunked_swiglu_mlp(x, w_in, w_out, self.chunk_len)
+    return swiglu_mlp(x, w_in, w_out)
 
 
 class Embed(nn.Module):

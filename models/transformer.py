@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import attention, blocks, layers, stacks
+from models import attention, blocks, layers, reversible, stacks
 
 Dtype = Any
 POSITION_EMBEDDINGS = ('learned', 'none')
@@ -45,6 +45,9 @@ class TransformerConfig:
     remat: rematerialization policy, one of REMAT_POLICIES.
     block: residual wiring of each layer, a name in models/blocks.py.
     stack: how the blocks are applied, a name in models/stacks.py or 'auto'.
+    ff_chunk_len: positions per chunk of the SwiGLU feed-forward (layers.chunked_swiglu_mlp:
+      its (tokens, mlp_dim) hidden activation is never whole); 0 = all positions at once. A
+      length that does not divide the sequence is padded.
   """
   vocab_size: int
   d_model: int
@@ -66,6 +69,7 @@ class TransformerConfig:
   remat: str = 'none'
   block: str = 'pre_ln'
   stack: str = 'auto'
+  ff_chunk_len: int = 0
 
   def __post_init__(self):
     for name in ('vocab_size', 'd_model', 'n_heads', 'n_layers', 'head_dim', 'mlp_dim', 'max_len',
@@ -97,7 +101,11 @@ class TransformerConfig:
       raise ValueError(f'unknown model.remat {self.remat!r}; known: {", ".join(REMAT_POLICIES)}')
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f'model.dropout_rate must be in [0, 1), got {self.dropout_rate}')
-    blocks.get(self.block)
+    if isinstance(self.ff_chunk_len, bool) or not isinstance(self.ff_chunk_len, int) or (
+        self.ff_chunk_len < 0):
+      raise ValueError(f'model.ff_chunk_len must be an integer >= 0 (0 = no chunking), got '
+                       f'{self.ff_chunk_len!r}')
+    blocks.get(self.block).check(self)
     if self.stack != 'auto':
       stacks.get(self.stack).check(self)
 
@@ -159,7 +167,8 @@ class TransformerConfig:
         qk_norm=m.get('qk_norm', True),
         tied_embeddings=m.get('tied_embeddings', False), dropout_rate=m.get('dropout_rate', 0.0),
         dtype=jnp.dtype(m.get('dtype', 'float32')), param_dtype=jnp.dtype(m.get('param_dtype', 'float32')),
-        remat=m.get('remat', 'none'), block=m.get('block', 'pre_ln'), stack=m.get('stack', 'auto'))
+        remat=m.get('remat', 'none'), block=m.get('block', 'pre_ln'), stack=m.get('stack', 'auto'),
+        ff_chunk_len=m.get('ff_chunk_len', 0))
 
   def num_params(self) -> int:
     """Number of trainable parameters, counted from the shapes `Decoder.init` creates (no
@@ -172,6 +181,11 @@ class TransformerConfig:
     N_matmul counts the weights used in matmuls (blocks, with the block wiring's own, such as
     GTrXL's gates, and the output projection, not the embedding lookups); the attention term
     counts the full T x T score matrix as PaLM does.
+
+    These are model FLOPs, the MFU convention: recomputation is not counted. The reversible
+    block (same count as pre_ln) recomputes each sublayer's forward once in the backward pass
+    (about 4/3 of these FLOPs for the blocks are executed), and model.remat and
+    model.ff_chunk_len (which recomputes the feed-forward's hidden activation) add theirs.
 
     Args:
       seq_len: training sequence length T.
@@ -205,6 +219,28 @@ class Decoder(nn.Module):
       if specs:
         shared[variant] = SharedParams(specs, cfg.param_dtype, name=f'{variant}_shared')()
     return shared
+
+  def reversible_stack(self, carry, ctx: blocks.LayerContext):
+    """The stack of reversible blocks through models/reversible.py, whose backward pass
+    rebuilds each layer's input instead of storing it.
+
+    The layers' parameters (and any other collection given, e.g. 'pruning') are read from
+    this module's variables; each rng stream gets one key here, which layer i folds i into.
+    The 'losses' and 'metrics' the layers sow are put where the blocks would sow them.
+    Initialization, decoding and calls that collect 'intermediates' (--mode=inspect) run the
+    blocks as modules instead (the same values; parameters and caches made there).
+    """
+    cfg = self.config
+    keys = {s: self.make_rng(s) for s in rng_streams(cfg) if self.has_rng(s)}
+    skip = ('params', 'intermediates', *reversible.SOWN)
+    reads = {c: nn.unbox(tree) for c, tree in self.variables.items() if c not in skip}
+    carry, sown = reversible.run(cfg, nn.unbox(self.variables['params']), carry, ctx, keys,
+                                 reads)
+    for collection, tree in sown.items():
+      if self.is_mutable_collection(collection):
+        for name, sub in tree.items():
+          self.put_variable(collection, name, sub)
+    return carry
 
   @nn.compact
   def __call__(self, inputs, *, positions=None, segment_ids=None, deterministic=True,
@@ -246,7 +282,14 @@ class Decoder(nn.Module):
     ctx = blocks.LayerContext(positions=positions, segment_ids=segment_ids,
                               deterministic=deterministic, decode=decode,
                               shared=self.shared_attention_params())
-    x = stacks.of(cfg).apply(cfg, x, ctx)
+    block = blocks.get(cfg.block)
+    carry = block.split(x)
+    if (block.REVERSIBLE and not decode and not self.is_initializing()
+        and not self.is_mutable_collection('intermediates')):
+      carry = self.reversible_stack(carry, ctx)
+    else:
+      carry = stacks.of(cfg).apply(cfg, carry, ctx)
+    x = block.merge(carry)
 
     x = layers.RMSNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype, name='final_norm')(x)
     if cfg.tied_embeddings:

@@ -69,6 +69,7 @@ KINDS = {
     'model.attention_impl': RUNTIME,        # The same attention on another kernel.
     'model.attention_block_size': RUNTIME,  # Block length of that kernel.
     'model.remat': RUNTIME,                 # Recomputation: the same values.
+    'model.ff_chunk_len': RUNTIME,          # Chunked feed-forward: the same values.
     'model.dtype': TRAINING,                # Compute precision: eval may use another one.
     'model.dropout_rate': TRAINING,         # Training only.
     'model.attention_options.eval_mem_len': RUNTIME,  # Transformer-XL's memory at eval only.
