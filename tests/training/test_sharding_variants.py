@@ -97,14 +97,18 @@ CONFIG = {
 }
 
 # Cases beyond one per variant: block wirings, on dense attention.
-EXTRA_CASES = ['gtrxl_block']
+EXTRA_CASES = ['gtrxl_block', 'reversible_block']
 CASES = VARIANTS + EXTRA_CASES
 # Per-case keys on top of CONFIG and model.attention=<case>: Transformer-XL encodes positions
 # itself, and the Copy task is not a stream, so its layers attend within the segment (the
-# relative score alone); GTrXL's gates replace the residual sums.
+# relative score alone); GTrXL's gates replace the residual sums; the reversible block trains
+# through its own backward pass (models/reversible.py), with dropout so its replayed masks are
+# compared too.
 CASE_CONFIG = {
     'txl': {'model.position_embedding': 'none', 'model.attention_options.mem_len': 0},
     'gtrxl_block': {'model.attention': 'dense', 'model.block': 'gtrxl'},
+    'reversible_block': {'model.attention': 'dense', 'model.block': 'reversible',
+                         'model.dropout_rate': 0.1},
 }
 
 _SCRIPT = textwrap.dedent('''\
