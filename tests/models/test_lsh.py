@@ -26,12 +26,12 @@ def _qv(seed=0, shape=(2, 24, 2, 8)):
           jnp.asarray(rng.normal(size=shape), jnp.float32))
 
 
-def _masked_shared_qk(q, v, allowed):
-  """softmax over `allowed` (b, h, n, n) of q_i . (q_j / |q_j|) / sqrt(d), the self pair
-  used only by a query with no other allowed key."""
-  d = q.shape[-1]
+def _masked_shared_qk(q, v, allowed, scale=None):
+  """softmax over `allowed` (b, h, n, n) of q_i . (q_j / |q_j|) * scale (default
+  1 / sqrt(d)), the self pair used only by a query with no other allowed key."""
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
   k = q / jnp.linalg.norm(q, axis=-1, keepdims=True)
-  logits = jnp.einsum('bqhd,bkhd->bhqk', q, k) * d ** -0.5
+  logits = jnp.einsum('bqhd,bkhd->bhqk', q, k) * scale
   n = q.shape[1]
   eye = jnp.eye(n, dtype=bool)
   others = jnp.any(allowed & ~eye, axis=-1, keepdims=True)
@@ -186,7 +186,7 @@ def _tokens(n=24):
 
 def test_module_with_one_bucket_is_full_attention_of_its_own_projections():
   """End to end through the module: its q (shared projection, q-norm) and v, full causal
-  shared-QK attention, its output projection."""
+  shared-QK attention with logits q . k (unit keys, no 1/sqrt(d)), its output projection."""
   model = _model(n_buckets=1, n_hashes=1, chunk_len=32, n_layers=1)
   tokens = _tokens()
   params = model.init(jax.random.key(0), tokens)['params']
@@ -210,7 +210,7 @@ def test_module_with_one_bucket_is_full_attention_of_its_own_projections():
   q = q * jax.lax.rsqrt(jnp.mean(q * q, -1, keepdims=True) + 1e-6) * attn['q_norm']['scale']
   v = qv[:, :, 1]
   seg = np.ones(tokens.shape, np.int32)
-  heads = _masked_shared_qk(q, v, jnp.asarray(_causal_docs(seg, 2)))
+  heads = _masked_shared_qk(q, v, jnp.asarray(_causal_docs(seg, 2)), scale=1.0)
   want = jnp.einsum('bnhk,hkd->bnd', heads, attn['out'])
 
   def grab_out(next_fun, args, kwargs, context):
