@@ -54,7 +54,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Data.
   config.data = data = ml_collections.ConfigDict()
   data.name = 'c4'                      # 'c4'/'tfds' (data.tfds_name), 'local_text', or a synthetic task
-                                        # ('variable_assignment', 'copy', 'parity').
+                                        # ('variable_assignment', 'copy', 'parity', 'duplication').
   data.tfds_name = 'c4/en:3.0.1'        # TFDS dataset for 'c4'/'tfds' (prepared; never downloaded).
   data.data_dir = ''                    # TFDS data_dir (local path or gs://); '' = TFDS default.
   data.train_split = 'train'            # TFDS split to train on (each process reads its slice).
@@ -88,6 +88,7 @@ def get_config() -> ml_collections.ConfigDict:
   data.num_symbols = 64                 # Copy: alphabet size.
   data.max_length = 24                  # Copy: longest string (L_max).
   data.num_bits = 32                    # Parity: random bits per example.
+  data.dup_length = 127                 # Duplication (Reformer): length L of w in 0 w 0 w.
 
   # Optimization (paper: AdamW beta2 0.999, 1,000 warm-up steps, lr 0.005, cosine decay).
   config.total_steps = 524_288          # Optimizer steps.

@@ -73,6 +73,11 @@ KINDS = {
     'model.dtype': TRAINING,                # Compute precision: eval may use another one.
     'model.dropout_rate': TRAINING,         # Training only.
     'model.attention_options.eval_mem_len': RUNTIME,  # Transformer-XL's memory at eval only.
+    # LSH's hashing: the same parameters, other key sets; the paper evaluates a model trained
+    # with one round at more rounds, so eval may change them (a resume may not).
+    'model.attention_options.n_hashes': TRAINING,
+    'model.attention_options.n_buckets': TRAINING,
+    'model.attention_options.chunk_len': TRAINING,
     'seq_len': MODEL,
     'data': MODEL,                          # Dataset, tokenizer, vocabulary, task sizes.
     'data.data_dir': RUNTIME,               # Where the prepared data lives.
