@@ -4,6 +4,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 from typing import Callable, Sequence
 
@@ -55,3 +56,42 @@ def write_json(path: str, payload: dict) -> None:
   with open(path, 'w') as f:
     json.dump({'machine': machine(), **payload}, f, indent=2)
   print(f'wrote {path}')
+
+
+# ------------------------------------------------------ experiments that run main.py
+
+
+def flags(overrides: dict) -> list[str]:
+  """--config.KEY=VALUE flags of main.py for {dotted key: value}."""
+  return [f'--config.{k}={v}' for k, v in overrides.items()]
+
+
+def run_logged(cmd: list[str], cwd: str, log_path: str, may_diverge: bool = False) -> float | str:
+  """Runs cmd with its output appended to log_path; returns seconds, or, when a training run
+  stopped on a non-finite loss and `may_diverge`, the line that says so; raises on other
+  failures."""
+  t = time.time()
+  with open(log_path, 'a') as log:
+    start = log.tell()
+    proc = subprocess.run(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+  if proc.returncode:
+    with open(log_path) as log:
+      log.seek(start)
+      lines = [l.strip() for l in log if 'non-finite' in l]
+    if may_diverge and lines:
+      return lines[-1]
+    raise SystemExit(f'{" ".join(cmd)} failed (exit {proc.returncode}); see {log_path}')
+  return time.time() - t
+
+
+def scalar_curve(workdir: str, tag: str) -> list[tuple[int, float]]:
+  """(step, value) of a scalar a main.py run wrote to TensorBoard under workdir."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=g-import-not-at-top
+  acc = event_accumulator.EventAccumulator(os.path.join(workdir, 'tensorboard'),
+                                           size_guidance={'tensors': 0})
+  acc.Reload()
+  if tag not in acc.Tags()['tensors']:
+    return []
+  points = {e.step: float(tf.make_ndarray(e.tensor_proto)) for e in acc.Tensors(tag)}
+  return sorted(points.items())

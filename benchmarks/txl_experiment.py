@@ -22,12 +22,12 @@ benchmarks/results/txl_experiment.json and docs/img/txl_curves.png.
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from benchmarks.common import flags, run_logged, scalar_curve as curve  # noqa: E402
 
 RUNS = {  # name: (overrides, [(eval tag, eval overrides)])
     'dense': ({'model.attention': 'dense', 'model.position_embedding': 'learned',
@@ -48,40 +48,6 @@ def high_lr_runs(lrs: list[float]) -> dict:
     runs[f'pre_ln_lr{lr:g}'] = ({'learning_rate': lr}, [('eval', {})])
     runs[f'gtrxl_lr{lr:g}'] = ({'model.block': 'gtrxl', 'learning_rate': lr}, [('eval', {})])
   return runs
-
-
-def flags(overrides: dict) -> list[str]:
-  return [f'--config.{k}={v}' for k, v in overrides.items()]
-
-
-def run(cmd: list[str], log_path: str, may_diverge: bool = False) -> float | str:
-  """Runs cmd with its output in log_path; returns seconds, or, when a training run stopped
-  on a non-finite loss and `may_diverge`, the line that says so; raises on other failures."""
-  t = time.time()
-  with open(log_path, 'a') as log:
-    start = log.tell()
-    proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-  if proc.returncode:
-    with open(log_path) as log:
-      log.seek(start)
-      lines = [l.strip() for l in log if 'non-finite' in l]
-    if may_diverge and lines:
-      return lines[-1]
-    raise SystemExit(f'{" ".join(cmd)} failed (exit {proc.returncode}); see {log_path}')
-  return time.time() - t
-
-
-def curve(workdir: str, tag: str) -> list[tuple[int, float]]:
-  """(step, value) of a scalar the run wrote to TensorBoard."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=g-import-not-at-top
-  acc = event_accumulator.EventAccumulator(os.path.join(workdir, 'tensorboard'),
-                                           size_guidance={'tensors': 0})
-  acc.Reload()
-  if tag not in acc.Tags()['tensors']:
-    return []
-  points = {e.step: float(tf.make_ndarray(e.tensor_proto)) for e in acc.Tensors(tag)}
-  return sorted(points.items())
 
 
 def main():
@@ -125,8 +91,8 @@ def main():
     diverged = os.path.join(workdir, 'diverged.txt')
     if not done and not os.path.exists(diverged):
       print(f'[{name}] training {args.steps} steps (log: {log})', flush=True)
-      outcome = run(main_py + [f'--workdir={workdir}'] + flags(overrides), log,
-                    may_diverge=True)
+      outcome = run_logged(main_py + [f'--workdir={workdir}'] + flags(overrides), REPO, log,
+                           may_diverge=True)
       if isinstance(outcome, str):
         with open(diverged, 'w') as f:
           f.write(outcome)
@@ -136,8 +102,8 @@ def main():
       print(f'[{name}] diverged: {entry["diverged"]}', flush=True)
       evals = []
     for tag, extra in evals:
-      run(main_py + [f'--workdir={workdir}', '--mode=eval', '--config.eval_steps=0']
-          + flags(extra), log)
+      run_logged(main_py + [f'--workdir={workdir}', '--mode=eval', '--config.eval_steps=0']
+                 + flags(extra), REPO, log)
       with open(os.path.join(workdir, f'eval_step_{args.steps}.json')) as f:
         entry[tag] = json.load(f)
       print(f'[{name}] {tag}: bits/byte {entry[tag]["bits_per_byte"]:.4f}', flush=True)
