@@ -78,17 +78,17 @@ def run(config, params, carry, ctx: blocks.LayerContext, keys: dict, reads: dict
   stack = stacks.of(config)
   repeats, p = stack.cycle(config)
   places = lambda tree: [stack.cycle_tree(config, tree, k) for k in range(p)]
-  side = (ctx.positions, ctx.segment_ids, keys,
-          {c: places(tree) for c, tree in reads.items()})
+  side = (ctx.positions, ctx.segment_ids, keys)
   fn = _stack_fn(config, ctx.deterministic, repeats, p, custom_vjp)
-  carry, sown = fn(places(params), ctx.shared, carry, side)
+  carry, sown = fn(places(params), ctx.shared, carry, side,
+                   {c: places(tree) for c, tree in reads.items()})
   return carry, {c: stack.from_cycle_trees(config, [s[c] for s in sown]) for c in SOWN}
 
 
 def _apply(config, deterministic, k, i, half, params, shared, inputs, side, reads):
   """Layer i (place k of the cycle) applied to `inputs`: the whole block (half None) or F or G
   alone. Returns (output, {collection: sown tree} for SOWN)."""
-  positions, segment_ids, keys, _ = side
+  positions, segment_ids, keys = side
   ctx = blocks.LayerContext(positions=positions, segment_ids=segment_ids, shared=shared,
                             deterministic=deterministic)
   block = blocks.get(config.block)(config, config.attention[k], layer_index=k, parent=None)
@@ -120,23 +120,25 @@ def _add(a, b):
 
 
 def _stack_fn(config, deterministic: bool, repeats: int, p: int, custom_vjp: bool = True):
-  """The custom_vjp (place_params, shared, carry, side) -> (carry, sown per place) of the
-  stack's layers (see the module docstring); the plain forward when not `custom_vjp`."""
+  """The custom_vjp (place_params, shared, carry, side, place_reads) -> (carry, sown per place)
+  of the stack's layers (see the module docstring); the plain forward when not `custom_vjp`.
+  side = (positions, segment_ids, keys); place_params and place_reads hold one tree per place
+  of the cycle, with the repeats on a leading axis."""
 
-  def layer_reads(side, reads_r, k):
+  def layer_reads(reads_r, k):
     return {c: trees[k] for c, trees in reads_r.items()}
 
-  def forward(place_params, shared, carry, side):
+  def forward(place_params, shared, carry, side, place_reads):
     def body(carry, xs):
       r, params_r, reads_r = xs
       sown_r = []
       for k in range(p):
         carry, sown = _apply(config, deterministic, k, r * p + k, None, params_r[k], shared,
-                             carry, side, layer_reads(side, reads_r, k))
+                             carry, side, layer_reads(reads_r, k))
         sown_r.append(sown)
       return carry, sown_r
 
-    return jax.lax.scan(body, carry, (jnp.arange(repeats), place_params, side[3]))
+    return jax.lax.scan(body, carry, (jnp.arange(repeats), place_params, place_reads))
 
   if not custom_vjp:
     return forward
@@ -166,16 +168,16 @@ def _stack_fn(config, deterministic: bool, repeats: int, p: int, custom_vjp: boo
             _add(dshared_f, dshared_g))
 
   @jax.custom_vjp
-  def stack_fn(place_params, shared, carry, side):
-    return forward(place_params, shared, carry, side)
+  def stack_fn(place_params, shared, carry, side, place_reads):
+    return forward(place_params, shared, carry, side, place_reads)
 
-  def stack_fwd(place_params, shared, carry, side):
-    out = forward(place_params, shared, carry, side)
+  def stack_fwd(place_params, shared, carry, side, place_reads):
+    out = forward(place_params, shared, carry, side, place_reads)
     # Only the last layer's output is kept: every other layer's input is rebuilt from it.
-    return out, (place_params, shared, out[0], side)
+    return out, (place_params, shared, out[0], side, place_reads)
 
   def stack_bwd(residuals, cotangents):
-    place_params, shared, y, side = residuals
+    place_params, shared, y, side, place_reads = residuals
     dy, dsown = cotangents
     dlosses = [d['losses'] for d in dsown]
 
@@ -186,14 +188,15 @@ def _stack_fn(config, deterministic: bool, repeats: int, p: int, custom_vjp: boo
       for k in reversed(range(p)):
         y, dy, dparams_r[k], dsh = layer_backward(
             k, r * p + k, params_r[k], shared, y, dy, dlosses_r[k], side,
-            layer_reads(side, reads_r, k))
+            layer_reads(reads_r, k))
         dshared = _add(dshared, dsh)
       return (y, dy, dshared), dparams_r
 
     init = (y, dy, jax.tree.map(jnp.zeros_like, shared))
     (_, dx, dshared), dparams = jax.lax.scan(
-        body, init, (jnp.arange(repeats), place_params, side[3], dlosses), reverse=True)
-    return dparams, dshared, dx, jax.tree.map(_zero_cotangent, side)
+        body, init, (jnp.arange(repeats), place_params, place_reads, dlosses), reverse=True)
+    return (dparams, dshared, dx, jax.tree.map(_zero_cotangent, side),
+            jax.tree.map(_zero_cotangent, place_reads))
 
   stack_fn.defvjp(stack_fwd, stack_bwd)
   return stack_fn

@@ -181,6 +181,23 @@ def test_training_path_equals_the_module_path(attention, stack, options):
         ref_sown['metrics']).keys()
 
 
+def test_training_path_reads_the_other_collections():
+  """Selective attention's context pruning reads per-layer budgets from the 'pruning'
+  collection: the training path hands each layer its own and computes the module path's
+  logits (and the budgets do change them)."""
+  cfg = _config('selective', n_layers=2, stack='unrolled')
+  params, tokens = _params(cfg), _batch()['inputs']
+  model = transformer.Decoder(cfg)
+  variables = lambda budgets: {'params': params, 'pruning': {
+      f'block_{i}': {'attention': {'budget': jnp.asarray(b, jnp.int32)}}
+      for i, b in enumerate(budgets)}}
+  pruned = _jit(lambda v: model.apply(v, tokens), variables((2, 4)))
+  ref = _jit(lambda v: model.apply(v, tokens, mutable=['intermediates'])[0], variables((2, 4)))
+  np.testing.assert_allclose(pruned(variables((2, 4))), ref(variables((2, 4))), atol=1e-5)
+  whole = pruned(variables((SEQ, SEQ)))  # Every key kept.
+  assert float(jnp.abs(pruned(variables((2, 4))) - whole).max()) > 1e-3
+
+
 def _temp_bytes(block, n_layers, **overrides) -> int:
   """Compiled temporary memory of a jitted train step (SGD) of a scanned model."""
   cfg = _config(block=block, n_layers=n_layers, stack='scan', vocab_size=32, max_len=256,
