@@ -226,8 +226,28 @@ class VariableAssignment(_Task):
     return tokens, weights
 
 
+class _SeparatorAndSymbols(_Task):
+  """Token layout `[reserved | SEP | num_symbols symbol tokens]` (Copy, Duplication); the
+  subclass has a `num_symbols` field."""
+
+  @property
+  def sep_id(self) -> int:
+    """Id of the separator token (Copy's end of input, Duplication's `0`)."""
+    return NUM_RESERVED
+
+  @property
+  def symbol_offset(self) -> int:
+    """Id of the first symbol token."""
+    return NUM_RESERVED + 1
+
+  @property
+  def vocab_size(self) -> int:
+    """Total number of token ids."""
+    return self.symbol_offset + self.num_symbols
+
+
 @dataclasses.dataclass(frozen=True)
-class Copy(_Task):
+class Copy(_SeparatorAndSymbols):
   """Copy: reproduce a variable-length sequence after a separator.
 
   A sequence is `BOS, s_1..s_L, SEP, s_1..s_L, EOS`, padded with `PAD` to
@@ -254,21 +274,6 @@ class Copy(_Task):
     if self.min_length > self.max_length:
       raise ValueError(f'min_length ({self.min_length}) must be <= '
                        f'max_length ({self.max_length}).')
-
-  @property
-  def sep_id(self) -> int:
-    """Id of the end-of-input-sequence separator token."""
-    return NUM_RESERVED
-
-  @property
-  def symbol_offset(self) -> int:
-    """Id of the first symbol token."""
-    return NUM_RESERVED + 1
-
-  @property
-  def vocab_size(self) -> int:
-    """Total number of token ids."""
-    return self.symbol_offset + self.num_symbols
 
   @property
   def seq_len(self) -> int:
@@ -363,7 +368,7 @@ class Parity(_Task):
 
 
 @dataclasses.dataclass(frozen=True)
-class Duplication(_Task):
+class Duplication(_SeparatorAndSymbols):
   """Duplication (the Reformer paper's synthetic task, Kitaev et al. 2020, section 5): a
   sequence `0 w 0 w`, w a string of random symbols; the second copy is scored.
 
@@ -386,21 +391,6 @@ class Duplication(_Task):
   def __post_init__(self):
     _check_int('num_symbols', self.num_symbols, 1)
     _check_int('dup_length', self.dup_length, 1)
-
-  @property
-  def sep_id(self) -> int:
-    """Id of the `0` that precedes each copy."""
-    return NUM_RESERVED
-
-  @property
-  def symbol_offset(self) -> int:
-    """Id of the first symbol token."""
-    return NUM_RESERVED + 1
-
-  @property
-  def vocab_size(self) -> int:
-    """Total number of token ids."""
-    return self.symbol_offset + self.num_symbols
 
   @property
   def seq_len(self) -> int:

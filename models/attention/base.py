@@ -112,6 +112,11 @@ def block_attention(q, k, v, segment_ids, *, key_range, allowed, block_size, sca
   return jnp.swapaxes(jnp.concatenate(outputs, axis=2), 1, 2)
 
 
+def constrain_heads(a):
+  """Logical sharding of (batch, length, heads, head_dim) activations."""
+  return nn.with_logical_constraint(a, ('batch', 'length', 'heads', 'kv'))
+
+
 @dataclasses.dataclass(frozen=True)
 class Option:
   """One hyper-parameter of a variant: config.model.attention_options.<name>.
@@ -453,23 +458,29 @@ class MultiHeadAttention(nn.Module):
     Returns:
       q, k, v: (batch, length, heads, head_dim) each.
     """
+    q, k, v = self.fused_projection(x, 'qkv', 3)
+    if self.qk_norm:
+      q, k = self.head_norm('q_norm')(q), self.head_norm('k_norm')(k)
+    return constrain_heads(q), constrain_heads(k), constrain_heads(v)
+
+  def fused_projection(self, x, name: str, parts: int):
+    """`parts` projections of x (batch, length, d_model) to (batch, length, heads, head_dim),
+    from one (d_model, parts, heads, head_dim) kernel called `name` in one matmul."""
     d_model = x.shape[-1]
-    w_qkv = self.param('qkv', nn.with_logical_partitioning(
+    w = self.param(name, nn.with_logical_partitioning(
         layers.default_kernel_init, ('embed', 'qkv', 'heads', 'kv')),
-        (d_model, 3, self.num_heads, self.head_dim), self.param_dtype)
+        (d_model, parts, self.num_heads, self.head_dim), self.param_dtype)
     b, t = x.shape[:2]
     # Plain 2-D matmuls (parameter reshapes are free): XLA then needs no transposed copies.
-    qkv = jnp.dot(x.astype(self.dtype).reshape(b * t, d_model),
-                  w_qkv.astype(self.dtype).reshape(d_model, -1))
-    qkv = qkv.reshape(b, t, 3, self.num_heads, self.head_dim)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    if self.qk_norm:
-      q = layers.RMSNorm(dtype=self.dtype, param_dtype=self.param_dtype, axis_name='kv',
-                         name='q_norm')(q)
-      k = layers.RMSNorm(dtype=self.dtype, param_dtype=self.param_dtype, axis_name='kv',
-                         name='k_norm')(k)
-    constrain = lambda a: nn.with_logical_constraint(a, ('batch', 'length', 'heads', 'kv'))
-    return constrain(q), constrain(k), constrain(v)
+    y = jnp.dot(x.astype(self.dtype).reshape(b * t, d_model),
+                w.astype(self.dtype).reshape(d_model, -1))
+    y = y.reshape(b, t, parts, self.num_heads, self.head_dim)
+    return tuple(y[:, :, i] for i in range(parts))
+
+  def head_norm(self, name: str) -> nn.Module:
+    """QK-norm: an RMSNorm over each head's features."""
+    return layers.RMSNorm(dtype=self.dtype, param_dtype=self.param_dtype, axis_name='kv',
+                          name=name)
 
   def project_out(self, out, d_model: int):
     """(batch, length, heads, head_dim) head outputs -> (batch, length, d_model)."""

@@ -38,11 +38,9 @@ hashes, as in the paper's causal LSH attention; no later token's value is ever r
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import layers
 from models.attention import base
 from models.attention.registry import register
 
@@ -206,22 +204,12 @@ class LSHAttention(base.MultiHeadAttention):
     return super().implementation(impl, **kwargs)
 
   def project(self, x):
-    """Queries and values from one (d_model, 2, heads, head_dim) kernel (shared-QK has no key
-    projection); returns (q, q, v): the keys are derived from q in `attend`."""
-    d_model = x.shape[-1]
-    w_qv = self.param('qv', nn.with_logical_partitioning(
-        layers.default_kernel_init, ('embed', 'qkv', 'heads', 'kv')),
-        (d_model, 2, self.num_heads, self.head_dim), self.param_dtype)
-    b, t = x.shape[:2]
-    qv = jnp.dot(x.astype(self.dtype).reshape(b * t, d_model),
-                 w_qv.astype(self.dtype).reshape(d_model, -1))
-    qv = qv.reshape(b, t, 2, self.num_heads, self.head_dim)
-    q, v = qv[:, :, 0], qv[:, :, 1]
+    """Queries and values from one (d_model, 2, heads, head_dim) kernel 'qv' (shared-QK has
+    no key projection); returns (q, q, v): the keys are derived from q in `attend`."""
+    q, v = self.fused_projection(x, 'qv', 2)
     if self.qk_norm:
-      q = layers.RMSNorm(dtype=self.dtype, param_dtype=self.param_dtype, axis_name='kv',
-                         name='q_norm')(q)
-    constrain = lambda a: nn.with_logical_constraint(a, ('batch', 'length', 'heads', 'kv'))
-    return constrain(q), constrain(q), constrain(v)
+      q = self.head_norm('q_norm')(q)
+    return base.constrain_heads(q), base.constrain_heads(q), base.constrain_heads(v)
 
   def rotations(self):
     """(n_hashes, head_dim, n_buckets / 2) random rotations of this call."""
