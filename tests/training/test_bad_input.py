@@ -31,8 +31,8 @@ _BAD_CONFIGS = {
                             r'grad_accum_steps must be an integer >= 1, got -1'),
     'unknown_data_name': (
         {'data.name': 'no_such_task'},
-        r"unknown data\.name 'no_such_task'; known: c4, tfds, local_text, copy, parity, "
-        r'variable_assignment'),
+        r"unknown data\.name 'no_such_task'; known: c4, tfds, local_text, copy, duplication, "
+        r'parity, variable_assignment'),
 }
 
 
