@@ -75,7 +75,7 @@ def main():
   p.add_argument('--text', help="a text file for part 'bytes' (cut 90/5/5%% by bytes)")
   p.add_argument('--out', default='/tmp/reformer_exp', help='workdirs and TFDS data go here')
   p.add_argument('--dup_steps', type=int, default=1000)
-  p.add_argument('--byte_steps', type=int, default=600)
+  p.add_argument('--byte_steps', type=int, default=1500)
   p.add_argument('--runs', default='all', help="comma-separated subset of the runs, or 'all'")
   p.add_argument('--json', default=os.path.join(REPO, 'benchmarks', 'results',
                                                 'reformer_experiment.json'))
