@@ -32,6 +32,19 @@ def time_fn(fn: Callable[[], object], *, warmup: int = 2, iters: int = 10) -> di
   return {'median_s': statistics.median(times), 'best_s': min(times)}
 
 
+def random_lm_batch(vocab_size: int, batch: int, seq_len: int, seed: int = 0) -> dict:
+  """A host batch of random tokens, one document per row, every position scored (for timing
+  train steps: token values do not change the step time)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  tokens = np.random.default_rng(seed).integers(0, vocab_size, (batch, seq_len + 1),
+                                                dtype=np.int32)
+  return {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
+          'weights': np.ones((batch, seq_len), np.float32),
+          'positions': np.broadcast_to(np.arange(seq_len, dtype=np.int32),
+                                       (batch, seq_len)).copy(),
+          'segment_ids': np.ones((batch, seq_len), np.int32)}
+
+
 def machine() -> dict[str, object]:
   """What the numbers were measured on."""
   return {'platform': platform.platform(), 'processor': platform.processor(),

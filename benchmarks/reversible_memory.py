@@ -25,7 +25,6 @@ from training import xla_flags  # noqa: E402
 xla_flags.set_cpu_defaults()  # As main.py does, before JAX starts its backend.
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from configs import default  # noqa: E402
@@ -53,13 +52,7 @@ def bench(block: str, n_layers: int, ff_chunk_len: int, args) -> dict:
   setup = train.build(config)
   state = train.init_state(setup, 0)
   step = train.jit_train_step(setup)
-  rng = np.random.default_rng(0)
-  b, n = args.batch, args.seq_len
-  tokens = rng.integers(0, setup.model_config.vocab_size, (b, n + 1), dtype=np.int32)
-  local = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
-           'weights': np.ones((b, n), np.float32),
-           'positions': np.broadcast_to(np.arange(n, dtype=np.int32), (b, n)).copy(),
-           'segment_ids': np.ones((b, n), np.int32)}
+  local = common.random_lm_batch(setup.model_config.vocab_size, args.batch, args.seq_len)
   batch = train.device_batch(setup, local)
   key = jax.random.key(0)
   with sharding.activate(setup.mesh, setup.rules):

@@ -21,7 +21,6 @@ xla_flags.set_cpu_defaults()  # As main.py does, before JAX starts its backend.
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from configs import default  # noqa: E402
@@ -52,12 +51,7 @@ def bench_step(d: int, seq_len: int, batch: int, dtype: str, impl: str, remat: s
   setup = train.build(config)
   state = train.init_state(setup, 0)
   step = train.jit_train_step(setup)
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, setup.model_config.vocab_size, (batch, seq_len + 1), dtype=np.int32)
-  local = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
-           'weights': np.ones((batch, seq_len), np.float32),
-           'positions': np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch, seq_len)).copy(),
-           'segment_ids': np.ones((batch, seq_len), np.int32)}
+  local = common.random_lm_batch(setup.model_config.vocab_size, batch, seq_len)
   dev_batch = train.device_batch(setup, local)
   key = jax.random.key(0)
   holder = {'state': state}
