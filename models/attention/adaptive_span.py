@@ -171,13 +171,10 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
     """'xla' computes all T keys of every query at once; every other name runs the blocked
     path (query blocks of attention_block_size), reported as 'blocksparse'. The span is
     learned, not a static pattern: 'cpu_kernel' is refused."""
-    if impl == 'cpu_kernel':
-      raise ValueError("adaptive span's soft mask follows the learned spans z, not a static "
-                       "pattern: attention_impl='cpu_kernel' cannot compute it; use 'auto' "
-                       "(blocked), 'blocksparse' or 'xla'")
-    if impl in base.IMPLEMENTATIONS and impl != 'xla':
-      return 'blocksparse'
-    return super().implementation(impl, **kwargs)
+    return cls.own_path_implementation(
+        impl, refused=('cpu_kernel',),
+        why="adaptive span's soft mask follows the learned spans z, not a static pattern",
+        **kwargs)
 
   @classmethod
   def param_bounds(cls, options):

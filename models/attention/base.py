@@ -112,6 +112,13 @@ def block_attention(q, k, v, segment_ids, *, key_range, allowed, block_size, sca
   return jnp.swapaxes(jnp.concatenate(outputs, axis=2), 1, 2)
 
 
+def check_known(impl: str) -> None:
+  """Raises ValueError unless `impl` is one of IMPLEMENTATIONS."""
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f'unknown model.attention_impl {impl!r}; known: '
+                     f'{", ".join(IMPLEMENTATIONS)}')
+
+
 def constrain_heads(a):
   """Logical sharding of (batch, length, heads, head_dim) activations."""
   return nn.with_logical_constraint(a, ('batch', 'length', 'heads', 'kv'))
@@ -365,9 +372,7 @@ class MultiHeadAttention(nn.Module):
     """
     from models.attention import cpu_kernel  # pylint: disable=import-outside-toplevel
     del options, dtype
-    if impl not in IMPLEMENTATIONS:
-      raise ValueError(f'unknown model.attention_impl {impl!r}; known: '
-                       f'{", ".join(IMPLEMENTATIONS)}')
+    check_known(impl)
     static = cls.head_pattern is not MultiHeadAttention.head_pattern
     if impl == 'auto':
       if not static:
@@ -384,6 +389,20 @@ class MultiHeadAttention(nn.Module):
       raise ValueError(f"attention_impl='cpu_kernel' cannot run here: {why}. Use 'auto' (the "
                        "kernel where it can run, else 'blocksparse') or 'blocksparse'")
     return impl
+
+  @classmethod
+  def own_path_implementation(cls, impl: str, *, refused: tuple[str, ...], why: str,
+                              **kwargs) -> str:
+    """`implementation` for a variant that computes its scores on a path of its own (no
+    static pattern, so no kernel): a name in `refused` raises ValueError('{why}:
+    attention_impl=... cannot run it; use ...'); 'xla' keeps its all-keys path; every other
+    name runs the variant's blocked path, reported as 'blocksparse'."""
+    del kwargs
+    check_known(impl)
+    if impl in refused:
+      raise ValueError(f"{why}: attention_impl={impl!r} cannot run it; use 'auto' (blocked), "
+                       "'blocksparse' or 'xla'")
+    return impl if impl == 'xla' else 'blocksparse'
 
   def option(self, name: str):
     """The variant hyper-parameter `name` from config.model.attention_options (its declared

@@ -195,13 +195,9 @@ class LSHAttention(base.MultiHeadAttention):
   def implementation(cls, impl, **kwargs):
     """LSH attention has one path of its own (sort, chunk, attend); 'auto', 'xla' and
     'blocksparse' all run it."""
-    if impl in ('cpu_kernel', 'splash', 'fused', 'cudnn'):
-      raise ValueError(f"lsh attention sorts positions by hash bucket and attends chunk by "
-                       f"chunk: attention_impl={impl!r} cannot run it; use 'auto', "
-                       "'blocksparse' or 'xla'")
-    if impl in base.IMPLEMENTATIONS and impl != 'xla':
-      return 'blocksparse'
-    return super().implementation(impl, **kwargs)
+    return cls.own_path_implementation(
+        impl, refused=('cpu_kernel', 'splash', 'fused', 'cudnn'),
+        why='lsh attention sorts positions by hash bucket and attends chunk by chunk', **kwargs)
 
   def project(self, x):
     """Queries and values from one (d_model, 2, heads, head_dim) kernel 'qv' (shared-QK has

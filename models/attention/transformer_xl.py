@@ -176,13 +176,9 @@ class TransformerXLAttention(base.MultiHeadAttention):
   def implementation(cls, impl, **kwargs):
     """'xla' computes every key of a query at once; other names run the blocked path
     ('blocksparse'). The relative term is no static pattern: no kernel computes it."""
-    if impl in ('cpu_kernel', 'splash', 'fused', 'cudnn'):
-      raise ValueError(f"Transformer-XL's relative positional term is computed by its own "
-                       f"path: attention_impl={impl!r} cannot run it; use 'auto' (blocked), "
-                       "'blocksparse' or 'xla'")
-    if impl in base.IMPLEMENTATIONS and impl != 'xla':
-      return 'blocksparse'
-    return super().implementation(impl, **kwargs)
+    return cls.own_path_implementation(
+        impl, refused=('cpu_kernel', 'splash', 'fused', 'cudnn'),
+        why="Transformer-XL's relative positional term is computed by its own path", **kwargs)
 
   @property
   def reach(self) -> int | None:
