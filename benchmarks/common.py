@@ -63,6 +63,14 @@ def print_table(rows: Sequence[dict], columns: Sequence[str]) -> None:
     print('  '.join(v.rjust(w) for v, w in zip(row, widths)))
 
 
+def pyplot():
+  """matplotlib.pyplot on the file-only Agg backend (benchmarks run without a display)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt
+
+
 def write_json(path: str, payload: dict) -> None:
   """Writes `payload` plus machine info to `path`."""
   os.makedirs(os.path.dirname(path) or '.', exist_ok=True)

@@ -29,7 +29,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.common import flags, run_logged, scalar_curve  # noqa: E402
+from benchmarks.common import flags, pyplot, run_logged, scalar_curve, write_json  # noqa: E402
 
 SEQ = 256
 LSH = {'model.attention_options.n_buckets': 8, 'model.attention_options.chunk_len': 32}
@@ -131,14 +131,9 @@ def main():
       print(f'{name:<12} bits/byte {entry["evals"]["eval"]["bits_per_byte"]:.4f}  train loss '
             f'(last 50 steps) {sum(tail) / max(1, len(tail)):.4f}')
 
-  os.makedirs(os.path.dirname(args.json), exist_ok=True)
-  with open(args.json, 'w') as f:
-    json.dump(results, f, indent=1)
-  print(f'wrote {args.json}')
+  write_json(args.json, results)
 
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = pyplot()
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
   for ax, part, tag, title in ((axes[0], 'dup', 'train_accuracy', 'duplication: train accuracy'),
                                (axes[1], 'bytes', 'train_loss', 'bytes: train loss (nats)')):

@@ -27,7 +27,8 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.common import flags, run_logged, scalar_curve as curve  # noqa: E402
+from benchmarks.common import flags, pyplot, run_logged, write_json  # noqa: E402
+from benchmarks.common import scalar_curve as curve  # noqa: E402
 
 RUNS = {  # name: (overrides, [(eval tag, eval overrides)])
     'dense': ({'model.attention': 'dense', 'model.position_embedding': 'learned',
@@ -121,14 +122,9 @@ def main():
       e = entry[tag]
       print(f'{name:<12} {tag:<12} {e["bits_per_byte"]:>9.4f} {e["loss"]:>7.4f} '
             f'{sum(tail) / max(1, len(tail)):>26.4f}')
-  os.makedirs(os.path.dirname(args.json), exist_ok=True)
-  with open(args.json, 'w') as f:
-    json.dump(results, f, indent=1)
-  print(f'wrote {args.json}')
+  write_json(args.json, results)
 
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = pyplot()
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
   high = [n for n in results['runs'] if '_lr' in n]
   for ax, group, title in ((axes[0], [n for n in results['runs'] if n not in high],
