@@ -25,8 +25,9 @@ def get_config() -> ml_collections.ConfigDict:
   model.mlp_dim = 0                     # SwiGLU width; 0 = 8/3 d_model rounded up to 64.
   model.vocab_size = 8192               # Token ids (the 8K SentencePiece vocabulary).
   model.max_len = 512                   # Learned position table size (>= seq_len).
-  model.position_embedding = 'learned'  # 'learned' absolute positions or 'none' (variants with
-                                        # relative positions, e.g. adaptive_span).
+  model.position_embedding = 'learned'  # 'learned' absolute positions, 'sinusoidal' (fixed), or
+                                        # 'none' (variants with relative positions, e.g.
+                                        # transformer_xl; the universal stack's coordinates).
   model.attention = 'dense'             # Registry name, or a comma list with one name per layer.
   model.attention_impl = 'auto'         # 'auto' (per backend and variant), 'xla', 'blocksparse',
                                         # 'cpu_kernel', 'fused', 'cudnn', 'splash'.
@@ -46,10 +47,17 @@ def get_config() -> ml_collections.ConfigDict:
                                         # (models/blocks.py).
   model.stack = 'auto'                  # How blocks are applied (models/stacks.py): 'unrolled',
                                         # 'scan' (identical layers), 'scan_cycle' (a repeating
-                                        # cycle, e.g. interleaved strided A1/A2); 'auto' = scan
+                                        # cycle, e.g. interleaved strided A1/A2), 'universal'
+                                        # (one shared block, several steps); 'auto' = scan
                                         # where it applies, else unrolled.
   model.ff_chunk_len = 0                # Positions per chunk of the SwiGLU feed-forward (its
                                         # hidden activation is never whole); 0 = no chunking.
+  # Universal Transformer (model.stack='universal', models/universal.py): one weight-shared
+  # block (model.n_layers=1, the default there) applied for several steps.
+  model.universal_steps = 4             # Recurrent steps T without ACT.
+  model.universal_act = False           # Halt per position with ACT (Graves 2016).
+  model.universal_max_steps = 8         # ACT's cap M on the steps.
+  model.universal_ponder = 0.01         # ACT's ponder cost weight τ (loss += τ mean(N + R)).
 
   # Data.
   config.data = data = ml_collections.ConfigDict()

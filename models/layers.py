@@ -204,3 +204,18 @@ class LearnedPositions(nn.Module):
         default_embed_init, ('length_table', 'embed')),
         (self.max_len, self.features), self.param_dtype)
     return jnp.take(table, positions, axis=0).astype(self.dtype)
+
+
+def sinusoid(positions, features: int):
+  """The sinusoidal signal of Vaswani et al. (2017) at integer `positions` (any shape):
+  (..., features) float32 with sin(i / 10000^(2k/features)) at feature 2k and the cosine at
+  2k + 1 (interleaved, as the Universal Transformer's coordinate embedding writes it).
+
+  Args:
+    positions: integer array (e.g. token positions, or a recurrent step number).
+    features: width of the signal.
+  """
+  k = jnp.arange((features + 1) // 2, dtype=jnp.float32)
+  angles = jnp.asarray(positions, jnp.float32)[..., None] / (10000.0 ** (2 * k / features))
+  signal = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+  return signal.reshape(*signal.shape[:-2], -1)[..., :features]

@@ -42,7 +42,7 @@ get = STACKS.get
 REMAT_POLICIES = ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable')
 
 
-def _remat(cls, policy: str, scanned: bool):
+def remat(cls, policy: str, scanned: bool):
   """`cls` under nn.remat with the named jax.checkpoint policy ('none': unchanged)."""
   if policy == 'none':
     return cls
@@ -80,6 +80,10 @@ def cycle_length(config) -> int | None:
 class Stack:
   """A way of applying the blocks; subclasses are registered under their config name."""
 
+  # Whether models/reversible.py can train this stack's reversible blocks (it replays the
+  # layers through `cycle`); a stack without it runs reversible blocks as plain modules.
+  REVERSIBLE_TRAINING = True
+
   @classmethod
   def check(cls, config) -> None:
     """Raises ValueError if this stack cannot run `config` (at config time)."""
@@ -90,6 +94,20 @@ class Stack:
     """Applies the blocks to x; runs inside the Decoder's compact __call__, so the modules it
     creates are the Decoder's children."""
     raise NotImplementedError
+
+  @classmethod
+  def applications(cls, config, metrics=None) -> float:
+    """Block applications per token, for the FLOPs count: n_layers. A stack whose depth is
+    decided at run time reads it from `metrics` (the logged training metrics) when given."""
+    del metrics
+    return float(config.n_layers)
+
+  @classmethod
+  def extra_matmul_weights(cls, config) -> int:
+    """Matmul weights per application beyond the block's (the stack's own), for the FLOPs
+    count."""
+    del config
+    return 0
 
   @classmethod
   def layer_tree(cls, config, tree, i: int):
@@ -132,7 +150,7 @@ class Unrolled(Stack):
 
   @classmethod
   def apply(cls, config, x, ctx):
-    block = _remat(_block(config), config.remat, scanned=False)
+    block = remat(_block(config), config.remat, scanned=False)
     for i, name in enumerate(config.attention):
       x = block(config, name, layer_index=i, name=f'block_{i}')(x, ctx)
     return x
@@ -194,7 +212,7 @@ class Scan(Stack):
 
   @classmethod
   def apply(cls, config, x, ctx):
-    body = _remat(_carry_only(_block(config)), config.remat, scanned=True)
+    body = remat(_carry_only(_block(config)), config.remat, scanned=True)
     x, _ = _scan(body, config.n_layers)(
         config, config.attention[0], name='blocks')(x, ctx)
     return x
@@ -227,7 +245,7 @@ class _Cycle(nn.Module):
 
   @nn.compact
   def __call__(self, x, ctx):
-    block = _remat(_block(self.config), self.config.remat, scanned=True)
+    block = remat(_block(self.config), self.config.remat, scanned=True)
     for k, name in enumerate(self.names):
       x = block(self.config, name, layer_index=k, name=f'layer_{k}')(x, ctx)
     return x, None

@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 
 from models import attention, blocks, layers, reversible, stacks
+from models import universal  # noqa: F401  (registers model.stack='universal')
 
 Dtype = Any
-POSITION_EMBEDDINGS = ('learned', 'none')
+POSITION_EMBEDDINGS = ('learned', 'sinusoidal', 'none')
 REMAT_POLICIES = stacks.REMAT_POLICIES
 
 
@@ -31,7 +32,8 @@ class TransformerConfig:
     head_dim: width of each head.
     mlp_dim: SwiGLU hidden width.
     max_len: size of the learned position table (and of decoding caches).
-    position_embedding: 'learned' absolute positions, or 'none' (relative-position variants).
+    position_embedding: 'learned' absolute positions, 'sinusoidal' ones (fixed, any length up
+      to max_len), or 'none' (relative-position variants; the universal stack's coordinates).
     attention: registry name per layer (a tuple of length n_layers).
     attention_impl: implementation switch, one of attention.IMPLEMENTATIONS.
     attention_block_size: block length of the 'blocksparse' implementation.
@@ -48,6 +50,10 @@ class TransformerConfig:
     ff_chunk_len: positions per chunk of the SwiGLU feed-forward (layers.chunked_swiglu_mlp:
       its (tokens, mlp_dim) hidden activation is never whole); 0 = all positions at once. A
       length that does not divide the sequence is padded.
+    universal_steps: recurrent steps T of the universal stack without ACT.
+    universal_act: the universal stack halts per position with ACT (models/universal.py).
+    universal_max_steps: ACT's cap M on the steps.
+    universal_ponder: ACT's ponder cost weight τ.
   """
   vocab_size: int
   d_model: int
@@ -70,6 +76,10 @@ class TransformerConfig:
   block: str = 'pre_ln'
   stack: str = 'auto'
   ff_chunk_len: int = 0
+  universal_steps: int = 4
+  universal_act: bool = False
+  universal_max_steps: int = 8
+  universal_ponder: float = 0.01
 
   def __post_init__(self):
     for name in ('vocab_size', 'd_model', 'n_heads', 'n_layers', 'head_dim', 'mlp_dim', 'max_len',
@@ -143,7 +153,8 @@ class TransformerConfig:
     d = m.get('d') or 0
     d_model = m.get('d_model') or 64 * d
     n_heads = m.get('n_heads') or d
-    n_layers = m.get('n_layers') or d
+    # The universal stack applies one block: its depth is its steps.
+    n_layers = m.get('n_layers') or (1 if m.get('stack') == 'universal' else d)
     if not (d_model and n_heads and n_layers):
       raise ValueError('set model.d (size knob) or all of model.d_model, model.n_heads, model.n_layers')
     head_dim = m.get('head_dim')
@@ -168,19 +179,26 @@ class TransformerConfig:
         tied_embeddings=m.get('tied_embeddings', False), dropout_rate=m.get('dropout_rate', 0.0),
         dtype=jnp.dtype(m.get('dtype', 'float32')), param_dtype=jnp.dtype(m.get('param_dtype', 'float32')),
         remat=m.get('remat', 'none'), block=m.get('block', 'pre_ln'), stack=m.get('stack', 'auto'),
-        ff_chunk_len=m.get('ff_chunk_len', 0))
+        ff_chunk_len=m.get('ff_chunk_len', 0),
+        universal_steps=m.get('universal_steps', 4), universal_act=m.get('universal_act', False),
+        universal_max_steps=m.get('universal_max_steps', 8),
+        universal_ponder=m.get('universal_ponder', 0.01))
 
   def num_params(self) -> int:
     """Number of trainable parameters, counted from the shapes `Decoder.init` creates (no
     compute; every variant's own parameters included)."""
     return count_params(self)
 
-  def train_flops_per_token(self, seq_len: int) -> float:
+  def train_flops_per_token(self, seq_len: int, metrics: dict | None = None) -> float:
     """Training FLOPs per token: 6 N_matmul + 12 L H d_head T (PaLM, appendix B).
 
     N_matmul counts the weights used in matmuls (blocks, with the block wiring's own, such as
     GTrXL's gates, and the output projection, not the embedding lookups); the attention term
-    counts the full T x T score matrix as PaLM does.
+    counts the full T x T score matrix as PaLM does. L is the number of block applications
+    per token (Stack.applications): n_layers, or the universal stack's steps; with ACT, the
+    mean steps the tokens took (N, from `metrics`, the logged training metrics; without
+    them the cap M). The ACT scan computes all M steps for every position and discards the
+    halted ones' updates: that work is not counted, like padding.
 
     These are model FLOPs, the MFU convention: recomputation is not counted. The reversible
     block (same count as pre_ln) recomputes each sublayer's forward once in the backward pass
@@ -193,11 +211,13 @@ class TransformerConfig:
     Returns:
       FLOPs for a forward and backward pass per token.
     """
-    matmul = self.n_layers * (4 * self.n_heads * self.head_dim * self.d_model
-                              + 3 * self.d_model * self.mlp_dim
-                              + blocks.get(self.block).extra_matmul_weights(self.d_model)
-                              ) + self.d_model * self.vocab_size
-    return 6.0 * matmul + 12.0 * self.n_layers * self.n_heads * self.head_dim * seq_len
+    stack = stacks.of(self)
+    depth = stack.applications(self, metrics)
+    matmul = depth * (4 * self.n_heads * self.head_dim * self.d_model
+                      + 3 * self.d_model * self.mlp_dim
+                      + blocks.get(self.block).extra_matmul_weights(self.d_model)
+                      + stack.extra_matmul_weights(self)) + self.d_model * self.vocab_size
+    return 6.0 * matmul + 12.0 * depth * self.n_heads * self.head_dim * seq_len
 
 
 class Decoder(nn.Module):
@@ -276,6 +296,8 @@ class Decoder(nn.Module):
     if cfg.position_embedding == 'learned':
       x = x + layers.LearnedPositions(cfg.max_len, cfg.d_model, dtype=cfg.dtype,
                                       param_dtype=cfg.param_dtype, name='pos_embed')(positions)
+    elif cfg.position_embedding == 'sinusoidal':
+      x = x + layers.sinusoid(positions, cfg.d_model).astype(x.dtype)
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
     x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
 
@@ -284,7 +306,8 @@ class Decoder(nn.Module):
                               shared=self.shared_attention_params())
     block = blocks.get(cfg.block)
     carry = block.split(x)
-    if (block.REVERSIBLE and not decode and not self.is_initializing()
+    if (block.REVERSIBLE and stacks.of(cfg).REVERSIBLE_TRAINING and not decode
+        and not self.is_initializing()
         and not self.is_mutable_collection('intermediates')):
       carry = self.reversible_stack(carry, ctx)
     else:

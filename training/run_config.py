@@ -78,6 +78,11 @@ KINDS = {
     'model.attention_options.n_hashes': TRAINING,
     'model.attention_options.n_buckets': TRAINING,
     'model.attention_options.chunk_len': TRAINING,
+    # The universal stack's depth: the same parameters run for other step counts, so eval
+    # may change them (e.g. more steps than trained); ponder weighs a training loss only.
+    'model.universal_steps': TRAINING,
+    'model.universal_max_steps': TRAINING,
+    'model.universal_ponder': TRAINING,
     'seq_len': MODEL,
     'data': MODEL,                          # Dataset, tokenizer, vocabulary, task sizes.
     'data.data_dir': RUNTIME,               # Where the prepared data lives.

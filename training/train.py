@@ -403,9 +403,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   n_params = mc.num_params()
   flops_per_token = mc.train_flops_per_token(setup.data.seq_len)
   peak, peak_source = flops.peak_flops_per_device(config.peak_tflops_per_device, mc.dtype)
-  logging.info('model: %d layers x %d heads, d_model %d, %s attention; %.2fM parameters; '
-               '%.3g training FLOPs/token; peak %.3g FLOP/s/device (%s); mesh %s',
-               mc.n_layers, mc.n_heads, mc.d_model, ','.join(sorted(set(mc.attention))),
+  logging.info('model: %d layers (%s stack) x %d heads, d_model %d, %s attention; %.2fM '
+               'parameters; %.3g training FLOPs/token; peak %.3g FLOP/s/device (%s); mesh %s',
+               mc.n_layers, mc.stack_name, mc.n_heads, mc.d_model, ','.join(sorted(set(mc.attention))),
                n_params / 1e6, flops_per_token, peak, peak_source, dict(setup.mesh.shape))
   logging.info('attention implementation per layer: %s', ', '.join(
       f'{i} {name}:{impl}' for i, (name, impl) in
@@ -424,7 +424,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       state = init_state(setup, config.seed)
     if jax.process_index() == 0:  # Only once the state matches: a failed restore keeps it.
       run_config.record_start(workdir, resolved, int(state.step))
-    return _train_loop(setup, state, data_state, ckpt, logger, flops_per_token, peak)
+    return _train_loop(setup, state, data_state, ckpt, logger, peak)
   finally:  # Also on errors: pending checkpoint writes finish, event files are flushed.
     setup.data.close()
     ckpt.close()
@@ -533,8 +533,7 @@ def _save_before_data_error(ckpt, window, step: int, state, data_state) -> None:
                   type(e).__name__, e)
 
 
-def _train_loop(setup: Setup, state, data_state, ckpt, logger, flops_per_token: float,
-                peak: float):
+def _train_loop(setup: Setup, state, data_state, ckpt, logger, peak: float):
   config = setup.config
   specialized = _SpecializedSteps(setup)
   train_step, eval_step = specialized.update(state.params)
@@ -570,7 +569,10 @@ def _train_loop(setup: Setup, state, data_state, ckpt, logger, flops_per_token: 
         scalars['learning_rate'] = window.last['learning_rate']
         scalars['perplexity'] = float(np.exp(min(scalars['loss'], 80.0)))
         scalars['tokens_per_sec'] = window.count * tokens_per_step / (time.time() - window.start)
-        scalars['mfu'] = scalars['tokens_per_sec'] * flops_per_token / (peak * jax.device_count())
+        # The FLOPs per token of the steps the window's tokens took (a stack of run-time depth
+        # reads them from the scalars; every other model gives the startup figure).
+        window_flops = setup.model_config.train_flops_per_token(setup.data.seq_len, scalars)
+        scalars['mfu'] = scalars['tokens_per_sec'] * window_flops / (peak * jax.device_count())
         logger.write(step, scalars)
         window.reset()
       if step % config.checkpoint_every_steps == 0 or last or stop:

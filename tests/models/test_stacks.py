@@ -76,7 +76,7 @@ def test_scan_cycle_computes_the_unrolled_model(attention, n_layers, cycle):
     ({'attention': 'dense,local', 'n_layers': 2, 'stack': 'scan'}, 'same variant in every layer'),
     ({'attention': 'strided', 'n_layers': 3, 'stack': 'scan_cycle'}, 'repeat every 2 layers'),
     ({'attention': 'selective', 'stack': 'scan_cycle'}, 'selective attention gives every layer'),
-    ({'stack': 'nope'}, "unknown stack 'nope'; known stacks: scan, scan_cycle, unrolled"),
+    ({'stack': 'nope'}, "unknown stack 'nope'; known stacks: scan, scan_cycle, universal, unrolled"),
     ({'block': 'nope'}, "unknown block 'nope'; known blocks: gtrxl, pre_ln, reversible"),
 ])
 def test_bad_stack_or_block_is_reported_at_config_time(overrides, message):

@@ -1,0 +1,280 @@
+"""Universal Transformer stack (`model.stack='universal'`): one weight-shared block applied
+for T recurrent steps, or for a number of steps each position chooses with Adaptive
+Computation Time (Dehghani et al. 2019; Graves 2016; the survey's "Make it Recurrent" and
+"Adaptive Computation Time").
+
+  s^0 = the embedded input
+  s^n = Block(s^{n-1} + P(i, n))
+
+P(i, n) is the coordinate embedding: the sinusoid of position i plus the sinusoid of step n
+(layers.sinusoid), added to the state before every step as the Universal Transformer does. Its
+position half is left out when the attention encodes relative positions itself
+(Transformer-XL), which must not see absolute positions.
+
+Fixed steps (model.universal_act=False): T = model.universal_steps applications; the output is
+s^T. With shared weights this is an unrolled stack of T layers holding identical weights.
+
+ACT (model.universal_act=True), for each position i:
+
+  h^n = σ(w · rms(s^n) + b)               the halting unit: w (d,), b starting at 1; rms(.) is
+                                          a parameter-free RMS normalization of the state
+  N   = min(min{n : h^1 + ... + h^n >= 1 - ε}, M)       ε = ACT_EPSILON, M = universal_max_steps
+  p^n = h^n for n < N,  R = 1 - (h^1 + ... + h^{N-1}) for n = N
+  out = Σ_n p^n s^n                       (the p^n sum to 1)
+  ponder cost τ mean(N + R) over real tokens, τ = universal_ponder, into 'losses'
+
+A halted position's state stops changing (s^n = s^{n-1} after its N-th step), but it stays a
+key for the positions still computing: every step's attention reads every position's state
+with that step's coordinates added.
+
+How it runs:
+- Training, and every call that needs per-step state (decoding caches, segment memory,
+  collected intermediates, init): a masked `nn.scan` over all M (or T) steps, which stays
+  differentiable. Parameters are broadcast (one block); every other collection gets a leading
+  step axis: one decoding cache per step, one segment memory per step, sown losses and
+  metrics per step.
+- Inference otherwise (deterministic ACT forward, e.g. evaluation): an `nn.while_loop` that
+  stops once every position has halted, with the same outputs. The block's own sown losses
+  and metrics are not collected there (evaluation reads neither).
+- Decoding: each new token runs the M steps of the scan with one cache per step; after it
+  halts its state stays frozen, and the later steps' caches still receive that frozen state,
+  because later tokens that compute longer attend to it there (as in the forward pass).
+
+The block may be any `model.block` and any attention variant. A reversible block runs its
+two-stream wiring here, but its activations are stored like any block's: models/reversible.py
+trains the layered stacks only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models import attention, blocks, layers, stacks
+
+ACT_EPSILON = 0.01  # A position halts once its cumulative halting probability reaches 1 - ε.
+HALTING_BIAS_INIT = 1.0  # b_h starts at 1 (Graves 2016; the issue's spec): p ≈ 0.73 at first.
+
+
+def coordinates(positions, step, features: int, with_positions: bool = True):
+  """P(i, n): sinusoid(position i) + sinusoid(step n), (batch, length, features) float32.
+
+  Args:
+    positions: (batch, length) int positions within each document.
+    step: the step number n (1-based; a traced scalar is fine).
+    features: model width.
+    with_positions: False leaves the position half out (relative-position attention).
+  """
+  signal = layers.sinusoid(step, features)
+  if with_positions:
+    return layers.sinusoid(positions, features) + signal
+  return jnp.broadcast_to(signal, positions.shape + (features,))
+
+
+def _rms(x):
+  x = x.astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + 1e-6)
+
+
+class HaltingUnit(nn.Module):
+  """ACT's halting probability h = σ(w · rms(s) + b) per position, float32 (batch, length).
+
+  Attributes:
+    param_dtype: parameter dtype.
+  """
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, state):
+    d = state.shape[-1]
+    w = self.param('kernel', nn.with_logical_partitioning(
+        nn.initializers.normal(d ** -0.5), ('embed',)), (d,), self.param_dtype)
+    b = self.param('bias', nn.with_logical_partitioning(
+        nn.initializers.constant(HALTING_BIAS_INIT), ()), (), self.param_dtype)
+    return jax.nn.sigmoid(_rms(state) @ w.astype(jnp.float32) + b.astype(jnp.float32))
+
+
+def _where(mask, a, b):
+  """Per position: a where mask, else b (trees of (batch, length, d) arrays)."""
+  return jax.tree.map(lambda u, v: jnp.where(mask[..., None], u, v), a, b)
+
+
+def _relative(config) -> bool:
+  return any(attention.get(name).RELATIVE_POSITIONS for name in set(config.attention))
+
+
+class UniversalStep(nn.Module):
+  """One recurrent step: the shared block on the state plus its coordinates, and (ACT) the
+  halting bookkeeping. `carry` is a dict: 'state' (the block's carry), 'n' (steps done), and
+  with ACT 'out' (Σ p s so far, float32), 'cum' (Σ h of the steps before halting), 'remainder'
+  (R, set at halting), 'steps' (N so far) and 'halted' (bool), each (batch, length).
+
+  Attributes:
+    config: the model config.
+  """
+  config: Any
+
+  @nn.compact
+  def __call__(self, carry, ctx: blocks.LayerContext):
+    cfg = self.config
+    block_cls = blocks.get(cfg.block)
+    state = carry['state']
+    n = carry['n'] + 1  # This step's number.
+    coords = coordinates(ctx.positions, n, cfg.d_model, with_positions=not _relative(cfg))
+    block = stacks.remat(block_cls, cfg.remat, scanned=True)(
+        cfg, cfg.attention[0], layer_index=0, name='block')
+    new = block(jax.tree.map(lambda s: s + coords.astype(s.dtype), state),
+                ctx.replace(step=carry['n']))
+    if not cfg.universal_act:
+      return {'state': new, 'n': n}
+    running = ~carry['halted']
+    state = _where(running, new, state)  # A halted position's state stops changing.
+    h = HaltingUnit(param_dtype=cfg.param_dtype, name='halting')(block_cls.merge(state))
+    cum = carry['cum']
+    reached = running & ((cum + h >= 1.0 - ACT_EPSILON) | (n >= cfg.universal_max_steps))
+    p = jnp.where(reached, 1.0 - cum, jnp.where(running, h, 0.0))
+    self.sow('intermediates', 'halting_weight', p)  # p^n: zero once halted, sums to 1.
+    return {
+        'state': state,
+        'n': n,
+        'out': jax.tree.map(lambda o, s: o + p[..., None] * s.astype(jnp.float32),
+                            carry['out'], state),
+        'cum': jnp.where(running & ~reached, cum + h, cum),
+        'remainder': jnp.where(reached, 1.0 - cum, carry['remainder']),
+        'steps': carry['steps'] + running.astype(jnp.int32),
+        'halted': carry['halted'] | reached,
+    }
+
+
+class _ScannedStep(UniversalStep):
+  """UniversalStep with the (carry, output) signature nn.scan needs."""
+
+  def __call__(self, carry, ctx):
+    return super().__call__(carry, ctx), None
+
+
+def _scan(length: int):
+  """nn.scan of the step: the parameters broadcast (one block for every step); every other
+  collection and every rng stream but 'params' split per step."""
+  return nn.scan(_ScannedStep, variable_broadcast='params', variable_axes={True: 0},
+                 split_rngs={'params': False, True: True}, in_axes=(nn.broadcast,),
+                 length=length)
+
+
+class UniversalLoop(nn.Module):
+  """The recurrent steps over the block carry x (see the module docstring).
+
+  Attributes:
+    config: the model config.
+  """
+  config: Any
+
+  def early_stop(self, ctx: blocks.LayerContext) -> bool:
+    """True where the loop may stop once every position has halted: a deterministic ACT
+    forward that keeps no per-step state (no decoding cache, segment memory, init or
+    collected intermediates)."""
+    return (self.config.universal_act and ctx.deterministic and not ctx.decode
+            and not self.is_initializing() and not self.config.uses_memory
+            and not self.is_mutable_collection('intermediates'))
+
+  @nn.compact
+  def __call__(self, carry, ctx: blocks.LayerContext):
+    cfg = self.config
+    init = {'state': carry, 'n': jnp.zeros((), jnp.int32)}
+    if not cfg.universal_act:
+      final, _ = _scan(cfg.universal_steps)(cfg, name='step')(init, ctx)
+      return final['state']
+    shape = ctx.segment_ids.shape
+    init.update(out=jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), carry),
+                cum=jnp.zeros(shape, jnp.float32), remainder=jnp.zeros(shape, jnp.float32),
+                steps=jnp.zeros(shape, jnp.int32), halted=jnp.zeros(shape, bool))
+    if self.early_stop(ctx):
+      final = nn.while_loop(
+          lambda mdl, c: jnp.any(~c['halted']),
+          lambda mdl, c: UniversalStep(cfg, name='step')(c, ctx),
+          self, init, broadcast_variables='params', carry_variables=False, split_rngs={})
+    else:
+      final, _ = _scan(cfg.universal_max_steps)(cfg, name='step')(init, ctx)
+    self.report(final['steps'], final['remainder'], ctx.segment_ids)
+    return jax.tree.map(lambda o, s: o.astype(s.dtype), final['out'], carry)
+
+  def report(self, steps, remainder, segment_ids):
+    """Sows the ponder cost into 'losses', its statistics into 'metrics' (mean N, mean
+    N + R, the fraction of tokens halting at each step) and N, R per position into
+    'intermediates'. Padding (segment id 0) is left out of the means."""
+    cfg = self.config
+    real = (segment_ids > 0).astype(jnp.float32)
+    count = jnp.maximum(jnp.sum(real), 1.0)
+    mean = lambda a: jnp.sum(a * real) / count
+    ponder = mean(steps + remainder)
+    self.sow('losses', 'ponder_cost', cfg.universal_ponder * ponder)
+    self.sow('metrics', 'act_steps', mean(steps.astype(jnp.float32)))
+    self.sow('metrics', 'ponder', ponder)
+    for k in range(1, cfg.universal_max_steps + 1):
+      self.sow('metrics', f'halted_at_{k}', mean((steps == k).astype(jnp.float32)))
+    self.sow('intermediates', 'act_steps', steps)
+    self.sow('intermediates', 'act_remainder', remainder)
+
+
+@stacks.register('universal')
+class Universal(stacks.Stack):
+  """One weight-shared block applied for model.universal_steps steps, or with ACT for up to
+  model.universal_max_steps: parameters 'universal/step/block' (and 'universal/step/halting'
+  with ACT)."""
+
+  REVERSIBLE_TRAINING = False
+
+  @classmethod
+  def check(cls, config):
+    if config.n_layers != 1:
+      raise ValueError(
+          f"model.stack='universal' applies one weight-shared block: set model.n_layers=1 "
+          f"(got {config.n_layers}); its depth is model.universal_steps, or "
+          f"model.universal_max_steps with model.universal_act=True")
+    for name in ('universal_steps', 'universal_max_steps'):
+      value = getattr(config, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f'model.{name} must be an integer >= 1, got {value!r}')
+    if not isinstance(config.universal_act, bool):
+      raise ValueError(f'model.universal_act must be True or False, got '
+                       f'{config.universal_act!r}')
+    if not config.universal_ponder >= 0:
+      raise ValueError(f'model.universal_ponder (the ponder cost weight τ) must be >= 0, got '
+                       f'{config.universal_ponder!r}')
+
+  @classmethod
+  def apply(cls, config, x, ctx):
+    return UniversalLoop(config, name='universal')(x, ctx)
+
+  @classmethod
+  def applications(cls, config, metrics=None) -> float:
+    """Block applications per token: T, or with ACT the mean N of `metrics` (the logged
+    'act_steps/universal') when given, else the cap M."""
+    if not config.universal_act:
+      return float(config.universal_steps)
+    if metrics and 'act_steps/universal' in metrics:
+      return float(metrics['act_steps/universal'])
+    return float(config.universal_max_steps)
+
+  @classmethod
+  def extra_matmul_weights(cls, config) -> int:
+    return config.d_model if config.universal_act else 0  # The halting unit, per step.
+
+  @classmethod
+  def layer_tree(cls, config, tree, i):
+    if i:
+      raise IndexError(f'the universal stack has one block, not layer {i}')
+    return tree.get('universal', {}).get('step', {}).get('block', {})
+
+  @classmethod
+  def stacked_tree(cls, config, per_layer):
+    (block,) = per_layer
+    return {'universal': {'step': {'block': block}}}
+
+  @classmethod
+  def cycle(cls, config):
+    raise NotImplementedError('the universal stack applies one block for several steps; it '
+                              'has no cycle of distinct layers (models/reversible.py)')
