@@ -4,12 +4,20 @@ Computation Time (Dehghani et al. 2019; Graves 2016; the survey's "Make it Recur
 "Adaptive Computation Time").
 
   s^0 = the embedded input
-  s^n = Block(s^{n-1} + P(i, n))
+  s^n = Block(s^{n-1} + rms(s^{n-1}) P(i, n))
 
 P(i, n) is the coordinate embedding: the sinusoid of position i plus the sinusoid of step n
 (layers.sinusoid), added to the state before every step as the Universal Transformer does. Its
 position half is left out when the attention encodes relative positions itself
 (Transformer-XL), which must not see absolute positions.
+
+The coordinates are added at the state's own scale, s + rms(s) P (`add_coordinates`). The
+Universal Transformer is post-LN: its state has unit RMS at every step, and P (RMS about 1)
+is comparable to it. This backbone's state is an un-normalized Pre-LN stream that starts as
+the token embedding (std 0.02) and grows step by step; P added as is would outweigh the
+tokens 50 to 1 at the first step (at initialization every position then halted after the same
+number of steps, whatever its token), and be outweighed by the stream later. With the scale,
+the block's first norm sees RMSNorm(s) + P up to a factor: the paper's input at every step.
 
 Fixed steps (model.universal_act=False): T = model.universal_steps applications; the output is
 s^T. With shared weights this is an unrolled stack of T layers holding identical weights.
@@ -74,6 +82,17 @@ def coordinates(positions, step, features: int, with_positions: bool = True):
   return jnp.broadcast_to(signal, positions.shape + (features,))
 
 
+def add_coordinates(state, positions, step, with_positions: bool = True):
+  """s + rms(s) P(i, n) for the state (a tree of (batch, length, d) arrays: each array by
+  its own RMS per position), in the state's dtype."""
+  def add(s):
+    coords = coordinates(positions, step, s.shape[-1], with_positions)
+    s32 = s.astype(jnp.float32)
+    scale = jnp.sqrt(jnp.mean(jnp.square(s32), axis=-1, keepdims=True))
+    return (s32 + scale * coords).astype(s.dtype)
+  return jax.tree.map(add, state)
+
+
 def _rms(x):
   x = x.astype(jnp.float32)
   return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + 1e-6)
@@ -123,10 +142,9 @@ class UniversalStep(nn.Module):
     block_cls = blocks.get(cfg.block)
     state = carry['state']
     n = carry['n'] + 1  # This step's number.
-    coords = coordinates(ctx.positions, n, cfg.d_model, with_positions=not _relative(cfg))
     block = stacks.remat(block_cls, cfg.remat, scanned=True)(
         cfg, cfg.attention[0], layer_index=0, name='block')
-    new = block(jax.tree.map(lambda s: s + coords.astype(s.dtype), state),
+    new = block(add_coordinates(state, ctx.positions, n, with_positions=not _relative(cfg)),
                 ctx.replace(step=carry['n']))
     if not cfg.universal_act:
       return {'state': new, 'n': n}
