@@ -110,6 +110,19 @@ class Stack:
     return 0
 
   @classmethod
+  def sown_layers(cls, config, tree) -> list:
+    """One subtree per layer of a sown tree ('intermediates'), for the variants' inspect
+    figures: layer_tree of each layer."""
+    return [cls.layer_tree(config, tree, i) for i in range(config.n_layers)]
+
+  @classmethod
+  def inspect(cls, config, sown, batch: dict, source: str) -> list:
+    """Figures (models/attention/base.py Figure) of what the stack itself sows into
+    'intermediates' (`sown`, the whole tree, host arrays) on `batch`; none by default."""
+    del config, sown, batch, source
+    return []
+
+  @classmethod
   def layer_tree(cls, config, tree, i: int):
     """Layer i's part of a tree laid out like the parameters ({} where it has none)."""
     raise NotImplementedError

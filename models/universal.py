@@ -60,8 +60,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models import attention, blocks, layers, stacks
+from models.attention import base
 
 ACT_EPSILON = 0.01  # A position halts once its cumulative halting probability reaches 1 - ε.
 HALTING_BIAS_INIT = 1.0  # b_h starts at 1 (Graves 2016; the issue's spec): p ≈ 0.73 at first.
@@ -280,6 +282,53 @@ class Universal(stacks.Stack):
   @classmethod
   def extra_matmul_weights(cls, config) -> int:
     return config.d_model if config.universal_act else 0  # The halting unit, per step.
+
+  @classmethod
+  def sown_layers(cls, config, tree):
+    """The block's sown tree per step (each step as a layer, for the variants' figures)."""
+    block = cls.layer_tree(config, tree, 0)
+    leaves = jax.tree.leaves(block)
+    steps = leaves[0].shape[0] if leaves else 0
+    return [jax.tree.map(lambda a, t=t: a[t], block) for t in range(steps)] or [block]
+
+  @classmethod
+  def inspect(cls, config, sown, batch, source):
+    """With ACT: the steps N per position (see training/inspect.py)."""
+    got = sown.get('universal', {})
+    if 'act_steps' not in got:
+      return []
+    steps = np.asarray(got['act_steps'][0])
+    real = np.asarray(batch['segment_ids']) > 0
+    scored = real & (np.asarray(batch['weights']) > 0)
+    m = config.universal_max_steps
+    ks = np.arange(1, m + 1)
+    hist = lambda mask: [float(np.mean(steps[mask] == k)) if mask.any() else 0.0 for k in ks]
+    by_position = [float(steps[:, i][real[:, i]].mean()) if real[:, i].any() else 0.0
+                   for i in range(steps.shape[1])]
+    report = {
+        'mean_steps': float(steps[real].mean()),
+        'mean_steps_scored': float(steps[scored].mean()) if scored.any() else None,
+        'mean_steps_context': float(steps[real & ~scored].mean()) if (real & ~scored).any()
+                              else None,
+        'max_steps': m,
+        'fraction_by_steps_scored': hist(scored),
+        'fraction_by_steps_context': hist(real & ~scored),
+        'mean_steps_by_position': by_position,
+    }
+    panels = {
+        'mean steps by position': {'x': np.arange(len(by_position)), 'y': by_position,
+                                   'xlabel': 'position', 'ylabel': 'mean steps N'},
+        'scored tokens': {'x': ks, 'y': report['fraction_by_steps_scored'],
+                          'xlabel': 'steps N', 'ylabel': 'fraction of tokens'},
+        'context tokens': {'x': ks, 'y': report['fraction_by_steps_context'],
+                           'xlabel': 'steps N', 'ylabel': 'fraction of tokens'},
+    }
+    return [base.Figure(
+        name='act_steps', file='act_steps', kind='bars', panels=panels,
+        title=f'ACT steps per token (M={m}; {source})',
+        arrays={'act_steps': steps, 'act_remainder': np.asarray(got['act_remainder'][0])},
+        report=report,
+        summary=f"mean steps {report['mean_steps']:.2f} of at most {m} ({source})")]
 
   @classmethod
   def layer_tree(cls, config, tree, i):

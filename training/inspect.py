@@ -15,6 +15,11 @@ one, the initial parameters); this file only renders them:
   scale (figure 4 of the adaptive-span paper; dynamic spans averaged over the batch), the
   average span, attention FLOPs per token (table 1's columns) and the decoding cache against a
   full-span one.
+
+A stack draws its own too (Stack.inspect, models/stacks.py):
+- the universal stack with ACT: act_steps.png, .npz and .json: the mean steps N by position,
+  and the histograms of N for the scored tokens and for the others (the token types every
+  batch has: what the task scores, e.g. parity answers or the copied half, and its context).
 """
 
 from __future__ import annotations
@@ -84,8 +89,9 @@ def sown_per_layer(config: ml_collections.ConfigDict, workdir: str):
 
   Returns:
     (list of layer i's sown attention intermediates (host arrays; {} where nothing is
-    sown), the batch (host arrays), the model config (specialized to the parameters), a
-    description of the parameters' source).
+    sown; the universal stack gives one entry per step), the batch (host arrays), the model
+    config (specialized to the parameters), a description of the parameters' source, the
+    whole sown tree).
   """
   import jax
   from training import sharding, train
@@ -107,9 +113,9 @@ def sown_per_layer(config: ml_collections.ConfigDict, workdir: str):
   mc = model.config
   sown = jax.device_get(sown['intermediates'])
   stack = stacks.of(mc)
-  layers = [stack.layer_tree(mc, sown, i).get('attention', {}) for i in range(mc.n_layers)]
+  layers = [tree.get('attention', {}) for tree in stack.sown_layers(mc, sown)]
   source = f'checkpoint step {step}' if step is not None else 'initial parameters'
-  return layers, {k: np.asarray(v) for k, v in local.items()}, mc, source
+  return layers, {k: np.asarray(v) for k, v in local.items()}, mc, source, sown
 
 
 def plot_matrices(panels: dict[str, np.ndarray], path: str, title: str) -> None:
@@ -156,6 +162,23 @@ def plot_head_bars(values: np.ndarray, y_max: float, path: str, title: str,
   plt.close(fig)
 
 
+def plot_bars(panels: dict, path: str, title: str) -> None:
+  """One bar chart per panel: {title: {'x', 'y', 'xlabel', 'ylabel'}}."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.2), squeeze=False)
+  for ax, (name, panel) in zip(axes[0], panels.items()):
+    ax.bar(np.asarray(panel['x']), np.asarray(panel['y']), width=0.8, color='tab:blue')
+    ax.set_xlabel(panel.get('xlabel', ''))
+    ax.set_ylabel(panel.get('ylabel', ''))
+    ax.set_title(name, fontsize=8)
+  fig.suptitle(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
 def write_figure(figure, out_dir: str) -> dict[str, str]:
   """Renders a variant's Figure (models/attention/base.py) into `out_dir`: FILE.png, plus
   FILE.npz of its arrays and FILE.json of its report; returns {NAME_png: path, ...}."""
@@ -165,6 +188,8 @@ def write_figure(figure, out_dir: str) -> dict[str, str]:
   elif figure.kind == 'head_bars':
     plot_head_bars(figure.panels['values'], figure.y_max, paths[f'{figure.name}_png'],
                    figure.title, figure.y_label)
+  elif figure.kind == 'bars':
+    plot_bars(figure.panels, paths[f'{figure.name}_png'], figure.title)
   else:
     raise ValueError(f'unknown figure kind {figure.kind!r} of {figure.name}')
   if figure.arrays:
@@ -210,11 +235,15 @@ def inspect(config: ml_collections.ConfigDict, workdir: str,
                'wrote %s and %s', mc.n_layers, mc.n_heads, n, np.mean(list(density.values())),
                npz, png)
   paths = {'npz': npz, 'png': png}
-  if all(cls.inspect.__func__ is base.MultiHeadAttention.inspect.__func__
-         for cls in transformer.variant_classes(mc)):  # No variant draws figures.
+  stack = stacks.of(mc)
+  if stack.inspect.__func__ is stacks.Stack.inspect.__func__ and all(
+      cls.inspect.__func__ is base.MultiHeadAttention.inspect.__func__
+      for cls in transformer.variant_classes(mc)):  # Neither the stack nor a variant draws.
     return paths
-  layers, batch, model_config, source = sown_per_layer(config, workdir)
+  layers, batch, model_config, source, sown = sown_per_layer(config, workdir)
+  figures = stack.inspect(model_config, sown, batch, source)
   for cls in transformer.variant_classes(model_config):
-    for figure in cls.inspect(model_config, layers, batch, source):
-      paths.update(write_figure(figure, out_dir))
+    figures += cls.inspect(model_config, layers, batch, source)
+  for figure in figures:
+    paths.update(write_figure(figure, out_dir))
   return paths

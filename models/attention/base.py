@@ -183,8 +183,9 @@ class Figure:
   Attributes:
     name: key of the paths inspect returns (NAME_png, NAME_npz, NAME_json).
     file: file stem under WORKDIR/inspect/.
-    kind: 'matrices' (one heatmap per panel, NaN left blank, greener = lower) or 'head_bars'
-      (panels['values'], (layers, heads), one bar per head grouped by layer, log scale).
+    kind: 'matrices' (one heatmap per panel, NaN left blank, greener = lower), 'head_bars'
+      (panels['values'], (layers, heads), one bar per head grouped by layer, log scale) or
+      'bars' (one bar chart per panel: {'x': ..., 'y': ..., 'xlabel': ..., 'ylabel': ...}).
     panels: what is plotted, by panel title.
     title: the figure's title.
     arrays: saved to FILE.npz (nothing when empty).

@@ -1,6 +1,7 @@
 """Every attention variant: one train step on 8 fake CPU devices equals the one-device step.
 
-(And every block wiring other than pre_ln, on dense attention: EXTRA_CASES.)
+(And every block wiring other than pre_ln, and the universal stack with fixed steps and with
+ACT, on dense attention: EXTRA_CASES.)
 
 For each registered variant (`models.attention.known()`, so a new one is covered when it
 registers) and each mesh of a run in RUNS, the same small model, initial parameters and batch
@@ -96,8 +97,8 @@ CONFIG = {
     **{f'model.attention_options.{k}': v for k, v in OPTIONS.items()},
 }
 
-# Cases beyond one per variant: block wirings, on dense attention.
-EXTRA_CASES = ['gtrxl_block', 'reversible_block']
+# Cases beyond one per variant: block wirings and the universal stack, on dense attention.
+EXTRA_CASES = ['gtrxl_block', 'reversible_block', 'universal_fixed', 'universal_act']
 CASES = VARIANTS + EXTRA_CASES
 # Per-case keys on top of CONFIG and model.attention=<case>: Transformer-XL encodes positions
 # itself, and the Copy task is not a stream, so its layers attend within the segment (the
@@ -109,6 +110,15 @@ CASE_CONFIG = {
     'gtrxl_block': {'model.attention': 'dense', 'model.block': 'gtrxl'},
     'reversible_block': {'model.attention': 'dense', 'model.block': 'reversible',
                          'model.dropout_rate': 0.1},
+    # One shared block for 3 steps; with ACT for at most 3 (the ponder cost is the auxiliary
+    # loss), with dropout so the per-step masks are compared too.
+    'universal_fixed': {'model.attention': 'dense', 'model.stack': 'universal',
+                        'model.n_layers': 1, 'model.universal_steps': 3,
+                        'model.position_embedding': 'none'},
+    'universal_act': {'model.attention': 'dense', 'model.stack': 'universal',
+                      'model.n_layers': 1, 'model.universal_act': True,
+                      'model.universal_max_steps': 3, 'model.universal_ponder': 0.05,
+                      'model.position_embedding': 'none', 'model.dropout_rate': 0.1},
 }
 
 _SCRIPT = textwrap.dedent('''\
