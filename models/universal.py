@@ -181,7 +181,7 @@ def _scan(length: int):
   collection and every rng stream but 'params' split per step."""
   return nn.scan(_ScannedStep, variable_broadcast='params', variable_axes={True: 0},
                  split_rngs={'params': False, True: True}, in_axes=(nn.broadcast,),
-                 length=length)
+                 length=length, metadata_params={nn.PARTITION_NAME: 'layers'})
 
 
 class UniversalLoop(nn.Module):
@@ -254,6 +254,14 @@ class Universal(stacks.Stack):
           f"model.stack='universal' applies one weight-shared block: set model.n_layers=1 "
           f"(got {config.n_layers}); its depth is model.universal_steps, or "
           f"model.universal_max_steps with model.universal_act=True")
+    period = stacks.layer_periods(config)[0]
+    if period not in (1, None):
+      raise ValueError(
+          f"model.stack='universal': {config.attention[0]} attention alternates its pattern "
+          f"with the layer index (period {period}), but the universal stack applies one block "
+          f"at every step, which would only ever use the first pattern. Use a factorization "
+          f"that does not depend on the layer (model.attention_options.factorization="
+          f"'merged' or 'multihead'), or a layered stack")
     for name in ('universal_steps', 'universal_max_steps'):
       value = getattr(config, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -303,6 +303,8 @@ def test_relative_position_attention_gets_only_the_step_signal():
      r'model.universal_max_steps must be an integer >= 1'),
     ({'universal_ponder': -0.1}, r'universal_ponder .* must be >= 0'),
     ({'universal_act': 'yes'}, r'model.universal_act must be True or False'),
+    ({'attention': 'strided'}, r"strided attention alternates its pattern .* \(period 2\)"),
+    ({'attention': 'local_global'}, r"local_global attention alternates its pattern"),
 ])
 def test_bad_universal_settings_are_refused_at_config_time(overrides, message):
   with pytest.raises(ValueError, match=message):
@@ -313,3 +315,22 @@ def test_universal_stack_defaults_to_one_layer():
   config = transformer.TransformerConfig.from_config(
       dict(vocab_size=VOCAB, d=2, max_len=N, stack='universal'))
   assert config.n_layers == 1 and config.n_heads == 2 and config.stack_name == 'universal'
+
+
+def test_segment_memory_is_kept_per_step():
+  """Transformer-XL's memory under the universal stack: one memory per step (step t's memory
+  holds the previous segment's inputs to step t), carried into the next segment."""
+  config = _config(attention='txl', universal_act=True, attention_options={'mem_len': N})
+  model = transformer.Decoder(config)
+  variables = model.init(jax.random.key(0), _tokens())
+  params = nn.unbox(variables['params'])
+  memory = variables['memory']
+  hidden = nn.unbox(memory)['universal']['step']['block']['attention']['hidden']
+  assert hidden.shape == (4, 2, N, D)  # M steps, batch, mem_len, d_model.
+  first, mutated = model.apply({'params': params, 'memory': memory}, _tokens(1),
+                               mutable=['memory'])
+  second, _ = model.apply({'params': params, **mutated}, _tokens(2), mutable=['memory'])
+  fresh, _ = model.apply({'params': params, 'memory': memory}, _tokens(2), mutable=['memory'])
+  filled = nn.unbox(mutated['memory'])['universal']['step']['block']['attention']['hidden']
+  assert np.all(np.any(np.asarray(filled) != 0, axis=(1, 2, 3)))  # Every step wrote its own.
+  assert np.max(np.abs(np.asarray(second - fresh))) > 1e-4  # The memory is read.
