@@ -176,10 +176,12 @@ class _ScannedStep(UniversalStep):
     return super().__call__(carry, ctx), None
 
 
-def _scan(length: int):
-  """nn.scan of the step: the parameters broadcast (one block for every step); every other
-  collection and every rng stream but 'params' split per step."""
-  return nn.scan(_ScannedStep, variable_broadcast='params', variable_axes={True: 0},
+def _scan(length: int, broadcast=('params',)):
+  """nn.scan of the step: the `broadcast` collections (the parameters, and read-only inputs
+  such as selective attention's 'pruning' budgets: one block, one of each) are shared by
+  every step; every other collection (caches, segment memory, sown values) and every rng
+  stream but 'params' gets one entry per step."""
+  return nn.scan(_ScannedStep, variable_broadcast=list(broadcast), variable_axes={True: 0},
                  split_rngs={'params': False, True: True}, in_axes=(nn.broadcast,),
                  length=length, metadata_params={nn.PARTITION_NAME: 'layers'})
 
@@ -204,8 +206,10 @@ class UniversalLoop(nn.Module):
   def __call__(self, carry, ctx: blocks.LayerContext):
     cfg = self.config
     init = {'state': carry, 'n': jnp.zeros((), jnp.int32)}
+    broadcast = ['params'] + [c for c in self.variables
+                              if c != 'params' and not self.is_mutable_collection(c)]
     if not cfg.universal_act:
-      final, _ = _scan(cfg.universal_steps)(cfg, name='step')(init, ctx)
+      final, _ = _scan(cfg.universal_steps, broadcast)(cfg, name='step')(init, ctx)
       return final['state']
     shape = ctx.segment_ids.shape
     init.update(out=jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), carry),
@@ -217,7 +221,7 @@ class UniversalLoop(nn.Module):
           lambda mdl, c: UniversalStep(cfg, name='step')(c, ctx),
           self, init, broadcast_variables='params', carry_variables=False, split_rngs={})
     else:
-      final, _ = _scan(cfg.universal_max_steps)(cfg, name='step')(init, ctx)
+      final, _ = _scan(cfg.universal_max_steps, broadcast)(cfg, name='step')(init, ctx)
     self.report(final['steps'], final['remainder'], ctx.segment_ids)
     return jax.tree.map(lambda o, s: o.astype(s.dtype), final['out'], carry)
 

@@ -334,3 +334,19 @@ def test_segment_memory_is_kept_per_step():
   filled = nn.unbox(mutated['memory'])['universal']['step']['block']['attention']['hidden']
   assert np.all(np.any(np.asarray(filled) != 0, axis=(1, 2, 3)))  # Every step wrote its own.
   assert np.max(np.abs(np.asarray(second - fresh))) > 1e-4  # The memory is read.
+
+
+def test_read_only_collections_are_shared_by_the_steps():
+  """Selective attention's pruning budgets (a read-only input laid out like the parameters:
+  stacked_tree) reach the one block at every step."""
+  config = _config(attention='selective', universal_steps=2)
+  params = _params(config)
+  model = transformer.Decoder(config)
+  x = _tokens()
+  full = model.apply({'params': params}, x)
+  pruning = universal.Universal.stacked_tree(config, [{'attention': {'budget': 2}}])
+  pruned = model.apply({'params': params, 'pruning': pruning}, x)
+  assert np.max(np.abs(np.asarray(pruned - full))) > 1e-4
+  np.testing.assert_allclose(  # A budget of the whole row prunes nothing.
+      model.apply({'params': params, 'pruning': universal.Universal.stacked_tree(
+          config, [{'attention': {'budget': N}}])}, x), full, atol=1e-5)
