@@ -17,7 +17,6 @@ N = 12
 VOCAB = 13
 
 
-@blocks.register('test_coordinated_pre_ln')
 class CoordinatedPreLN(blocks.PreLN):
   """pre_ln after adding the universal stack's coordinates of step layer_index + 1: what a
   fixed-step universal stack computes, as an unrolled stack of distinct layers."""
@@ -25,6 +24,13 @@ class CoordinatedPreLN(blocks.PreLN):
   def __call__(self, x, ctx):
     return super().__call__(universal.add_coordinates(x, ctx.positions, self.layer_index + 1),
                             ctx)
+
+
+@pytest.fixture(autouse=True)
+def _coordinated_block(monkeypatch):
+  """CoordinatedPreLN as model.block='test_coordinated_pre_ln' for this module's tests only
+  (other modules check the list of known blocks)."""
+  monkeypatch.setitem(blocks.BLOCKS._entries, 'test_coordinated_pre_ln', CoordinatedPreLN)
 
 
 def _config(**overrides):
