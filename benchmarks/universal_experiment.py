@@ -1,0 +1,337 @@
+"""The experiment of docs/universal_transformer.md: a fixed-depth Pre-LN stack against the
+Universal Transformer with fixed steps and with ACT, on the embedded copy and running-parity
+tasks, trained on short rows and evaluated on rows up to twice as long.
+
+  python benchmarks/universal_experiment.py                  # both tasks, 4 runs each
+  python benchmarks/universal_experiment.py --steps 3000     # longer (new workdirs)
+  python benchmarks/universal_experiment.py --tasks copy --runs ut_act,ut_fixed
+
+Runs (configs/universal_algorithmic.py: width 64, 4 heads, float32):
+  pre_ln_1   1 Pre-LN layer, sinusoid positions: the UT's parameters (one block)
+  pre_ln_T   T distinct Pre-LN layers, sinusoid positions: the fixed UT's compute
+  ut_fixed   one shared block applied T times (universal stack, its own coordinates)
+  ut_act     one shared block, ACT halting per position, at most M steps, ponder cost τ
+
+Each run trains through main.py (its own workdir under --out; a finished run is not trained
+again), then this script restores its latest parameters and runs the Decoder on longer rows:
+  copy    rows of copy lengths 1..2 L_train (the lengths are drawn uniformly; training saw
+          1..L_train): token accuracy on the scored copy + EOS, and whole-row accuracy, per
+          copy length;
+  parity  rows of 2 n_train bits: accuracy at each parity token k = 1..2 n_train (training
+          saw k <= n_train).
+For ACT it reads the per-position steps N (intermediates 'universal'/'act_steps') and keeps
+their histogram against the position and against the token's role (copy: the string, SEP,
+the copy; parity: bit tokens, whose target is scored, and parity tokens).
+
+Writes benchmarks/results/universal_experiment.json, docs/img/universal_steps.png (ACT's
+steps against position) and docs/img/universal_accuracy.png (accuracy against length).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks.common import flags, pyplot, run_logged, scalar_curve, write_json  # noqa: E402
+
+T = 4           # Fixed steps of ut_fixed, layers of pre_ln_T.
+M = 8           # ACT's cap.
+COPY_TRAIN = 10  # Copy: lengths 1..COPY_TRAIN in training (configs/universal_algorithmic.py).
+PARITY_TRAIN = 12  # Parity: bits per training row.
+EXTRAPOLATE = 2  # Evaluation rows are this many times the longest training row.
+EVAL_ROWS = 1024
+EVAL_SEED = 12345
+
+LAYERED = {'model.stack': 'auto', 'model.position_embedding': 'sinusoidal'}
+RUNS = {
+    'pre_ln_1': {**LAYERED, 'model.n_layers': 1},
+    f'pre_ln_{T}': {**LAYERED, 'model.n_layers': T},
+    'ut_fixed': {'model.universal_act': False, 'model.universal_steps': T},
+    'ut_act': {'model.universal_act': True, 'model.universal_max_steps': M},
+}
+TASKS = {
+    'copy': {'data.name': 'copy', 'data.max_length': COPY_TRAIN},
+    'parity': {'data.name': 'parity', 'data.num_bits': PARITY_TRAIN},
+}
+
+
+def train(name, overrides, *, out, steps):
+  """Trains one run unless its last checkpoint exists; returns (workdir, seconds or None)."""
+  os.makedirs(out, exist_ok=True)
+  workdir = os.path.join(out, name)
+  log = os.path.join(out, f'{name}.log')
+  if os.path.isdir(os.path.join(workdir, 'checkpoints', str(steps))):
+    return workdir, None
+  print(f'[{name}] training {steps} steps (log: {log})', flush=True)
+  cmd = [sys.executable, os.path.join(REPO, 'main.py'),
+         '--config=' + os.path.join(REPO, 'configs', 'universal_algorithmic.py'),
+         f'--workdir={workdir}'] + flags(overrides)
+  return workdir, run_logged(cmd, REPO, log)
+
+
+def eval_batch(task_name):
+  """One long evaluation batch (numpy) and its description."""
+  from input_pipeline import synthetic  # pylint: disable=g-import-not-at-top
+  if task_name == 'copy':
+    task = synthetic.make_task('copy', num_symbols=16, max_length=EXTRAPOLATE * COPY_TRAIN,
+                               min_length=1)
+  else:
+    task = synthetic.make_task('parity', num_bits=EXTRAPOLATE * PARITY_TRAIN)
+  return task.batch(EVAL_SEED, 0, EVAL_ROWS), task
+
+
+def _find(tree, key):
+  """The first array sown under `key` in a nested intermediates dict (sow keeps a tuple)."""
+  if isinstance(tree, dict):
+    for k, v in tree.items():
+      if k == key:
+        return v[0] if isinstance(v, tuple) else v
+      found = _find(v, key)
+      if found is not None:
+        return found
+  return None
+
+
+def restore(workdir):
+  """(config, setup, step, params) of a finished run, from its record and latest checkpoint."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from training import run_config, train as train_lib  # pylint: disable=g-import-not-at-top
+  config = ml_collections.ConfigDict(run_config.read_record(workdir))
+  setup = train_lib.build(config, workdir=workdir)
+  step, params = train_lib.latest_params(setup, workdir, required='train it first')
+  return config, setup, step, params
+
+
+def evaluate(workdir, task_name, act):
+  """Accuracy (and ACT steps) of a run on the long evaluation batch."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  _, setup, step, params = restore(workdir)
+  model = setup.model
+  batch, task = eval_batch(task_name)
+  n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+
+  @jax.jit
+  def forward(params, inputs, positions, segment_ids):
+    logits, sown = model.apply({'params': params}, inputs, positions=positions,
+                               segment_ids=segment_ids, mutable=['intermediates'])
+    return logits.argmax(-1), _find(sown.get('intermediates', {}), 'act_steps')
+
+  @jax.jit
+  def forward_plain(params, inputs, positions, segment_ids):  # ACT's early-stopping loop
+    return model.apply({'params': params}, inputs, positions=positions,
+                       segment_ids=segment_ids).argmax(-1)
+
+  args = (params, batch['inputs'], batch['positions'], batch['segment_ids'])
+  t = time.time()
+  pred, steps = jax.device_get(forward(*args))
+  forward_s = time.time() - t
+  correct = (pred == batch['targets'])
+  w = batch['weights'] > 0
+  real = batch['segment_ids'] > 0
+  result = {'step': int(step), 'params': n_params, 'forward_s_incl_compile': forward_s,
+            'eval_rows': EVAL_ROWS, 'eval_seq_len': int(task.seq_len)}
+  if task_name == 'copy':
+    lengths = w.sum(1) - 1  # Scored: the L copied symbols and EOS.
+    tok, row = {}, {}
+    for length in range(1, EXTRAPOLATE * COPY_TRAIN + 1):
+      rows = lengths == length
+      if rows.any():
+        tok[length] = float(correct[rows][w[rows]].mean())
+        row[length] = float((correct[rows] | ~w[rows]).all(1).mean())
+    result['token_accuracy_by_length'] = tok
+    result['row_accuracy_by_length'] = row
+    groups = {'train_lengths': lengths <= COPY_TRAIN,
+              'longer': lengths > COPY_TRAIN,
+              'longest_quarter': lengths > EXTRAPOLATE * COPY_TRAIN * 3 // 4}
+    result['token_accuracy'] = {g: float(correct[r][w[r]].mean()) for g, r in groups.items()}
+    result['row_accuracy'] = {g: float((correct[r] | ~w[r]).all(1).mean())
+                              for g, r in groups.items()}
+  else:
+    k_acc = correct[:, 1::2].mean(0)  # Parity token k (1-based) is predicted at index 2k - 1.
+    result['accuracy_by_bit'] = {k + 1: float(a) for k, a in enumerate(k_acc)}
+    result['accuracy'] = {'train_lengths': float(k_acc[:PARITY_TRAIN].mean()),
+                          'longer': float(k_acc[PARITY_TRAIN:].mean()),
+                          'longest_quarter': float(k_acc[-PARITY_TRAIN // 2:].mean())}
+    result['row_accuracy'] = {
+        'train_lengths': float(correct[:, 1:2 * PARITY_TRAIN:2].all(1).mean()),
+        'whole_row': float(correct[:, 1::2].all(1).mean())}
+  if act:
+    steps = np.asarray(steps)
+    plain = jax.device_get(forward_plain(*args))
+    # The early-stopping while loop must give what the masked scan gives.
+    result['while_loop_scan_argmax_agreement'] = float((plain == pred)[real].mean())
+    result['mean_steps'] = float(steps[real].mean())
+    n = steps.shape[1]
+    hist = np.zeros((n, M), np.int64)  # [position, N - 1], real tokens only
+    for pos in range(n):
+      hist[pos] = np.bincount(steps[real[:, pos], pos], minlength=M + 1)[1:M + 1]
+    result['steps_histogram_by_position'] = hist.tolist()
+    result['mean_steps_by_position'] = [
+        float(steps[real[:, p], p].mean()) if real[:, p].any() else None for p in range(n)]
+    pos = np.arange(n)[None, :]
+    if task_name == 'copy':
+      lengths_col = (w.sum(1) - 1)[:, None]
+      roles = {'string': (pos >= 1) & (pos <= lengths_col),
+               'sep': pos == lengths_col + 1,
+               'copy': (pos > lengths_col + 1) & real}
+      result['mean_steps_by_length'] = {
+          int(length): float(steps[(lengths_col[:, 0] == length)[:, None] & real].mean())
+          for length in np.unique(lengths_col)}
+    else:
+      roles = {'bit (parity scored)': (pos % 2 == 1) & real,
+               'parity (next bit random)': (pos % 2 == 0) & (pos > 0) & real}
+      # Difficulty for running parity: does the answer flip at this bit (bit = 1)?
+      bit_one = batch['inputs'] == task.bit_offset + 1
+      roles['bit = 1'] = (pos % 2 == 1) & bit_one
+      roles['bit = 0'] = (pos % 2 == 1) & ~bit_one
+    result['mean_steps_by_role'] = {r: float(steps[m].mean()) for r, m in roles.items()}
+    result['steps_histogram_by_role'] = {
+        r: np.bincount(steps[m], minlength=M + 1)[1:M + 1].tolist() for r, m in roles.items()}
+    result['halted_at'] = (np.bincount(steps[real], minlength=M + 1)[1:M + 1]
+                           / real.sum()).tolist()
+  return result
+
+
+def _code_version():
+  import subprocess  # pylint: disable=g-import-not-at-top
+  try:
+    head = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=REPO, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    dirty = subprocess.run(['git', 'status', '--porcelain', 'models', 'training',
+                            'input_pipeline'], cwd=REPO, capture_output=True, text=True).stdout
+    return head + ('+dirty' if dirty.strip() else '')
+  except (OSError, subprocess.CalledProcessError):
+    return 'unknown'
+
+
+def summary_row(task_name, name, entry):
+  ev = entry['eval']
+  acc = ev['token_accuracy'] if task_name == 'copy' else ev['accuracy']
+  return {'task': task_name, 'run': name, 'params': ev['params'],
+          'steps/token': entry['applications'],
+          'acc train len': acc['train_lengths'], 'acc longer': acc['longer'],
+          'acc longest 1/4': acc['longest_quarter'],
+          'row acc train len': ev['row_accuracy']['train_lengths'],
+          'final train loss': entry['final_train_loss'],
+          'train s': entry['train_s'] if entry['train_s'] is not None else 'cached'}
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument('--out', default='/tmp/universal_exp', help='workdirs go here')
+  p.add_argument('--steps', type=int, default=1000, help='training steps of every run')
+  p.add_argument('--tasks', default='copy,parity')
+  p.add_argument('--runs', default='all', help="comma-separated subset of the runs, or 'all'")
+  p.add_argument('--json', default=os.path.join(REPO, 'benchmarks', 'results',
+                                                'universal_experiment.json'))
+  p.add_argument('--img', default=os.path.join(REPO, 'docs', 'img'))
+  p.add_argument('--code', default='', help='what code the runs used, for the JSON (default: '
+                 "git HEAD of this checkout, '+dirty' when models/ or training/ differ)")
+  args = p.parse_args()
+  from benchmarks.common import print_table  # pylint: disable=g-import-not-at-top
+  results = {}
+  if os.path.exists(args.json):
+    with open(args.json) as f:
+      results = json.load(f)
+  results.pop('machine', None)
+  results['settings'] = {'steps': args.steps, 'T': T, 'M': M, 'copy_train_max_length': COPY_TRAIN,
+                         'parity_train_bits': PARITY_TRAIN, 'extrapolate': EXTRAPOLATE,
+                         'eval_rows': EVAL_ROWS, 'eval_seed': EVAL_SEED,
+                         'recipe': 'configs/universal_algorithmic.py',
+                         'code': args.code or _code_version()}
+  runs = {k: v for k, v in RUNS.items() if args.runs == 'all' or k in args.runs.split(',')}
+  common = {'total_steps': args.steps, 'checkpoint_every_steps': args.steps,
+            'eval_every_steps': 0, 'log_every_steps': 25}
+  for task_name in args.tasks.split(','):
+    task_results = results.setdefault(task_name, {})
+    for name, overrides in runs.items():
+      all_overrides = {**common, **TASKS[task_name], **overrides}
+      workdir, seconds = train(name, all_overrides, out=os.path.join(args.out, task_name),
+                               steps=args.steps)
+      act = overrides.get('model.universal_act', False) and overrides.get(
+          'model.stack') is None
+      ev = evaluate(workdir, task_name, act)
+      loss = scalar_curve(workdir, 'train/loss')
+      tail = [v for s, v in loss if s > args.steps * 0.9]
+      entry = {'overrides': all_overrides, 'train_s': seconds, 'eval': ev,
+               'final_train_loss': sum(tail) / max(1, len(tail)),
+               'train_loss': loss, 'train_accuracy': scalar_curve(workdir, 'train/accuracy')}
+      if act:
+        entry['train_act_steps'] = scalar_curve(workdir, 'train/act_steps/universal')
+        entry['train_ponder'] = scalar_curve(workdir, 'train/ponder/universal')
+        entry['applications'] = ev['mean_steps']
+      else:
+        entry['applications'] = float(T if name != 'pre_ln_1' else 1)
+      old = task_results.get(name, {})
+      if seconds is None and old.get('train_s') is not None and old['eval']['step'] == ev['step']:
+        entry['train_s'] = old['train_s']  # Keep the measured time of a cached run.
+      task_results[name] = entry
+      row = summary_row(task_name, name, entry)
+      print(f'[{task_name}/{name}] ' + '  '.join(
+          f'{k} {v:.4g}' if isinstance(v, float) else f'{k} {v}' for k, v in row.items()
+          if k not in ('task', 'run')), flush=True)
+      if act:
+        print(f'[{task_name}/{name}] mean steps {ev["mean_steps"]:.3f}  by role ' + '  '.join(
+            f'{r} {v:.3f}' for r, v in ev['mean_steps_by_role'].items()) +
+            f'  while/scan agreement {ev["while_loop_scan_argmax_agreement"]:.4f}', flush=True)
+
+  rows = [summary_row(t, n, e) for t in TASKS if t in results for n, e in results[t].items()]
+  print()
+  print_table(rows, list(rows[0]) if rows else [])
+  write_json(args.json, results)
+  plot(results, args.img)
+
+
+def plot(results, img):
+  plt = pyplot()
+  os.makedirs(img, exist_ok=True)
+  tasks = [t for t in TASKS if t in results]
+  # ACT's steps against position: the share of tokens halting at each N, and the mean.
+  fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 4.5), squeeze=False)
+  for ax, task_name in zip(axes[0], tasks):
+    ev = results[task_name].get('ut_act', {}).get('eval')
+    if not ev:
+      continue
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    hist = np.asarray(ev['steps_histogram_by_position'], float)
+    share = hist / np.maximum(hist.sum(1, keepdims=True), 1)
+    im = ax.imshow(share.T, origin='lower', aspect='auto', cmap='viridis', vmin=0, vmax=1,
+                   extent=(-0.5, hist.shape[0] - 0.5, 0.5, M + 0.5))
+    mean = [np.nan if v is None else v for v in ev['mean_steps_by_position']]
+    ax.plot(range(len(mean)), mean, color='w', lw=1.5, label='mean N')
+    edge = (2 * COPY_TRAIN + 1.5) if task_name == 'copy' else (2 * PARITY_TRAIN - 0.5)
+    ax.axvline(edge, color='r', ls='--', lw=1, label='longest training row')
+    ax.set(title=f'{task_name}: ACT steps N per input position (share of tokens)',
+           xlabel='input position', ylabel='steps N')
+    ax.legend(loc='upper right', fontsize=8)
+    fig.colorbar(im, ax=ax)
+  fig.tight_layout()
+  fig.savefig(os.path.join(img, 'universal_steps.png'), dpi=110)
+  # Accuracy against length.
+  fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 4.5), squeeze=False)
+  for ax, task_name in zip(axes[0], tasks):
+    for name, entry in results[task_name].items():
+      ev = entry['eval']
+      curve = ev['token_accuracy_by_length'] if task_name == 'copy' else ev['accuracy_by_bit']
+      xs = sorted(curve, key=int)
+      ax.plot([int(x) for x in xs], [curve[x] for x in xs], marker='.', label=name)
+    train_len = COPY_TRAIN if task_name == 'copy' else PARITY_TRAIN
+    ax.axvline(train_len + 0.5, color='k', ls='--', lw=1, label='training lengths end')
+    ax.set(title=f'{task_name}: ' + ('token accuracy by copy length' if task_name == 'copy'
+                                      else 'accuracy at parity token k'),
+           xlabel='copy length L' if task_name == 'copy' else 'bit index k', ylim=(0, 1.02))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(os.path.join(img, 'universal_accuracy.png'), dpi=110)
+  print(f'wrote {img}/universal_steps.png, {img}/universal_accuracy.png')
+
+
+if __name__ == '__main__':
+  main()
