@@ -25,7 +25,8 @@ def get_config() -> ml_collections.ConfigDict:
   model.mlp_dim = 0                     # SwiGLU width; 0 = 8/3 d_model rounded up to 64.
   model.vocab_size = 8192               # Token ids (the 8K SentencePiece vocabulary).
   model.max_len = 512                   # Learned position table size (>= seq_len).
-  model.position_embedding = 'learned'  # 'learned' absolute positions, 'sinusoidal' (fixed), or
+  model.position_embedding = 'learned'  # 'learned' absolute positions, 'sinusoidal' (fixed, at the
+                                        # embedding's scale), or
                                         # 'none' (variants with relative positions, e.g.
                                         # transformer_xl; the universal stack's coordinates).
   model.attention = 'dense'             # Registry name, or a comma list with one name per layer.

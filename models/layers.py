@@ -206,6 +206,19 @@ class LearnedPositions(nn.Module):
     return jnp.take(table, positions, axis=0).astype(self.dtype)
 
 
+def add_at_scale(x, signal):
+  """x + rms(x) signal, per position (the RMS over the features, float32), in x's dtype.
+
+  How a fixed sinusoid joins a stream of any scale at the ratio Vaswani et al. (2017) had:
+  their embeddings, multiplied by sqrt(d_model), and the sinusoid both have RMS about 1.
+  Here the token embedding starts at std 0.02 and the universal stack's state grows from step
+  to step; added as is, the sinusoid would outweigh the tokens 50 to 1 at first.
+  """
+  x32 = x.astype(jnp.float32)
+  scale = jnp.sqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True))
+  return (x32 + scale * signal).astype(x.dtype)
+
+
 def sinusoid(positions, features: int):
   """The sinusoidal signal of Vaswani et al. (2017) at integer `positions` (any shape):
   (..., features) float32 with sin(i / 10000^(2k/features)) at feature 2k and the cosine at

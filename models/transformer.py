@@ -32,8 +32,9 @@ class TransformerConfig:
     head_dim: width of each head.
     mlp_dim: SwiGLU hidden width.
     max_len: size of the learned position table (and of decoding caches).
-    position_embedding: 'learned' absolute positions, 'sinusoidal' ones (fixed, any length up
-      to max_len), or 'none' (relative-position variants; the universal stack's coordinates).
+    position_embedding: 'learned' absolute positions, 'sinusoidal' ones (fixed, added at the
+      token embedding's scale: layers.add_at_scale), or 'none' (relative-position variants;
+      the universal stack's coordinates).
     attention: registry name per layer (a tuple of length n_layers).
     attention_impl: implementation switch, one of attention.IMPLEMENTATIONS.
     attention_block_size: block length of the 'blocksparse' implementation.
@@ -296,8 +297,8 @@ class Decoder(nn.Module):
     if cfg.position_embedding == 'learned':
       x = x + layers.LearnedPositions(cfg.max_len, cfg.d_model, dtype=cfg.dtype,
                                       param_dtype=cfg.param_dtype, name='pos_embed')(positions)
-    elif cfg.position_embedding == 'sinusoidal':
-      x = x + layers.sinusoid(positions, cfg.d_model).astype(x.dtype)
+    elif cfg.position_embedding == 'sinusoidal':  # At the embedding's scale (add_at_scale).
+      x = layers.add_at_scale(x, layers.sinusoid(positions, cfg.d_model))
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
     x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
 

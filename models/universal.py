@@ -86,13 +86,9 @@ def coordinates(positions, step, features: int, with_positions: bool = True):
 
 def add_coordinates(state, positions, step, with_positions: bool = True):
   """s + rms(s) P(i, n) for the state (a tree of (batch, length, d) arrays: each array by
-  its own RMS per position), in the state's dtype."""
-  def add(s):
-    coords = coordinates(positions, step, s.shape[-1], with_positions)
-    s32 = s.astype(jnp.float32)
-    scale = jnp.sqrt(jnp.mean(jnp.square(s32), axis=-1, keepdims=True))
-    return (s32 + scale * coords).astype(s.dtype)
-  return jax.tree.map(add, state)
+  its own RMS per position; layers.add_at_scale), in the state's dtype."""
+  return jax.tree.map(lambda s: layers.add_at_scale(
+      s, coordinates(positions, step, s.shape[-1], with_positions)), state)
 
 
 def _rms(x):

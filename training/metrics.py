@@ -59,7 +59,7 @@ def _per_layer(scalars: dict[str, float]) -> str:
     digits = ''.join(c for c in item[0] if c.isdigit())
     return (int(digits) if digits else 0, item[0])
 
-  return ''.join(f'  {name} [{" ".join(f"{v:.0f}" for _, v in sorted(vals, key=order))}]'
+  return ''.join(f'  {name} [{" ".join(f"{v:.3g}" for _, v in sorted(vals, key=order))}]'
                  for name, vals in sorted(groups.items()))
 
 

@@ -500,3 +500,24 @@ def test_swiglu_mlp_matches_autodiff():
   for got, want in zip(vjp_custom(dy), vjp_plain(dy)):
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_sinusoidal_positions_join_the_embedding_at_its_scale():
+  """model.position_embedding='sinusoidal': no parameters; the first block reads the token
+  embedding plus rms(embedding) times the sinusoid (layers.add_at_scale)."""
+  base = dict(vocab_size=VOCAB, d_model=32, n_heads=2, n_layers=1, max_len=MAX_LEN,
+              dtype='float32')
+  sin = transformer.TransformerConfig.from_config({**base, 'position_embedding': 'sinusoidal'})
+  none = transformer.TransformerConfig.from_config({**base, 'position_embedding': 'none'})
+  assert sin.num_params() == none.num_params()
+  emb = jax.random.normal(jax.random.key(0), (2, 5, 32)) * 0.02
+  signal = layers.sinusoid(jnp.arange(5), 32)
+  got = layers.add_at_scale(emb, signal)
+  rms = np.sqrt(np.mean(np.square(np.asarray(emb)), axis=-1, keepdims=True))
+  np.testing.assert_allclose(got, np.asarray(emb) + rms * np.asarray(signal), rtol=1e-5,
+                             atol=1e-7)
+  tokens = jnp.ones((1, MAX_LEN), jnp.int32)  # Same token everywhere: only positions differ.
+  model = transformer.Decoder(sin)
+  params = model.init(jax.random.key(0), tokens)
+  logits = model.apply(params, tokens)
+  assert np.max(np.abs(np.asarray(logits[0, 1:] - logits[0, :1]))) > 1e-4
