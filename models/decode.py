@@ -63,6 +63,108 @@ def sample(model, params, prompt, num_steps: int, rng, temperature: float = 1.0)
   return jnp.stack(tokens, axis=1)
 
 
+def filter_logits(logits, *, top_k: int = 0, top_p: float = 1.0):
+  """`logits` (..., vocab) with the tokens that top-k and top-p sampling exclude at -inf.
+
+  top_k > 0 keeps the k largest (ties at the k-th value kept); top_p < 1 keeps the smallest
+  set of most likely tokens whose probability mass reaches top_p (a token is kept when the
+  mass of the tokens more likely than it is still below top_p, so the most likely token
+  always stays).
+  """
+  logits = logits.astype(jnp.float32)
+  if top_k:
+    kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  if top_p < 1.0:
+    order = jnp.sort(logits, axis=-1)[..., ::-1]
+    probs = jax.nn.softmax(order, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # Mass of the more likely tokens.
+    kept = jnp.where(before < top_p, order, jnp.inf)
+    threshold = jnp.min(kept, axis=-1, keepdims=True)
+    logits = jnp.where(logits < threshold, -jnp.inf, logits)
+  return logits
+
+
+_COMPILED = {}
+
+
+def generate(model, params, prompts, prompt_lengths, max_new_tokens: int, rng, *,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             eos_id: int | None = None, pad_id: int = 0):
+  """Samples continuations of a batch of prompts in one compiled program.
+
+  Every row runs at the same step (position t for all rows, the caches' index): a row whose
+  prompt is longer is still reading it (teacher-forced through the caches) while a shorter
+  one already samples, so each row gets the positions and tokens it would get alone. The
+  loop is a `lax.while_loop` over the positions with no host round trip; it stops once
+  every row has finished (EOS or max_new_tokens).
+
+  Args:
+    model: the Decoder.
+    params: its parameters.
+    prompts: (batch, P) int tokens, row r's prompt in its first prompt_lengths[r] entries
+      (right padding).
+    prompt_lengths: (batch,) ints in [1, P].
+    max_new_tokens: tokens to generate per row at most.
+    rng: the sampling key (unused when temperature is 0: greedy).
+    temperature: softmax temperature; 0 = greedy (argmax).
+    top_k: keep the k most likely tokens (0 = all).
+    top_p: nucleus sampling mass (1 = all).
+    eos_id: a row stops after sampling it (kept in the output); None = never.
+    pad_id: fills each row after its end.
+
+  Returns:
+    (tokens (batch, P + max_new_tokens), lengths (batch,)): row r's prompt, its generated
+    tokens, then pad_id; lengths counts the prompt and the generated tokens.
+  """
+  b, p = prompts.shape
+  width = p + max_new_tokens
+  if max_new_tokens < 1:
+    raise ValueError(f'max_new_tokens must be >= 1, got {max_new_tokens}')
+  if width > model.config.max_len:
+    raise ValueError(f'prompts of {p} tokens + {max_new_tokens} new tokens exceed '
+                     f'model.max_len={model.config.max_len}')
+  lengths = jnp.asarray(prompt_lengths, jnp.int32)
+  if lengths.shape != (b,) or not bool(jnp.all((lengths >= 1) & (lengths <= p))):
+    raise ValueError(f'prompt_lengths must be ({b},) ints in [1, {p}], got {prompt_lengths}')
+  buffer = jnp.full((b, width), pad_id, jnp.int32).at[:, :p].set(prompts.astype(jnp.int32))
+  buffer = jnp.where(jnp.arange(width)[None] < lengths[:, None], buffer, pad_id)
+
+  def loop(params, cache, buffer, lengths, rng):
+    def body(state):
+      t, cache, buffer, done, count, rng = state
+      logits, cache = step(model, params, cache, buffer[:, t], t)
+      rng, key = jax.random.split(rng)
+      if temperature == 0:
+        new = jnp.argmax(logits, axis=-1)
+      else:
+        filtered = filter_logits(logits / temperature, top_k=top_k, top_p=top_p)
+        new = jax.random.categorical(key, filtered, axis=-1)
+      nxt = t + 1
+      generating = (nxt >= lengths) & ~done
+      token = jnp.where(nxt < lengths, buffer[:, nxt], jnp.where(generating, new, pad_id))
+      buffer = buffer.at[:, nxt].set(token.astype(jnp.int32))
+      finished = generating & (count + 1 >= max_new_tokens)
+      if eos_id is not None:
+        finished = finished | (generating & (new == eos_id))
+      return nxt, cache, buffer, done | finished, count + generating, rng
+
+    def cond(state):
+      t, _, _, done, _, _ = state
+      return (t < width - 1) & ~jnp.all(done)
+
+    zeros = jnp.zeros((b,), jnp.int32)
+    return jax.lax.while_loop(
+        cond, body, (jnp.zeros((), jnp.int32), cache, buffer, zeros > 0, zeros, rng))
+
+  key = (model, b, width, temperature, top_k, top_p, eos_id, pad_id, max_new_tokens)
+  if key not in _COMPILED:  # One compilation per model and settings, reused across calls.
+    _COMPILED[key] = jax.jit(loop)
+  _, _, buffer, _, count, _ = _COMPILED[key](params, init_cache(model, params, b), buffer,
+                                             lengths, rng)
+  return buffer, lengths + count
+
+
 def cache_bytes(cache) -> int:
   """Bytes held by the key/value caches."""
   return sum(leaf.size * leaf.dtype.itemsize

@@ -1,0 +1,134 @@
+"""The compiled sampler (models/decode.generate): greedy output equals the full forward's
+argmax and the step-by-step path for every variant that decodes; top-k, top-p, EOS and
+prompts of different lengths in one batch."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import decode, transformer
+
+VOCAB = 50
+MAX_LEN = 24
+OPTIONS = dict(stride=8, summary=3, window=6, local_block=8, block_memory=5, key_block=4,
+               span_limit=16, span_ramp=4, span_block=4, mem_len=0)
+
+
+def _model(name, **extra):
+  m = dict(d=0, d_model=32, n_heads=4, n_layers=2, vocab_size=VOCAB, max_len=MAX_LEN,
+           attention=name, attention_options={**OPTIONS, **extra.pop('options', {})},
+           stack='unrolled', dtype='float32')
+  m.update(extra)
+  cfg = transformer.TransformerConfig.from_config(m)
+  model = transformer.Decoder(cfg)
+  params = model.init(jax.random.key(0), jnp.zeros((1, MAX_LEN), jnp.int32))['params']
+  return model, params
+
+
+def _prompts(batch=2, length=5, seed=0):
+  return jnp.asarray(np.random.default_rng(seed).integers(3, VOCAB, (batch, length)), jnp.int32)
+
+
+VARIANTS = [
+    ('dense', {}), ('local', {}), ('fixed', {'options': {'factorization': 'multihead'}}),
+    ('strided', {'options': {'factorization': 'merged'}}), ('block_local', {}),
+    ('local_global', {'options': {'global_every': 2}}),
+    ('adaptive_span', {'position_embedding': 'none'}), ('selective', {}),
+    ('txl', {'position_embedding': 'none'}),
+    ('dense', {'stack': 'universal', 'n_layers': 1, 'universal_act': True,
+               'position_embedding': 'none'}),
+]
+
+
+@pytest.mark.parametrize('name, extra', VARIANTS,
+                         ids=[f'{n}-{e.get("stack", "layers")}' for n, e in VARIANTS])
+def test_greedy_equals_the_forward_argmax_and_the_step_path(name, extra):
+  model, params = _model(name, **extra)
+  prompts = _prompts()
+  new = 8
+  tokens, lengths = decode.generate(model, params, prompts, [5, 5], new, jax.random.key(0),
+                                    temperature=0.0)
+  assert tokens.shape == (2, 5 + new) and list(np.asarray(lengths)) == [5 + new] * 2
+  np.testing.assert_array_equal(tokens[:, :5], prompts)
+  for t in range(5, 5 + new):
+    logits = model.apply({'params': params}, tokens[:, :t])
+    np.testing.assert_array_equal(tokens[:, t], jnp.argmax(logits[:, -1], -1))
+  stepwise = decode.sample(model, params, prompts, new, jax.random.key(0), temperature=0.0)
+  np.testing.assert_array_equal(tokens, stepwise)
+
+
+def test_top_k_one_is_greedy():
+  model, params = _model('local')
+  prompts = _prompts()
+  greedy, _ = decode.generate(model, params, prompts, [5, 5], 6, jax.random.key(0),
+                              temperature=0.0)
+  top1, _ = decode.generate(model, params, prompts, [5, 5], 6, jax.random.key(7),
+                            temperature=1.0, top_k=1)
+  np.testing.assert_array_equal(top1, greedy)
+  sampled, _ = decode.generate(model, params, prompts, [5, 5], 6, jax.random.key(7),
+                               temperature=1.0)
+  assert not np.array_equal(sampled, greedy)  # Sampling does sample.
+
+
+@pytest.mark.parametrize('top_p, kept', [(0.5, [0]), (0.7, [0, 1]), (0.81, [0, 1, 2]),
+                                         (1.0, [0, 1, 2, 3])])
+def test_top_p_keeps_the_smallest_set_reaching_p(top_p, kept):
+  """Probabilities 0.5, 0.3, 0.15, 0.05 (shuffled): the set reaching 0.7 is the first two."""
+  probs = np.array([0.15, 0.5, 0.05, 0.3])
+  order = [1, 3, 0, 2]  # Most likely first.
+  out = decode.filter_logits(jnp.log(jnp.asarray(probs))[None], top_p=top_p)[0]
+  want = np.full(4, False)
+  want[[order[i] for i in kept]] = True
+  np.testing.assert_array_equal(np.isfinite(np.asarray(out)), want)
+
+
+def test_top_k_keeps_k():
+  out = decode.filter_logits(jnp.asarray([[0.1, 3.0, -1.0, 2.0, 0.5]]), top_k=2)
+  np.testing.assert_array_equal(np.isfinite(np.asarray(out[0])),
+                                [False, True, False, True, False])
+
+
+def test_eos_stops_a_row_and_pads_the_rest():
+  model, params = _model('dense')
+  prompts = _prompts(seed=3)
+  greedy, _ = decode.generate(model, params, prompts, [5, 5], 8, jax.random.key(0),
+                              temperature=0.0)
+  eos = int(greedy[0, 6])  # Row 0's second new token.
+  assert eos not in np.asarray(greedy[0, 5:6])
+  tokens, lengths = decode.generate(model, params, prompts, [5, 5], 8, jax.random.key(0),
+                                    temperature=0.0, eos_id=eos, pad_id=0)
+  np.testing.assert_array_equal(tokens[0, :7], greedy[0, :7])
+  np.testing.assert_array_equal(tokens[0, 7:], 0)
+  assert int(lengths[0]) == 7
+  row1_eos = np.flatnonzero(np.asarray(greedy[1, 5:]) == eos)
+  end = 5 + (row1_eos[0] + 1 if row1_eos.size else 8)
+  np.testing.assert_array_equal(tokens[1, :end], greedy[1, :end])
+  assert int(lengths[1]) == end
+
+
+def test_prompts_of_different_lengths_match_each_prompt_alone():
+  model, params = _model('local')
+  prompts = _prompts(batch=3, length=7, seed=5)
+  lengths = [7, 3, 5]
+  batched, out_lengths = decode.generate(model, params, prompts, lengths, 6,
+                                         jax.random.key(0), temperature=0.0, pad_id=0)
+  for r, n in enumerate(lengths):
+    alone, _ = decode.generate(model, params, prompts[r:r + 1, :n], [n], 6,
+                               jax.random.key(0), temperature=0.0)
+    np.testing.assert_array_equal(batched[r, :n + 6], alone[0])
+    np.testing.assert_array_equal(batched[r, n + 6:], 0)
+    assert int(out_lengths[r]) == n + 6
+
+
+def test_bad_requests_are_refused():
+  model, params = _model('dense')
+  with pytest.raises(ValueError, match='exceed model.max_len=24'):
+    decode.generate(model, params, _prompts(length=20), [20, 20], 5, jax.random.key(0))
+  with pytest.raises(ValueError, match=r'prompt_lengths must be \(2,\) ints in \[1, 5\]'):
+    decode.generate(model, params, _prompts(), [0, 5], 5, jax.random.key(0))
+  with pytest.raises(ValueError, match='max_new_tokens must be >= 1'):
+    decode.generate(model, params, _prompts(), [5, 5], 0, jax.random.key(0))
+  lsh, lsh_params = _model('lsh', options={'chunk_len': 8, 'n_buckets': 4})
+  with pytest.raises(NotImplementedError, match='decod'):
+    decode.generate(lsh, lsh_params, _prompts(), [5, 5], 5, jax.random.key(0))
