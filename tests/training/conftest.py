@@ -35,6 +35,21 @@ FAST = {
 _STEP_DIR = re.compile(r'^\d+$')
 
 
+@pytest.fixture
+def straight_and_resumed(tmp_path):
+  """run(make_config, stop=3, total=6) -> (state of a run straight to `total` steps, state of
+  a run stopped at `stop` and resumed to `total`), in tmp_path/straight and tmp_path/resumed;
+  make_config(steps) builds the config."""
+
+  def run(make_config, stop: int = 3, total: int = 6):
+    straight = train.train_and_evaluate(make_config(total), str(tmp_path / 'straight'))
+    train.train_and_evaluate(make_config(stop), str(tmp_path / 'resumed'))
+    resumed = train.train_and_evaluate(make_config(total), str(tmp_path / 'resumed'))
+    return straight, resumed
+
+  return run
+
+
 class Harness:
   """Builds configs and runs main.py or scripts in subprocesses with a fixed device count.
 

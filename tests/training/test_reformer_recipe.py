@@ -21,13 +21,11 @@ def _config(total_steps, **model):
   return config
 
 
-def test_resume_equals_an_uninterrupted_run(tmp_path):
+def test_resume_equals_an_uninterrupted_run(straight_and_resumed):
   """Stopped at step 3 and resumed to 6 equals straight to 6: each step's buckets are drawn
   from the same (seed, step) key in both runs (rotations drawn from any other source, such as
   a fresh key per process, would give other parameters after the resume)."""
-  straight = train.train_and_evaluate(_config(6), str(tmp_path / 'straight'))
-  train.train_and_evaluate(_config(3), str(tmp_path / 'resumed'))
-  resumed = train.train_and_evaluate(_config(6), str(tmp_path / 'resumed'))
+  straight, resumed = straight_and_resumed(_config)
   assert int(straight.step) == int(resumed.step) == 6
   for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)

@@ -105,12 +105,10 @@ def _stream_config(tmp_path, total_steps):
   return config
 
 
-def test_segment_memory_is_carried_and_resumes_exactly(tmp_path):
+def test_segment_memory_is_carried_and_resumes_exactly(tmp_path, straight_and_resumed):
   """A run stopped at step 3 and resumed to 6 equals a run straight to 6: the checkpoint
   holds the memory of every layer and the stream positions of every row."""
-  straight = train.train_and_evaluate(_stream_config(tmp_path, 6), str(tmp_path / 'straight'))
-  train.train_and_evaluate(_stream_config(tmp_path, 3), str(tmp_path / 'resumed'))
-  resumed = train.train_and_evaluate(_stream_config(tmp_path, 6), str(tmp_path / 'resumed'))
+  straight, resumed = straight_and_resumed(lambda steps: _stream_config(tmp_path, steps))
   memory = straight.memory['block_1']['attention']
   assert memory['hidden'].shape == (2, 24, 32)
   assert np.all(np.asarray(memory['segment_ids']) > 0)  # Filled with the streams' documents.

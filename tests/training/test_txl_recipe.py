@@ -36,12 +36,10 @@ def _config(tmp_path, total_steps, **options):
   return config
 
 
-def test_memory_is_carried_checkpointed_and_resumes_exactly(tmp_path):
+def test_memory_is_carried_checkpointed_and_resumes_exactly(tmp_path, straight_and_resumed):
   """A run stopped at step 3 and resumed to 6 equals a run straight to 6: the checkpoint
   holds every layer's memory and the stream positions."""
-  straight = train.train_and_evaluate(_config(tmp_path, 6), str(tmp_path / 'straight'))
-  train.train_and_evaluate(_config(tmp_path, 3), str(tmp_path / 'resumed'))
-  resumed = train.train_and_evaluate(_config(tmp_path, 6), str(tmp_path / 'resumed'))
+  straight, resumed = straight_and_resumed(lambda steps: _config(tmp_path, steps))
   memory = straight.memory['blocks']['attention']
   assert memory['hidden'].shape == (2, 2, MEM, 32)  # (layers, rows, M, d_model)
   assert np.all(np.asarray(memory['segment_ids']) > 0)  # Filled from the streams.
