@@ -7,6 +7,8 @@ of max_len. `cache_bytes` measures that.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -85,7 +87,40 @@ def filter_logits(logits, *, top_k: int = 0, top_p: float = 1.0):
   return logits
 
 
-_COMPILED = {}
+@functools.lru_cache(maxsize=16)
+def _sampling_loop(model, b: int, width: int, max_new_tokens: int, temperature: float,
+                   top_k: int, top_p: float, eos_id, pad_id: int):
+  """generate's jitted while loop for one model and setting (compiled once, reused):
+  (params, cache, buffer, lengths, rng) -> (t, cache, buffer, done, count, rng)."""
+
+  def loop(params, cache, buffer, lengths, rng):
+    def body(state):
+      t, cache, buffer, done, count, rng = state
+      logits, cache = step(model, params, cache, buffer[:, t], t)
+      rng, key = jax.random.split(rng)
+      if temperature == 0:
+        new = jnp.argmax(logits, axis=-1)
+      else:
+        filtered = filter_logits(logits / temperature, top_k=top_k, top_p=top_p)
+        new = jax.random.categorical(key, filtered, axis=-1)
+      nxt = t + 1
+      generating = (nxt >= lengths) & ~done
+      token = jnp.where(nxt < lengths, buffer[:, nxt], jnp.where(generating, new, pad_id))
+      buffer = buffer.at[:, nxt].set(token.astype(jnp.int32))
+      finished = generating & (count + 1 >= max_new_tokens)
+      if eos_id is not None:
+        finished = finished | (generating & (new == eos_id))
+      return nxt, cache, buffer, done | finished, count + generating, rng
+
+    def cond(state):
+      t, _, _, done, _, _ = state
+      return (t < width - 1) & ~jnp.all(done)
+
+    zeros = jnp.zeros((b,), jnp.int32)
+    return jax.lax.while_loop(
+        cond, body, (jnp.zeros((), jnp.int32), cache, buffer, zeros > 0, zeros, rng))
+
+  return jax.jit(loop)
 
 
 def generate(model, params, prompts, prompt_lengths, max_new_tokens: int, rng, *,
@@ -129,39 +164,9 @@ def generate(model, params, prompts, prompt_lengths, max_new_tokens: int, rng, *
     raise ValueError(f'prompt_lengths must be ({b},) ints in [1, {p}], got {prompt_lengths}')
   buffer = jnp.full((b, width), pad_id, jnp.int32).at[:, :p].set(prompts.astype(jnp.int32))
   buffer = jnp.where(jnp.arange(width)[None] < lengths[:, None], buffer, pad_id)
-
-  def loop(params, cache, buffer, lengths, rng):
-    def body(state):
-      t, cache, buffer, done, count, rng = state
-      logits, cache = step(model, params, cache, buffer[:, t], t)
-      rng, key = jax.random.split(rng)
-      if temperature == 0:
-        new = jnp.argmax(logits, axis=-1)
-      else:
-        filtered = filter_logits(logits / temperature, top_k=top_k, top_p=top_p)
-        new = jax.random.categorical(key, filtered, axis=-1)
-      nxt = t + 1
-      generating = (nxt >= lengths) & ~done
-      token = jnp.where(nxt < lengths, buffer[:, nxt], jnp.where(generating, new, pad_id))
-      buffer = buffer.at[:, nxt].set(token.astype(jnp.int32))
-      finished = generating & (count + 1 >= max_new_tokens)
-      if eos_id is not None:
-        finished = finished | (generating & (new == eos_id))
-      return nxt, cache, buffer, done | finished, count + generating, rng
-
-    def cond(state):
-      t, _, _, done, _, _ = state
-      return (t < width - 1) & ~jnp.all(done)
-
-    zeros = jnp.zeros((b,), jnp.int32)
-    return jax.lax.while_loop(
-        cond, body, (jnp.zeros((), jnp.int32), cache, buffer, zeros > 0, zeros, rng))
-
-  key = (model, b, width, temperature, top_k, top_p, eos_id, pad_id, max_new_tokens)
-  if key not in _COMPILED:  # One compilation per model and settings, reused across calls.
-    _COMPILED[key] = jax.jit(loop)
-  _, _, buffer, _, count, _ = _COMPILED[key](params, init_cache(model, params, b), buffer,
-                                             lengths, rng)
+  run = _sampling_loop(model, b, width, max_new_tokens, temperature, top_k, top_p, eos_id,
+                       pad_id)
+  _, _, buffer, _, count, _ = run(params, init_cache(model, params, b), buffer, lengths, rng)
   return buffer, lengths + count
 
 

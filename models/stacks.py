@@ -189,7 +189,7 @@ class Unrolled(Stack):
     return {f'block_{k}': _index(sub, 0) for k, sub in enumerate(per_place) if sub}
 
 
-def _carry_only(block_cls):
+def carry_only(block_cls):
   """`block_cls` with the (carry, output) signature nn.scan needs: (x, ctx) -> (x, None)."""
 
   class Scanned(block_cls):
@@ -225,7 +225,7 @@ class Scan(Stack):
 
   @classmethod
   def apply(cls, config, x, ctx):
-    body = remat(_carry_only(_block(config)), config.remat, scanned=True)
+    body = remat(carry_only(_block(config)), config.remat, scanned=True)
     x, _ = _scan(body, config.n_layers)(
         config, config.attention[0], name='blocks')(x, ctx)
     return x

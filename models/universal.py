@@ -165,21 +165,15 @@ class UniversalStep(nn.Module):
     }
 
 
-class _ScannedStep(UniversalStep):
-  """UniversalStep with the (carry, output) signature nn.scan needs."""
-
-  def __call__(self, carry, ctx):
-    return super().__call__(carry, ctx), None
-
-
-def _scan(length: int, broadcast=('params',)):
+def _scan(length: int, broadcast: list[str]):
   """nn.scan of the step: the `broadcast` collections (the parameters, and read-only inputs
   such as selective attention's 'pruning' budgets: one block, one of each) are shared by
   every step; every other collection (caches, segment memory, sown values) and every rng
   stream but 'params' gets one entry per step."""
-  return nn.scan(_ScannedStep, variable_broadcast=list(broadcast), variable_axes={True: 0},
-                 split_rngs={'params': False, True: True}, in_axes=(nn.broadcast,),
-                 length=length, metadata_params={nn.PARTITION_NAME: 'layers'})
+  return nn.scan(stacks.carry_only(UniversalStep), variable_broadcast=list(broadcast),
+                 variable_axes={True: 0}, split_rngs={'params': False, True: True},
+                 in_axes=(nn.broadcast,), length=length,
+                 metadata_params={nn.PARTITION_NAME: 'layers'})
 
 
 class UniversalLoop(nn.Module):
