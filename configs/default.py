@@ -122,8 +122,27 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = 5000  # Checkpoint interval (always also at the end and on SIGTERM).
   config.keep_checkpoints = 3           # Checkpoints kept on disk (the latest ones).
   config.async_checkpointing = True     # Write checkpoints in the background.
+  config.eval_checkpoint_step = 0      # --mode=eval: checkpoint step to evaluate; 0 = latest.
+  config.eval_window = 0                # Sliding-window eval of long documents: tokens of context
+                                        # each scored token sees (absolute positions); 0 = rows as trained.
+  config.eval_stride = 0                # Tokens scored per window (the window moves by it); 0 = eval_window / 2.
   config.inspect_len = 256              # --mode=inspect: sequence length of the plotted masks; 0 = seq_len.
   config.peak_tflops_per_device = 0.0   # Peak for MFU; 0 = device table, else a measured matmul peak.
+
+  # Sampling (--mode=generate; training/generate.py) and the samples written at each eval.
+  config.generate = generate = ml_collections.ConfigDict()
+  generate.step = 0                     # Checkpoint step to sample from; 0 = latest.
+  generate.prompt = ''                  # One prompt (text, tokenized with the run's tokenizer).
+  generate.prompt_file = ''             # Or a file of prompts, one per line (overrides prompt).
+  generate.max_new_tokens = 128         # Tokens generated per prompt at most.
+  generate.temperature = 1.0            # Softmax temperature; 0 = greedy.
+  generate.top_k = 0                    # Keep the k most likely tokens; 0 = all.
+  generate.top_p = 1.0                  # Nucleus: smallest set with this probability mass; 1 = all.
+  generate.seed = 0                     # Sampling seed.
+  generate.stop_at_eos = True           # A row ends at the tokenizer's EOS.
+  generate.batch_size = 8               # Prompts decoded together.
+  generate.eval_samples = 2             # Samples written to TensorBoard at each eval (text data); 0 = none.
+  generate.eval_new_tokens = 64         # Their length in new tokens.
 
   # Context pruning of selective attention (section 4; training/pruning.py).
   config.pruning = pruning = ml_collections.ConfigDict()

@@ -115,6 +115,10 @@ KINDS = {
     'checkpoint_every_steps': RUNTIME,
     'keep_checkpoints': RUNTIME,
     'async_checkpointing': RUNTIME,
+    'eval_checkpoint_step': RUNTIME,
+    'eval_window': RUNTIME,
+    'eval_stride': RUNTIME,
+    'generate': RUNTIME,                    # Sampling settings.
     'inspect_len': RUNTIME,
     'peak_tflops_per_device': RUNTIME,
     'pruning': RUNTIME,                     # Parameters of the pruning modes.
