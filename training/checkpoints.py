@@ -315,7 +315,9 @@ class Checkpointer:
     if not steps:
       raise FileNotFoundError(f'no checkpoint found in {self.directory}')
     if step is not None and not (epath.Path(self.directory) / str(step)).exists():
-      raise FileNotFoundError(f'no checkpoint step {step} in {self.directory}')
+      saved = sorted(self._manager.all_steps())
+      raise FileNotFoundError(f'no checkpoint step {step} in {self.directory} (saved steps: '
+                              f'{", ".join(map(str, saved)) or "none"})')
     bad = []
     for candidate in steps:
       try:

@@ -589,16 +589,21 @@ def _train_loop(setup: Setup, state, data_state, ckpt, logger, peak: float):
   return state
 
 
-def latest_params(setup: Setup, workdir: str, *, required: str = ''):
-  """(step, params) of the latest checkpoint of `workdir`, restored onto `setup`'s mesh; only
-  the parameters and the step are read, so the optimizer settings need not match the run's.
+def latest_params(setup: Setup, workdir: str, *, required: str = '', step: int = 0):
+  """(step, params) of the latest checkpoint of `workdir` (or of checkpoint `step`), restored
+  onto `setup`'s mesh; only the parameters and the step are read, so the optimizer settings
+  need not match the run's.
 
   Args:
     setup: the Setup of the run's (resolved) config.
     workdir: the run's folder.
     required: if not empty, a missing checkpoint raises FileNotFoundError ending with this;
       otherwise it returns (None, None).
+    step: a checkpoint step to restore (FileNotFoundError listing the saved steps if there
+      is none); 0 = the newest good one.
   """
+  if step < 0:
+    raise ValueError(f'a checkpoint step must be >= 0 (0 = latest), got {step}')
   if not os.path.isdir(os.path.join(workdir, 'checkpoints')) and '://' not in workdir:
     if required:
       raise FileNotFoundError(f'no checkpoint found in {workdir}/checkpoints: {required}')
@@ -610,7 +615,7 @@ def latest_params(setup: Setup, workdir: str, *, required: str = ''):
       if required:
         raise FileNotFoundError(f'no checkpoint found in {ckpt.directory}: {required}')
       return None, None
-    return ckpt.restore_params(setup.abstract_state.params)
+    return ckpt.restore_params(setup.abstract_state.params, step or None)
   finally:
     ckpt.close()
 
