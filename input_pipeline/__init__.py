@@ -37,6 +37,8 @@ class DataSource:
     chance_loss: loss of a uniform guess over the answers, when the task defines one.
     token_bytes: bytes of text each token id stands for (text data), for bits per byte.
     eval_whole_split: the eval batches cover a whole split, so hosts may see different counts.
+    eval_documents: () -> iterator over this process's documents of the eval split, each
+      tokenized whole (text data; None for the synthetic tasks), for sliding-window eval.
     close: releases background readers.
   """
   vocab_size: int
@@ -47,6 +49,7 @@ class DataSource:
   chance_loss: float | None = None
   token_bytes: np.ndarray | None = None
   eval_whole_split: bool = False
+  eval_documents: Callable[[], Iterator[np.ndarray]] | None = None
   close: Callable[[], None] = lambda: None
 
 
@@ -75,6 +78,11 @@ def make_source(config, *, process_index: int = 0, process_count: int = 1,
     if config.data.packing == 'stream':
       raise ValueError(f"data.packing='stream' needs a text source ({', '.join(text.TFDS_NAMES)}); "
                        f'the synthetic task {name!r} has independent examples')
+    if config.data.eval_split != 'validation':
+      raise ValueError(f'data.eval_split={config.data.eval_split!r}: the synthetic task '
+                       f'{name!r} has no splits; it evaluates on its validation stream (examples '
+                       f'drawn from seed + {EVAL_SEED_OFFSET}, apart from training), '
+                       "data.eval_split='validation'")
     if config.eval_every_steps and config.eval_steps < 1:
       raise ValueError(f'eval_steps={config.eval_steps}: a synthetic task has no finite split; '
                        'give the number of validation batches (>= 1)')
@@ -209,6 +217,9 @@ def _text_source(config, process_index, process_count, workdir) -> DataSource:
     return text.eval_batches(builder, tokenizer, data, split=eval_split, seq_len=config.seq_len,
                              rows_per_batch=local_eval_rows, max_batches=config.eval_steps)
 
+  def eval_documents():
+    return text.eval_documents(builder, tokenizer, data, split=eval_split)
+
   def close():
     for r in readers:
       r.close()
@@ -216,4 +227,4 @@ def _text_source(config, process_index, process_count, workdir) -> DataSource:
   return DataSource(vocab_size=tokenizer.vocab_size, seq_len=config.seq_len,
                     train_iter=train_iter, eval_batches=eval_batches,
                     token_bytes=tokenizer.token_bytes(), eval_whole_split=config.eval_steps <= 0,
-                    close=close)
+                    eval_documents=eval_documents, close=close)

@@ -253,6 +253,22 @@ def eval_batches(builder, tokenizer, data_cfg, *, split: str, seq_len: int, rows
     count += 1
 
 
+def eval_documents(builder, tokenizer, data_cfg, *, split: str) -> Iterator[np.ndarray]:
+  """The documents of `split` in file order, each tokenized whole ([BOS] + text + [EOS], never
+  packed or cut into rows), for sliding-window evaluation (training/evaluation.py).
+
+  A document is one example of the dataset, as in the packed eval rows, except for a
+  local_text corpus of one file (enwik8 style): the examples read (consecutive chunks of
+  data.chunk_bytes, one contiguous stretch of the file) are joined into one document, the
+  stream the papers evaluate.
+  """
+  docs = documents(builder, split, text_key=data_cfg.text_key)
+  config = getattr(builder, 'builder_config', None)
+  if data_cfg.name == 'local_text' and len(getattr(config, 'files', ())) == 1:
+    docs = iter([b''.join(docs)])
+  return tokenized(docs, tokenizer)
+
+
 def _take(it, n):
   for _ in range(n):
     try:
