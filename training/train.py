@@ -278,10 +278,11 @@ def fresh_memory(setup: Setup, rows: int):
                       jax.tree.map(lambda a: a.sharding, abstract))
 
 
-def _eval_local_batches(setup: Setup):
-  """This process's eval batches; with a whole split on several hosts, every host runs the
-  same number of steps, feeding rows that score nothing once its own batches run out."""
-  batches = setup.data.eval_batches()
+def _eval_local_batches(setup: Setup, batches=None):
+  """This process's eval batches (`batches`, default the data's); with a whole split on
+  several hosts, every host runs the same number of steps, feeding rows that score nothing
+  once its own batches run out."""
+  batches = setup.data.eval_batches() if batches is None else iter(batches)
   if not (setup.data.eval_whole_split and jax.process_count() > 1):
     yield from batches
     return
@@ -299,8 +300,9 @@ def _eval_local_batches(setup: Setup):
     yield template if local is None else local
 
 
-def run_eval(setup: Setup, eval_step: EvalStep, params) -> dict[str, float]:
-  """Loss, perplexity and accuracy over the validation batches, and bits per byte on text.
+def run_eval(setup: Setup, eval_step: EvalStep, params, batches=None) -> dict[str, float]:
+  """Loss, perplexity and accuracy over the validation batches (or this process's
+  `batches`, e.g. training/evaluation.py's sliding windows), and bits per byte on text.
 
   Segment memory, if the model has it, starts empty and is carried across the eval batches
   (the eval step's own layout: it may be longer than training's).
@@ -309,7 +311,7 @@ def run_eval(setup: Setup, eval_step: EvalStep, params) -> dict[str, float]:
   text_bytes = 0.0
   memory = eval_step.fresh_memory(setup, setup.config.eval_batch_size or setup.config.batch_size)
   with sharding.activate(setup.mesh, setup.rules):
-    for local in _eval_local_batches(setup):
+    for local in _eval_local_batches(setup, batches):
       out, memory = eval_step(params, device_batch(setup, local), memory)
       out = jax.device_get(out)
       for k in totals:
@@ -622,12 +624,16 @@ def latest_params(setup: Setup, workdir: str, *, required: str = '', step: int =
 
 def evaluate(config: ml_collections.ConfigDict, workdir: str,
              request: run_config.Request | None = None) -> dict[str, float]:
-  """Restores the latest checkpoint's parameters onto this machine's mesh and evaluates them.
+  """Restores a checkpoint's parameters onto this machine's mesh and evaluates them.
 
   The model is the workdir's recorded one (training/run_config.py); the asked-for keys may
   change run-time and training settings (e.g. eval_steps, the mesh), not the model unless
-  allowed. Writes `workdir/eval_step_<step>.json` with step, loss, perplexity and accuracy,
-  and the keys that differ from the record, if any ('config_overrides').
+  allowed. What is evaluated (training/evaluation.py): checkpoint `eval_checkpoint_step` (0 =
+  the latest), split `data.eval_split`, `eval_steps` batches or the whole split (0), packed
+  rows or, with `eval_window` > 0, sliding windows over whole documents. Writes
+  `workdir/eval_step_<step>[_<split>][_window<W>_stride<S>].json` with step, the options,
+  loss, perplexity, accuracy, scored tokens (and bytes and bits per byte on text), and the
+  keys that differ from the record, if any ('config_overrides').
 
   Args:
     config: the config given.
@@ -637,19 +643,26 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
   Returns:
     The metrics written.
   """
+  from training import evaluation  # pylint: disable=import-outside-toplevel
   check_workdir(workdir)
   resolved = run_config.resolve(config, workdir, trains=False, request=request)
   setup = build(resolved.config, workdir=workdir)
   try:
-    step, params = latest_params(setup, workdir, required='train a model first')
+    options = evaluation.options(setup)  # Before anything is read or compiled.
+    step, params = latest_params(setup, workdir, required='train a model first',
+                                 step=resolved.config.eval_checkpoint_step)
   finally:
     setup.data.close()
-  model = specialized_model(setup, params)
-  result = {'step': step, **run_eval(setup, jit_eval_step(setup, model), params)}
+  eval_step = jit_eval_step(setup, specialized_model(setup, params))
+  if options.window:
+    metrics = evaluation.run(setup, eval_step, params, options)
+  else:
+    metrics = run_eval(setup, eval_step, params)
+  result = {'step': step, **options.describe(), **metrics}
   if resolved.changes:
     result['config_overrides'] = {c.key: c.given for c in resolved.changes}
   if jax.process_index() == 0:
-    path = os.path.join(workdir, f'eval_step_{result["step"]}.json')
+    path = os.path.join(workdir, options.filename(step))
     with open(path, 'w') as f:
       json.dump(result, f, indent=2)
     logging.info('eval at step %d: %s -> %s', result['step'], result, path)
