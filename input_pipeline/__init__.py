@@ -40,6 +40,8 @@ class DataSource:
     eval_documents: () -> iterator over this process's documents of the eval split, each
       tokenized whole (text data; None for the synthetic tasks), for sliding-window eval.
     close: releases background readers.
+    tokenizer: the text tokenizer (input_pipeline/tokenizers.py: encode_batch, decode), for
+      sampling; None for the synthetic tasks (their tokens are ids).
   """
   vocab_size: int
   seq_len: int
@@ -51,6 +53,7 @@ class DataSource:
   eval_whole_split: bool = False
   eval_documents: Callable[[], Iterator[np.ndarray]] | None = None
   close: Callable[[], None] = lambda: None
+  tokenizer: Any = None
 
 
 # Validation examples are drawn from a seed stream disjoint from any training seed < 10**6.
@@ -227,4 +230,4 @@ def _text_source(config, process_index, process_count, workdir) -> DataSource:
   return DataSource(vocab_size=tokenizer.vocab_size, seq_len=config.seq_len,
                     train_iter=train_iter, eval_batches=eval_batches,
                     token_bytes=tokenizer.token_bytes(), eval_whole_split=config.eval_steps <= 0,
-                    eval_documents=eval_documents, close=close)
+                    eval_documents=eval_documents, close=close, tokenizer=tokenizer)
