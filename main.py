@@ -1,7 +1,9 @@
-"""Entry point: train or evaluate a decoder-only model of the attention zoo.
+"""Entry point: train, evaluate or sample a decoder-only model of the attention zoo.
 
   python main.py --config=configs/tiny.py --workdir=/tmp/tiny
   python main.py --config=configs/tiny.py --workdir=/tmp/tiny --mode=eval
+  python main.py --workdir=/tmp/text --mode=generate --config.generate.prompt='Once upon a time'
+  python main.py --workdir=/tmp/tiny --mode=generate --config.generate.prompt='1 5 9'
   python main.py --config=configs/default.py --config.model.attention=fixed --mode=inspect
   python main.py --config=configs/default.py --workdir=gs://bucket/run --config.model.attention=dense
 """
@@ -20,13 +22,16 @@ xla_flags.set_cpu_defaults()
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Checkpoints, TensorBoard events and eval results go here.')
-flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'inspect', 'allocate_budgets',
+flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'generate', 'inspect', 'allocate_budgets',
                                     'eval_budgets'],
                   'train: train (resuming from the latest checkpoint); eval: evaluate the latest '
-                  'checkpoint and write JSON; inspect: write what each layer and head attends to '
-                  '(WORKDIR/inspect/); allocate_budgets: greedy per-layer context budgets of a '
-                  'selective model (WORKDIR/budgets.json); eval_budgets: loss and KV-cache '
-                  'reduction with those budgets.')
+                  'checkpoint and write JSON; generate: continue config.generate.prompt (or each '
+                  'line of generate.prompt_file: text, or token ids for a synthetic task) from '
+                  'the latest checkpoint (or generate.step), print the samples and write '
+                  'WORKDIR/samples_step_<N>.jsonl; inspect: write what each layer and head '
+                  'attends to (WORKDIR/inspect/); allocate_budgets: greedy per-layer context '
+                  'budgets of a selective model (WORKDIR/budgets.json); eval_budgets: loss and '
+                  'KV-cache reduction with those budgets.')
 flags.DEFINE_string('coordinator_address', None,
                     'Multi-host: host:port of process 0 (default: env JAX_COORDINATOR_ADDRESS; '
                     'srun, mpirun and Cloud TPU pods are detected without it).')
@@ -99,6 +104,9 @@ def main(argv):
                  jax.process_count(), workdir)
     if FLAGS.mode == 'train':
       train.train_and_evaluate(FLAGS.config, workdir, request)
+    elif FLAGS.mode == 'generate':
+      from training import generate
+      generate.generate(FLAGS.config, workdir, request)
     elif FLAGS.mode == 'inspect':
       from training import inspect
       inspect.inspect(FLAGS.config, workdir, request)

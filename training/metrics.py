@@ -1,4 +1,4 @@
-"""Console progress lines and TensorBoard scalars (through clu metric writers)."""
+"""Console progress lines, TensorBoard scalars and texts (through clu metric writers)."""
 
 import time
 
@@ -40,6 +40,10 @@ class MetricLogger:
     else:
       logging.info('%s step %d  %s', prefix, step,
                    '  '.join(f'{k} {v:.4f}' for k, v in sorted(scalars.items())))
+
+  def write_texts(self, step: int, texts: dict[str, str]) -> None:
+    """Writes `texts` ({tag: markdown}) at `step` as TensorBoard text summaries."""
+    self._writer.write_texts(step, texts)
 
   def close(self) -> None:
     """Flushes and closes the writers."""
