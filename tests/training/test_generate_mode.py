@@ -1,0 +1,243 @@
+"""--mode=generate (training/generate.py): samples of a trained byte-level text run, written to
+WORKDIR/samples_step_<N>.jsonl; the checkpoint step chosen; the errors a user can make (a
+prompt too long, no prompt for a synthetic task, a missing step, a variant that cannot
+decode); the eval samples written as TensorBoard text; the command line.
+
+One text run of 4 steps (checkpoints 2 and 4), trained once for the module."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import local_text
+from input_pipeline import tokenizers
+from models import decode
+from training import generate, metrics, train
+
+SEQ_LEN = 32  # The model's max_len.
+CORPUS = '\n'.join(f'the cat sat on the mat number {i % 7}; the dog ran {i % 3} times.'
+                   for i in range(300))
+
+
+def _text_config(tmp, **generate_settings):
+  config = local_text.get_config()
+  config.data.files = str(tmp / 'corpus.txt')
+  config.data.data_dir = str(tmp / 'tfds')
+  config.data.chunk_bytes = 2048
+  config.data.prefetch_batches = 1
+  config.model.update(d_model=32, n_heads=2, n_layers=2)
+  config.update(seq_len=SEQ_LEN, batch_size=4, total_steps=4, warmup_steps=1, learning_rate=0.01,
+                log_every_steps=2, eval_every_steps=0, eval_steps=1, checkpoint_every_steps=2,
+                peak_tflops_per_device=1.0, async_checkpointing=False)
+  config.generate.update({'max_new_tokens': 6, 'temperature': 0.0, **generate_settings})
+  return config
+
+
+@pytest.fixture(scope='module')
+def text_run(tmp_path_factory):
+  """(folder, workdir) of a byte-level run trained 4 steps, checkpoints at steps 2 and 4."""
+  tmp = tmp_path_factory.mktemp('text_run')
+  (tmp / 'corpus.txt').write_text(CORPUS)
+  workdir = str(tmp / 'run')
+  train.train_and_evaluate(_text_config(tmp), workdir)
+  return tmp, workdir
+
+
+PROMPTS = ['the cat', 'x', 'the dog ran 2 times']  # 8, 2 and 20 tokens with BOS.
+
+
+def _prompt_file_config(tmp):
+  """The 3 prompts in a file (with blank lines), greedy, 2 per batch: two batches, the second
+  padded with a repeated row."""
+  path = tmp / 'prompts.txt'
+  path.write_text(f'{PROMPTS[0]}\n\n{PROMPTS[1]}\n   \n{PROMPTS[2]}\n')
+  return _text_config(tmp, prompt_file=str(path), batch_size=2)
+
+
+@pytest.fixture(scope='module')
+def greedy_records(text_run):
+  """generate's records of the 3 prompts (the sampler compiled once for the module)."""
+  tmp, workdir = text_run
+  return generate.generate(_prompt_file_config(tmp), workdir)
+
+
+def _restore(config, workdir, step=0):
+  setup = train.build(config, workdir=workdir)
+  setup.data.close()
+  step, params = train.latest_params(setup, workdir, step=step)
+  return setup, step, params
+
+
+def test_greedy_samples_of_a_prompt_file_are_written_and_equal_decode_generate(
+    text_run, greedy_records):
+  tmp, workdir = text_run
+  records = greedy_records
+  assert [r['prompt'] for r in records] == PROMPTS
+  assert [r['prompt_tokens'] for r in records] == [8, 2, 20]
+  path = pathlib.Path(workdir) / 'samples_step_4.jsonl'
+  assert [json.loads(line) for line in path.read_text().splitlines()] == records
+  config = _prompt_file_config(tmp)
+  # The same prompts in one batch through the sampler: the same greedy tokens.
+  tokenizer = tokenizers.ByteTokenizer()
+  setup, _, params = _restore(config, workdir)
+  ids = [t[:-1] for t in tokenizer.encode_batch(PROMPTS)]  # [BOS] + bytes, no EOS.
+  batch = np.zeros((3, 20), np.int32)
+  for i, t in enumerate(ids):
+    batch[i, :t.size] = t
+  tokens, ends = decode.generate(setup.model, params, jnp.asarray(batch), [t.size for t in ids],
+                                 6, jax.random.key(0), temperature=0.0, eos_id=tokenizers.EOS)
+  for i, r in enumerate(records):
+    assert r['index'] == i and r['step'] == 4
+    assert {k: r[k] for k in ('max_new_tokens', 'temperature', 'top_k', 'top_p', 'seed',
+                              'stop_at_eos', 'batch_size')} == {
+        'max_new_tokens': 6, 'temperature': 0.0, 'top_k': 0, 'top_p': 1.0, 'seed': 0,
+        'stop_at_eos': True, 'batch_size': 2}
+    assert r['new_tokens'] == len(r['completion_ids'])
+    assert r['stopped_at_eos'] == (r['completion_ids'][-1:] == [tokenizers.EOS])
+    assert r['new_tokens'] == 6 or r['stopped_at_eos']
+    assert r['completion'] == tokenizer.decode(r['completion_ids'])
+    direct = np.asarray(tokens)[i, ids[i].size:int(ends[i])].tolist()
+    assert r['completion_ids'] == direct, (i, r, direct)
+  assert generate.generate(config, workdir) == records  # Greedy: deterministic.
+
+
+SAMPLED = {'temperature': 1.0, 'top_k': 5, 'seed': 3}
+
+
+def test_sampling_settings_and_an_empty_prompt_start_from_bos(text_run, capsys):
+  tmp, workdir = text_run
+  config = _text_config(tmp, **SAMPLED)
+  first = generate.generate(config, workdir)
+  assert len(first) == 1 and first[0]['prompt'] == '' and first[0]['prompt_tokens'] == 1
+  assert generate.generate(config, workdir) == first  # The seed fixes the sample.
+  out = capsys.readouterr().out
+  assert '=== sample 0 (step 4; prompt 1 tokens' in out
+  assert f'--- continuation\n{first[0]["completion"]}\n' in out
+
+
+def test_step_chooses_the_checkpoint_and_a_missing_step_names_the_saved_ones(text_run):
+  tmp, workdir = text_run
+  # The settings of the test above: the sampler is compiled already.
+  latest = generate.generate(_text_config(tmp, **SAMPLED), workdir)
+  records = generate.generate(_text_config(tmp, step=2, **SAMPLED), workdir)
+  assert records[0]['step'] == 2 and latest[0]['step'] == 4
+  assert (pathlib.Path(workdir) / 'samples_step_2.jsonl').exists()
+  with pytest.raises(FileNotFoundError, match=r'no checkpoint step 3 .*saved steps: .*2.*4'):
+    generate.generate(_text_config(tmp, prompt='the', step=3), workdir)
+
+
+def test_a_prompt_that_leaves_no_room_is_an_error_naming_it(text_run):
+  tmp, workdir = text_run
+  long = 'a' * 40  # 41 tokens with BOS; max_len 32.
+  with pytest.raises(ValueError, match=r"prompt 0 \(generate.prompt\) has 41 tokens and the "
+                                       r"model's max_len is 32: no room"):
+    generate.generate(_text_config(tmp, prompt=long), workdir)
+  (tmp / 'two.txt').write_text('the cat\n' + 'b' * 28 + '\n')  # 29 tokens + 6 new > 32.
+  with pytest.raises(ValueError, match=r'prompt 1 \(line 2 of .*two.txt\) has 29 tokens; with '
+                                       r'generate.max_new_tokens=6 .* max_len=32. Set '
+                                       r'generate.max_new_tokens <= 3'):
+    generate.generate(_text_config(tmp, prompt_file=str(tmp / 'two.txt')), workdir)
+  with pytest.raises(FileNotFoundError, match='generate.prompt_file .*missing.txt does not exist'):
+    generate.generate(_text_config(tmp, prompt_file=str(tmp / 'missing.txt')), workdir)
+  with pytest.raises(ValueError, match='generate.top_p must be in'):
+    generate.generate(_text_config(tmp, prompt='the', top_p=0.0), workdir)
+
+
+def _synthetic_config(**model):
+  from configs import tiny
+  config = tiny.get_config()
+  config.update_from_flattened_dict({'peak_tflops_per_device': 1.0, 'batch_size': 16,
+                                     'data.num_assignments': 8, 'eval_steps': 1})
+  config.model.update(model)
+  return config
+
+
+def test_a_synthetic_task_takes_token_ids_and_needs_a_prompt(tmp_path):
+  with pytest.raises(ValueError, match=r'give a prompt: --config.generate.prompt="1 5 9" .*'
+                                       r'synthetic task without a tokenizer.*token ids in \[0, '):
+    generate.generate(_synthetic_config(), str(tmp_path))
+  assert [t.tolist() for t in generate.encode_prompts(
+      [('1 5  9', 'x'), ('2', 'y')], None, 20)] == [[1, 5, 9], [2]]
+  with pytest.raises(ValueError, match=r'prompt 0 \(x\) has token ids \[20\] outside'):
+    generate.encode_prompts([('1 20', 'x')], None, 20)
+  with pytest.raises(ValueError, match='integer token ids'):
+    generate.encode_prompts([('the cat', 'x')], None, 20)
+
+
+def test_a_variant_that_cannot_decode_is_a_clear_error_before_any_restore(tmp_path):
+  config = _synthetic_config(attention='lsh')
+  config.model.attention_options.update(chunk_len=4, n_buckets=4)
+  config.generate.update(prompt='1 4 5', max_new_tokens=4)
+  with pytest.raises(NotImplementedError, match=r"model \(lsh attention.*cannot generate: lsh "
+                                                r'attention cannot decode token by token'):
+    generate.generate(config, str(tmp_path))  # No checkpoint: it fails before looking.
+
+
+class _Texts:
+  """A writer that keeps what write_texts got."""
+
+  def __init__(self):
+    self.calls = []
+
+  def write_texts(self, step, texts):
+    self.calls.append((step, dict(texts)))
+
+
+def test_eval_samples_are_written_as_tensorboard_text(text_run, tmp_path):
+  tmp, workdir = text_run
+  config = _text_config(tmp)
+  setup, step, params = _restore(config, workdir)
+  samples = generate.eval_samples(setup, None, params, step, 0)
+  assert len(samples) == config.generate.eval_samples == 2
+  rows = next(iter(setup.data.eval_batches()))['inputs']
+  decoded = tokenizers.ByteTokenizer()
+  for (prompt, continuation), row in zip(samples, rows):
+    # The start of the eval row (up to half of max_len), then at most max_len - 16 new tokens.
+    assert decoded.decode(row).startswith(prompt) and 0 < len(prompt.encode()) <= 16
+    assert len(continuation.encode()) <= SEQ_LEN - 16
+  assert generate.eval_samples(setup, None, params, step, 0) == samples  # Same key and step.
+
+  logger = metrics.MetricLogger(str(tmp_path), total_steps=4)
+  generate.write_samples(logger, step, samples)
+  logger.close()
+  import tensorflow as tf
+  texts = {}
+  for event_file in (tmp_path / 'tensorboard').iterdir():
+    for event in tf.compat.v1.train.summary_iterator(str(event_file)):
+      for value in event.summary.value:
+        texts[(event.step, value.tag)] = tf.make_ndarray(value.tensor).item().decode()
+  assert sorted(texts) == [(4, 'samples/0'), (4, 'samples/1')]
+  for i, (prompt, continuation) in enumerate(samples):
+    text = texts[(4, f'samples/{i}')]
+    assert text.startswith('prompt:\n\n    ') and '\n\ncontinuation:\n\n    ' in text
+    assert prompt.split('\n')[-1] in text and continuation.split('\n')[0] in text
+
+  writer = _Texts()
+  generate.write_samples(writer, 4, [])
+  config.generate.eval_samples = 0
+  assert generate.eval_samples(setup, None, params, step) == []
+  synthetic = train.build(_synthetic_config())
+  assert generate.eval_samples(synthetic, None, None, 4) == []  # No tokenizer.
+  assert writer.calls == []
+
+
+def test_main_generate_prints_the_samples(harness, text_run, greedy_records):
+  tmp, workdir = text_run
+  proc = subprocess.run(
+      [sys.executable, str(harness.repo / 'main.py'), f'--workdir={workdir}', '--mode=generate',
+       f'--config.generate.prompt_file={_prompt_file_config(tmp).generate.prompt_file}',
+       '--config.generate.batch_size=2', '--config.generate.max_new_tokens=6',
+       '--config.generate.temperature=0'],
+      env=harness.env(1), cwd=harness.repo, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for r in greedy_records:
+    assert (f'--- prompt\n{r["prompt"]}\n--- continuation\n{r["completion"]}\n'
+            in proc.stdout), proc.stdout
+  lines = (pathlib.Path(workdir) / 'samples_step_4.jsonl').read_text().splitlines()
+  assert [json.loads(x) for x in lines] == greedy_records
