@@ -19,6 +19,7 @@ during training and write them as TensorBoard text summaries.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -120,15 +121,25 @@ def check_lengths(prompts: list[tuple[str, str]], ids: list[np.ndarray], max_new
           f'{max_len - n}, or shorten the prompt to at most {max_len - max_new_tokens} tokens')
 
 
-def check_decodes(model) -> None:
-  """Raises NotImplementedError (the variant's own reason) if `model` cannot decode token by
-  token; costs a trace of the cache's shapes, no compute."""
+@functools.lru_cache(maxsize=16)
+def _cannot_decode(model) -> str | None:
+  """Why `model` cannot decode token by token (the variant's NotImplementedError), or None;
+  a trace of the cache's shapes, no compute."""
   try:
     jax.eval_shape(lambda: decode.init_cache(model, None, 1))
   except NotImplementedError as e:
     attention = ','.join(sorted(set(model.config.attention)))
-    raise NotImplementedError(f'this run\'s model ({attention} attention, '
-                              f'{model.config.stack_name} stack) cannot generate: {e}') from e
+    return (f'this run\'s model ({attention} attention, {model.config.stack_name} stack) '
+            f'cannot generate: {e}')
+  return None
+
+
+def check_decodes(model) -> None:
+  """Raises NotImplementedError (the variant's own reason) if `model` cannot decode token by
+  token."""
+  reason = _cannot_decode(model)
+  if reason:
+    raise NotImplementedError(reason)
 
 
 def _to_host(x) -> np.ndarray:
@@ -264,9 +275,10 @@ def eval_samples(setup: train.Setup, model, params, step: int,
 
   Each prompt is the start of a row (its first document, up to EVAL_PROMPT_TOKENS tokens or
   half the model's max_len); the continuation has up to `generate.eval_new_tokens` new tokens
-  (fewer if max_len leaves less room: a sample never stops training), sampled with the generate settings and key
-  fold_in(key(rng_seed), step). Same shapes at every eval, so the sampling loop compiles once.
-  Call it on every process (the parameters may be sharded over all of them).
+  (fewer if max_len leaves less room: a sample never stops training), sampled with the
+  generate settings and key fold_in(key(rng_seed), step). The shapes are the same at every
+  eval, so the sampling loop compiles once. Call it on every process (the parameters may be
+  sharded over all of them).
 
   Args:
     setup: the run's Setup.
@@ -276,8 +288,8 @@ def eval_samples(setup: train.Setup, model, params, step: int,
     rng_seed: the sampling seed; None: generate.seed.
 
   Returns:
-    The samples; [] when the data has no tokenizer (synthetic tasks) or
-    generate.eval_samples is 0.
+    The samples; [] when the data has no tokenizer (synthetic tasks), generate.eval_samples
+    is 0, or the model cannot decode (e.g. LSH attention; a warning says why).
   """
   g = setup.config.generate
   tokenizer = setup.data.tokenizer
@@ -286,8 +298,12 @@ def eval_samples(setup: train.Setup, model, params, step: int,
   max_len = setup.model_config.max_len
   cap = max(1, min(EVAL_PROMPT_TOKENS, max_len // 2))
   new_tokens = min(g.eval_new_tokens, max_len - cap)
-  ids = _eval_prompts(setup, g.eval_samples, cap)
   model = model or train.specialized_model(setup, params)
+  reason = _cannot_decode(model)
+  if reason:  # Training goes on without samples.
+    logging.log_first_n(logging.WARNING, 'no eval samples: %s', 1, reason)
+    return []
+  ids = _eval_prompts(setup, g.eval_samples, cap)
   seed = g.seed if rng_seed is None else rng_seed
   samples = sample_ids(setup, model, params, ids, max_new_tokens=new_tokens,
                        batch_size=len(ids), rng=jax.random.fold_in(jax.random.key(seed), step),

@@ -224,6 +224,12 @@ def test_eval_samples_are_written_as_tensorboard_text(text_run, tmp_path):
   assert generate.eval_samples(setup, None, params, step) == []
   synthetic = train.build(_synthetic_config())
   assert generate.eval_samples(synthetic, None, None, 4) == []  # No tokenizer.
+  lsh = _text_config(tmp)
+  lsh.model.attention = 'lsh'
+  lsh.model.attention_options.update(chunk_len=8, n_buckets=4)
+  lsh = train.build(lsh, workdir=str(tmp_path / 'lsh'))
+  lsh.data.close()
+  assert generate.eval_samples(lsh, lsh.model, None, 4) == []  # Cannot decode: a warning.
   assert writer.calls == []
 
 
