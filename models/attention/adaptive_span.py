@@ -329,21 +329,31 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
     qp = jnp.einsum('bhd,xd->bhx', q[:, 0], rel[:trim].astype(q.dtype),
                     preferred_element_type=jnp.float32)
     slot_distance = jnp.clip(x.astype(jnp.int32) - 1, 0, trim - 1)
-    logits = (jnp.einsum('bhd,bchd->bhc', q[:, 0], ck.value, preferred_element_type=jnp.float32)
+    logits = (jnp.einsum('bhd,bhcd->bhc', q[:, 0], ck.value, preferred_element_type=jnp.float32)
               + qp[:, :, slot_distance]) * d ** -0.5
     logits = jnp.where(live, logits, base.NEG_INF)
     top = jnp.max(logits, axis=-1, keepdims=True)
     w = jnp.where(live, soft_mask(x[None, None], z, self.option('span_ramp'))
                   * jnp.exp(logits - top), 0.0)
     s = jnp.sum(w, axis=-1, keepdims=True)
-    out = jnp.einsum('bhc,bchd->bhd', (w / jnp.where(s > 0, s, 1.0)).astype(self.dtype), cv.value)
+    out = jnp.einsum('bhc,bhcd->bhd', (w / jnp.where(s > 0, s, 1.0)).astype(self.dtype), cv.value)
     # The token joins the cache after attending (it does not see itself).
     slot = step % trim
-    ck.value = ck.value.at[:, slot].set(k[:, 0])
-    cv.value = cv.value.at[:, slot].set(v[:, 0])
+    ck.value = ck.value.at[:, :, slot].set(k[:, 0])
+    cv.value = cv.value.at[:, :, slot].set(v[:, 0])
     pos.value = pos.value.at[slot].set(step)
     index.value = step + 1
     return out[:, None].astype(self.dtype)
+
+  def prefill_cache(self, k, v, *, extra=None):
+    """The ring of the last T keys after a prompt of p tokens: slot s holds the latest
+    position congruent to s mod T (what p decode steps leave)."""
+    del extra
+    p, h, trim = k.shape[1], k.shape[2], self.trim
+    held = np.full((trim,), -1, np.int64)
+    for position in range(p):  # In order: a later position overwrites an earlier one.
+      held[position % trim] = position
+    self.fill_cache(k, v, np.broadcast_to(held, (h, trim)), (trim,), positions=held)
 
 
 @register('dynamic_span')

@@ -1,6 +1,7 @@
 """Shared multi-head attention: the one call path of every variant, which overrides `attend`."""
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import flax.linen as nn
@@ -25,6 +26,9 @@ IMPLEMENTATIONS = ('auto', 'xla', 'blocksparse', 'cpu_kernel', 'fused', 'cudnn',
 # Masked logits get this instead of -inf so a fully masked row (padding) gives a uniform
 # distribution rather than NaN; such rows carry zero loss weight.
 NEG_INF = -1e30
+# `cache` value of MultiHeadAttention.__call__ (and Decoder's `decode`) for a prompt's forward
+# that fills the decoding caches.
+PREFILL = 'prefill'
 
 
 def causal_segment_mask(segment_ids: jax.Array) -> jax.Array:
@@ -63,6 +67,27 @@ def reference_attention(q, k, v, mask, *, scale, dtype):
 def masked_softmax(logits, mask, dtype):
   """softmax over the last axis of float32 logits where `mask` is True, cast to `dtype`."""
   return jax.nn.softmax(jnp.where(mask, logits, NEG_INF), axis=-1).astype(dtype)
+
+
+# The smallest cache view a decoding step reads (`over_live_slots`).
+SMALLEST_VIEW = 64
+
+
+def over_live_slots(live, capacity: int, attend):
+  """`attend(n)`, the decoding step's attention over the first n slots of its cache (a
+  static n), for the smallest n among capacity, and SMALLEST_VIEW doubled up to it, that
+  covers the `live` (a traced int <= capacity) first slots: the slots past the live ones are
+  empty, so this reads the part of the cache in use, not the whole (one lax.switch branch
+  per view; the step's work follows the text length, as a growing cache's would).
+  """
+  views = [capacity]
+  while views[0] // 2 >= SMALLEST_VIEW:
+    views.insert(0, views[0] // 2)
+  if len(views) == 1:
+    return attend(capacity)
+  sizes = jnp.asarray(views[:-1], jnp.int32)
+  branch = jnp.sum((sizes < live).astype(jnp.int32))  # The first view >= live.
+  return jax.lax.switch(branch, [functools.partial(attend, n) for n in views])
 
 
 def block_attention(q, k, v, segment_ids, *, key_range, allowed, block_size, scale, dtype):
@@ -430,20 +455,30 @@ class MultiHeadAttention(nn.Module):
       positions: (batch, length) int positions within each document.
       segment_ids: (batch, length) int document ids (0 = padding).
       cache: True to decode one token with the mutable 'cache' collection (see
-        `decode_step`); None or False for a full-sequence forward.
+        `decode_step`); PREFILL for the forward of a prompt that also fills the (empty)
+        caches as decoding its tokens one by one would (`prefill_cache`); None or False
+        for a full-sequence forward.
       deterministic: disables dropout-like randomness when True.
 
     Returns:
       (batch, length, d_model) outputs.
     """
-    if cache is not None and not isinstance(cache, bool):
-      raise ValueError(f'cache must be None, False or True (decode with the mutable "cache" '
-                       f'collection), got {cache!r}')
+    if cache is not None and not isinstance(cache, bool) and cache != PREFILL:
+      raise ValueError(f'cache must be None, False, True (decode with the mutable "cache" '
+                       f'collection) or {PREFILL!r}, got {cache!r}')
     n = x.shape[1]
     extra = self.features(x, segment_ids)
-    if cache:
+    if cache is True:
       q, k, v = self.project(x)
       out = self.decode_step(q, k, v, positions=positions, extra=extra)
+    elif cache == PREFILL:
+      if not self.can_prefill():
+        raise NotImplementedError(f'{type(self).__name__} has no prefill_cache: decode its '
+                                  'prompt token by token')
+      q, k, v = self.project(x)
+      out = self.attend(q, k, v, positions=positions, segment_ids=segment_ids,
+                        deterministic=deterministic, extra=extra)
+      self.prefill_cache(k, v, extra=extra)
     else:
       context, key_segment_ids = x, segment_ids
       spec = self.memory_spec()
@@ -518,14 +553,15 @@ class MultiHeadAttention(nn.Module):
     return None
 
   def kv_cache(self, q, k, v, capacity: int, position_shape: tuple[int, ...]):
-    """The decoding cache of a layer: 'key' and 'value' (batch, capacity, heads, head_dim),
+    """The decoding cache of a layer: 'key' and 'value' (batch, heads, capacity, head_dim)
+    (each head's slots contiguous: the score and value contractions read the cache in place),
     'position' (the position held by each slot, -1 when empty, laid out as
     `position_shape`) and 'index' (the next step). Returns the four variables, or None
     while the caches are being created (shapes only: the caller returns zeros). Decoding
     takes one token per call."""
     b, t, h, d = q.shape
-    ck = self.variable('cache', 'key', jnp.zeros, (b, capacity, h, d), k.dtype)
-    cv = self.variable('cache', 'value', jnp.zeros, (b, capacity, h, d), v.dtype)
+    ck = self.variable('cache', 'key', jnp.zeros, (b, h, capacity, d), k.dtype)
+    cv = self.variable('cache', 'value', jnp.zeros, (b, h, capacity, d), v.dtype)
     pos = self.variable('cache', 'position', lambda: jnp.full(position_shape, -1, jnp.int32))
     index = self.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
     if self.is_initializing():
@@ -565,7 +601,8 @@ class MultiHeadAttention(nn.Module):
       raise ValueError('decoding needs the attention module to know max_len')
     plans = [patterns.cache_plan(self.head_pattern(i), n, i) for i in range(h)]
     capacity = max(p[0] for p in plans)
-    slot_of = jnp.asarray(np.stack([p[1] for p in plans]))  # (h, n)
+    plan_slots = np.stack([p[1] for p in plans])  # (h, n)
+    slot_of = jnp.asarray(plan_slots)
     cache = self.kv_cache(q, k, v, capacity, (capacity, h))
     if cache is None:
       return jnp.zeros_like(q)
@@ -573,19 +610,74 @@ class MultiHeadAttention(nn.Module):
     step = index.value
     heads = jnp.arange(h)
     slots = slot_of[:, jnp.minimum(step, n - 1)]  # (h,)
-    ck.value = ck.value.at[:, slots, heads].set(k[:, 0])
-    cv.value = cv.value.at[:, slots, heads].set(v[:, 0])
+    ck.value = ck.value.at[:, heads, slots].set(k[:, 0])
+    cv.value = cv.value.at[:, heads, slots].set(v[:, 0])
     pos.value = pos.value.at[slots, heads].set(step)
     index.value = step + 1
     keys_pos = pos.value  # (capacity, h)
     allowed = jnp.stack([self.head_pattern(i).allowed(step, keys_pos[:, i], i) & (keys_pos[:, i] >= 0)
                          for i in range(h)], axis=0)  # (h, capacity)
-    logits = jnp.einsum('bhd,bchd->bhc', q[:, 0], ck.value,
-                        preferred_element_type=jnp.float32) * d ** -0.5
-    probs = masked_softmax(logits, allowed[None], self.dtype)
-    out = jnp.einsum('bhc,bchd->bhd', probs, cv.value)
+    # Slots are used in the plans' order: after step s only the first used[s] can be live.
+    used = np.maximum.accumulate(plan_slots.max(axis=0)) + 1  # (n,)
+
+    def attend(view):
+      logits = jnp.einsum('bhd,bhcd->bhc', q[:, 0], ck.value[:, :, :view],
+                          preferred_element_type=jnp.float32) * d ** -0.5
+      probs = masked_softmax(logits, allowed[None, :, :view], self.dtype)
+      return jnp.einsum('bhc,bhcd->bhd', probs, cv.value[:, :, :view])
+
+    out = over_live_slots(jnp.asarray(used)[jnp.minimum(step, n - 1)], capacity, attend)
     out = jnp.where(allowed.any(axis=-1)[None, :, None], out, 0)
     return out[:, None].astype(self.dtype)
+
+  @classmethod
+  def can_prefill(cls) -> bool:
+    """Whether `prefill_cache` can fill this variant's decoding cache from a prompt's
+    forward: the default does for the static-pattern decode_step; a variant with its own
+    decode_step says so by overriding prefill_cache."""
+    own_decode = cls.decode_step is not MultiHeadAttention.decode_step
+    own_prefill = cls.prefill_cache is not MultiHeadAttention.prefill_cache
+    return own_prefill or not own_decode
+
+  def prefill_cache(self, k, v, *, extra=None):
+    """Writes the empty decoding cache as `decode_step` would have left it after the p
+    tokens whose keys and values are k, v (batch, p, heads, head_dim): every row's positions
+    0..p-1 (one document per row, as in decoding); decoding continues at position p.
+
+    The default serves the static-pattern decode_step: each slot of each head holds the
+    latest of the p positions its cache plan puts there (patterns.cache_plan), read from k
+    and v with one gather, instead of p one-token steps.
+    """
+    del extra
+    b, p, h, d = k.shape
+    n = self.max_len
+    if p > n:
+      raise ValueError(f'a prompt of {p} tokens exceeds max_len={n}')
+    plans = [patterns.cache_plan(self.head_pattern(i), n, i) for i in range(h)]
+    capacity = max(plan[0] for plan in plans)
+    held = np.full((h, capacity), -1, np.int64)  # The position each slot holds after p steps.
+    for i, (_, slot_of) in enumerate(plans):
+      for position in range(p):  # In order: a later position overwrites an earlier one.
+        held[i, slot_of[position]] = position
+    self.fill_cache(k, v, held, (capacity, h), positions=held.T)
+
+  def fill_cache(self, k, v, held, position_shape, *, positions):
+    """Sets the 'cache' variables: slot c of head i holds position held[i, c] of k and v
+    (numpy (heads, capacity), -1 = empty), 'position' = `positions` (laid out as
+    position_shape), 'index' = k's length."""
+    b, p, h, d = k.shape
+    capacity = held.shape[1]
+    ck = self.variable('cache', 'key', jnp.zeros, (b, h, capacity, d), k.dtype)
+    cv = self.variable('cache', 'value', jnp.zeros, (b, h, capacity, d), v.dtype)
+    pos = self.variable('cache', 'position', lambda: jnp.full(position_shape, -1, jnp.int32))
+    index = self.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
+    heads = np.arange(h)[:, None]
+    live = jnp.asarray(held >= 0)[None, :, :, None]
+    take = np.maximum(held, 0)
+    ck.value = jnp.where(live, k[:, take, heads], 0).astype(ck.value.dtype)
+    cv.value = jnp.where(live, v[:, take, heads], 0).astype(cv.value.dtype)
+    pos.value = jnp.asarray(positions, jnp.int32).reshape(position_shape)
+    index.value = jnp.asarray(p, jnp.int32)
 
   def attend(self, q, k, v, *, positions, segment_ids, deterministic, key_segment_ids=None,
              extra=None):

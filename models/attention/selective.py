@@ -352,8 +352,8 @@ class SelectiveAttention(base.MultiHeadAttention):
     top = jnp.max(cand, axis=-1, keepdims=True)
     evict = jnp.argmin(jnp.where(cand == top, pos.value, jnp.iinfo(jnp.int32).max), axis=-1)
     slot = jnp.where(step >= cap, evict, jnp.minimum(step, cap - 1))
-    ck.value = ck.value.at[rows, slot].set(k[:, 0])
-    cv.value = cv.value.at[rows, slot].set(v[:, 0])
+    ck.value = ck.value.at[rows, :, slot].set(k[:, 0])
+    cv.value = cv.value.at[rows, :, slot].set(v[:, 0])
     if selection is not None:
       cks.value = cks.value.at[rows, slot].set(selection[1][:, 0])
     pos.value = pos.value.at[rows, slot].set(step)
@@ -361,7 +361,7 @@ class SelectiveAttention(base.MultiHeadAttention):
     index.value = step + 1
     live = pos.value >= 0  # (b, cap)
     scale = d ** -0.5
-    logits = jnp.einsum('bhd,bchd->bhc', q[:, 0], ck.value,
+    logits = jnp.einsum('bhd,bhcd->bhc', q[:, 0], ck.value,
                         preferred_element_type=jnp.float32) * scale
     if selection is None:
       s = logits[:, 0]
@@ -378,6 +378,6 @@ class SelectiveAttention(base.MultiHeadAttention):
     if not self.option('selective_shift'):
       f = f + s                       # F_{t,j} = sum_{k <= t} S_{k,j}
     probs = base.masked_softmax(logits - f[:, None], live[:, None], self.dtype)
-    out = jnp.einsum('bhc,bchd->bhd', probs, cv.value)
+    out = jnp.einsum('bhc,bhcd->bhd', probs, cv.value)
     fc.value = f + s if self.option('selective_shift') else f  # F_{t+1,j} for the next token
     return out[:, None].astype(self.dtype)

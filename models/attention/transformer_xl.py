@@ -249,8 +249,8 @@ class TransformerXLAttention(base.MultiHeadAttention):
     ck, cv, pos, index = cache
     step = index.value
     slot = step % capacity
-    ck.value = ck.value.at[:, slot].set(k[:, 0])
-    cv.value = cv.value.at[:, slot].set(v[:, 0])
+    ck.value = ck.value.at[:, :, slot].set(k[:, 0])
+    cv.value = cv.value.at[:, :, slot].set(v[:, 0])
     pos.value = pos.value.at[slot].set(step)
     index.value = step + 1
     distance = step - pos.value  # (capacity,); the token itself is at distance 0.
@@ -260,7 +260,7 @@ class TransformerXLAttention(base.MultiHeadAttention):
       live &= distance <= reach
     u, v_bias = self.biases()
     q0 = q[:, 0]  # (b, h, d)
-    content = jnp.einsum('bhd,bchd->bhc', q0 + u.astype(q0.dtype), ck.value,
+    content = jnp.einsum('bhd,bhcd->bhc', q0 + u.astype(q0.dtype), ck.value,
                          preferred_element_type=jnp.float32)
     by_distance = jnp.einsum('bhd,xhd->bhx', q0 + v_bias.astype(q0.dtype),
                              self.position_keys(extra, capacity),
@@ -268,5 +268,5 @@ class TransformerXLAttention(base.MultiHeadAttention):
     positional = by_distance[:, :, jnp.clip(distance, 0, capacity - 1)]
     logits = (content + positional) * d ** -0.5
     probs = base.masked_softmax(logits, live[None, None], self.dtype)
-    out = jnp.einsum('bhc,bchd->bhd', probs, cv.value)
+    out = jnp.einsum('bhc,bhcd->bhd', probs, cv.value)
     return out[:, None].astype(self.dtype)

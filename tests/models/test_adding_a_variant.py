@@ -92,7 +92,7 @@ def test_new_variant_decodes_through_its_pattern_and_is_inspected(tmp_path):
     out.append(logits)
   np.testing.assert_allclose(jnp.stack(out, 1), full, atol=2e-5, rtol=2e-5)
   # The cache keeps what the pattern can still reach: (w - 1) r + 1 = 5 keys, not 12.
-  assert cache['blocks']['attention']['key'].shape[2] == 5
+  assert cache['blocks']['attention']['key'].shape[3] == 5  # (layers, b, h, capacity, d)
   masks = inspect.connectivity(cfg, 12)
   np.testing.assert_array_equal(masks['layer1_head0'],
                                 patterns.mask(DilatedWindow(3, 2), 12))

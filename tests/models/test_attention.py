@@ -241,4 +241,4 @@ def test_dense_decodes_through_its_static_pattern():
   pos = jnp.zeros((1, 1), jnp.int32)
   variables = module.init(jax.random.key(0), x, positions=pos, segment_ids=jnp.ones((1, 1)),
                           cache=True)
-  assert variables['cache']['key'].shape == (1, 8, 2, 4)
+  assert variables['cache']['key'].shape == (1, 2, 8, 4)  # (b, h, capacity, d)
