@@ -7,10 +7,15 @@ of max_len. `cache_bytes` measures that.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from models import attention, stacks
+from models.attention.base import PREFILL
 
 
 def init_cache(model, params, batch: int):
@@ -87,38 +92,91 @@ def filter_logits(logits, *, top_k: int = 0, top_p: float = 1.0):
   return logits
 
 
-@functools.lru_cache(maxsize=16)
-def _sampling_loop(model, b: int, width: int, max_new_tokens: int, temperature: float,
-                   top_k: int, top_p: float, eos_id, pad_id: int):
-  """generate's jitted while loop for one model and setting (compiled once, reused):
-  (params, cache, buffer, lengths, rng) -> (t, cache, buffer, done, count, rng)."""
+def unrolled(model, params):
+  """(model, params) with a scanned stack ('scan', 'scan_cycle') unrolled: the same layers
+  as distinct modules, each layer's parameters sliced out of the stacked ones (the values do
+  not change). Decoding runs them so that every layer's cache is its own array, updated in
+  place, where the layer scan would slice each layer's cache out of the stacked one and
+  write it back whole at every token. Other stacks come back as they are."""
+  config = model.config
+  name = stacks.resolve(config)
+  if name not in ('scan', 'scan_cycle'):
+    return model, params
+  stack = stacks.of(config)
+  flat = dataclasses.replace(config, stack='unrolled')
+  per_layer = [stack.layer_tree(config, params, i) for i in range(config.n_layers)]
+  owned = set(stack.stacked_tree(config, per_layer))  # The stack's own top-level names.
+  rest = {k: v for k, v in params.items() if k not in owned}
+  return type(model)(flat), {**rest, **stacks.Unrolled.stacked_tree(flat, per_layer)}
 
-  def loop(params, cache, buffer, lengths, rng):
+
+def can_prefill(config) -> bool:
+  """Whether every attention variant of `config` fills its cache from a prompt's forward
+  (MultiHeadAttention.can_prefill); the others read the prompt token by token."""
+  return all(attention.get(name).can_prefill() for name in dict.fromkeys(config.attention))
+
+
+def prefill(model, params, cache, prompts):
+  """One forward over `prompts` (batch, p) (every row's positions 0..p-1) that writes every
+  layer's cache as p decoding steps would.
+
+  Returns:
+    (logits (batch, vocab) of the next token, the cache).
+  """
+  (hidden, w), mutated = model.apply({'params': params, 'cache': cache}, prompts,
+                                     decode=PREFILL, return_hidden=True, mutable=['cache'])
+  logits = jnp.einsum('bd,dv->bv', hidden[:, -1], w, preferred_element_type=jnp.float32)
+  return logits, mutated['cache']
+
+
+@functools.lru_cache(maxsize=16)
+def _sampling_loop(model, b: int, width: int, prefilled: int, max_new_tokens: int,
+                   temperature: float, top_k: int, top_p: float, eos_id, pad_id: int):
+  """generate's jitted program for one model and setting (compiled once, reused):
+  (params, buffer, lengths, rng) -> (t, cache, buffer, done, count, rng).
+
+  The first `prefilled` positions (every row's prompt is at least that long) go through one
+  prefill forward; a while loop then decodes from there."""
+
+  def choose(t, logits, buffer, done, count, rng, lengths):
+    """The token at t + 1 from the logits at t: the prompt's while a row is still in it,
+    else a sample (pad once the row is done)."""
+    rng, key = jax.random.split(rng)
+    if temperature == 0:
+      new = jnp.argmax(logits, axis=-1)
+    else:
+      filtered = filter_logits(logits / temperature, top_k=top_k, top_p=top_p)
+      new = jax.random.categorical(key, filtered, axis=-1)
+    nxt = t + 1
+    generating = (nxt >= lengths) & ~done
+    token = jnp.where(nxt < lengths, buffer[:, nxt], jnp.where(generating, new, pad_id))
+    buffer = buffer.at[:, nxt].set(token.astype(jnp.int32))
+    finished = generating & (count + 1 >= max_new_tokens)
+    if eos_id is not None:
+      finished = finished | (generating & (new == eos_id))
+    return nxt, buffer, done | finished, count + generating, rng
+
+  def loop(params, buffer, lengths, rng):
+    dec_model, dec_params = unrolled(model, params)
+    cache = init_cache(dec_model, dec_params, b)
+    zeros = jnp.zeros((b,), jnp.int32)
+    t, done, count = jnp.zeros((), jnp.int32), zeros > 0, zeros
+    if prefilled:
+      logits, cache = prefill(dec_model, dec_params, cache, buffer[:, :prefilled])
+      t, buffer, done, count, rng = choose(t + prefilled - 1, logits, buffer, done, count, rng,
+                                           lengths)
+
     def body(state):
       t, cache, buffer, done, count, rng = state
-      logits, cache = step(model, params, cache, buffer[:, t], t)
-      rng, key = jax.random.split(rng)
-      if temperature == 0:
-        new = jnp.argmax(logits, axis=-1)
-      else:
-        filtered = filter_logits(logits / temperature, top_k=top_k, top_p=top_p)
-        new = jax.random.categorical(key, filtered, axis=-1)
-      nxt = t + 1
-      generating = (nxt >= lengths) & ~done
-      token = jnp.where(nxt < lengths, buffer[:, nxt], jnp.where(generating, new, pad_id))
-      buffer = buffer.at[:, nxt].set(token.astype(jnp.int32))
-      finished = generating & (count + 1 >= max_new_tokens)
-      if eos_id is not None:
-        finished = finished | (generating & (new == eos_id))
-      return nxt, cache, buffer, done | finished, count + generating, rng
+      logits, cache = step(dec_model, dec_params, cache, buffer[:, t], t)
+      t, buffer, done, count, rng = choose(t, logits, buffer, done, count, rng, lengths)
+      return t, cache, buffer, done, count, rng
 
     def cond(state):
       t, _, _, done, _, _ = state
       return (t < width - 1) & ~jnp.all(done)
 
-    zeros = jnp.zeros((b,), jnp.int32)
-    return jax.lax.while_loop(
-        cond, body, (jnp.zeros((), jnp.int32), cache, buffer, zeros > 0, zeros, rng))
+    return jax.lax.while_loop(cond, body, (t, cache, buffer, done, count, rng))
 
   return jax.jit(loop)
 
@@ -128,11 +186,14 @@ def generate(model, params, prompts, prompt_lengths, max_new_tokens: int, rng, *
              eos_id: int | None = None, pad_id: int = 0):
   """Samples continuations of a batch of prompts in one compiled program.
 
-  Every row runs at the same step (position t for all rows, the caches' index): a row whose
-  prompt is longer is still reading it (teacher-forced through the caches) while a shorter
-  one already samples, so each row gets the positions and tokens it would get alone. The
-  loop is a `lax.while_loop` over the positions with no host round trip; it stops once
-  every row has finished (EOS or max_new_tokens).
+  The first positions every prompt covers (the largest power of two up to the shortest
+  prompt's length) go through one prefill forward that writes every layer's cache (for
+  variants that can: `can_prefill`; the others start at position 0). Then every row runs at the same step (position t for all
+  rows, the caches' index): a row whose prompt is longer is still reading it
+  (teacher-forced through the caches) while a shorter one already samples, so each row gets
+  the positions and tokens it would get alone. The loop is a `lax.while_loop` over the
+  positions with no host round trip; it stops once every row has finished (EOS or
+  max_new_tokens). A scanned stack decodes unrolled (`unrolled`).
 
   Args:
     model: the Decoder.
@@ -159,15 +220,19 @@ def generate(model, params, prompts, prompt_lengths, max_new_tokens: int, rng, *
   if width > model.config.max_len:
     raise ValueError(f'prompts of {p} tokens + {max_new_tokens} new tokens exceed '
                      f'model.max_len={model.config.max_len}')
-  lengths = jnp.asarray(prompt_lengths, jnp.int32)
-  if lengths.shape != (b,) or not bool(jnp.all((lengths >= 1) & (lengths <= p))):
+  lengths = np.asarray(prompt_lengths)
+  if lengths.shape != (b,) or not np.all((lengths >= 1) & (lengths <= p)):
     raise ValueError(f'prompt_lengths must be ({b},) ints in [1, {p}], got {prompt_lengths}')
-  buffer = jnp.full((b, width), pad_id, jnp.int32).at[:, :p].set(prompts.astype(jnp.int32))
+  buffer = jnp.full((b, width), pad_id, jnp.int32).at[:, :p].set(
+      jnp.asarray(prompts, jnp.int32))
   buffer = jnp.where(jnp.arange(width)[None] < lengths[:, None], buffer, pad_id)
-  run = _sampling_loop(model, b, width, max_new_tokens, temperature, top_k, top_p, eos_id,
-                       pad_id)
-  _, _, buffer, _, count, _ = run(params, init_cache(model, params, b), buffer, lengths, rng)
-  return buffer, lengths + count
+  # The largest power of two the shortest prompt covers: a few compiled programs serve every
+  # prompt length (the rest of each prompt is read in the loop).
+  prefilled = 1 << (int(lengths.min()).bit_length() - 1) if can_prefill(model.config) else 0
+  run = _sampling_loop(model, b, width, prefilled, max_new_tokens, temperature, top_k, top_p,
+                       eos_id, pad_id)
+  _, _, buffer, _, count, _ = run(params, buffer, jnp.asarray(lengths, jnp.int32), rng)
+  return buffer, jnp.asarray(lengths, jnp.int32) + count
 
 
 def cache_bytes(cache) -> int:

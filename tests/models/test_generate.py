@@ -38,6 +38,8 @@ VARIANTS = [
     ('txl', {'position_embedding': 'none'}),
     ('dense', {'stack': 'universal', 'n_layers': 1, 'universal_act': True,
                'position_embedding': 'none'}),
+    ('dense', {'stack': 'scan'}),          # Decoded unrolled (decode.unrolled).
+    ('strided', {'stack': 'scan_cycle'}),  # Interleaved A1/A2: a cycle of 2.
 ]
 
 
@@ -56,6 +58,55 @@ def test_greedy_equals_the_forward_argmax_and_the_step_path(name, extra):
     np.testing.assert_array_equal(tokens[:, t], jnp.argmax(logits[:, -1], -1))
   stepwise = decode.sample(model, params, prompts, new, jax.random.key(0), temperature=0.0)
   np.testing.assert_array_equal(tokens, stepwise)
+
+
+PREFILLING = [v for v in VARIANTS if v[0] not in ('selective', 'txl')]
+
+
+@pytest.mark.parametrize('name, extra', PREFILLING,
+                         ids=[f'{n}-{e.get("stack", "layers")}' for n, e in PREFILLING])
+def test_prefill_leaves_the_caches_of_the_step_path(name, extra):
+  """One forward over the prompt writes every cache as p one-token steps do (slots,
+  positions, index), and gives the same next-token logits."""
+  model, params = _model(name, **extra)
+  model, params = decode.unrolled(model, params)
+  assert decode.can_prefill(model.config)
+  prompts = _prompts(length=11)  # Past local's window and fixed's first block.
+  stepped = decode.init_cache(model, params, 2)
+  for i in range(11):
+    logits, stepped = decode.step(model, params, stepped, prompts[:, i], i)
+  filled, cache = decode.prefill(model, params, decode.init_cache(model, params, 2), prompts)
+  np.testing.assert_allclose(filled, logits, rtol=1e-5, atol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+               cache, stepped)
+
+
+def test_variants_with_their_own_cache_say_they_cannot_prefill():
+  for name, extra in [('selective', {}), ('txl', {'position_embedding': 'none'}),
+                      ('lsh', {'options': {'chunk_len': 8, 'n_buckets': 4}})]:
+    assert not decode.can_prefill(_model(name, **extra)[0].config)
+
+
+def test_decoding_reads_the_live_part_of_a_long_cache():
+  """max_len 160: the step attends over views of 64, 128 and 160 slots as the text grows
+  (base.over_live_slots); greedy still equals the forward's argmax across the switches."""
+  model, params = _model('dense', max_len=160, n_layers=1)
+  prompts = _prompts(batch=2, length=60, seed=2)
+  tokens, _ = decode.generate(model, params, prompts, [60, 20], 74, jax.random.key(0),
+                              temperature=0.0)
+  for r, n in enumerate([60, 20]):
+    row = tokens[r:r + 1, :n + 74]
+    logits = model.apply({'params': params}, row[:, :-1])
+    np.testing.assert_array_equal(row[0, n:], jnp.argmax(logits[0, n - 1:], -1))
+
+
+def test_unrolled_keeps_the_values_of_a_scanned_stack():
+  model, params = _model('dense', stack='scan')
+  flat, flat_params = decode.unrolled(model, params)
+  assert flat.config.stack == 'unrolled' and 'blocks' not in flat_params
+  tokens = _prompts(length=9)
+  np.testing.assert_allclose(flat.apply({'params': flat_params}, tokens),
+                             model.apply({'params': params}, tokens), rtol=1e-5, atol=1e-5)
 
 
 def test_top_k_one_is_greedy():
