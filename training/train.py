@@ -583,6 +583,9 @@ def _train_loop(setup: Setup, state, data_state, ckpt, logger, peak: float):
       # After the save: a failing evaluation never costs the step's checkpoint.
       if config.eval_every_steps and (step % config.eval_every_steps == 0 or last):
         logger.write(step, run_eval(setup, eval_step, state.params), prefix='eval')
+        from training import generate as generate_lib  # pylint: disable=import-outside-toplevel
+        generate_lib.write_samples(logger, step,
+                                   generate_lib.eval_samples(setup, None, state.params, step))
       if stop:
         ckpt.wait()  # "saved" only once it is committed.
         logging.warning('preemption requested: saved step %d, exiting', step)

@@ -45,8 +45,21 @@ def text_run(tmp_path_factory):
   tmp = tmp_path_factory.mktemp('text_run')
   (tmp / 'corpus.txt').write_text(CORPUS)
   workdir = str(tmp / 'run')
-  train.train_and_evaluate(_text_config(tmp), workdir)
+  config = _text_config(tmp)
+  config.eval_every_steps = 4  # One eval, at the end: it writes the text samples.
+  train.train_and_evaluate(config, workdir)
   return tmp, workdir
+
+
+def test_training_writes_samples_at_each_eval(text_run):
+  import tensorflow as tf
+  _, workdir = text_run
+  tags = set()
+  for event_file in (pathlib.Path(workdir) / 'tensorboard').iterdir():
+    for event in tf.compat.v1.train.summary_iterator(str(event_file)):
+      tags |= {(event.step, value.tag) for value in event.summary.value
+               if value.tag.startswith('samples/')}
+  assert tags == {(4, 'samples/0'), (4, 'samples/1')}
 
 
 PROMPTS = ['the cat', 'x', 'the dog ran 2 times']  # 8, 2 and 20 tokens with BOS.
