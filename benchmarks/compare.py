@@ -28,16 +28,20 @@ task) is skipped with the reason; a named one that cannot is an error.
 
 Columns: eval loss and bits per byte (text) at the last step, parameters, training FLOPs per
 token (TransformerConfig.train_flops_per_token: 6 N_matmul + 12 L H d_head T, the full causal
-score matrix for every variant), training tokens/s (median of the run's logged windows,
-leaving out those that hold the compile, an evaluation or a checkpoint save), the peak memory
-of one attention layer's forward + backward at the run's batch and sequence length (XLA's
-compiled memory analysis: arguments + outputs + temporaries, like
-benchmarks/attention_scaling.py; the largest over the layers, each with the options its
-trained parameters give, e.g. adaptive span's trimmed span) and the decoding cache of one row
-of max_len tokens (models/decode.py; '-' for variants that cannot decode token by token, e.g.
-lsh). Prints a markdown table, writes the rows, the command and the machine to --out (JSON)
-and the eval loss curves to --png. Samples at evaluation are off (generate.eval_samples=0):
-sample a finished run with main.py instead.
+score matrix for every variant), training tokens/s, the peak memory of one attention layer's
+forward + backward at the run's batch and sequence length (XLA's compiled memory analysis:
+arguments + outputs + temporaries, like benchmarks/attention_scaling.py; the largest over the
+layers, each with the options its trained parameters give, e.g. adaptive span's trimmed span)
+and the decoding cache of one row of max_len tokens (models/decode.py; '-' for variants that
+cannot decode token by token, e.g. lsh). Tokens/s: after all runs, each variant's train step
+with its trained parameters on random tokens, timed round-robin (--time_rounds rounds of
+--time_steps steps each, each round starting one variant later), so that a busy phase of a
+shared machine slows all alike; the median over rounds. With --time_rounds 0: the median of
+the run's logged windows that hold no compile, evaluation or checkpoint save.
+
+Prints a markdown table, writes the rows, the command and the machine to --out (JSON) and the
+eval loss curves to --png. Samples at evaluation are off (generate.eval_samples=0): sample a
+finished run with main.py instead.
 """
 
 import argparse
@@ -68,7 +72,7 @@ from absl import logging  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from models import attention, blocks, decode, transformer  # noqa: E402
-from training import train  # noqa: E402
+from training import sharding, train  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(REPO, 'configs', 'local_text.py')
 DEFAULT_OUT = os.path.join(REPO, 'benchmarks', 'results', 'compare.json')
@@ -333,12 +337,57 @@ def decode_cache_bytes(mc: transformer.TransformerConfig) -> tuple[int | None, s
   return decode.cache_bytes(cache), ''
 
 
+class StepTimer:
+  """A variant's train step (the run's compiled step with its trained parameters, e.g. adaptive
+  span's trimmed spans) on a fixed batch of random tokens, run `steps` at a time."""
+
+  def __init__(self, config, workdir: str):
+    self.setup = setup = train.build(config, workdir=workdir)
+    setup.data.close()
+    _, params = train.latest_params(setup, workdir)
+    state = train.init_state(setup, config.seed)
+    if params is not None:
+      state = state.replace(params=params)
+    self._step = train.jit_train_step(setup, train.specialized_model(setup, state.params))
+    self.tokens = config.batch_size * setup.data.seq_len
+    local = common.random_lm_batch(setup.data.vocab_size, config.batch_size, setup.data.seq_len)
+    self._batch = train.device_batch(setup, local)
+    self._rng = jax.random.key(0)
+    self._state = state
+    self(1)  # Compile.
+
+  def __call__(self, steps: int) -> float:
+    """Seconds for `steps` steps."""
+    with sharding.activate(self.setup.mesh, self.setup.rules):
+      start = time.perf_counter()
+      for _ in range(steps):
+        self._state, metrics = self._step(self._state, self._batch, self._rng)
+      jax.block_until_ready(metrics)
+      return time.perf_counter() - start
+
+
+def time_round_robin(timers: dict[str, StepTimer], rounds: int, steps: int) -> dict[str, dict]:
+  """Tokens/s of every variant's train step, timed in rounds that run each variant `steps`
+  steps in turn (each round starting one variant later), so that a busy phase of a shared
+  machine slows them alike; the median and best over the rounds."""
+  names = list(timers)
+  rates = {n: [] for n in names}
+  for i in range(rounds):
+    for name in names[i % len(names):] + names[:i % len(names)]:
+      rates[name].append(steps * timers[name].tokens / timers[name](steps))
+  return {n: {'median': statistics.median(r), 'best': max(r), 'rounds': r}
+          for n, r in rates.items()}
+
+
 # ---------------------------------------------------------------- runs
 
 
 def run_variant(spec: str, config, workdir: str) -> dict:
   """Trains (or resumes) one variant and measures its row."""
   row = {'variant': spec, 'workdir': workdir}
+  # Trained by an earlier call (then run_seconds is only this call's restore).
+  row['already_trained'] = os.path.isdir(os.path.join(workdir, 'checkpoints',
+                                                      str(config.total_steps)))
   started = time.time()
   try:
     train.train_and_evaluate(config, workdir)
@@ -414,7 +463,7 @@ def markdown(rows: list[dict]) -> str:
 def plot(rows: list[dict], path: str, title: str) -> None:
   """Eval loss against step, one line per variant."""
   plt = common.pyplot()
-  fig, ax = plt.subplots(figsize=(9, 5.5))
+  fig, ax = plt.subplots(figsize=(11, 5.5))
   styles = ['-', '--', ':', '-.']
   for i, r in enumerate(rows):
     points = r['curves']['eval_loss']
@@ -425,7 +474,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
             color=f'C{i % 10}', label=r['variant'])
   ax.set(xlabel='step', ylabel='eval loss (nats per token)', title=title)
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=8, ncol=2)
+  ax.legend(fontsize=8, loc='upper left', bbox_to_anchor=(1.01, 1.0))
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   fig.savefig(path, dpi=110)
@@ -482,6 +531,10 @@ def parse_args(argv):
                  help='config override with a dotted key, e.g. seq_len=256 (repeatable)')
   p.add_argument('--steps', type=int, default=300, help='training steps of every variant')
   p.add_argument('--evals', type=int, default=10, help='evaluations per run (the curve points)')
+  p.add_argument('--time_rounds', type=int, default=5,
+                 help='after training, time every train step round-robin for this many rounds '
+                 '(the tokens/s column: their median); 0: the runs\' logged tokens/s instead')
+  p.add_argument('--time_steps', type=int, default=5, help='steps per variant per round')
   p.add_argument('--d', type=int, default=0,
                  help='size knob: d_model 64 d, d heads, d layers (0: the recipe\'s sizes)')
   p.add_argument('--workdir', default=os.path.join(REPO, 'runs', 'compare'),
@@ -489,8 +542,8 @@ def parse_args(argv):
   p.add_argument('--out', default=DEFAULT_OUT, help='JSON (default: %(default)s)')
   p.add_argument('--png', default=DEFAULT_PNG, help='eval loss curves (default: %(default)s)')
   args = p.parse_args(argv)
-  if args.steps < 1 or args.evals < 1:
-    p.error('--steps and --evals must be >= 1')
+  if args.steps < 1 or args.evals < 1 or args.time_rounds < 0 or args.time_steps < 1:
+    p.error('--steps, --evals and --time_steps must be >= 1, --time_rounds >= 0')
   return args
 
 
@@ -518,12 +571,24 @@ def main(argv=None) -> dict:
   rows = []
   for spec, config in configs.items():
     workdir = os.path.join(args.workdir, folder(spec))
-    print(f'[{spec}] training {args.steps} steps in {workdir}', flush=True)
+    print(f'[{spec}] training {args.steps} steps in {workdir} (a finished run is kept)',
+          flush=True)
     row = run_variant(spec, config, workdir)
     row['own_keys'] = own_keys(base, config)
     rows.append(row)
     print(f'[{spec}] done in {row["run_seconds"]:.0f} s: eval loss '
           f'{fmt("eval_loss", row["eval_loss"])}', flush=True)
+
+  if args.time_rounds:
+    print(f'timing the train steps: {args.time_rounds} rounds of {args.time_steps} steps each',
+          flush=True)
+    timers = {r['variant']: StepTimer(configs[r['variant']], r['workdir']) for r in rows}
+    timed = time_round_robin(timers, args.time_rounds, args.time_steps)
+    del timers
+    for r in rows:
+      r['logged_tokens_per_sec'] = r['tokens_per_sec']
+      r['tokens_per_sec'] = timed[r['variant']]['median']
+      r['timed_tokens_per_sec'] = timed[r['variant']]
 
   table = markdown(rows)
   print('\n' + table + '\n')
@@ -534,6 +599,7 @@ def main(argv=None) -> dict:
               'batch_size': base.batch_size, 'learning_rate': base.learning_rate,
               'warmup_steps': base.warmup_steps, 'eval_every_steps': base.eval_every_steps,
               'eval_steps': base.eval_steps, 'dtype': base.model.dtype, 'data': data.name,
+              'time_rounds': args.time_rounds, 'time_steps': args.time_steps,
               'files': [os.path.basename(f) for f in data.files.split(',') if f]}
   payload = {'command': command, 'settings': settings, 'columns': list(COLUMNS),
              'rows': rows, 'skipped': skipped, 'table': table}

@@ -2,7 +2,8 @@
 
 The end-to-end run trains two variants (dense, and the reformer preset with LSH options) for
 2 steps each on a d=1 model over 24-byte rows of a 20 KB generated text in tmp_path, and
-checks the JSON (rows, columns, command) and the PNG; about 30 s on 2 CPU cores.
+times their train steps round-robin, and checks the JSON (rows, columns, command) and the
+PNG; about 20 s on an idle 2-core CPU.
 """
 
 import json
@@ -88,9 +89,10 @@ def test_compare_two_variants_end_to_end(tmp_path):
   _text(text)
   out, png = tmp_path / 'compare.json', tmp_path / 'curves.png'
   argv = ['--variants', 'dense,reformer:chunk_len=8:n_buckets=4', '--d', '1', '--steps', '2',
-          '--evals', '2', '--workdir', str(tmp_path / 'runs'), '--out', str(out),
-          '--png', str(png), '--set', f'data.files={text}', '--set', 'seq_len=24',
-          '--set', 'batch_size=4', '--set', 'eval_steps=1', '--set', 'data.chunk_bytes=2048',
+          '--evals', '2', '--time_rounds', '2', '--time_steps', '1',
+          '--workdir', str(tmp_path / 'runs'), '--out', str(out), '--png', str(png),
+          '--set', f'data.files={text}', '--set', 'seq_len=24', '--set', 'batch_size=4',
+          '--set', 'eval_steps=1', '--set', 'data.chunk_bytes=2048',
           '--set', 'peak_tflops_per_device=1.0']
   compare.main(argv)
 
@@ -108,6 +110,8 @@ def test_compare_two_variants_end_to_end(tmp_path):
     assert row['params'] > 0 and row['train_flops_per_token'] > 0 and row['attn_peak_bytes'] > 0
     assert [s for s, _ in row['curves']['eval_loss']] == [1, 2]
     assert row['eval_loss'] == row['curves']['eval_loss'][-1][1]
+    assert len(row['timed_tokens_per_sec']['rounds']) == 2
+    assert row['tokens_per_sec'] == row['timed_tokens_per_sec']['median']
   assert rows['dense']['decode_cache_bytes'] > 0 and rows['dense']['own_keys'] == {}
   reformer = rows['reformer:chunk_len=8:n_buckets=4']
   assert reformer['decode_cache_bytes'] is None and 'decode' in reformer['decode_refused']
