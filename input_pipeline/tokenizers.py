@@ -46,9 +46,11 @@ class ByteTokenizer:
     return out
 
   def decode(self, ids: Iterable[int]) -> str:
-    """The text of `ids`; special ids are dropped, invalid UTF-8 is replaced."""
+    """The text of `ids`; special ids and ids past the 259 (the model's padded vocabulary:
+    a sampled id can land there) are dropped, invalid UTF-8 is replaced."""
     ids = np.asarray(list(ids), np.int64)
-    raw = (ids[ids >= self.offset] - self.offset).astype(np.uint8).tobytes()
+    kept = ids[(ids >= self.offset) & (ids < self.vocab_size)]
+    raw = (kept - self.offset).astype(np.uint8).tobytes()
     return raw.decode('utf-8', errors='replace')
 
   def token_bytes(self) -> np.ndarray:
@@ -94,8 +96,9 @@ class SentencePieceTokenizer:
     return ids + [EOS]
 
   def decode(self, ids: Iterable[int]) -> str:
-    """The text of `ids`; special ids are dropped."""
-    return self._sp.decode([int(i) for i in ids if int(i) > UNK])
+    """The text of `ids`; special ids are dropped, and so are ids past the vocabulary (the
+    model's vocab_size pads it: a sampled id can land there)."""
+    return self._sp.decode([int(i) for i in ids if UNK < int(i) < self.vocab_size])
 
   def token_bytes(self) -> np.ndarray:
     """Bytes of text each id stands for: exact, as the model is lossless."""

@@ -170,3 +170,13 @@ def test_get_sentencepiece_trains_once_then_reuses(tmp_path, kit):
   assert (tmp_path / 'vocab' / 'spm_unigram_400.model').read_bytes() == data
   text = kit.validation_docs[0]
   np.testing.assert_array_equal(first.encode_batch([text])[0], second.encode_batch([text])[0])
+
+
+def test_decode_drops_ids_of_the_padded_model_vocabulary(spm_tok):
+  """model.vocab_size pads the tokenizer's vocabulary; an id sampled there decodes to nothing
+  (it used to wrap around for bytes and raise in SentencePiece)."""
+  byte = tokenizers.ByteTokenizer()
+  ids = byte.encode_batch(['hi'])[0]
+  assert byte.decode([*ids, byte.vocab_size, byte.vocab_size + 253]) == 'hi'
+  ids = spm_tok.encode_batch(['hello world'])[0]
+  assert spm_tok.decode([*ids, spm_tok.vocab_size, spm_tok.vocab_size + 7]) == 'hello world'

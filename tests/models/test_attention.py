@@ -152,7 +152,7 @@ def test_dense_module_rejects_a_cache_that_is_not_a_flag():
   x = _x()
   module = dense.DenseAttention(num_heads=HEADS, head_dim=HEAD_DIM)
   params = _init_module(module, x)
-  with pytest.raises(ValueError, match='cache must be None, False or True'):
+  with pytest.raises(ValueError, match='cache must be None, False, True'):
     module.apply({'params': params}, x, positions=POSITIONS, segment_ids=SEGMENT_IDS, cache={})
 
 
