@@ -69,25 +69,12 @@ except Exception as e:  # pylint: disable=broad-except  (it raises many kinds)
   _bad_command_line(e, sys.argv)
 
 
-def _quiet_libraries():
-  """Orbax and TFDS log every save and read at INFO; keep their warnings, drop the chatter."""
-  import logging as py_logging
-
-  class _Filter(py_logging.Filter):
-    def filter(self, record):
-      return record.levelno >= py_logging.WARNING or not any(
-          lib in record.pathname for lib in ('/orbax/', '/tensorflow_datasets/'))
-
-  for handler in py_logging.getLogger().handlers + py_logging.getLogger('absl').handlers:
-    handler.addFilter(_Filter())
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  _quiet_libraries()
   import jax
-  from training import distributed, run_config, train
+  from training import distributed, metrics, run_config, train
+  metrics.quiet_libraries()
   recipe_file = config_flags.get_config_filename(FLAGS['config'])
   # The workdir's record is the run's config; the command line asks for the --config.KEY
   # flags given (and a recipe named with --config), not for the recipe's defaults.

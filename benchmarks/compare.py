@@ -48,7 +48,6 @@ import argparse
 import ast
 import copy
 import importlib.util
-import logging as py_logging
 import math
 import os
 import re
@@ -72,7 +71,7 @@ from absl import logging  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from models import attention, blocks, decode, transformer  # noqa: E402
-from training import sharding, train  # noqa: E402
+from training import metrics, sharding, train  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(REPO, 'configs', 'local_text.py')
 DEFAULT_OUT = os.path.join(REPO, 'benchmarks', 'results', 'compare.json')
@@ -482,18 +481,6 @@ def plot(rows: list[dict], path: str, title: str) -> None:
   print(f'wrote {path}')
 
 
-def _quiet_libraries() -> None:
-  """Orbax and TFDS log every save and read at INFO: keep their warnings only."""
-
-  class _Filter(py_logging.Filter):
-    def filter(self, record):
-      return record.levelno >= py_logging.WARNING or not any(
-          lib in record.pathname for lib in ('/orbax/', '/tensorflow_datasets/'))
-
-  for handler in py_logging.getLogger().handlers + py_logging.getLogger('absl').handlers:
-    handler.addFilter(_Filter())
-
-
 def base_config(args) -> ml_collections.ConfigDict:
   """The recipe with --d, --steps (warm-up at most a sixth of them), the eval, log and
   checkpoint cadence, no samples at evaluation (sample a run later with main.py), then --set
@@ -550,7 +537,7 @@ def parse_args(argv):
 def main(argv=None) -> dict:
   args = parse_args(argv)
   logging.set_verbosity(logging.INFO)
-  _quiet_libraries()
+  metrics.quiet_libraries()
   base = base_config(args)
   specs, grouped = expand(args.variants)
   configs, skipped = {}, {}

@@ -39,7 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import print_table, write_json  # noqa: E402
+from benchmarks.common import print_table, time_fn, write_json  # noqa: E402
 from models import decode, transformer  # noqa: E402
 
 VOCAB = 8192
@@ -65,17 +65,6 @@ def config(depth: int, attention: str = 'dense', options=None):
       position_embedding=position, dtype='float32'))
 
 
-def _best(fn, iters: int) -> float:
-  """Best wall time of fn() (which blocks) over `iters` calls after one warm-up call."""
-  fn()
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return min(times)
-
-
 def ours(cfg, batch: int, prompt: int, new: int, iters: int) -> dict:
   """Prefill, decode and whole-call speed of decode.generate (greedy)."""
   model = transformer.Decoder(cfg)
@@ -95,8 +84,9 @@ def ours(cfg, batch: int, prompt: int, new: int, iters: int) -> dict:
   def prefill():
     jax.block_until_ready(run_prefill(dec_params, cache, prompts))
 
-  total = _best(whole, iters)
-  first = _best(prefill, iters) if decode.can_prefill(cfg) else float('nan')
+  total = time_fn(whole, warmup=1, iters=iters)['best_s']
+  first = (time_fn(prefill, warmup=1, iters=iters)['best_s'] if decode.can_prefill(cfg)
+           else float('nan'))
   return {'prefill_tok_s': batch * prompt / first,
           'decode_tok_s': batch * new / (total - (0.0 if np.isnan(first) else first)),
           'generate_tok_s': batch * new / total,

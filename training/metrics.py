@@ -73,3 +73,17 @@ def _fmt_time(seconds: float) -> str:
   m, s = divmod(int(seconds), 60)
   h, m = divmod(m, 60)
   return f'{h}:{m:02d}:{s:02d}'
+
+
+def quiet_libraries() -> None:
+  """Orbax and TFDS log every save and read at INFO: keep their warnings, drop the chatter
+  (a filter on the root and absl handlers)."""
+  import logging as py_logging  # pylint: disable=g-import-not-at-top
+
+  class _Filter(py_logging.Filter):
+    def filter(self, record):
+      return record.levelno >= py_logging.WARNING or not any(
+          lib in record.pathname for lib in ('/orbax/', '/tensorflow_datasets/'))
+
+  for handler in py_logging.getLogger().handlers + py_logging.getLogger('absl').handlers:
+    handler.addFilter(_Filter())
