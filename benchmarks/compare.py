@@ -32,12 +32,14 @@ score matrix for every variant), training tokens/s, the peak memory of one atten
 forward + backward at the run's batch and sequence length (XLA's compiled memory analysis:
 arguments + outputs + temporaries, like benchmarks/attention_scaling.py; the largest over the
 layers, each with the options its trained parameters give, e.g. adaptive span's trimmed span)
-and the decoding cache of one row of max_len tokens (models/decode.py; '-' for variants that
-cannot decode token by token, e.g. lsh). Tokens/s: after all runs, each variant's train step
-with its trained parameters on random tokens, timed round-robin (--time_rounds rounds of
---time_steps steps each, each round starting one variant later), so that a busy phase of a
-shared machine slows all alike; the median over rounds. With --time_rounds 0: the median of
-the run's logged windows that hold no compile, evaluation or checkpoint save.
+and the decoding cache of one row of max_len tokens (models/decode.py, decode.cache_bytes: the
+keys and values held; lsh and reformer hold those of every position, as dense does; '-' for a
+variant that cannot decode token by token, none of the registered ones or the presets).
+Tokens/s: after all runs, each variant's train step with its trained parameters on random
+tokens, timed round-robin (--time_rounds rounds of --time_steps steps each, each round
+starting one variant later), so that a busy phase of a shared machine slows all alike; the
+median over rounds. With --time_rounds 0: the median of the run's logged windows that hold
+no compile, evaluation or checkpoint save.
 
 Prints a markdown table, writes the rows, the command and the machine to --out (JSON) and the
 eval loss curves to --png. Samples at evaluation are off (generate.eval_samples=0): sample a

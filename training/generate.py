@@ -212,7 +212,8 @@ def generate(config: ml_collections.ConfigDict, workdir: str,
     ValueError: no prompt for a task without a tokenizer, a prompt too long for the model,
       bad settings. FileNotFoundError: no checkpoint, no checkpoint `generate.step` (the
       message lists the saved ones), no prompt file. NotImplementedError: the model's
-      attention cannot decode token by token (e.g. LSH).
+      attention cannot decode token by token (a variant with neither a static pattern nor a
+      decode_step of its own; every registered variant decodes).
   """
   train.check_workdir(workdir)
   resolved = run_config.resolve(config, workdir, trains=False, request=request)
@@ -289,7 +290,8 @@ def eval_samples(setup: train.Setup, model, params, step: int,
 
   Returns:
     The samples; [] when the data has no tokenizer (synthetic tasks), generate.eval_samples
-    is 0, or the model cannot decode (e.g. LSH attention; a warning says why).
+    is 0, or the model cannot decode token by token (a variant with neither a static
+    pattern nor a decode_step of its own; a warning says why).
   """
   g = setup.config.generate
   tokenizer = setup.data.tokenizer

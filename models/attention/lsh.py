@@ -8,8 +8,12 @@ Angular LSH, `n_hashes` rounds of `n_buckets` (b) buckets: round r hashes a key 
 random rotation R_r in R^{d x b/2}, h_r(x) = argmax([x R_r; -x R_r]). The rotations are drawn
 from the model's 'lsh' rng stream, which the train step folds from (seed, step): fresh each
 step, the same in the backward pass (autodiff keeps them; remat and reversible layers
-replay the key) and in a resumed run. Without the stream (evaluation, decoding setup, init)
-a fixed key per layer index is used, so evaluation is deterministic.
+replay the key) and in a resumed run. Without the stream (evaluation, decoding, init) every
+layer uses the rotations of one fixed key (`eval_rotations`), so evaluation is deterministic
+and does not depend on the stack: a scanned stack gives every layer index 0 and decoding runs
+it unrolled (decode.unrolled), so rotations that followed the layer index would differ between
+the scanned forward pass and its decoding (the variant's layer period is 1: it does not read
+its layer index).
 
 Each round sorts the positions by (bucket, position) and cuts the sorted order into chunks
 of `chunk_len` (m); a chunk attends to itself and to the previous chunk, keeping the pairs
@@ -30,10 +34,23 @@ Cost: the sort is O(n log n); every score, mask and count is a (chunk, 2 chunk) 
 chunk and round, so time and memory are O(n * chunk_len * n_hashes) (the duplicate count
 multiplies by n_hashes once more), never O(n^2).
 
-Decoding is refused: a query's chunk in the sorted order depends on how many later tokens
-hash into lower buckets, so a token-by-token cache cannot reproduce the forward pass (the
-forward pass itself therefore depends, through the chunk boundaries, on later tokens'
-hashes, as in the paper's causal LSH attention; no later token's value is ever read).
+Decoding (`LSHAttention.decode_step`) attends to the whole bucket, without chunks. The
+cache of a layer holds, for each of the max_len positions, its unit key k_j, its value v_j and
+its bucket in every round (hashed with the evaluation rotations). The query at position t is
+hashed in each round and attends, with logit q_t . k_j, to every cached j <= t that shares its
+bucket in at least one round, each such j counted once (the softmax over the union of the
+rounds' bucket-mates, which is what the forward pass's log-sum-exp combination with the log
+N_ij correction computes), and to itself only when it has no other key (SELF_LOGIT). The
+chunks cannot be reproduced: a query's chunk in the sorted order depends on how many later
+tokens hash into lower buckets (the forward pass itself therefore depends, through the chunk
+boundaries, on later tokens' hashes, as in the paper's causal LSH attention; no later token's
+value is ever read), so no cache can give the chunked forward pass exactly. Decoding attends
+to the whole bucket instead, as the Reformer's own fast decoding does. When chunk_len is at
+least the sequence length (one chunk) the forward pass attends to exactly the bucket-mates
+and decoding equals it; with shorter chunks the forward pass sees a subset of the bucket
+(its chunk and the previous one) and decoding can differ from it. The prompt is read token
+by token (no `prefill_cache`): a prefill runs the chunked forward pass for the prompt, which
+with chunk_len shorter than the prompt would not be what p decoding steps compute.
 """
 
 from __future__ import annotations
@@ -47,10 +64,27 @@ from models.attention.registry import register
 # A query's logit to itself: exp(SELF_LOGIT - m) is exactly 0 in float32 next to any real
 # logit m, so the query falls back to itself only when it has no other key.
 SELF_LOGIT = -1e5
-# Rotations of a call with no 'lsh' stream (evaluation) come from this key, per layer.
+# Rotations of a call with no 'lsh' stream (evaluation, decoding) come from this key, the
+# same for every layer (`eval_rotations`).
 EVAL_KEY = 0x15A
 # Document id of the positions that pad the length to whole chunks.
 PAD_SEGMENT = 2**31 - 1
+
+
+def eval_rotations(n_hashes: int, head_dim: int, n_buckets: int):
+  """(n_hashes, head_dim, n_buckets / 2) rotations of a call with no 'lsh' stream (evaluation
+  and decoding): the same for every layer, whatever the stack."""
+  # fold_in(., 0): what layer 0 (and so every layer of a scanned stack) drew before the
+  # evaluation rotations stopped following the layer index.
+  key = jax.random.fold_in(jax.random.key(EVAL_KEY), 0)
+  return jax.random.normal(key, (n_hashes, head_dim, n_buckets // 2), jnp.float32)
+
+
+def unit_keys(q):
+  """The shared-QK keys q / |q| (in q's dtype, norms in float32)."""
+  qf = q.astype(jnp.float32)
+  k = qf * jax.lax.rsqrt(jnp.maximum(jnp.sum(qf * qf, axis=-1, keepdims=True), 1e-12))
+  return k.astype(q.dtype)
 
 
 def hash_buckets(unit_keys, rotations):
@@ -103,9 +137,7 @@ def lsh_attention(q, v, segment_ids, buckets, *, chunk_len: int, scale: float, d
   m = max(1, min(chunk_len, n))
   total = -(-n // m) * m  # Padded to whole chunks; padding sorts last and sees only itself.
   pad = total - n
-  qf = q.astype(jnp.float32)
-  k = qf * jax.lax.rsqrt(jnp.maximum(jnp.sum(qf * qf, axis=-1, keepdims=True), 1e-12))
-  k = k.astype(q.dtype)
+  k = unit_keys(q)
   qh, kh, vh = (jnp.pad(jnp.swapaxes(a, 1, 2), ((0, 0), (0, 0), (0, pad), (0, 0)))
                 for a in (q, k, v))  # (b, h, N, d)
   # Padding gets a document id of its own that sorts after every real one.
@@ -208,13 +240,12 @@ class LSHAttention(base.MultiHeadAttention):
     return base.constrain_heads(q), base.constrain_heads(q), base.constrain_heads(v)
 
   def rotations(self):
-    """(n_hashes, head_dim, n_buckets / 2) random rotations of this call."""
+    """(n_hashes, head_dim, n_buckets / 2) random rotations of this call: drawn from the
+    'lsh' stream in training, `eval_rotations` without it (evaluation, decoding)."""
     shape = (self.option('n_hashes'), self.head_dim, self.option('n_buckets') // 2)
     if self.has_rng('lsh'):
-      key = self.make_rng('lsh')
-    else:
-      key = jax.random.fold_in(jax.random.key(EVAL_KEY), self.layer_index)
-    return jax.random.normal(key, shape, jnp.float32)
+      return jax.random.normal(self.make_rng('lsh'), shape, jnp.float32)
+    return eval_rotations(*shape[:2], self.option('n_buckets'))
 
   def buckets(self, q):
     """(batch, heads, n_hashes, length) buckets of the keys q / |q| (direction only)."""
@@ -237,8 +268,63 @@ class LSHAttention(base.MultiHeadAttention):
                          scale=1.0, dtype=self.dtype)
 
   def decode_step(self, q, k, v, *, positions, extra=None):
-    raise NotImplementedError(
-        'lsh attention cannot decode token by token: a query\'s chunk in the sorted order '
-        'depends on the buckets of later tokens, so no cache reproduces the forward pass. '
-        'Score whole sequences with the forward pass (models/decode.score) instead.')
+    """One token, attending to its whole bucket in every round (no chunks: module docstring).
 
+    The cache holds every position up to max_len: 'key' the unit keys k_j = q_j / |q_j| and
+    'value' the values v_j, (batch, heads, max_len, head_dim); 'bucket' the bucket of each
+    position in every round, (batch, heads, n_hashes, max_len) (-1 when empty); 'position'
+    (max_len,) (-1 when empty) and 'index' (the next step). The token at step t joins the
+    cache (its key, value and buckets, hashed with the evaluation rotations), then attends,
+    with logit q_t . k_j (scale 1, as `attend`), to the cached j <= t that share its bucket in
+    at least one round, each counted once (the softmax over the union of the rounds'
+    bucket-mates), and to itself only when it has no other key (SELF_LOGIT). This equals the
+    forward pass when chunk_len is at least the sequence length (one chunk); with shorter
+    chunks the forward pass keeps only the bucket-mates in the query's sorted chunk and the
+    one before, which depends on later tokens' buckets, and decoding attends to the whole
+    bucket instead (as the Reformer's own fast decoding). One document per row, all rows at
+    the same step; the prompt is read token by token (no prefill_cache).
+
+    Args:
+      q, k, v: (batch, 1, heads, head_dim); k is q (shared-QK: `project`).
+      positions: (batch, 1) the step's position (the cache counts steps itself).
+      extra: unused.
+
+    Returns:
+      (batch, 1, heads, head_dim).
+    """
+    del k, positions, extra
+    b, t, h, d = q.shape
+    n = self.max_len
+    if n < 1:
+      raise ValueError('decoding needs the attention module to know max_len')
+    rounds = self.option('n_hashes')
+    bucket = self.variable('cache', 'bucket', lambda: jnp.full((b, h, rounds, n), -1, jnp.int32))
+    key = unit_keys(q)
+    cache = self.kv_cache(q, key, v, n, (n,))
+    if cache is None:
+      return jnp.zeros_like(q)
+    ck, cv, pos, index = cache
+    step = index.value
+    mine = self.buckets(q)[..., 0]                             # (b, h, r)
+    # Slot t holds position t: in-place slice updates (no scatter).
+    put = lambda a, x, axis: jax.lax.dynamic_update_slice_in_dim(
+        a, jnp.expand_dims(x, axis).astype(a.dtype), step, axis)
+    ck.value = put(ck.value, key[:, 0], 2)
+    cv.value = put(cv.value, v[:, 0], 2)
+    bucket.value = put(bucket.value, mine, 3)
+    pos.value = put(pos.value, step, 0)
+    index.value = step + 1
+
+    def attend(view):
+      logits = jnp.einsum('bhd,bhcd->bhc', q[:, 0], ck.value[:, :, :view],
+                          preferred_element_type=jnp.float32)  # Scale 1, as `attend`.
+      held = pos.value[:view]
+      logits = jnp.where((held == step)[None, None], SELF_LOGIT, logits)
+      # Each bucket-mate once, found by any round (the union of the rounds' key sets).
+      mates = jnp.any(bucket.value[..., :view] == mine[..., None], axis=2)  # (b, h, view)
+      live = mates & ((held >= 0) & (held <= step))[None, None]
+      probs = base.masked_softmax(logits, live, self.dtype)
+      return jnp.einsum('bhc,bhcd->bhd', probs, cv.value[:, :, :view])
+
+    out = base.over_live_slots(step + 1, n, attend)
+    return out[:, None].astype(self.dtype)

@@ -1,13 +1,15 @@
 """The compiled sampler (models/decode.generate): greedy output equals the full forward's
-argmax and the step-by-step path for every variant that decodes; top-k, top-p, EOS and
-prompts of different lengths in one batch."""
+argmax and the step-by-step path for every variant that decodes (every registered one);
+top-k, top-p, EOS and prompts of different lengths in one batch; a variant that cannot decode
+(a test-only one) is refused."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import decode, transformer
+from models import attention, decode, transformer
+from models.attention import base, registry
 
 VOCAB = 50
 MAX_LEN = 24
@@ -36,6 +38,9 @@ VARIANTS = [
     ('local_global', {'options': {'global_every': 2}}),
     ('adaptive_span', {'position_embedding': 'none'}), ('selective', {}),
     ('txl', {'position_embedding': 'none'}),
+    # One chunk (chunk_len >= max_len): the forward pass attends to the whole bucket, as
+    # decoding does (tests/models/test_lsh_decode.py).
+    ('lsh', {'options': {'chunk_len': 32, 'n_buckets': 4, 'n_hashes': 2}}),
     ('dense', {'stack': 'universal', 'n_layers': 1, 'universal_act': True,
                'position_embedding': 'none'}),
     ('dense', {'stack': 'scan'}),          # Decoded unrolled (decode.unrolled).
@@ -60,7 +65,7 @@ def test_greedy_equals_the_forward_argmax_and_the_step_path(name, extra):
   np.testing.assert_array_equal(tokens, stepwise)
 
 
-PREFILLING = [v for v in VARIANTS if v[0] not in ('selective', 'txl')]
+PREFILLING = [v for v in VARIANTS if v[0] not in ('selective', 'txl', 'lsh')]
 
 
 @pytest.mark.parametrize('name, extra', PREFILLING,
@@ -85,6 +90,40 @@ def test_variants_with_their_own_cache_say_they_cannot_prefill():
   for name, extra in [('selective', {}), ('txl', {'position_embedding': 'none'}),
                       ('lsh', {'options': {'chunk_len': 8, 'n_buckets': 4}})]:
     assert not decode.can_prefill(_model(name, **extra)[0].config)
+
+
+NO_DECODE = 'test_no_decode'
+
+
+class NoDecodeAttention(base.MultiHeadAttention):
+  """Test-only: dense causal attention with no static pattern (head_pattern) and no
+  decode_step of its own, so it cannot decode (every registered variant can)."""
+
+  def attend(self, q, k, v, *, positions, segment_ids, deterministic, key_segment_ids=None,
+             extra=None):
+    del positions, deterministic, key_segment_ids, extra
+    mask = base.causal_segment_mask(segment_ids)[:, None]
+    return base.reference_attention(q, k, v, mask, scale=q.shape[-1] ** -0.5, dtype=self.dtype)
+
+
+@pytest.fixture
+def no_decode(monkeypatch):
+  """NoDecodeAttention registered as NO_DECODE for one test."""
+  monkeypatch.setitem(registry.VARIANTS._entries, NO_DECODE, NoDecodeAttention)
+  return NO_DECODE
+
+
+def test_every_registered_variant_makes_its_caches():
+  """No registered variant refuses decoding (the caches' shapes only, no compute)."""
+  for name in attention.known():
+    extra = {'position_embedding': 'none'} if name in ('txl', 'adaptive_span',
+                                                       'dynamic_span') else {}
+    m = dict(d=0, d_model=32, n_heads=4, n_layers=2, vocab_size=VOCAB, max_len=MAX_LEN,
+             attention=name, attention_options=OPTIONS, stack='unrolled', dtype='float32',
+             **extra)
+    model = transformer.Decoder(transformer.TransformerConfig.from_config(m))
+    cache = jax.eval_shape(lambda: decode.init_cache(model, None, 1))
+    assert decode.cache_bytes(cache) > 0, name
 
 
 def test_decoding_reads_the_live_part_of_a_long_cache():
@@ -172,7 +211,7 @@ def test_prompts_of_different_lengths_match_each_prompt_alone():
     assert int(out_lengths[r]) == n + 6
 
 
-def test_bad_requests_are_refused():
+def test_bad_requests_are_refused(no_decode):
   model, params = _model('dense')
   with pytest.raises(ValueError, match='exceed model.max_len=24'):
     decode.generate(model, params, _prompts(length=20), [20, 20], 5, jax.random.key(0))
@@ -180,6 +219,8 @@ def test_bad_requests_are_refused():
     decode.generate(model, params, _prompts(), [0, 5], 5, jax.random.key(0))
   with pytest.raises(ValueError, match='max_new_tokens must be >= 1'):
     decode.generate(model, params, _prompts(), [5, 5], 0, jax.random.key(0))
-  lsh, lsh_params = _model('lsh', options={'chunk_len': 8, 'n_buckets': 4})
-  with pytest.raises(NotImplementedError, match='decod'):
-    decode.generate(lsh, lsh_params, _prompts(), [5, 5], 5, jax.random.key(0))
+  undecodable, undecodable_params = _model(no_decode)
+  assert undecodable.apply({'params': undecodable_params}, _prompts()).shape == (2, 5, VOCAB)
+  with pytest.raises(NotImplementedError, match='NoDecodeAttention cannot decode: it has no '
+                                                'static pattern'):
+    decode.generate(undecodable, undecodable_params, _prompts(), [5, 5], 5, jax.random.key(0))

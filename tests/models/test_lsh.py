@@ -4,8 +4,9 @@
 - Several buckets, rounds and chunks: a brute force that takes the same bucket assignments
   and finds each query's keys by sorting and chunking itself (numpy), then a dense softmax
   over the union of the rounds' key sets.
-- The hash, the rotations' rng stream (fresh per key, replayed for the same key), the
-  shared-QK self rule, packed documents, cost (no n x n tensor), decoding refused, options.
+- The hash, the rotations' rng stream (fresh per key, replayed for the same key; one fixed
+  set for every layer without it), the shared-QK self rule, packed documents, cost (no n x n
+  tensor), the decoding caches made at init (decoding itself: test_lsh_decode.py), options.
 """
 
 import flax.linen as nn
@@ -226,27 +227,42 @@ def test_module_with_one_bucket_is_full_attention_of_its_own_projections():
 
 
 def test_rotations_come_from_the_lsh_stream():
-  """The same 'lsh' key gives the same buckets and outputs; another key other buckets; no
-  stream (evaluation) a fixed key, different per layer."""
+  """The same 'lsh' key gives the same buckets and outputs; another key other buckets, and
+  each layer its own rotations; no stream (evaluation) the fixed `eval_rotations`, the same
+  in every layer (so that a scanned stack, where every layer has index 0, and its unrolled
+  copy that decoding runs hash alike)."""
   model = _model()
   tokens = _tokens()
   params = model.init(jax.random.key(0), tokens)['params']
 
-  def run(rngs):
-    out, inter = model.apply({'params': params}, tokens, rngs=rngs, mutable=['intermediates'])
+  def run(rngs, rotations=None):
+    def grab(next_fun, args, kwargs, context):
+      out = next_fun(*args, **kwargs)
+      if context.method_name == 'rotations' and rotations is not None:
+        rotations.append(np.asarray(out))
+      return out
+
+    with nn.intercept_methods(grab):
+      out, inter = model.apply({'params': params}, tokens, rngs=rngs,
+                               mutable=['intermediates'])
     b = inter['intermediates']
     return out, [np.asarray(b[f'block_{i}']['attention']['buckets'][0]) for i in range(2)]
 
-  a, ba = run({'lsh': jax.random.key(1)})
+  drawn, fixed = [], []
+  a, ba = run({'lsh': jax.random.key(1)}, drawn)
   a2, ba2 = run({'lsh': jax.random.key(1)})
   c, bc = run({'lsh': jax.random.key(2)})
-  e, be = run(None)
+  e, be = run(None, fixed)
   e2, _ = run(None)
   np.testing.assert_array_equal(a, a2)
   np.testing.assert_array_equal(ba[0], ba2[0])
   assert not np.array_equal(ba[0], bc[0]) and not np.allclose(a, c)
   np.testing.assert_array_equal(e, e2)
-  assert not np.array_equal(be[0], be[1])  # Layers hash differently at evaluation too.
+  assert len(drawn) == len(fixed) == 2 and drawn[0].shape == (2, 16, 2)
+  assert not np.array_equal(drawn[0], drawn[1])  # Training: each layer its own.
+  for r in fixed:  # Evaluation: the same fixed rotations in every layer.
+    np.testing.assert_array_equal(r, lsh.eval_rotations(2, 16, 4))
+  assert not np.array_equal(be[0], be[1])  # The layers' queries still hash differently.
   assert len(np.unique(ba[0])) > 2  # Several buckets in use.
   assert transformer.rng_streams(model.config) == ('dropout', 'lsh')
 
@@ -299,11 +315,16 @@ def test_memory_is_linear_in_the_length():
   assert large < 4096 * 4096 * 4 / 4  # Far below one n x n float32 score matrix.
 
 
-def test_decoding_is_refused_with_a_clear_error():
+def test_init_with_decoding_makes_the_caches():
+  """Unit keys, values and each position's bucket in every round, for all max_len
+  positions (decoding itself: test_lsh_decode.py)."""
   model = _model()
-  tokens = _tokens(1)
-  with pytest.raises(NotImplementedError, match='lsh attention cannot decode'):
-    model.init(jax.random.key(0), tokens, decode=True)  # Already when the caches are made.
+  cache = model.init(jax.random.key(0), _tokens(1), decode=True)['cache']
+  layer = cache['block_1']['attention']
+  assert {k: v.shape for k, v in layer.items()} == {
+      'key': (2, 2, 32, 16), 'value': (2, 2, 32, 16), 'bucket': (2, 2, 2, 32),
+      'position': (32,), 'index': ()}
+  np.testing.assert_array_equal(layer['bucket'], -1)
 
 
 @pytest.mark.parametrize('options,match', [

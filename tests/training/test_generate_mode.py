@@ -1,7 +1,8 @@
 """--mode=generate (training/generate.py): samples of a trained byte-level text run, written to
 WORKDIR/samples_step_<N>.jsonl; the checkpoint step chosen; the errors a user can make (a
 prompt too long, no prompt for a synthetic task, a missing step, a variant that cannot
-decode); the eval samples written as TensorBoard text; the command line.
+decode: a test-only one, as every registered variant decodes); the eval samples written as
+TensorBoard text (LSH's too); the command line.
 
 One text run of 4 steps (checkpoints 2 and 4), trained once for the module."""
 
@@ -18,6 +19,7 @@ import pytest
 from configs import local_text
 from input_pipeline import tokenizers
 from models import decode
+from models.attention import base, registry
 from training import generate, metrics, train
 
 SEQ_LEN = 32  # The model's max_len.
@@ -183,13 +185,38 @@ def test_a_synthetic_task_takes_token_ids_and_needs_a_prompt(tmp_path):
     generate.encode_prompts([('the cat', 'x')], None, 20)
 
 
-def test_a_variant_that_cannot_decode_is_a_clear_error_before_any_restore(tmp_path):
-  config = _synthetic_config(attention='lsh')
-  config.model.attention_options.update(chunk_len=4, n_buckets=4)
+NO_DECODE = 'test_no_decode'
+
+
+class NoDecodeAttention(base.MultiHeadAttention):
+  """Test-only: dense causal attention with no static pattern (head_pattern) and no
+  decode_step of its own, so it cannot decode (every registered variant can)."""
+
+  def attend(self, q, k, v, *, positions, segment_ids, deterministic, key_segment_ids=None,
+             extra=None):
+    del positions, deterministic, key_segment_ids, extra
+    mask = base.causal_segment_mask(segment_ids)[:, None]
+    return base.reference_attention(q, k, v, mask, scale=q.shape[-1] ** -0.5, dtype=self.dtype)
+
+
+@pytest.fixture
+def no_decode(monkeypatch):
+  """NoDecodeAttention registered as NO_DECODE for one test."""
+  monkeypatch.setitem(registry.VARIANTS._entries, NO_DECODE, NoDecodeAttention)
+  return NO_DECODE
+
+
+def test_a_variant_that_cannot_decode_is_a_clear_error_before_any_restore(tmp_path, no_decode):
+  config = _synthetic_config(attention=no_decode)
   config.generate.update(prompt='1 4 5', max_new_tokens=4)
-  with pytest.raises(NotImplementedError, match=r"model \(lsh attention.*cannot generate: lsh "
-                                                r'attention cannot decode token by token'):
+  with pytest.raises(NotImplementedError, match=r"model \(test_no_decode attention.*cannot "
+                                                r'generate: NoDecodeAttention cannot decode'):
     generate.generate(config, str(tmp_path))  # No checkpoint: it fails before looking.
+  lsh = _synthetic_config(attention='lsh')  # Decodes: it gets as far as the checkpoint.
+  lsh.model.attention_options.update(chunk_len=4, n_buckets=4)
+  lsh.generate.update(prompt='1 4 5', max_new_tokens=4)
+  with pytest.raises(FileNotFoundError, match='train a model first'):
+    generate.generate(lsh, str(tmp_path / 'lsh'))
 
 
 class _Texts:
@@ -202,7 +229,7 @@ class _Texts:
     self.calls.append((step, dict(texts)))
 
 
-def test_eval_samples_are_written_as_tensorboard_text(text_run, tmp_path):
+def test_eval_samples_are_written_as_tensorboard_text(text_run, tmp_path, no_decode):
   tmp, workdir = text_run
   config = _text_config(tmp)
   setup, step, params = _restore(config, workdir)
@@ -237,13 +264,22 @@ def test_eval_samples_are_written_as_tensorboard_text(text_run, tmp_path):
   assert generate.eval_samples(setup, None, params, step) == []
   synthetic = train.build(_synthetic_config())
   assert generate.eval_samples(synthetic, None, None, 4) == []  # No tokenizer.
+  undecodable = _text_config(tmp)
+  undecodable.model.attention = no_decode
+  undecodable = train.build(undecodable, workdir=str(tmp_path / 'no_decode'))
+  undecodable.data.close()
+  assert generate.eval_samples(undecodable, undecodable.model, None, 4) == []  # A warning.
+  assert writer.calls == []
+  # LSH decodes (whole buckets): an untrained LSH model writes its samples too.
   lsh = _text_config(tmp)
   lsh.model.attention = 'lsh'
   lsh.model.attention_options.update(chunk_len=8, n_buckets=4)
   lsh = train.build(lsh, workdir=str(tmp_path / 'lsh'))
   lsh.data.close()
-  assert generate.eval_samples(lsh, lsh.model, None, 4) == []  # Cannot decode: a warning.
-  assert writer.calls == []
+  lsh_samples = generate.eval_samples(lsh, lsh.model, train.init_state(lsh, 0).params, 4)
+  assert len(lsh_samples) == 2
+  for (prompt, continuation), row in zip(lsh_samples, rows):
+    assert decoded.decode(row).startswith(prompt) and 0 < len(prompt.encode()) <= 16
 
 
 def test_main_generate_prints_the_samples(harness, text_run, greedy_records):
