@@ -1,0 +1,47 @@
+"""The pieces of RESULTS.md (experiments/render.py): a Section per source paper, a Row per
+claim, and the small helpers the rows' criteria share. Each paper's rows live in their own
+module (experiments/claims_*.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+VERDICTS = ('reproduces', 'direction holds', 'does not hold at this scale',
+            'not testable here')
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One claim of a paper.
+
+  measure(results) -> (ours, verdict, why): `results` maps each of `sources` to its loaded
+  JSON; `ours` is the cell text, `verdict` one of VERDICTS and `why` the reason in a few words
+  (with the numbers the criterion compared).
+  """
+  claim: str
+  paper: str
+  sources: tuple[str, ...]
+  command: str
+  measure: Callable[[dict], tuple[str, str, str]]
+  links: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+  title: str
+  source: str  # The paper, as in ../shared/papers/.
+  rows: tuple[Row, ...]
+  intro: str = ''
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def pm(mean: float, std: float, digits: int = 3) -> str:
+  return f'{mean:.{digits}f} ± {std:.{digits}f}'
+
+
+def near(a: float, a_std: float, b: float, b_std: float, tolerance: float) -> bool:
+  """|a - b| within `tolerance` (relative to b) or within twice the seeds' spread."""
+  return abs(a - b) <= max(tolerance * abs(b), 2 * max(a_std, b_std))

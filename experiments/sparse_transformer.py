@@ -1,0 +1,150 @@
+"""Sparse Transformer (Child et al., 2019): strided and fixed factorized attention against
+dense attention on byte-level text, at equal steps and at equal wall-clock, over seeds.
+
+  python experiments/sparse_transformer.py --text ../shared/data/tinyshakespeare.txt \
+      --out OUT/sparse_transformer.json
+
+Each (variant, seed) is a real training run of benchmarks/compare.py (same recipe, data and
+step budget per seed; the seed sets the initialisation and the data order), kept in
+--workdir/seed<S>/<variant> so that a rerun resumes or reuses it. Per seed, compare times
+every variant's train step round-robin after training, which gives its steps/s.
+
+- equal steps: each variant's validation bits per byte after --steps steps;
+- equal wall-clock: T = the time the fastest variant of the seed takes for --steps steps;
+  each variant's bits per byte after T seconds of its own steps (T * its steps/s, <= --steps),
+  read off its evaluation curve by linear interpolation between evaluations.
+
+Writes the per-seed rows, the per-variant mean and spread (sample standard deviation over
+seeds), the settings and the command to --out (JSON), and the curves of the first seed
+against wall-clock to --png.
+"""
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks import common, compare  # noqa: E402
+
+# The patterns at this length: stride l near sqrt(seq_len), as the paper sets it, and c = l/8
+# summary cells per block (the paper: c in {8, 16, 32} for l in {128, 256}).
+VARIANTS = ('dense', 'strided:stride=32', 'fixed:stride=32:summary=4')
+
+
+def interpolate(curve, step: float) -> float:
+  """The curve's (step, value) points read at `step` (linear between points; the first
+  point's value before it)."""
+  points = sorted(curve)
+  if step <= points[0][0]:
+    return points[0][1]
+  for (s0, v0), (s1, v1) in zip(points, points[1:]):
+    if s0 <= step <= s1:
+      return v0 + (v1 - v0) * (step - s0) / (s1 - s0)
+  return points[-1][1]
+
+
+def summarize(per_seed: dict[int, list[dict]], steps: int, batch: int, seq_len: int) -> dict:
+  """Equal-steps and equal-wall-clock bits per byte per variant, per seed and over seeds."""
+  out = {}
+  for seed, rows in per_seed.items():
+    sps = {r['variant']: r['tokens_per_sec'] / (batch * seq_len) for r in rows}
+    budget = steps / max(sps.values())  # Seconds: the fastest variant's whole run.
+    for r in rows:
+      curve = [tuple(p) for p in r['curves']['eval_bits_per_byte']]
+      at = budget * sps[r['variant']]
+      out.setdefault(r['variant'], {'seeds': []})['seeds'].append({
+          'seed': seed, 'bits_per_byte': r['bits_per_byte'], 'steps_per_sec': sps[r['variant']],
+          'tokens_per_sec': r['tokens_per_sec'], 'wall_clock_budget_s': budget,
+          'steps_at_budget': at, 'bits_per_byte_at_budget': interpolate(curve, at),
+          'attn_peak_bytes': r['attn_peak_bytes'], 'params': r['params']})
+  for variant, entry in out.items():
+    for key in ('bits_per_byte', 'bits_per_byte_at_budget', 'steps_per_sec'):
+      values = [s[key] for s in entry['seeds']]
+      entry[key] = statistics.mean(values)
+      entry[key + '_std'] = statistics.stdev(values) if len(values) > 1 else 0.0
+  return out
+
+
+def plot(rows: list[dict], batch: int, seq_len: int, path: str, title: str) -> None:
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for r in rows:
+    sps = r['tokens_per_sec'] / (batch * seq_len)
+    curve = r['curves']['eval_bits_per_byte']
+    ax.plot([s / sps for s, _ in curve], [v for _, v in curve], marker='o', label=r['variant'])
+  ax.set_xlabel('seconds of training (steps / timed steps per second)')
+  ax.set_ylabel('validation bits per byte')
+  ax.set_title(title, fontsize=9)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument('--text', required=True, help='byte-level training text (one file)')
+  p.add_argument('--out', required=True, help='JSON of the results')
+  p.add_argument('--png', default='', help='curves of the first seed (default: next to --out)')
+  p.add_argument('--workdir', default=os.path.join(REPO, 'runs', 'sparse_transformer'))
+  p.add_argument('--seeds', default='0,1,2')
+  p.add_argument('--steps', type=int, default=1000)
+  p.add_argument('--evals', type=int, default=10)
+  p.add_argument('--d', type=int, default=2)
+  p.add_argument('--seq_len', type=int, default=512)
+  p.add_argument('--batch_size', type=int, default=8)
+  p.add_argument('--variants', default=','.join(VARIANTS))
+  return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  if not os.path.isfile(args.text):
+    raise SystemExit(f'--text {args.text}: no such file')
+  seeds = [int(s) for s in args.seeds.split(',')]
+  per_seed = {}
+  for seed in seeds:
+    work = os.path.join(args.workdir, f'seed{seed}')
+    per_seed[seed] = compare.main([
+        '--variants', args.variants, '--d', str(args.d), '--steps', str(args.steps),
+        '--evals', str(args.evals), '--workdir', work,
+        '--out', os.path.join(work, 'compare.json'), '--png', os.path.join(work, 'compare.png'),
+        '--set', f'data.files={os.path.abspath(args.text)}', '--set', f'seq_len={args.seq_len}',
+        '--set', f'batch_size={args.batch_size}', '--set', f'seed={seed}',
+        '--set', 'eval_steps=0', '--set', 'data.chunk_bytes=4096'])['rows']
+  summary = summarize(per_seed, args.steps, args.batch_size, args.seq_len)
+  lines = ['| variant | bits/byte at equal steps | bits/byte at equal wall-clock | steps/s |',
+           '|---|---:|---:|---:|']
+  for variant, e in summary.items():
+    lines.append(f'| {variant} | {e["bits_per_byte"]:.3f} ± {e["bits_per_byte_std"]:.3f} | '
+                 f'{e["bits_per_byte_at_budget"]:.3f} ± {e["bits_per_byte_at_budget_std"]:.3f} | '
+                 f'{e["steps_per_sec"]:.2f} |')
+  table = '\n'.join(lines)
+  print('\n' + table + '\n')
+  command = 'python experiments/sparse_transformer.py ' + shlex.join(
+      sys.argv[1:] if argv is None else argv)
+  payload = {'command': command, 'settings': {
+      'text': os.path.basename(args.text), 'seeds': seeds, 'steps': args.steps, 'd': args.d,
+      'seq_len': args.seq_len, 'batch_size': args.batch_size, 'variants': args.variants},
+      'variants': summary, 'table': table,
+      'runs': {str(s): [{k: v for k, v in r.items() if k != 'workdir'} for r in rows]
+               for s, rows in per_seed.items()}}
+  common.write_json(args.out, payload)
+  png = args.png or os.path.splitext(args.out)[0] + '.png'
+  plot(per_seed[seeds[0]], args.batch_size, args.seq_len, png,
+       f'{os.path.basename(args.text)}, d={args.d}, batch {args.batch_size} x {args.seq_len}, '
+       f'seed {seeds[0]}')
+  return payload
+
+
+if __name__ == '__main__':
+  main()
