@@ -1,0 +1,102 @@
+"""Renders RESULTS.md from the JSON the experiments write: one table per source paper, each
+row a claim, the paper's number, ours, the command that reproduces it and a verdict.
+
+  python experiments/render.py                               # the committed results
+  python experiments/render.py --results OUT --out OUT/RESULTS.md   # after experiments/all.sh OUT
+
+No number in RESULTS.md is typed by hand: every "ours" cell and every verdict is computed
+here from a results file, by the criterion its row states. A row whose file is missing says
+so ("not run") instead of a number. Results are looked up by file name in the --results
+folders, first match wins (default: experiments/results, then benchmarks/results, where the
+older experiments write theirs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from experiments import (claims_adaptive_span, claims_selective, claims_sparse,  # noqa: E402
+                         claims_survey)
+from experiments.report import VERDICTS  # noqa: E402
+
+# One table per source paper, in this order.
+SECTIONS = (claims_adaptive_span.SECTION, claims_sparse.SECTION, claims_selective.SECTION,
+            claims_survey.SECTION)
+
+
+# ------------------------------------------------------------------------------ render
+
+
+def load(folders: list[str], name: str):
+  for folder in folders:
+    path = os.path.join(folder, name)
+    if os.path.isfile(path):
+      with open(path) as f:
+        return json.load(f)
+  return None
+
+
+def cell(text: str) -> str:
+  return text.replace('|', '\\|').replace('\n', ' ')
+
+
+def render(folders: list[str]) -> str:
+  lines = ['# Results: the source papers\' claims, re-run here',
+           '',
+           'Every number below is computed by `experiments/render.py` from the JSON the '
+           'experiments write; none is typed by hand. Rerun everything with '
+           '`bash experiments/all.sh OUT` (a few hours on 2 CPU cores), then '
+           '`python experiments/render.py --results OUT --out OUT/RESULTS.md`. Each row\'s '
+           'command reruns that row alone. TEXT is a byte-level text file (here '
+           '`../shared/data/tinyshakespeare.txt`).',
+           '',
+           'Verdicts: **reproduces** (the claim holds by the row\'s criterion), **direction '
+           'holds** (the sign or ranking holds, the size does not), **does not hold at this '
+           'scale**, **not testable here** (with the reason).',
+           '']
+  for section in SECTIONS:
+    lines += [f'## {section.title}', '', f'Source: `../shared/papers/{section.source}`.', '']
+    if section.intro:
+      lines += [section.intro, '']
+    lines += ['| claim | paper | ours | verdict | command |', '|---|---|---|---|---|']
+    for row in section.rows:
+      results = {name: load(folders, name) for name in row.sources}
+      missing = [name for name, data in results.items() if data is None]
+      if missing:
+        ours, verdict, why = 'not run', 'not run', f'no {", ".join(missing)} yet'
+      else:
+        ours, verdict, why = row.measure(results)
+        if verdict not in VERDICTS:
+          raise ValueError(f'{row.claim!r}: verdict {verdict!r} is not one of {VERDICTS}')
+      links = ''.join(f' ([{os.path.basename(link)}]({link}))' for link in row.links)
+      lines.append(f'| {cell(row.claim)}{links} | {cell(row.paper)} | {cell(ours)} | '
+                   f'**{verdict}**: {cell(why)} | `{cell(row.command)}` |')
+    lines.append('')
+  return '\n'.join(lines)
+
+
+def main(argv=None) -> str:
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument('--results', action='append', default=[],
+                 help='folder of result JSON files (repeatable; default: experiments/results '
+                 'and benchmarks/results)')
+  p.add_argument('--out', default=os.path.join(REPO, 'RESULTS.md'))
+  args = p.parse_args(argv)
+  folders = args.results or [os.path.join(REPO, 'experiments', 'results'),
+                             os.path.join(REPO, 'benchmarks', 'results')]
+  text = render(folders)
+  with open(args.out, 'w') as f:
+    f.write(text + '\n')
+  print(f'wrote {args.out}')
+  return text
+
+
+if __name__ == '__main__':
+  sys.exit(main() and 0)
