@@ -104,7 +104,11 @@ SECTION = Section(
            'byte-level text (tinyshakespeare), d=2 models, the same seeds, data order and '
            'steps for every variant. Equal wall-clock: the time the fastest variant takes '
            'for the whole run; each variant read off its evaluation curve after that many '
-           'seconds of its own (round-robin timed) train steps. "Near": within '
+           'seconds of its own (round-robin timed) train steps. Read with care: at this scale dense '
+           'attention with learned absolute positions learns slowly (its loss stays near a '
+           'bigram model\'s for the first thousand steps here, as in docs/compare.md), so the '
+           'patterns\' local blocks give them a large lead at equal steps; the paper compares '
+           'models trained to convergence. "Near": within '
            f'{NEAR:.0%} of dense or twice the seeds\' spread.'),
     rows=(
         Row('Fixed attention models text as well as dense attention (Table 2, enwik8)',
