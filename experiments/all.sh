@@ -21,6 +21,13 @@ run() {  # A step: its command line, logged to OUT/logs/<name>.log.
 run adaptive_span_lm python experiments/adaptive_span_lm.py --text "$TEXT" \
     --out "$OUT/adaptive_span_lm.json"
 run adaptive_span python benchmarks/adaptive_span.py --out "$OUT/adaptive_span.json"
+# Selective attention (lm first: ablations and kv at 256 reuse its dense and selective runs).
+SEL="python experiments/selective_experiments.py --workdir $OUT/selective_runs"
+run selective_va $SEL --part va --out "$OUT/selective_va.json"
+run selective_lm $SEL --part lm --text "$TEXT" --out "$OUT/selective_lm.json"
+run selective_ablations $SEL --part ablations --text "$TEXT" --out "$OUT/selective_ablations.json"
+run selective_kv $SEL --part kv --contexts 128,256,512 --text "$TEXT" \
+    --out "$OUT/selective_kv.json"
 # Sparse Transformer.
 run sparse_transformer python experiments/sparse_transformer.py --text "$TEXT" \
     --workdir "$OUT/sparse_transformer_runs" --out "$OUT/sparse_transformer.json"

@@ -1,0 +1,542 @@
+"""Selective attention (Leviathan et al., 2024): the runs behind RESULTS.md's selective rows,
+over seeds, each a real training run of benchmarks/compare.py.
+
+  python experiments/selective_experiments.py --part va --out OUT/selective_va.json
+  python experiments/selective_experiments.py --part lm --text TEXT --out OUT/selective_lm.json
+  python experiments/selective_experiments.py --part ablations --text TEXT \
+      --out OUT/selective_ablations.json
+  python experiments/selective_experiments.py --part kv --contexts 128,256 --text TEXT \
+      --out OUT/selective_kv.json
+  python experiments/selective_experiments.py --part kv --contexts 512 --text TEXT \
+      --out OUT/selective_kv.json   # adds context 512 to the same file
+
+Parts (every (variant, seed) trains in --workdir/<part folder>/seed<S>/<variant>, so a rerun
+reuses a finished run, and the parts share runs where their configs agree: lm, ablations and
+kv's context 256 train dense and selective in the same folders):
+
+- va (appendix A.1, scaled down): configs/tiny.py's Variable Assignment (3 variables, 16
+  values, --assignments assignments, d=2, batch 256) with and without selective attention.
+  After training, each run answers --test_batches x 256 fresh examples of the training
+  distribution and as many out of distribution (the same 3 variables, only --ood_values
+  values: token ids the model knows, the paper's "only 2 possible values"), scored on the
+  answer token; plus the eval accuracy curve.
+- lm (appendix A.8, Table 6): byte-level LM on --text, d=2 (2 layers x 2 heads of 64),
+  --seq_len bytes: dense, selective and all-local sliding windows (--windows; the paper's
+  all-local 32, 128 and 480 of its 512 context, scaled to --seq_len: 16, 64 and 240 of 256).
+  Validation bits per byte over the whole split.
+- ablations (appendices A.3-A.5): the same LM runs for selective attention without the shift
+  (A.4), without the ReLU, with <BOS> maskable, with the diagonal unmasked (A.5), with a
+  separate bilinear form (A.3); dense and selective for reference. Each is an option of
+  models/attention/selective.py (selective_shift, selective_relu, selective_mask_bos,
+  selective_mask_diag, selective_separate_bilinear).
+- kv (section 4, section 6.2, figure 6): at each context of --contexts (the paper's 512,
+  1,024, 2,048 scaled to 128, 256, 512), dense, selective and selective with L_mem (eps 0.1,
+  eq. 2). For each selective model: training/pruning.py's greedy per-layer budgets (C =
+  --prune_step, on the first --prune_batches training batches) down to the dense model's loss
+  on those same batches (the paper's stopping point); once every layer is down to C, the same
+  greedy search goes on --fine_step tokens at a time (to K_l = 2: <BOS> and the current
+  token), so a model that needs fewer than C tokens shows it. Then the validation loss with
+  those budgets and the KV-cache reduction sum_l N / sum_l K_l (eval_budgets). From the same
+  greedy path, the last budgets whose training-sample loss stays within --keep_tolerance of
+  the model's own unpruned loss (the paper's "maintain the perplexity gains"), evaluated
+  alike.
+
+Writes the per-seed numbers and the per-variant mean and spread (sample standard deviation over
+seeds) to --out (JSON). --part kv adds to an --out written by an earlier --part kv with the
+same settings (other contexts or seeds), so the contexts can run as separate commands.
+"""
+
+import argparse
+import copy
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks import common, compare  # noqa: E402
+
+TINY = os.path.join(REPO, 'configs', 'tiny.py')
+TEXT_RECIPE = os.path.join(REPO, 'configs', 'local_text.py')
+# Test examples: a seed stream apart from training (seed) and validation (seed + 10**6).
+TEST_SEED_OFFSET = 2 * 10**6
+
+VA_VARIANTS = {'dense': 'dense', 'selective': 'selective'}
+ABLATIONS = {
+    'selective': 'selective',
+    'no_shift': 'selective:selective_shift=False',
+    'no_relu': 'selective:selective_relu=False',
+    'bos_maskable': 'selective:selective_mask_bos=False',
+    'diag_unmasked': 'selective:selective_mask_diag=False',
+    'separate_bilinear': 'selective:selective_separate_bilinear=True',
+    'dense': 'dense',
+}
+KV_VARIANTS = {'dense': 'dense', 'selective': 'selective',
+               'selective_lmem': 'selective:selective_lmem_eps=0.1'}
+KV_KEYS = ('val_loss', 'bits_per_byte', 'reduction', 'pruned_loss', 'keep_reduction',
+           'keep_loss')
+PARTS = ('va', 'lm', 'ablations', 'kv')
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _finite(x) -> bool:
+  return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def stats(values) -> tuple[float | None, float]:
+  """(mean, sample standard deviation) of the finite values; (None, 0) when there are none."""
+  values = [v for v in values if _finite(v)]
+  if not values:
+    return None, 0.0
+  return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarize(per_seed: dict[int, dict[str, dict]], keys) -> dict:
+  """Per variant: the per-seed rows, and the mean and spread over seeds of each of `keys`."""
+  out = {}
+  for seed, rows in per_seed.items():
+    for name, r in rows.items():
+      out.setdefault(name, {'seeds': []})['seeds'].append({'seed': seed, **r})
+  for entry in out.values():
+    for key in keys:
+      entry[key], entry[key + '_std'] = stats([s.get(key) for s in entry['seeds']])
+    entry['diverged_seeds'] = [s['seed'] for s in entry['seeds'] if s.get('diverged')]
+  return out
+
+
+def first_step_at(curve, threshold: float):
+  """The first step of a (step, value) curve whose value reaches `threshold`, or None."""
+  return next((step for step, v in sorted(curve) if v >= threshold), None)
+
+
+def keep_point(history: list[dict], unpruned: float, tolerance: float, context: int,
+               n_layers: int) -> list[int]:
+  """The budgets the greedy path reaches before its training-sample loss first exceeds the
+  unpruned loss by more than `tolerance` (relative): the greedy search with that target."""
+  budgets = [context] * n_layers
+  for step in history:
+    if step['loss'] > unpruned * (1 + tolerance):
+      break
+    budgets = list(step['budgets'])
+  return budgets
+
+
+def at_floor(budgets: list[int], layers: list[int], step: int) -> bool:
+  """No selective layer's budget can be cut by C any more (training/pruning.greedy_budgets)."""
+  return all(budgets[i] - step < 2 for i in layers)
+
+
+def floor_budget(context: int, step: int, fine_step: int) -> int:
+  """The smallest budget the search can reach: from N down by C while >= 2, then (fine_step
+  > 0 and < C) down by fine_step while >= 2."""
+  k = context - step * ((context - 2) // step)
+  if 0 < fine_step < step:
+    k -= fine_step * ((k - 2) // fine_step)
+  return k
+
+
+def _command(argv) -> str:
+  return 'python experiments/selective_experiments.py ' + shlex.join(
+      sys.argv[1:] if argv is None else argv)
+
+
+def _table(summary: dict, key: str, label: str) -> str:
+  lines = [f'| variant | {label} | seeds | diverged |', '|---|---:|---:|---:|']
+  for name, e in summary.items():
+    value = '-' if e[key] is None else f'{e[key]:.4f} ± {e[key + "_std"]:.4f}'
+    lines.append(f'| {name} | {value} | {len(e["seeds"])} | {len(e["diverged_seeds"])} |')
+  return '\n'.join(lines)
+
+
+# ------------------------------------------------------------------------------ runs
+
+
+def lm_argv(args, seed: int, seq_len: int, specs: list[str], work: str) -> list[str]:
+  """compare.py's argv of the byte-level LM runs (the same for every part, so they share)."""
+  return ['--config', TEXT_RECIPE, '--variants', ','.join(specs), '--d', str(args.d),
+          '--steps', str(args.steps), '--evals', str(args.evals), '--workdir', work,
+          '--time_rounds', str(args.time_rounds), '--time_steps', '3',
+          '--out', os.path.join(work, f'compare_{args.part}.json'),
+          '--png', os.path.join(work, f'compare_{args.part}.png'),
+          '--set', f'data.files={os.path.abspath(args.text)}',
+          '--set', f'data.data_dir={os.path.join(os.path.abspath(args.workdir), "tfds")}',
+          '--set', f'seq_len={seq_len}', '--set', f'batch_size={args.batch_size}',
+          '--set', f'seed={seed}', '--set', f'eval_steps={args.eval_steps}',
+          '--set', f'learning_rate={args.learning_rate}', '--set', 'data.chunk_bytes=4096']
+
+
+def lm_row(r: dict, batch: int, seq_len: int) -> dict:
+  return {'variant': r['variant'], 'step': r['step'], 'bits_per_byte': r['bits_per_byte'],
+          'eval_loss': r['eval_loss'] if _finite(r['eval_loss']) else None,
+          'diverged': bool(r.get('diverged')), 'params': r['params'],
+          'steps_per_sec': r['tokens_per_sec'] / (batch * seq_len),
+          'run_seconds': r['run_seconds'], 'curves': r['curves']}
+
+
+def run_lm(args, names: dict[str, str], seq_len: int, folder: str) -> tuple[dict, dict]:
+  """Trains `names` ({name: compare spec}) on --text for every seed: (per_seed, settings)."""
+  per_seed, settings = {}, None
+  for seed in args.seed_list:
+    work = os.path.join(args.workdir, folder, f'seed{seed}')
+    result = compare.main(lm_argv(args, seed, seq_len, list(names.values()), work))
+    settings = result['settings']
+    by_spec = {r['variant']: r for r in result['rows']}
+    per_seed[seed] = {n: {**lm_row(by_spec[s], args.batch_size, seq_len),
+                          'workdir': by_spec[s]['workdir']} for n, s in names.items()}
+  return per_seed, settings
+
+
+def va_test(config, workdir: str, seed: int, batches: int, num_values: int) -> dict:
+  """Loss and answer accuracy of a trained run on `batches` x batch_size fresh examples whose
+  values are drawn from the first `num_values` values (the trained vocabulary's ids)."""
+  from input_pipeline import synthetic
+  from training import train
+  setup = train.build(config, workdir=workdir)
+  setup.data.close()
+  step, params = train.latest_params(setup, workdir, required='train it first')
+  task = synthetic.VariableAssignment(num_variables=config.data.num_variables,
+                                      num_values=num_values,
+                                      num_assignments=config.data.num_assignments)
+  data = [task.batch(seed + TEST_SEED_OFFSET, i, config.batch_size) for i in range(batches)]
+  eval_step = train.jit_eval_step(setup, train.specialized_model(setup, params))
+  out = train.run_eval(setup, eval_step, params, batches=data)
+  return {'step': step, 'loss': out['loss'], 'accuracy': out['accuracy'],
+          'examples': int(out['scored_tokens'])}
+
+
+def part_va(args) -> dict:
+  per_seed = {}
+  for seed in args.seed_list:
+    work = os.path.join(args.workdir, 'va', f'seed{seed}')
+    argv = ['--config', TINY, '--variants', ','.join(VA_VARIANTS.values()),
+            '--steps', str(args.va_steps), '--evals', str(args.evals), '--workdir', work,
+            '--time_rounds', '0', '--out', os.path.join(work, 'compare.json'),
+            '--png', os.path.join(work, 'compare.png'),
+            '--set', f'seed={seed}', '--set', f'data.num_assignments={args.assignments}',
+            '--set', f'data.num_values={args.values}', '--set', f'batch_size={args.va_batch}']
+    result = compare.main(argv)
+    base = compare.base_config(compare.parse_args(argv))
+    by_spec = {r['variant']: r for r in result['rows']}
+    rows = {}
+    for name, spec in VA_VARIANTS.items():
+      r = by_spec[spec]
+      config = compare.variant_config(base, spec)
+      test = va_test(config, r['workdir'], seed, args.test_batches, args.values)
+      ood = va_test(config, r['workdir'], seed, args.test_batches, args.ood_values)
+      accuracy = common.scalar_curve(r['workdir'], 'eval/accuracy')
+      rows[name] = {'variant': spec, 'step': r['step'], 'diverged': bool(r.get('diverged')),
+                    'accuracy': test['accuracy'], 'loss': test['loss'],
+                    'ood_accuracy': ood['accuracy'], 'ood_loss': ood['loss'],
+                    'test_examples': test['examples'],
+                    'first_step_99': first_step_at(accuracy, 0.99),
+                    'eval_accuracy_curve': accuracy, 'eval_loss_curve': r['curves']['eval_loss'],
+                    'steps_per_sec': r['tokens_per_sec'] / (args.va_batch
+                                                             * (2 * args.assignments + 2)),
+                    'run_seconds': r['run_seconds']}
+    per_seed[seed] = rows
+  summary = summarize(per_seed, ('accuracy', 'loss', 'ood_accuracy', 'ood_loss'))
+  lines = ['| variant | accuracy | loss | OOD accuracy | OOD loss | first eval >= 99% |',
+           '|---|---:|---:|---:|---:|---|']
+  for name, e in summary.items():
+    lines.append(f'| {name} | {e["accuracy"]:.3f} ± {e["accuracy_std"]:.3f} | '
+                 f'{e["loss"]:.4f} | {e["ood_accuracy"]:.3f} ± {e["ood_accuracy_std"]:.3f} | '
+                 f'{e["ood_loss"]:.4f} | {[s["first_step_99"] for s in e["seeds"]]} |')
+  return {'settings': {'task': 'variable_assignment', 'num_variables': 3,
+                       'num_values': args.values, 'ood_values': args.ood_values,
+                       'assignments': args.assignments, 'batch_size': args.va_batch,
+                       'steps': args.va_steps, 'seeds': args.seed_list, 'd': 2,
+                       'test_examples': args.test_batches * args.va_batch},
+          'variants': summary, 'table': '\n'.join(lines)}
+
+
+def part_lm(args) -> dict:
+  names = {'dense': 'dense', 'selective': 'selective'}
+  windows = [int(w) for w in args.windows.split(',')]
+  for w in windows:
+    names[f'local_{w}'] = f'local:window={w}'
+  per_seed, settings = run_lm(args, names, args.seq_len, f'lm_ctx{args.seq_len}')
+  summary = summarize(per_seed, ('bits_per_byte', 'eval_loss', 'steps_per_sec'))
+  for e in summary.values():
+    for s in e['seeds']:
+      s.pop('workdir')
+  return {'settings': {**_lm_settings(args), 'seq_len': args.seq_len, 'windows': windows,
+                       'paper_windows': [round(w * 512 / args.seq_len) for w in windows],
+                       'compare': settings},
+          'variants': summary, 'table': _table(summary, 'bits_per_byte', 'bits/byte')}
+
+
+def part_ablations(args) -> dict:
+  per_seed, settings = run_lm(args, ABLATIONS, args.seq_len, f'lm_ctx{args.seq_len}')
+  summary = summarize(per_seed, ('bits_per_byte', 'eval_loss', 'steps_per_sec'))
+  for e in summary.values():
+    for s in e['seeds']:
+      s.pop('workdir')
+  return {'settings': {**_lm_settings(args), 'seq_len': args.seq_len,
+                       'ablations': ABLATIONS, 'compare': settings},
+          'variants': summary, 'table': _table(summary, 'bits_per_byte', 'bits/byte')}
+
+
+def _lm_settings(args) -> dict:
+  return {'text': os.path.basename(args.text), 'seeds': args.seed_list, 'steps': args.steps,
+          'd': args.d, 'batch_size': args.batch_size, 'learning_rate': args.learning_rate,
+          'eval_steps': args.eval_steps}
+
+
+def sample_loss(config, workdir: str, batches: int) -> float:
+  """A trained run's loss on the first `batches` training batches: the sample
+  training/pruning.allocate_budgets measures (the same data config gives the same batches)."""
+  from training import train
+  setup = train.build(config, workdir=workdir)
+  try:
+    it = setup.data.train_iter(0, None)
+    sample = [next(it)[0] for _ in range(batches)]
+  finally:
+    setup.data.close()
+  _, params = train.latest_params(setup, workdir, required='train it first')
+  eval_step = train.jit_eval_step(setup, train.specialized_model(setup, params))
+  return train.run_eval(setup, eval_step, params, batches=sample)['loss']
+
+
+def greedy_from(loss_of, budgets: list[int], layers, step: int, target: float,
+                current: float) -> tuple[list[int], float, list[dict]]:
+  """training/pruning.greedy_budgets from given budgets (loss `current`) instead of N: each
+  iteration cuts `step` from the layer whose cut raises the loss least, while that loss stays
+  at or below `target` and every budget stays >= 2. (budgets, loss, history)."""
+  budgets, history = list(budgets), []
+  while True:
+    trials = {}
+    for i in layers:
+      if budgets[i] - step >= 2:
+        trial = list(budgets)
+        trial[i] -= step
+        trials[i] = loss_of(trial)
+    if not trials:
+      break
+    best = min(trials, key=lambda i: (trials[i], i))
+    if trials[best] > target:
+      break
+    budgets[best] -= step
+    current = trials[best]
+    history.append({'layer': best, 'budgets': list(budgets), 'loss': current})
+  return budgets, current, history
+
+
+def refine(config, workdir: str, budgets: list[int], target: float, step: int):
+  """Continues the greedy search below C with a finer step on the same training sample
+  allocate_budgets measures (its first pruning.batches batches): (budgets, loss, history)."""
+  import jax
+  import jax.numpy as jnp
+  from training import pruning, sharding, train
+  setup = train.build(config, workdir=workdir)
+  try:
+    it = setup.data.train_iter(0, None)
+    sample = [next(it)[0] for _ in range(config.pruning.batches)]
+  finally:
+    setup.data.close()
+  _, params = train.latest_params(setup, workdir, required='train it first')
+  loss_fn = pruning.make_loss_fn(setup)
+  with sharding.activate(setup.mesh, setup.rules):
+    batches = [train.device_batch(setup, local) for local in sample]
+
+    def loss_of(trial):
+      arr = jnp.asarray(trial, jnp.int32)
+      total, weight = 0.0, 0.0
+      for batch in batches:
+        s, w = jax.device_get(loss_fn(params, batch, arr))
+        total, weight = total + float(s), weight + float(w)
+      return total / max(weight, 1.0)
+
+    layers = pruning.selective_layers(setup.model_config)
+    return greedy_from(loss_of, budgets, layers, step, target, loss_of(budgets))
+
+
+def prune(config, workdir: str, target: float, args) -> dict:
+  """Greedy budgets (C = --prune_step, then --fine_step once every layer is down to C) to
+  `target` on the training sample; their validation loss and KV-cache reduction; and the
+  keep-the-gains point of the same greedy path."""
+  from training import pruning
+  config = copy.deepcopy(config)
+  config.pruning.step = args.prune_step
+  config.pruning.batches = args.prune_batches
+  config.pruning.target_loss = target
+  config.pruning.tolerance = 0.0
+  config.pruning.budget_file = os.path.join(workdir, 'budgets_at_dense_loss.json')
+  found = pruning.allocate_budgets(config, workdir)
+  budgets, loss, history = found['budgets'], found['loss'], list(found['history'])
+  context = found['context']
+  layers = list(range(len(budgets)))  # Every layer is selective here.
+  step = args.prune_step
+  if 0 < args.fine_step < args.prune_step and at_floor(budgets, layers, args.prune_step):
+    budgets, loss, fine = refine(config, workdir, budgets, target, args.fine_step)
+    history += fine
+    step = args.fine_step
+    with open(config.pruning.budget_file, 'w') as f:
+      json.dump({**found, 'budgets': budgets, 'loss': loss, 'history': history,
+                 'fine_step': args.fine_step,
+                 'memory_reduction': pruning.memory_reduction(budgets, context)}, f, indent=2)
+  at_dense = pruning.evaluate_budgets(config, workdir)
+  keep = keep_point(history, found['unpruned_loss'], args.keep_tolerance, context,
+                    len(budgets))
+  keep_file = os.path.join(workdir, 'budgets_keep_gain.json')
+  with open(keep_file, 'w') as f:
+    json.dump({'budgets': keep, 'context': context,
+               'tolerance': args.keep_tolerance}, f, indent=2)
+  config.pruning.budget_file = keep_file
+  kept = pruning.evaluate_budgets(config, workdir)
+  return {
+      'unpruned_loss': at_dense['unpruned_loss'], 'sample_unpruned_loss': found['unpruned_loss'],
+      'sample_target': target,
+      'budgets': budgets, 'reduction': at_dense['memory_reduction'],
+      'pruned_loss': at_dense['loss'], 'sample_pruned_loss': loss,
+      'at_floor': at_floor(budgets, layers, step),
+      'floor_reduction': context / floor_budget(context, args.prune_step, args.fine_step),
+      'cuts': len(history),
+      'keep_budgets': keep, 'keep_reduction': kept['memory_reduction'],
+      'keep_loss': kept['loss']}
+
+
+def part_kv(args) -> dict:
+  out = {}
+  for context in [int(c) for c in args.contexts.split(',')]:
+    per_seed = {}
+    for seed in args.seed_list:
+      work = os.path.join(args.workdir, f'lm_ctx{context}', f'seed{seed}')
+      argv = lm_argv(args, seed, context, list(KV_VARIANTS.values()), work)
+      result = compare.main(argv)
+      base = compare.base_config(compare.parse_args(argv))
+      by_spec = {r['variant']: r for r in result['rows']}
+      dense_row = by_spec[KV_VARIANTS['dense']]
+      dense_config = compare.variant_config(base, KV_VARIANTS['dense'])
+      target = sample_loss(dense_config, dense_row['workdir'], args.prune_batches)
+      rows = {'dense': {**lm_row(dense_row, args.batch_size, context), 'val_loss':
+                        dense_row['eval_loss'], 'sample_loss': target}}
+      for name in ('selective', 'selective_lmem'):
+        r = by_spec[KV_VARIANTS[name]]
+        config = compare.variant_config(base, KV_VARIANTS[name])
+        rows[name] = {**lm_row(r, args.batch_size, context), 'val_loss': r['eval_loss'],
+                      **prune(config, r['workdir'], target, args)}
+      for r in rows.values():
+        r.pop('curves')
+      per_seed[seed] = rows
+    out[str(context)] = summarize(per_seed, KV_KEYS)
+  return {'settings': kv_settings(args), 'contexts': out, 'table': kv_table(out)}
+
+
+def kv_settings(args) -> dict:
+  return {**_lm_settings(args), 'contexts': [int(c) for c in args.contexts.split(',')],
+          'prune_step': args.prune_step, 'fine_step': args.fine_step,
+          'prune_batches': args.prune_batches, 'keep_tolerance': args.keep_tolerance,
+          'lmem_eps': 0.1, 'variants': KV_VARIANTS}
+
+
+def kv_table(contexts: dict) -> str:
+  lines = ['| context | model | val loss | pruned loss | KV reduction at dense loss | '
+           'keep-gain reduction |', '|---:|---|---:|---:|---:|---:|']
+  for context, summary in sorted(contexts.items(), key=lambda kv: int(kv[0])):
+    for name, e in summary.items():
+      if name == 'dense':
+        lines.append(f'| {context} | dense | {e["val_loss"]:.4f} | - | - | - |')
+      else:
+        lines.append(f'| {context} | {name} | {e["val_loss"]:.4f} | {e["pruned_loss"]:.4f} | '
+                     f'{e["reduction"]:.1f}x ± {e["reduction_std"]:.1f} | '
+                     f'{e["keep_reduction"]:.1f}x |')
+  return '\n'.join(lines)
+
+
+def merge_kv(path: str, payload: dict) -> dict:
+  """payload's results added to those of an earlier --part kv file at `path` with the same
+  settings but for the contexts and seeds, so that contexts (or seeds) can run as separate
+  commands into one file; a (context, seed) run again replaces the earlier one."""
+  if not os.path.isfile(path):
+    return payload
+  with open(path) as f:
+    old = json.load(f)
+  same = lambda s: {k: v for k, v in s.items() if k not in ('contexts', 'seeds')}
+  if old.get('part') != 'kv' or same(old['settings']) != same(
+      json.loads(json.dumps(payload['settings']))):
+    raise SystemExit(f'{path} holds other results (not --part kv with these settings): '
+                     'remove it or write to another --out')
+  contexts = dict(old['contexts'])
+  for context, summary in payload['contexts'].items():
+    per_seed = {}
+    for entries in (contexts.get(context, {}), summary):
+      for name, entry in entries.items():
+        for row in entry['seeds']:
+          per_seed.setdefault(row['seed'], {})[name] = {k: v for k, v in row.items()
+                                                        if k != 'seed'}
+    complete = {seed: rows for seed, rows in per_seed.items() if len(rows) == len(summary)}
+    contexts[context] = summarize(dict(sorted(complete.items())), KV_KEYS)
+  seeds = sorted({s['seed'] for c in contexts.values() for e in c.values() for s in e['seeds']})
+  settings = {**payload['settings'], 'contexts': sorted(int(c) for c in contexts),
+              'seeds': seeds}
+  return {**payload, 'settings': settings, 'contexts': contexts, 'table': kv_table(contexts),
+          'commands': old.get('commands', [old['command']]) + [payload['command']]}
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument('--part', required=True, choices=PARTS)
+  p.add_argument('--out', required=True, help='JSON of the results')
+  p.add_argument('--text', default='', help='byte-level text (lm, ablations, kv)')
+  p.add_argument('--workdir', default=os.path.join(REPO, 'runs', 'selective'))
+  p.add_argument('--seeds', default='', help='default: 0,1,2 (kv: 0,1)')
+  p.add_argument('--evals', type=int, default=10)
+  # Variable Assignment.
+  p.add_argument('--va_steps', type=int, default=800)
+  p.add_argument('--assignments', type=int, default=8)
+  p.add_argument('--values', type=int, default=16)
+  p.add_argument('--ood_values', type=int, default=2)
+  p.add_argument('--va_batch', type=int, default=256)
+  p.add_argument('--test_batches', type=int, default=8)
+  # Byte-level LM.
+  p.add_argument('--steps', type=int, default=800)
+  p.add_argument('--d', type=int, default=2)
+  p.add_argument('--seq_len', type=int, default=256)
+  p.add_argument('--batch_size', type=int, default=8)
+  p.add_argument('--learning_rate', type=float, default=0.003)
+  p.add_argument('--eval_steps', type=int, default=0,
+                 help='validation batches per evaluation (0: the whole split)')
+  p.add_argument('--time_rounds', type=int, default=0,
+                 help="compare.py's round-robin step timing (0: the runs' logged tokens/s)")
+  p.add_argument('--windows', default='16,64,240',
+                 help='all-local windows (lm; paper: 32, 128, 480 of 512)')
+  # KV-cache pruning.
+  p.add_argument('--contexts', default='128,256,512')
+  p.add_argument('--prune_step', type=int, default=8, help='C (paper: 8)')
+  p.add_argument('--fine_step', type=int, default=1,
+                 help='once every layer is down to C, go on cutting this many (0: stop at C)')
+  p.add_argument('--prune_batches', type=int, default=4)
+  p.add_argument('--keep_tolerance', type=float, default=0.005,
+                 help='keep-gain point: training-sample loss within this fraction of unpruned')
+  args = p.parse_args(argv)
+  if args.part != 'va' and not os.path.isfile(args.text):
+    p.error(f'--part {args.part} needs --text (a byte-level text file): {args.text!r}')
+  args.seed_list = [int(s) for s in (args.seeds or ('0,1' if args.part == 'kv' else '0,1,2'))
+                    .split(',')]
+  return args
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  payload = {'va': part_va, 'lm': part_lm, 'ablations': part_ablations, 'kv': part_kv}[
+      args.part](args)
+  payload = {'command': _command(argv), 'part': args.part, **payload}
+  if args.part == 'kv':
+    payload = merge_kv(args.out, payload)
+  print('\n' + payload['table'] + '\n')
+  common.write_json(args.out, payload)
+  return payload
+
+
+if __name__ == '__main__':
+  main()
