@@ -1,7 +1,7 @@
 """The adaptive-span rows of RESULTS.md (experiments/claims_adaptive_span.py): verdicts follow
 the numbers, and experiments/adaptive_span_lm.py's layer halves.
 
-Every test here runs on small JSON built in memory (no training, no ../shared)."""
+Every test here runs on small JSON built in memory (no training, no data files)."""
 
 import copy
 

@@ -2,7 +2,7 @@
 the numbers, including the failing cases; and experiments/selective_experiments.py's helpers
 (the greedy search continued below C, its floor, the keep-the-gains point, the KV merge).
 
-Every test here runs on small JSON built in memory (no training, no ../shared)."""
+Every test here runs on small JSON built in memory (no training, no data files)."""
 
 import json
 

@@ -1,7 +1,7 @@
 """experiments/render.py and the Sparse Transformer rows: verdicts follow the numbers, missing
 results render as 'not run', and experiments/sparse_transformer.py's equal-wall-clock reading.
 
-Every test here runs on small JSON written in tmp_path (no training, no ../shared)."""
+Every test here runs on small JSON written in tmp_path (no training, no data files)."""
 
 import copy
 import json
