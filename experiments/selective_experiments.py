@@ -305,26 +305,9 @@ def sample_loss(config, workdir: str, batches: int) -> float:
 
 def greedy_from(loss_of, budgets: list[int], layers, step: int, target: float,
                 current: float) -> tuple[list[int], float, list[dict]]:
-  """training/pruning.greedy_budgets from given budgets (loss `current`) instead of N: each
-  iteration cuts `step` from the layer whose cut raises the loss least, while that loss stays
-  at or below `target` and every budget stays >= 2. (budgets, loss, history)."""
-  budgets, history = list(budgets), []
-  while True:
-    trials = {}
-    for i in layers:
-      if budgets[i] - step >= 2:
-        trial = list(budgets)
-        trial[i] -= step
-        trials[i] = loss_of(trial)
-    if not trials:
-      break
-    best = min(trials, key=lambda i: (trials[i], i))
-    if trials[best] > target:
-      break
-    budgets[best] -= step
-    current = trials[best]
-    history.append({'layer': best, 'budgets': list(budgets), 'loss': current})
-  return budgets, current, history
+  """training/pruning's greedy loop from given budgets (loss `current`) instead of N."""
+  from training import pruning
+  return pruning.greedy_cuts(loss_of, budgets, list(layers), step, target, current)
 
 
 def refine(config, workdir: str, budgets: list[int], target: float, step: int):

@@ -78,6 +78,32 @@ def make_loss_fn(setup):
   return jax.jit(loss_fn)
 
 
+def greedy_cuts(loss_of, budgets: list[int], layers: list[int], step: int, target: float,
+                current: float) -> tuple[list[int], float, list[dict]]:
+  """The greedy loop of section 4 from `budgets` (whose loss is `current`): each iteration
+  cuts `step` from the layer whose cut raises the loss least, while that loss stays at or
+  below `target` and every budget stays >= 2. Returns (budgets, loss, history)."""
+  budgets, history = list(budgets), []
+  while True:
+    trials = {}
+    for i in layers:
+      if budgets[i] - step >= 2:
+        trial = list(budgets)
+        trial[i] -= step
+        trials[i] = loss_of(trial)
+    if not trials:
+      break
+    best = min(trials, key=lambda i: (trials[i], i))
+    if trials[best] > target:
+      break
+    budgets[best] -= step
+    current = trials[best]
+    history.append({'layer': best, 'budgets': list(budgets), 'loss': current})
+    logging.info('pruning: cut layer %d -> budgets %s, loss %.4f (target %.4f)', best,
+                 budgets, current, target)
+  return budgets, current, history
+
+
 def greedy_budgets(loss_of, n_layers: int, layers: list[int], context: int, step: int,
                    target_fn):
   """Section 4's greedy allocation.
@@ -96,24 +122,7 @@ def greedy_budgets(loss_of, n_layers: int, layers: list[int], context: int, step
   budgets = [context] * n_layers
   base = loss_of(budgets)
   target = target_fn(base)
-  current, history = base, []
-  while True:
-    trials = {}
-    for i in layers:
-      if budgets[i] - step >= 2:
-        trial = list(budgets)
-        trial[i] -= step
-        trials[i] = loss_of(trial)
-    if not trials:
-      break
-    best = min(trials, key=lambda i: (trials[i], i))
-    if trials[best] > target:
-      break
-    budgets[best] -= step
-    current = trials[best]
-    history.append({'layer': best, 'budgets': list(budgets), 'loss': current})
-    logging.info('pruning: cut layer %d -> budgets %s, loss %.4f (target %.4f)', best,
-                 budgets, current, target)
+  budgets, current, history = greedy_cuts(loss_of, budgets, layers, step, target, base)
   return budgets, base, current, target, history
 
 
