@@ -3,6 +3,7 @@
 import jax
 import pytest
 
+from models.attention import base, registry
 from training import flops, train
 
 # The tests compare float32 paths to ~1e-5 (the rounding of exact float32 products). On NVIDIA
@@ -37,3 +38,24 @@ def no_compute(monkeypatch):
   for name in ('init_state', 'jit_train_step', 'jit_eval_step', 'run_eval'):
     monkeypatch.setattr(train, name, fail)
   monkeypatch.setattr(flops, 'measure_matmul_peak', fail)
+
+
+NO_DECODE = 'test_no_decode'
+
+
+class NoDecodeAttention(base.MultiHeadAttention):
+  """Test-only: dense causal attention with no static pattern (head_pattern) and no
+  decode_step of its own, so it cannot decode (every registered variant can)."""
+
+  def attend(self, q, k, v, *, positions, segment_ids, deterministic, key_segment_ids=None,
+             extra=None):
+    del positions, deterministic, key_segment_ids, extra
+    mask = base.causal_segment_mask(segment_ids)[:, None]
+    return base.reference_attention(q, k, v, mask, scale=q.shape[-1] ** -0.5, dtype=self.dtype)
+
+
+@pytest.fixture
+def no_decode(monkeypatch):
+  """NoDecodeAttention registered as NO_DECODE for one test."""
+  monkeypatch.setitem(registry.VARIANTS._entries, NO_DECODE, NoDecodeAttention)
+  return NO_DECODE

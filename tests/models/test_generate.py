@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from models import attention, decode, transformer
-from models.attention import base, registry
 
 VOCAB = 50
 MAX_LEN = 24
@@ -90,27 +89,6 @@ def test_variants_with_their_own_cache_say_they_cannot_prefill():
   for name, extra in [('selective', {}), ('txl', {'position_embedding': 'none'}),
                       ('lsh', {'options': {'chunk_len': 8, 'n_buckets': 4}})]:
     assert not decode.can_prefill(_model(name, **extra)[0].config)
-
-
-NO_DECODE = 'test_no_decode'
-
-
-class NoDecodeAttention(base.MultiHeadAttention):
-  """Test-only: dense causal attention with no static pattern (head_pattern) and no
-  decode_step of its own, so it cannot decode (every registered variant can)."""
-
-  def attend(self, q, k, v, *, positions, segment_ids, deterministic, key_segment_ids=None,
-             extra=None):
-    del positions, deterministic, key_segment_ids, extra
-    mask = base.causal_segment_mask(segment_ids)[:, None]
-    return base.reference_attention(q, k, v, mask, scale=q.shape[-1] ** -0.5, dtype=self.dtype)
-
-
-@pytest.fixture
-def no_decode(monkeypatch):
-  """NoDecodeAttention registered as NO_DECODE for one test."""
-  monkeypatch.setitem(registry.VARIANTS._entries, NO_DECODE, NoDecodeAttention)
-  return NO_DECODE
 
 
 def test_every_registered_variant_makes_its_caches():

@@ -19,7 +19,6 @@ import pytest
 from configs import local_text
 from input_pipeline import tokenizers
 from models import decode
-from models.attention import base, registry
 from training import generate, metrics, train
 
 SEQ_LEN = 32  # The model's max_len.
@@ -183,27 +182,6 @@ def test_a_synthetic_task_takes_token_ids_and_needs_a_prompt(tmp_path):
     generate.encode_prompts([('1 20', 'x')], None, 20)
   with pytest.raises(ValueError, match='integer token ids'):
     generate.encode_prompts([('the cat', 'x')], None, 20)
-
-
-NO_DECODE = 'test_no_decode'
-
-
-class NoDecodeAttention(base.MultiHeadAttention):
-  """Test-only: dense causal attention with no static pattern (head_pattern) and no
-  decode_step of its own, so it cannot decode (every registered variant can)."""
-
-  def attend(self, q, k, v, *, positions, segment_ids, deterministic, key_segment_ids=None,
-             extra=None):
-    del positions, deterministic, key_segment_ids, extra
-    mask = base.causal_segment_mask(segment_ids)[:, None]
-    return base.reference_attention(q, k, v, mask, scale=q.shape[-1] ** -0.5, dtype=self.dtype)
-
-
-@pytest.fixture
-def no_decode(monkeypatch):
-  """NoDecodeAttention registered as NO_DECODE for one test."""
-  monkeypatch.setitem(registry.VARIANTS._entries, NO_DECODE, NoDecodeAttention)
-  return NO_DECODE
 
 
 def test_a_variant_that_cannot_decode_is_a_clear_error_before_any_restore(tmp_path, no_decode):
