@@ -1,4 +1,6 @@
-"""The fused block-sparse CPU kernel (kernels/blocksparse_cpu.cc): build, layout and call.
+"""The CPU kernels: the fused block-sparse attention kernel (kernels/blocksparse_cpu.cc) and
+decoding's few-row matmul and in-place cache attention (kernels/decode_cpu.cc, at the end of
+this file): build, layout and call.
 
 XLA:CPU runs the many small matmuls of a thin pattern far below its large-matmul speed and
 writes every score tile to memory between ops, so on a CPU the plain-JAX block-sparse path
@@ -10,11 +12,12 @@ touches, and the 16 x 16 mask of the partial ones) is derived from the pattern's
 computed in different orders (strided: A1 in sequence order, A2 in residue order) is one
 call: the kernel merges the parts' softmaxes itself.
 
-The kernel is compiled with the system C++ compiler on first use and cached under
-$ZOO_KERNEL_CACHE (default ~/.cache/attention_zoo); the cache key covers the source, the
-flags, the jax version and its XLA FFI headers, and the CPU. Without a compiler or a writable
-cache, `available()` is False (with one warning): attention_impl='auto' then runs the plain-JAX
-'blocksparse' path, and an explicit attention_impl='cpu_kernel' is refused (`unusable`).
+The kernels are compiled into one library with the system C++ compiler on first use and
+cached under $ZOO_KERNEL_CACHE (default ~/.cache/attention_zoo); the cache key covers the
+sources, the flags, the jax version and its XLA FFI headers, and the CPU. Without a compiler
+or a writable cache, `available()` is False (with one warning): attention_impl='auto' then
+runs the plain-JAX 'blocksparse' path, an explicit attention_impl='cpu_kernel' is refused
+(`unusable`), and decoding runs XLA's products.
 """
 
 from __future__ import annotations
@@ -39,10 +42,17 @@ NEG_INF = -1e30  # lse of a query that sees no key (the kernel's kEmpty).
 # Above this many key tiles per query tile on average, heads are made contiguous first.
 STREAM_TILES = 32
 
-SOURCE = Path(__file__).parent / 'kernels' / 'blocksparse_cpu.cc'
+KERNELS = Path(__file__).parent / 'kernels'
+SOURCE = KERNELS / 'blocksparse_cpu.cc'
+# Compiled into one library; cpu_common.h is what they share.
+SOURCES = (SOURCE, KERNELS / 'decode_cpu.cc')
+HEADERS = (KERNELS / 'cpu_common.h',)
 FLAGS = ('-O3', '-march=native', '-std=c++20', '-shared', '-fPIC', '-pthread', '-w',
          '-fno-math-errno', '-fno-trapping-math', '-fassociative-math', '-fno-signed-zeros')
 _FORWARD, _BACKWARD = 'zoo_blocksparse_forward', 'zoo_blocksparse_backward'
+_SKINNY_MATMUL, _DECODE_ATTENTION = 'zoo_skinny_matmul', 'zoo_decode_attention'
+# Most rows skinny_matmul takes (decoding's batch); more go to XLA's dot, which is fast there.
+SKINNY_ROWS = 16
 
 
 class KernelUnavailable(RuntimeError):
@@ -61,7 +71,8 @@ def _cpu_id() -> str:
 def _library_path() -> Path:
   cache = Path(os.environ.get('ZOO_KERNEL_CACHE', Path.home() / '.cache' / 'attention_zoo'))
   key = hashlib.sha256()
-  for part in (SOURCE.read_bytes(), ' '.join(FLAGS).encode(), jax.ffi.include_dir().encode(),
+  for part in (*(f.read_bytes() for f in SOURCES + HEADERS), ' '.join(FLAGS).encode(),
+               jax.ffi.include_dir().encode(),
                jax.__version__.encode(), _cpu_id().encode(), platform.machine().encode()):
     key.update(part)
   return cache / f'blocksparse_cpu_{key.hexdigest()[:16]}.so'
@@ -77,7 +88,7 @@ def _build(path: Path) -> None:
     raise KernelUnavailable(f'cannot write the kernel cache {path.parent} (set '
                             f'ZOO_KERNEL_CACHE to a writable folder): {e}') from e
   os.close(fd)
-  cmd = [compiler, *FLAGS, f'-I{jax.ffi.include_dir()}', str(SOURCE), '-o', tmp]
+  cmd = [compiler, *FLAGS, f'-I{jax.ffi.include_dir()}', *map(str, SOURCES), '-o', tmp]
   try:
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
   except OSError as e:
@@ -85,7 +96,8 @@ def _build(path: Path) -> None:
     raise KernelUnavailable(f'cannot run the C++ compiler {compiler!r}: {e}') from e
   if result.returncode != 0:
     os.unlink(tmp)
-    raise KernelUnavailable(f'compiling {SOURCE.name} failed:\n{result.stderr[-2000:]}')
+    names = ', '.join(f.name for f in SOURCES)
+    raise KernelUnavailable(f'compiling {names} failed:\n{result.stderr[-2000:]}')
   os.replace(tmp, path)
 
 
@@ -102,6 +114,10 @@ def _load() -> None:
                               platform='cpu')
   jax.ffi.register_ffi_target(_BACKWARD, jax.ffi.pycapsule(lib.ZooBlockSparseBackward),
                               platform='cpu')
+  jax.ffi.register_ffi_target(_SKINNY_MATMUL, jax.ffi.pycapsule(lib.ZooSkinnyMatmul),
+                              platform='cpu')
+  jax.ffi.register_ffi_target(_DECODE_ATTENTION, jax.ffi.pycapsule(lib.ZooDecodeAttention),
+                              platform='cpu')
 
 
 @functools.cache
@@ -111,7 +127,7 @@ def available() -> bool:
     _load()
     return True
   except KernelUnavailable as e:
-    logging.warning('block-sparse CPU kernel unavailable, using the plain-JAX path: %s', e)
+    logging.warning('CPU kernels unavailable, using the plain-JAX paths: %s', e)
     return False
 
 
@@ -311,3 +327,55 @@ def pattern_attention(q, k, v, segment_ids, parts, *, scale: float, dtype):
   """
   return attention(q, k, v, segment_ids, [(p.allowed, p.residue_stride) for p in parts],
                    scale=scale)[0].astype(dtype)
+
+
+# Decoding (kernels/decode_cpu.cc). Both are inference-only (no gradient) and run only when
+# the computation is compiled for the CPU (lax.platform_dependent): compiled for an
+# accelerator, or without the kernel library, they are the plain-JAX products.
+
+
+def skinny_matmul(x, w):
+  """x (M, K) . w (K, N) in float32: on CPU, for M <= SKINNY_ROWS float32 rows, by the kernel
+  that streams w once (decoding's per-token products); otherwise, and on other platforms,
+  jnp.dot. Same values up to float32 summation order. Not differentiable on the kernel path
+  (decoding only)."""
+  if (x.ndim != 2 or w.ndim != 2 or x.shape[0] > SKINNY_ROWS or x.dtype != jnp.float32
+      or w.dtype != jnp.float32 or not available()):
+    return jnp.dot(x, w)
+
+  def kernel(x, w):
+    return jax.ffi.ffi_call(_SKINNY_MATMUL,
+                            jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32),
+                            vmap_method='sequential')(
+                                x, w, threads=np.int64(_threads()))
+
+  return jax.lax.platform_dependent(x, w, cpu=kernel, default=jnp.dot)
+
+
+def decode_attention(q, k, v, allowed, live, *, scale: float, reference):
+  """One decoding step's attention over a cache, read in place on CPU.
+
+  Args:
+    q: (batch, heads, head_dim) the step's queries.
+    k, v: (batch, heads, capacity, head_dim) the cache.
+    allowed: (heads, capacity) bool, the slots each head may attend to.
+    live: int32 scalar: slots >= live are empty and not read.
+    scale: logit multiplier.
+    reference: (q, k, v, allowed, live) -> the same output in plain JAX, what runs on other
+      platforms and without the kernel library.
+
+  Returns:
+    (batch, heads, head_dim) float32 softmax(scale q . k over the allowed slots) . v, zeros
+    for a head that may attend to nothing.
+  """
+  args = (q, k, v, allowed, live)
+  if any(a.dtype != jnp.float32 for a in (q, k, v)) or not available():
+    return reference(*args)
+
+  def kernel(q, k, v, allowed, live):
+    return jax.ffi.ffi_call(_DECODE_ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                            vmap_method='sequential')(
+        q, k, v, allowed.astype(jnp.uint8), jnp.asarray(live, jnp.int32),
+        scale=np.float32(scale), threads=np.int64(_threads()))
+
+  return jax.lax.platform_dependent(*args, cpu=kernel, default=reference)

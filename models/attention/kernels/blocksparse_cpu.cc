@@ -44,33 +44,21 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_common.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using zoo_cpu::exp_nonpositive;
+using zoo_cpu::FlushDenormals;
+using zoo_cpu::Helpers;
+using zoo_cpu::ParallelFor;
+using zoo_cpu::Store;
+
 constexpr int T = 16;               // Query and key tile length.
 constexpr float kMasked = -1e30f;   // Logit of a pair the pattern does not allow.
 constexpr float kEmpty = -1e30f;    // lse of a query that sees no key (matches NEG_INF).
-
-// exp(x) for x <= 0 to about 2 ulp, written so that the compiler vectorizes loops over it:
-// x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial, 2^n through the exponent bits.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x <= -87.0f ? 0.0f : p * scale;
-}
 
 // log(x) for normal x > 0 to about 2 ulp, vectorizable like exp_nonpositive: x = 2^e m with
 // m in [sqrt(1/2), sqrt(2)), log m = 2 atanh(s) = 2 (s + s^3/3 + ... + s^9/9), s = (m-1)/(m+1).
@@ -100,102 +88,12 @@ struct Layout {
   const uint8_t* masks;
 };
 
-// Flushes denormal floats to zero while alive (tiny probability products would otherwise
-// take the slow microcode path on x86; values below 1e-38 change nothing here); restores
-// the thread's mode. Threads the kernel starts begin without it.
-class FlushDenormals {
- public:
-#if defined(__SSE__)
-  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040); }  // FTZ | DAZ
-  ~FlushDenormals() { _mm_setcsr(saved_); }
-
- private:
-  unsigned saved_;
-#endif
-};
-
-// Where ParallelFor's helper threads come from: XLA's own CPU thread pool inside a call
-// (Schedule), or threads started for the call and joined after it (no pool: the benchmark
-// harness). In XLA's pool the kernel starts no threads of its own and adds none to those
-// XLA already runs, so it does not oversubscribe the cores when XLA runs other work beside
-// it. (Threads started per call were at times placed on the calling thread's core and
-// moved off only milliseconds later: the two halves of strided's backward at 8K took 57
-// and 47 ms in such a call, 34 ms each alone.)
-class Helpers {
- public:
-  explicit Helpers(ffi::ThreadPool* pool = nullptr) : pool_(pool) {}
-  Helpers(const Helpers&) = delete;
-  ~Helpers() {
-    for (auto& th : started_) th.join();
-  }
-
-  void Run(std::function<void()> task) {
-    if (pool_ != nullptr) {
-      pool_->Schedule(std::move(task));
-    } else {
-      started_.emplace_back(std::move(task));
-    }
-  }
-
- private:
-  ffi::ThreadPool* pool_;
-  std::vector<std::thread> started_;
-};
-
-// Runs fn(i) for i in [0, count) on the calling thread and up to `threads` - 1 helpers, each
-// taking the next index as it is free. Returns when every index is done. A helper that only
-// starts after the calling thread has closed the job does nothing: XLA may run a scheduled
-// task late, or on the calling thread itself, so the caller never waits for one that has
-// not started.
-template <typename Fn>
-void ParallelFor(int64_t count, int64_t threads, Helpers& helpers, Fn fn) {
-  threads = std::max<int64_t>(1, std::min(threads, count));
-  struct Job {
-    std::atomic<int64_t> next{0};
-    std::mutex mu;
-    std::condition_variable idle;
-    int64_t running = 0;  // Helpers inside the loop.
-    bool closed = false;
-    std::function<void(int64_t)> fn;
-    int64_t count = 0;
-    void Loop() {
-      FlushDenormals flush;
-      for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) fn(i);
-    }
-  };
-  auto job = std::make_shared<Job>();
-  job->fn = fn;
-  job->count = count;
-  for (int64_t t = 1; t < threads; ++t) {
-    helpers.Run([job] {
-      {
-        std::lock_guard<std::mutex> lock(job->mu);
-        if (job->closed) return;
-        ++job->running;
-      }
-      job->Loop();
-      std::lock_guard<std::mutex> lock(job->mu);
-      if (--job->running == 0) job->idle.notify_all();
-    });
-  }
-  job->Loop();
-  std::unique_lock<std::mutex> lock(job->mu);
-  job->closed = true;
-  job->idle.wait(lock, [&] { return job->running == 0; });
-}
-
 // Eight floats in one SIMD register (GCC/Clang vector extension: AVX on x86, two NEON
 // registers on Arm). The hot loops below keep their accumulators in such registers
 // explicitly; left to itself the compiler spilled them to the stack.
 typedef float v8 __attribute__((vector_size(32)));
 
-inline v8 Load(const float* p) {
-  v8 x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-
-inline void Store(float* p, v8 x) { std::memcpy(p, &x, sizeof(x)); }
+inline v8 Load(const float* p) { return zoo_cpu::LoadVector<v8>(p); }
 
 inline v8 Splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
 
