@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import attention, stacks
+from models import attention, layers, stacks
 from models.attention.base import PREFILL
 
 
@@ -28,8 +28,9 @@ def init_cache(model, params, batch: int):
 def step(model, params, cache, tokens, position: int):
   """Logits (batch, vocab) for `tokens` (batch,) at `position`, and the updated cache."""
   positions = jnp.full((tokens.shape[0], 1), position, jnp.int32)
-  logits, mutated = model.apply({'params': params, 'cache': cache}, tokens[:, None],
-                                positions=positions, decode=True, mutable=['cache'])
+  with layers.decoding_matmuls():  # The few-row products on the CPU decoding kernel.
+    logits, mutated = model.apply({'params': params, 'cache': cache}, tokens[:, None],
+                                  positions=positions, decode=True, mutable=['cache'])
   return logits[:, 0], mutated['cache']
 
 

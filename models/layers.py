@@ -4,6 +4,8 @@ Every parameter carries logical axis names (`nn.with_logical_partitioning`); the
 training code maps them onto the device mesh with the rule table in the config.
 """
 
+import contextlib
+import contextvars
 from typing import Any
 
 import flax.linen as nn
@@ -37,6 +39,30 @@ class RMSNorm(nn.Module):
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
     return (y * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+_DECODING = contextvars.ContextVar('decoding_matmuls', default=False)
+
+
+@contextlib.contextmanager
+def decoding_matmuls():
+  """Within it, `matmul` runs decoding's few-row products on the CPU kernel that streams the
+  weights once (cpu_kernel.skinny_matmul; forward only). models/decode.py traces each
+  decoding step inside it."""
+  token = _DECODING.set(True)
+  try:
+    yield
+  finally:
+    _DECODING.reset(token)
+
+
+def matmul(x, w, preferred_element_type=None):
+  """x (M, K) . w (K, N): jnp.dot, or, inside `decoding_matmuls`, cpu_kernel.skinny_matmul
+  (the kernel for a few float32 rows on CPU, jnp.dot otherwise)."""
+  if _DECODING.get() and x.dtype == w.dtype == jnp.float32:
+    from models.attention import cpu_kernel  # pylint: disable=import-outside-toplevel
+    return cpu_kernel.skinny_matmul(x, w)
+  return jnp.dot(x, w, preferred_element_type=preferred_element_type)
 
 
 @jax.custom_vjp
@@ -81,9 +107,9 @@ def swiglu_mlp(x, w_in, w_out):
 def _swiglu_mlp_fwd(x, w_in, w_out):
   d = x.shape[-1]
   x2 = x.reshape(-1, d)
-  h = jnp.einsum('nd,dgf->ngf', x2, w_in)
+  h = matmul(x2, w_in.reshape(d, -1)).reshape(x2.shape[0], *w_in.shape[1:])
   act = nn.with_logical_constraint(nn.silu(h[:, 0]) * h[:, 1], ('batch', 'mlp'))
-  return jnp.dot(act, w_out).reshape(x.shape[:-1] + (w_out.shape[-1],)), (x2, w_in, w_out, h, act)
+  return matmul(act, w_out).reshape(x.shape[:-1] + (w_out.shape[-1],)), (x2, w_in, w_out, h, act)
 
 
 def _swiglu_mlp_bwd(residuals, dy):
@@ -158,6 +184,8 @@ class SwiGLU(nn.Module):
     x, w_in, w_out = x.astype(self.dtype), w_in.astype(self.dtype), w_out.astype(self.dtype)
     if self.chunk_len and x.ndim == 3 and x.shape[1] > self.chunk_len:
       return chunked_swiglu_mlp(x, w_in, w_out, self.chunk_len)
+    if _DECODING.get():  # Forward only, traced here: not through the custom VJP's caches.
+      return _swiglu_mlp_fwd(x, w_in, w_out)[0]
     return swiglu_mlp(x, w_in, w_out)
 
 

@@ -325,7 +325,12 @@ class Decoder(nn.Module):
     w = w.astype(cfg.dtype)
     if return_hidden:
       return x, w
-    logits = jnp.einsum('btd,dv->btv', x, w, preferred_element_type=jnp.float32)
+    if decode and not cfg.tied_embeddings:  # Decoding's few rows: layers.matmul's kernel.
+      b, t, d = x.shape
+      logits = layers.matmul(x.reshape(b * t, d), w,
+                             preferred_element_type=jnp.float32).reshape(b, t, -1)
+    else:
+      logits = jnp.einsum('btd,dv->btv', x, w, preferred_element_type=jnp.float32)
     return nn.with_logical_constraint(logits, ('batch', 'length', 'vocab'))
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import layers
-from models.attention import memory, patterns
+from models.attention import cpu_kernel, memory, patterns
 
 Dtype = Any
 
@@ -396,7 +396,6 @@ class MultiHeadAttention(nn.Module):
     Returns:
       A name of IMPLEMENTATIONS other than 'auto'.
     """
-    from models.attention import cpu_kernel  # pylint: disable=import-outside-toplevel
     del options, dtype
     check_known(impl)
     static = cls.head_pattern is not MultiHeadAttention.head_pattern
@@ -527,8 +526,8 @@ class MultiHeadAttention(nn.Module):
         (d_model, parts, self.num_heads, self.head_dim), self.param_dtype)
     b, t = x.shape[:2]
     # Plain 2-D matmuls (parameter reshapes are free): XLA then needs no transposed copies.
-    y = jnp.dot(x.astype(self.dtype).reshape(b * t, d_model),
-                w.astype(self.dtype).reshape(d_model, -1))
+    y = layers.matmul(x.astype(self.dtype).reshape(b * t, d_model),
+                      w.astype(self.dtype).reshape(d_model, -1))
     y = y.reshape(b, t, parts, self.num_heads, self.head_dim)
     return tuple(y[:, :, i] for i in range(parts))
 
@@ -543,8 +542,8 @@ class MultiHeadAttention(nn.Module):
     w_o = self.param('out', nn.with_logical_partitioning(
         layers.default_kernel_init, ('heads', 'kv', 'embed')),
         (self.num_heads, self.head_dim, d_model), self.param_dtype)
-    return jnp.dot(out.astype(self.dtype).reshape(b * t, -1),
-                   w_o.astype(self.dtype).reshape(-1, d_model)).reshape(b, t, -1)
+    return layers.matmul(out.astype(self.dtype).reshape(b * t, -1),
+                         w_o.astype(self.dtype).reshape(-1, d_model)).reshape(b, t, -1)
 
   def head_pattern(self, head: int):
     """The static pattern of `head` (models/attention/patterns.py), or None for a variant
@@ -620,14 +619,20 @@ class MultiHeadAttention(nn.Module):
     # Slots are used in the plans' order: after step s only the first used[s] can be live.
     used = np.maximum.accumulate(plan_slots.max(axis=0)) + 1  # (n,)
 
-    def attend(view):
-      logits = jnp.einsum('bhd,bhcd->bhc', q[:, 0], ck.value[:, :, :view],
-                          preferred_element_type=jnp.float32) * d ** -0.5
-      probs = masked_softmax(logits, allowed[None, :, :view], self.dtype)
-      return jnp.einsum('bhc,bhcd->bhd', probs, cv.value[:, :, :view])
+    def reference(q, keys, values, allowed, live):
+      def attend(view):
+        logits = jnp.einsum('bhd,bhcd->bhc', q, keys[:, :, :view],
+                            preferred_element_type=jnp.float32) * d ** -0.5
+        probs = masked_softmax(logits, allowed[None, :, :view], self.dtype)
+        return jnp.einsum('bhc,bhcd->bhd', probs, values[:, :, :view])
 
-    out = over_live_slots(jnp.asarray(used)[jnp.minimum(step, n - 1)], capacity, attend)
-    out = jnp.where(allowed.any(axis=-1)[None, :, None], out, 0)
+      out = over_live_slots(live, capacity, attend)
+      return jnp.where(allowed.any(axis=-1)[None, :, None], out, 0)
+
+    live = jnp.asarray(used)[jnp.minimum(step, n - 1)]
+    # On CPU, a kernel reads the cache in place (XLA copied the live slots first).
+    out = cpu_kernel.decode_attention(q[:, 0], ck.value, cv.value, allowed, live,
+                                      scale=d ** -0.5, reference=reference)
     return out[:, None].astype(self.dtype)
 
   @classmethod

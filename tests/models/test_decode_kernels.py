@@ -4,6 +4,8 @@
   depths 8 does not divide; more rows, other dtypes and a missing library go to jnp.dot.
 * decode_attention equals the plain-JAX reference over random masks, reads no slot at or past
   `live` (they hold NaN here), and gives zeros for a head that may attend to nothing.
+* A decoding step's compiled program calls both kernels, training's calls neither, and the
+  step's logits equal the plain-JAX step's (kernel library turned off).
 
 Without a C++ compiler (and no cached build) the kernel tests are skipped with the reason.
 """
@@ -13,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from models import decode, layers, transformer
 from models.attention import cpu_kernel
 
 pytestmark = pytest.mark.cpu_only  # CPU custom calls; elsewhere the plain-JAX path runs.
@@ -81,3 +84,47 @@ def test_decode_attention_equals_reference_and_reads_only_live_slots(live):
       q, k, v, allowed, jnp.int32(live))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(got[:, 1], 0)
+
+
+def _dense_model():
+  cfg = transformer.TransformerConfig.from_config(dict(
+      d=0, d_model=64, n_heads=4, n_layers=2, vocab_size=70, max_len=96, attention='dense',
+      attention_impl='xla', stack='unrolled'))
+  model = transformer.Decoder(cfg)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 70, (5, 30)))
+  return model, model.init(jax.random.key(0), tokens)['params'], tokens
+
+
+def test_decoding_step_runs_the_kernels_and_training_does_not():
+  model, params, tokens = _dense_model()
+  cache = decode.init_cache(model, params, tokens.shape[0])
+  step = jax.jit(lambda c, t: decode.step(model, params, c, t, 3)).lower(cache, tokens[:, 3])
+  assert 'zoo_skinny_matmul' in step.as_text()
+  assert 'zoo_decode_attention' in step.as_text()
+  forward = jax.jit(lambda p, t: model.apply({'params': p}, t)).lower(params, tokens).as_text()
+  assert 'zoo_skinny_matmul' not in forward and 'zoo_decode_attention' not in forward
+  # layers.matmul takes the kernel only inside decoding_matmuls.
+  x, w = jnp.ones((4, 32)), jnp.ones((32, 40))
+  with layers.decoding_matmuls():
+    assert 'zoo_skinny_matmul' in jax.jit(lambda *a: layers.matmul(*a)).lower(x, w).as_text()
+  assert 'zoo_skinny_matmul' not in jax.jit(lambda *a: layers.matmul(*a)).lower(x, w).as_text()
+
+
+def test_decoding_with_the_kernels_equals_the_plain_jax_step(monkeypatch):
+  model, params, tokens = _dense_model()
+
+  def run():
+    cache = decode.init_cache(model, params, tokens.shape[0])
+    step = jax.jit(lambda c, t, i: decode.step(model, params, c, t, i))
+    out = []
+    for i in range(tokens.shape[1]):
+      logits, cache = step(cache, tokens[:, i], i)
+      out.append(logits)
+    return jnp.stack(out, 1)
+
+  with_kernels = run()
+  monkeypatch.setattr(cpu_kernel, 'available', lambda: False)
+  without = run()
+  np.testing.assert_allclose(with_kernels, without, rtol=2e-5, atol=2e-5)
+  full = model.apply({'params': params}, tokens)
+  np.testing.assert_allclose(with_kernels, full, rtol=2e-5, atol=2e-5)
