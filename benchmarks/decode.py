@@ -8,7 +8,8 @@ same run.
 
 The model is the zoo's d-knob shape (d_model 64 d, d heads of 64, d layers, SwiGLU 8/3
 d_model rounded up to 64, vocabulary 8192, max_len 512, float32, dense causal attention),
-greedy (temperature 0): every row generates all its new tokens.
+greedy (temperature 0): every row generates all its new tokens. On CPU the decoding steps run
+the decode kernels (models/attention/kernels/decode_cpu.cc); the prefill is the XLA forward.
 
 - prefill tok/s: prompt tokens / time of the prompt's one forward that fills the caches;
 - decode tok/s: new tokens / (time of the whole `generate` call - the prefill's);
