@@ -127,7 +127,8 @@ def available() -> bool:
     _load()
     return True
   except KernelUnavailable as e:
-    logging.warning('CPU kernels unavailable, using the plain-JAX paths: %s', e)
+    logging.warning('CPU kernel unavailable (block-sparse attention, decoding), '
+                    'using the plain-JAX paths: %s', e)
     return False
 
 
