@@ -53,6 +53,10 @@ _FORWARD, _BACKWARD = 'zoo_blocksparse_forward', 'zoo_blocksparse_backward'
 _SKINNY_MATMUL, _DECODE_ATTENTION = 'zoo_skinny_matmul', 'zoo_decode_attention'
 # Most rows skinny_matmul takes (decoding's batch); more go to XLA's dot, which is fast there.
 SKINNY_ROWS = 16
+# For one row, the fewest weights (K N) it takes: below, XLA's matrix-vector product beats the
+# kernel's thread fan-out. Batch-1 greedy decode with every one-row product on XLA / on the
+# kernel: d=4 1,140 / 940 tok/s, d=8 180 / 200; with this threshold 1,077 and 189.
+SKINNY_ONE_ROW_WEIGHTS = 1 << 20
 
 
 class KernelUnavailable(RuntimeError):
@@ -336,12 +340,13 @@ def pattern_attention(q, k, v, segment_ids, parts, *, scale: float, dtype):
 
 
 def skinny_matmul(x, w):
-  """x (M, K) . w (K, N) in float32: on CPU, for M <= SKINNY_ROWS float32 rows, by the kernel
-  that streams w once (decoding's per-token products); otherwise, and on other platforms,
-  jnp.dot. Same values up to float32 summation order. Not differentiable on the kernel path
+  """x (M, K) . w (K, N) in float32: on CPU, for M <= SKINNY_ROWS float32 rows (one row only
+  for w of SKINNY_ONE_ROW_WEIGHTS or more), by the kernel that streams w once (decoding's
+  per-token products); otherwise, and on other platforms, jnp.dot. Same values up to float32 summation order. Not differentiable on the kernel path
   (decoding only)."""
   if (x.ndim != 2 or w.ndim != 2 or x.shape[0] > SKINNY_ROWS or x.dtype != jnp.float32
-      or w.dtype != jnp.float32 or not available()):
+      or w.dtype != jnp.float32 or (x.shape[0] == 1 and w.size < SKINNY_ONE_ROW_WEIGHTS)
+      or not available()):
     return jnp.dot(x, w)
 
   def kernel(x, w):

@@ -40,7 +40,7 @@ def _rand(rng, *shape):
   return jnp.asarray(rng.standard_normal(shape, np.float32))
 
 
-@pytest.mark.parametrize('m,k,n', [(1, 64, 48), (3, 37, 259), (8, 512, 1536), (8, 24, 7),
+@pytest.mark.parametrize('m,k,n', [(1, 1024, 1024), (3, 37, 259), (8, 512, 1536), (8, 24, 7),
                                    (11, 100, 33), (16, 129, 64)])
 def test_skinny_matmul_equals_dot(m, k, n):
   rng = np.random.default_rng(m * k + n)
@@ -51,7 +51,9 @@ def test_skinny_matmul_equals_dot(m, k, n):
   assert 'zoo_skinny_matmul' in jax.jit(cpu_kernel.skinny_matmul).lower(x, w).as_text()
 
 
-@pytest.mark.parametrize('x_shape,dtype', [((17, 32), jnp.float32), ((4, 32), jnp.bfloat16)])
+# More rows than decoding's, other dtypes, one row of a small weight (XLA's matvec is faster).
+@pytest.mark.parametrize('x_shape,dtype', [((17, 32), jnp.float32), ((4, 32), jnp.bfloat16),
+                                           ((1, 32), jnp.float32)])
 def test_skinny_matmul_leaves_other_products_to_xla(x_shape, dtype):
   rng = np.random.default_rng(0)
   x, w = _rand(rng, *x_shape).astype(dtype), _rand(rng, 32, 40).astype(dtype)
