@@ -115,10 +115,13 @@ def check_lengths(prompts: list[tuple[str, str]], ids: list[np.ndarray], max_new
           f'for a new token. Shorten it to at most {max_len - 1} tokens (and lower '
           'generate.max_new_tokens to fit)')
     if n + max_new_tokens > max_len:
+      # Shortening the prompt helps only if max_new_tokens leaves room for one token.
+      shorten = (f', or shorten the prompt to at most {max_len - max_new_tokens} tokens'
+                 if max_new_tokens < max_len else '')
       raise ValueError(
           f'prompt {i} ({where}) has {n} tokens; with generate.max_new_tokens={max_new_tokens} '
           f'that exceeds the model\'s max_len={max_len}. Set generate.max_new_tokens <= '
-          f'{max_len - n}, or shorten the prompt to at most {max_len - max_new_tokens} tokens')
+          f'{max_len - n}{shorten}')
 
 
 @functools.lru_cache(maxsize=16)

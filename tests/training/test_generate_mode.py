@@ -157,6 +157,9 @@ def test_a_prompt_that_leaves_no_room_is_an_error_naming_it(text_run):
                                        r'generate.max_new_tokens=6 .* max_len=32. Set '
                                        r'generate.max_new_tokens <= 3'):
     generate.generate(_text_config(tmp, prompt_file=str(tmp / 'two.txt')), workdir)
+  # max_new_tokens alone fills max_len: shortening the prompt is no advice.
+  with pytest.raises(ValueError, match=r'has 8 tokens; .*generate.max_new_tokens <= 24$'):
+    generate.generate(_text_config(tmp, prompt='the cat', max_new_tokens=40), workdir)
   with pytest.raises(FileNotFoundError, match='generate.prompt_file .*missing.txt does not exist'):
     generate.generate(_text_config(tmp, prompt_file=str(tmp / 'missing.txt')), workdir)
   with pytest.raises(ValueError, match='generate.top_p must be in'):
