@@ -6,6 +6,7 @@ training code maps them onto the device mesh with the rule table in the config.
 
 import contextlib
 import contextvars
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -54,6 +55,28 @@ def decoding_matmuls():
     yield
   finally:
     _DECODING.reset(token)
+
+
+def mesh_splits(logical_axis: str) -> int:
+  """How many ways the mesh and logical axis rules in force (training/sharding.activate)
+  split `logical_axis`: 1 outside a mesh or where the rules leave the axis whole."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return 1
+  axes = nn.logical_to_mesh_axes((logical_axis,))[0]
+  if not axes:
+    return 1
+  axes = (axes,) if isinstance(axes, str) else axes
+  return math.prod(mesh.shape.get(a, 1) for a in axes if isinstance(a, str))
+
+
+def can_flatten(logical_axis: str) -> bool:
+  """Whether a (d, parts, n) kernel whose n axis is `logical_axis` may run as one 2-D
+  (d, parts * n) matmul. On one device that is the fast form (XLA makes no transposed copies).
+  With n split over devices, each device's columns of the flat kernel are not contiguous, so
+  GSPMD would all-gather the kernel (and the activations) in every step: there the 3-D
+  einsum keeps the Megatron layout (column-parallel in, an all-reduce after row-parallel out)."""
+  return mesh_splits(logical_axis) == 1
 
 
 def matmul(x, w, preferred_element_type=None):
@@ -107,7 +130,10 @@ def swiglu_mlp(x, w_in, w_out):
 def _swiglu_mlp_fwd(x, w_in, w_out):
   d = x.shape[-1]
   x2 = x.reshape(-1, d)
-  h = matmul(x2, w_in.reshape(d, -1)).reshape(x2.shape[0], *w_in.shape[1:])
+  if can_flatten('mlp'):
+    h = matmul(x2, w_in.reshape(d, -1)).reshape(x2.shape[0], *w_in.shape[1:])
+  else:
+    h = jnp.einsum('nd,dgf->ngf', x2, w_in)
   act = nn.with_logical_constraint(nn.silu(h[:, 0]) * h[:, 1], ('batch', 'mlp'))
   return matmul(act, w_out).reshape(x.shape[:-1] + (w_out.shape[-1],)), (x2, w_in, w_out, h, act)
 
@@ -123,7 +149,11 @@ def _swiglu_mlp_bwd(residuals, dy):
   # d silu(g)/dg = sigmoid(g) + g sigmoid(g) (1 - sigmoid(g)).
   dh = jnp.stack([dact * up * (sig + silu * (1 - sig)), dact * silu], axis=1)
   # d(x) as a 2-D matmul: the 3-D einsum form makes XLA write d(h) twice, once transposed.
-  dx = jnp.dot(dh.reshape(n, -1), w_in.reshape(d, -1).T).reshape(dy.shape[:-1] + (d,))
+  if can_flatten('mlp'):
+    dx = jnp.dot(dh.reshape(n, -1), w_in.reshape(d, -1).T)
+  else:
+    dx = jnp.einsum('ngf,dgf->nd', dh, w_in)
+  dx = dx.reshape(dy.shape[:-1] + (d,))
   dw_in = jnp.einsum('nd,ngf->dgf', x2, dh)
   dw_out = jnp.dot(act.T, dy2)
   return dx, dw_in, dw_out

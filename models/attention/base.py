@@ -525,9 +525,12 @@ class MultiHeadAttention(nn.Module):
         layers.default_kernel_init, ('embed', 'qkv', 'heads', 'kv')),
         (d_model, parts, self.num_heads, self.head_dim), self.param_dtype)
     b, t = x.shape[:2]
-    # Plain 2-D matmuls (parameter reshapes are free): XLA then needs no transposed copies.
-    y = layers.matmul(x.astype(self.dtype).reshape(b * t, d_model),
-                      w.astype(self.dtype).reshape(d_model, -1))
+    x2 = x.astype(self.dtype).reshape(b * t, d_model)
+    if layers.can_flatten('heads'):
+      # A plain 2-D matmul (parameter reshapes are free): XLA then needs no transposed copies.
+      y = layers.matmul(x2, w.astype(self.dtype).reshape(d_model, -1))
+    else:
+      y = jnp.einsum('nd,dphk->nphk', x2, w.astype(self.dtype))
     y = y.reshape(b, t, parts, self.num_heads, self.head_dim)
     return tuple(y[:, :, i] for i in range(parts))
 

@@ -5,6 +5,7 @@ when JAX starts (XLA_FLAGS=--xla_force_host_platform_device_count=8).
 """
 
 import json
+import re
 import textwrap
 
 import jax
@@ -127,6 +128,56 @@ def test_2x2x2_mesh_matches_single_device(tmp_path, harness):
                                atol=ATOL, err_msg=name)
     moved = max(moved, float(np.max(np.abs(arrays['final1' + name] - arrays['init1' + name]))))
   assert moved > 100 * ATOL  # The comparison is not between untouched initializations.
+
+
+_TENSOR_SCRIPT = textwrap.dedent('''\
+    """Compiles the train step on a tensor=2 mesh; writes every all-gather's result shape."""
+    import json
+    import re
+    import sys
+
+    import jax
+
+    from configs import tiny
+    from training import sharding, train
+
+    config = tiny.get_config()
+    config.model.dtype = config.model.param_dtype = 'float32'
+    config.model.vocab_size = 32  # Splits over tensor=2.
+    config.data.num_assignments = 8
+    config.batch_size = 8
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 2
+    setup = train.build(config, devices=jax.devices())
+    state = train.init_state(setup, config.seed)
+    step_fn = train.jit_train_step(setup)
+    with sharding.activate(setup.mesh, setup.rules):
+      batch = train.device_batch(setup, setup.data.train_batch(0))
+      hlo = step_fn.lower(state, batch, jax.random.key(0)).compile().as_text()
+    gathers = [line.strip()[:160] for line in hlo.splitlines()
+               if re.search(r'= [a-z0-9]+\\[[0-9,]*\\]\\S* all-gather(-start)?\\(', line)]
+    with open(sys.argv[1], 'w') as f:
+      json.dump({'mesh': dict(setup.mesh.shape), 'gathers': gathers,
+                 'tokens': int(batch['inputs'].size)}, f)
+    ''')
+
+
+def test_tensor_parallel_step_gathers_no_weights_or_hidden_activations(tmp_path, harness):
+  """Megatron layout: with heads and MLP width split over `tensor`, the QKV and SwiGLU input
+  kernels are column-parallel and the output kernels row-parallel, so a step needs all-reduces
+  but never all-gathers a kernel or a per-token hidden vector. (Flattening a (d, parts, n)
+  kernel whose n is split made GSPMD gather both, every step.) Only a few numbers per token
+  may be gathered: each vocab shard's best logit and its index, for the accuracy metric."""
+  script = tmp_path / 'tensor_step.py'
+  script.write_text(_TENSOR_SCRIPT)
+  proc = harness.run_script(script, tmp_path / 'result.json', devices=2)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  result = json.loads((tmp_path / 'result.json').read_text())
+  assert result['mesh'] == {'data': 1, 'fsdp': 1, 'tensor': 2}
+  limit = result['tokens'] * 2  # Two numbers per token (one per vocab shard).
+  for line in result['gathers']:
+    shape = re.search(r'\[([0-9,]*)\]', line).group(1)
+    size = int(np.prod([int(n) for n in shape.split(',') if n]))
+    assert size <= limit, f'all-gather of {size} elements (> {limit}): {line}'
 
 
 def _train(harness, grad_accum_steps, num_steps=2):
