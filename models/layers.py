@@ -82,9 +82,9 @@ def can_flatten(logical_axis: str) -> bool:
 def matmul(x, w, preferred_element_type=None):
   """x (M, K) . w (K, N): jnp.dot, or, inside `decoding_matmuls`, cpu_kernel.skinny_matmul
   (the kernel for a few float32 rows on CPU, jnp.dot otherwise)."""
-  if _DECODING.get() and x.dtype == w.dtype == jnp.float32:
+  if _DECODING.get():
     from models.attention import cpu_kernel  # pylint: disable=import-outside-toplevel
-    return cpu_kernel.skinny_matmul(x, w)
+    return cpu_kernel.skinny_matmul(x, w, preferred_element_type)
   return jnp.dot(x, w, preferred_element_type=preferred_element_type)
 
 

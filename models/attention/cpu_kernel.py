@@ -339,15 +339,15 @@ def pattern_attention(q, k, v, segment_ids, parts, *, scale: float, dtype):
 # accelerator, or without the kernel library, they are the plain-JAX products.
 
 
-def skinny_matmul(x, w):
-  """x (M, K) . w (K, N) in float32: on CPU, for M <= SKINNY_ROWS float32 rows (one row only
-  for w of SKINNY_ONE_ROW_WEIGHTS or more), by the kernel that streams w once (decoding's
-  per-token products); otherwise, and on other platforms, jnp.dot. Same values up to float32 summation order. Not differentiable on the kernel path
-  (decoding only)."""
+def skinny_matmul(x, w, preferred_element_type=None):
+  """x (M, K) . w (K, N): on CPU, for M <= SKINNY_ROWS float32 rows (one row only for w of
+  SKINNY_ONE_ROW_WEIGHTS or more), by the kernel that streams w once (decoding's per-token
+  products); otherwise, and on other platforms, jnp.dot. Same values up to float32 summation
+  order. Not differentiable on the kernel path (decoding only)."""
   if (x.ndim != 2 or w.ndim != 2 or x.shape[0] > SKINNY_ROWS or x.dtype != jnp.float32
       or w.dtype != jnp.float32 or (x.shape[0] == 1 and w.size < SKINNY_ONE_ROW_WEIGHTS)
       or not available()):
-    return jnp.dot(x, w)
+    return jnp.dot(x, w, preferred_element_type=preferred_element_type)
 
   def kernel(x, w):
     return jax.ffi.ffi_call(_SKINNY_MATMUL,

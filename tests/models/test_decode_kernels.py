@@ -59,6 +59,10 @@ def test_skinny_matmul_leaves_other_products_to_xla(x_shape, dtype):
   x, w = _rand(rng, *x_shape).astype(dtype), _rand(rng, 32, 40).astype(dtype)
   assert 'zoo_skinny_matmul' not in jax.jit(cpu_kernel.skinny_matmul).lower(x, w).as_text()
   np.testing.assert_array_equal(cpu_kernel.skinny_matmul(x, w), jnp.dot(x, w))
+  # The output head asks for float32 logits whatever the compute dtype.
+  wide = cpu_kernel.skinny_matmul(x, w, preferred_element_type=jnp.float32)
+  assert wide.dtype == jnp.float32
+  np.testing.assert_array_equal(wide, jnp.dot(x, w, preferred_element_type=jnp.float32))
 
 
 def _reference(q, k, v, allowed, live, scale):
