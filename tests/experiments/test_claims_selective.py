@@ -166,6 +166,16 @@ def test_kv_rows_follow_the_numbers():
   assert _verdicts(kv=_kv(lmem=(20, 5, 50)))[10] == FAIL
   # No reduction at all.
   assert _verdicts(kv=_kv(plain=(1, 1, 1)))[9] == FAIL
+  # The same budgets at the dense loss, but L_mem keeps its own loss with fewer tokens at 512:
+  # the verdict stays, and the reason says where L_mem does help.
+  data = _kv(lmem=(6, 8, 10))
+  for s in data['contexts']['512']['selective_lmem']['seeds']:
+    s['keep_reduction'] = 9
+  row = claims.SECTION.rows[10]
+  _, verdict, why = row.measure({claims.KV: data})
+  assert verdict == FAIL and why.endswith('at N = 512 (next row)'), why
+  _, verdict, why = row.measure({claims.KV: _kv(lmem=(6, 8, 10))})
+  assert verdict == FAIL and 'own loss' not in why, why
   # Both at the search's floor everywhere: the factors are the cap, L_mem cannot show.
   plain, lmem, _ = _verdicts(kv=_kv(plain=(64, 128, 256), lmem=(64, 128, 256),
                                     floors=(True, True, True)))[9:]
