@@ -43,7 +43,9 @@ kv's context 256 train dense and selective in the same folders):
 
 Writes the per-seed numbers and the per-variant mean and spread (sample standard deviation over
 seeds) to --out (JSON). --part kv adds to an --out written by an earlier --part kv with the
-same settings (other contexts or seeds), so the contexts can run as separate commands.
+same settings (other contexts or seeds), so the contexts can run as separate commands, and
+plots every context's greedy pruning path next to it (--out with .png: the paper's figure 6).
+A finished budget search of the same settings and checkpoint is read back, not repeated.
 """
 
 import argparse
@@ -54,6 +56,8 @@ import os
 import shlex
 import statistics
 import sys
+
+from absl import logging
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -339,7 +343,34 @@ def refine(config, workdir: str, budgets: list[int], target: float, step: int):
     return greedy_from(loss_of, budgets, layers, step, target, loss_of(budgets))
 
 
-def prune(config, workdir: str, target: float, args) -> dict:
+def finished_search(path: str, target: float, args, checkpoint_step: int, n_layers: int):
+  """The budget file a search of these settings already wrote for this checkpoint, or None:
+  the greedy search is deterministic, so a rerun (e.g. to add a context to the JSON) need not
+  repeat it."""
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    found = json.load(f)
+  same = (found.get('target_loss') == target and found.get('step') == args.prune_step
+          and found.get('batches') == args.prune_batches
+          and found.get('checkpoint_step') == checkpoint_step)
+  refining = 0 < args.fine_step < args.prune_step
+  if 'fine_step' in found:
+    done = found['fine_step'] == args.fine_step and refining
+  else:  # Stopped above the floor of C, or no refinement asked for.
+    done = not (refining and at_floor(found['budgets'], list(range(n_layers)),
+                                      args.prune_step))
+  return found if same and done else None
+
+
+def greedy_path(history: list[dict], unpruned: float, context: int, n_layers: int) -> list:
+  """The greedy search's (tokens kept over all layers, training-sample loss) points from the
+  unpruned cache on: the trade-off curve of the paper's figure 6."""
+  points = [(context * n_layers, unpruned)] + [(sum(h['budgets']), h['loss']) for h in history]
+  return [[int(k), round(float(loss), 5)] for k, loss in points]
+
+
+def prune(config, workdir: str, target: float, args, checkpoint_step: int) -> dict:
   """Greedy budgets (C = --prune_step, then --fine_step once every layer is down to C) to
   `target` on the training sample; their validation loss and KV-cache reduction; and the
   keep-the-gains point of the same greedy path."""
@@ -350,12 +381,19 @@ def prune(config, workdir: str, target: float, args) -> dict:
   config.pruning.target_loss = target
   config.pruning.tolerance = 0.0
   config.pruning.budget_file = os.path.join(workdir, 'budgets_at_dense_loss.json')
-  found = pruning.allocate_budgets(config, workdir)
-  budgets, loss, history = found['budgets'], found['loss'], list(found['history'])
+  n_layers = config.model.n_layers
+  found = finished_search(config.pruning.budget_file, target, args, checkpoint_step, n_layers)
+  if found is not None:
+    logging.info('reusing the finished budget search %s', config.pruning.budget_file)
+    budgets, loss, history = found['budgets'], found['loss'], list(found['history'])
+  else:
+    found = pruning.allocate_budgets(config, workdir)
+    budgets, loss, history = found['budgets'], found['loss'], list(found['history'])
   context = found['context']
   layers = list(range(len(budgets)))  # Every layer is selective here.
-  step = args.prune_step
-  if 0 < args.fine_step < args.prune_step and at_floor(budgets, layers, args.prune_step):
+  step = args.fine_step if 'fine_step' in found else args.prune_step
+  if (0 < args.fine_step < args.prune_step and 'fine_step' not in found
+      and at_floor(budgets, layers, args.prune_step)):
     budgets, loss, fine = refine(config, workdir, budgets, target, args.fine_step)
     history += fine
     step = args.fine_step
@@ -380,6 +418,7 @@ def prune(config, workdir: str, target: float, args) -> dict:
       'at_floor': at_floor(budgets, layers, step),
       'floor_reduction': context / floor_budget(context, args.prune_step, args.fine_step),
       'cuts': len(history),
+      'path': greedy_path(history, found['unpruned_loss'], context, len(budgets)),
       'keep_budgets': keep, 'keep_reduction': kept['memory_reduction'],
       'keep_loss': kept['loss']}
 
@@ -403,7 +442,7 @@ def part_kv(args) -> dict:
         r = by_spec[KV_VARIANTS[name]]
         config = compare.variant_config(base, KV_VARIANTS[name])
         rows[name] = {**lm_row(r, args.batch_size, context), 'val_loss': r['eval_loss'],
-                      **prune(config, r['workdir'], target, args)}
+                      **prune(config, r['workdir'], target, args, r['step'])}
       for r in rows.values():
         r.pop('curves')
       per_seed[seed] = rows
@@ -430,6 +469,46 @@ def kv_table(contexts: dict) -> str:
                      f'{e["reduction"]:.1f}x ± {e["reduction_std"]:.1f} | '
                      f'{e["keep_reduction"]:.1f}x |')
   return '\n'.join(lines)
+
+
+def plot_kv(payload: dict, path: str) -> None:
+  """The paper's figure 6 at our scale: per context, the training-sample loss along each
+  seed's greedy path against the KV cache kept (fraction of the full cache), for selective
+  attention with and without L_mem; dotted: the dense model's loss on the same sample, the
+  search's target."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  contexts = sorted(payload['contexts'].items(), key=lambda kv: int(kv[0]))
+  fig, axes = plt.subplots(1, len(contexts), figsize=(4.2 * len(contexts), 3.8), squeeze=False)
+  colors = {'selective': 'tab:blue', 'selective_lmem': 'tab:green'}
+  for ax, (context, summary) in zip(axes[0], contexts):
+    for name, color in colors.items():
+      for i, seed in enumerate(summary[name]['seeds']):
+        if not seed.get('path'):
+          continue
+        full = seed['path'][0][0]
+        ax.plot([k / full for k, _ in seed['path']], [loss for _, loss in seed['path']],
+                color=color, alpha=0.85, lw=1.2, ls='-' if i == 0 else '--',
+                label=f'{name} (seed {seed["seed"]})')
+        kept = sum(seed['keep_budgets'])
+        loss = next((loss for k, loss in reversed(seed['path']) if k == kept), None)
+        if loss is not None:
+          ax.plot([kept / full], [loss], 'o', color=color, ms=4)
+    for i, seed in enumerate(summary['selective']['seeds']):
+      ax.axhline(seed['sample_target'], color='tab:orange', ls=':', lw=1.2,
+                 label='dense (the target)' if i == 0 else None)
+    ax.set_xscale('log')
+    ax.set_xlabel('KV cache kept (fraction of N x layers)')
+    ax.set_title(f'N = {context}', fontsize=9)
+    ax.grid(alpha=0.3)
+  axes[0][0].set_ylabel('training-sample loss (nats/byte)')
+  axes[0][-1].legend(fontsize=7)
+  fig.suptitle('Greedy context pruning (dots: the keep-gain budgets)', fontsize=9)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
 
 
 def merge_kv(path: str, payload: dict) -> dict:
@@ -516,6 +595,7 @@ def main(argv=None) -> dict:
   payload = {'command': _command(argv), 'part': args.part, **payload}
   if args.part == 'kv':
     payload = merge_kv(args.out, payload)
+    plot_kv(payload, os.path.splitext(args.out)[0] + '.png')
   print('\n' + payload['table'] + '\n')
   common.write_json(args.out, payload)
   return payload

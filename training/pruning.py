@@ -163,7 +163,7 @@ def allocate_budgets(config, workdir: str, request: run_config.Request | None = 
     budgets, base, final, target, history = greedy_budgets(
         loss_of, mc.n_layers, selective_layers(mc), context, int(pc.step), target_fn)
   result = {'budgets': budgets, 'context': context, 'step': int(pc.step),
-            'unpruned_loss': base, 'loss': final, 'target_loss': target,
+            'batches': int(pc.batches), 'unpruned_loss': base, 'loss': final, 'target_loss': target,
             'memory_reduction': memory_reduction(budgets, context),
             'checkpoint_step': step, 'history': history}
   path = budget_path(config, workdir)

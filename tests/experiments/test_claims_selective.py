@@ -70,22 +70,26 @@ def _ablations(**bpb):
 
 
 def _kv_model(val, pruned, reduction, keep=4.0, keep_loss=None, at_floor=False,
-              floor=64.0):
-  seeds = [{'val_loss': val, 'unpruned_loss': val, 'pruned_loss': pruned,
+              floor=64.0, bpb=(3.0, 3.0)):
+  seeds = [{'val_loss': val, 'bits_per_byte': b, 'unpruned_loss': val, 'pruned_loss': pruned,
             'reduction': reduction, 'budgets': [8, 8], 'at_floor': at_floor,
             'floor_reduction': floor, 'keep_reduction': keep,
-            'keep_loss': val if keep_loss is None else keep_loss} for _ in range(2)]
-  return _entry(seeds, ('val_loss', 'reduction', 'pruned_loss', 'keep_reduction', 'keep_loss'))
+            'keep_loss': val if keep_loss is None else keep_loss} for b in bpb]
+  return _entry(seeds, ('val_loss', 'bits_per_byte', 'reduction', 'pruned_loss',
+                        'keep_reduction', 'keep_loss'))
 
 
 def _kv(plain=(6, 8, 10), lmem=(20, 30, 50), pruned=(1.9, 1.9, 1.9), keep=(4, 5, 5),
-        floors=(False, False, False)):
+        floors=(False, False, False), gains=((0.5, 0.52), (0.6, 0.62), (0.7, 0.72))):
+  """gains: per context, each seed's dense minus selective bits/byte."""
   contexts = {}
-  for n, p, m, pl, k, fl in zip((128, 256, 512), plain, lmem, pruned, keep, floors):
+  for n, p, m, pl, k, fl, g in zip((128, 256, 512), plain, lmem, pruned, keep, floors, gains):
+    sel_bpb = tuple(3.0 - x for x in g)
     contexts[str(n)] = {'dense': _kv_model(2.0, None, None),
-                        'selective': _kv_model(1.8, pl, p, keep=k, at_floor=fl, floor=n / 2),
+                        'selective': _kv_model(1.8, pl, p, keep=k, at_floor=fl, floor=n / 2,
+                                               bpb=sel_bpb),
                         'selective_lmem': _kv_model(1.8, pl, m, keep=k, at_floor=fl,
-                                                    floor=n / 2)}
+                                                    floor=n / 2, bpb=sel_bpb)}
   return {'settings': {'steps': 800, 'batch_size': 8, 'd': 2, 'prune_step': 8, 'fine_step': 1,
                        'prune_batches': 4, 'keep_tolerance': 0.005},
           'contexts': contexts}
@@ -156,10 +160,10 @@ def test_a_missing_variant_is_not_testable():
 
 
 def test_kv_rows_follow_the_numbers():
-  plain, lmem, keep = _verdicts(kv=_kv(plain=(3, 4, 5), lmem=(4, 5, 6), keep=(2, 2, 2)))[9:]
+  plain, lmem, keep = _verdicts(kv=_kv(plain=(3, 4, 5), lmem=(4, 5, 6), keep=(2, 2, 2)))[9:12]
   assert plain == DIRECTION and lmem == DIRECTION and keep == DIRECTION
   # The pruned loss above the dense model's (2.0) by more than 1%.
-  plain, lmem, _ = _verdicts(kv=_kv(pruned=(1.9, 2.05, 1.9)))[9:]
+  plain, lmem, _ = _verdicts(kv=_kv(pruned=(1.9, 2.05, 1.9)))[9:12]
   assert plain == FAIL and lmem == FAIL
   # L_mem saves less than without it, everywhere or at one context.
   assert _verdicts(kv=_kv(lmem=(5, 7, 9)))[10] == FAIL
@@ -178,7 +182,7 @@ def test_kv_rows_follow_the_numbers():
   assert verdict == FAIL and 'own loss' not in why, why
   # Both at the search's floor everywhere: the factors are the cap, L_mem cannot show.
   plain, lmem, _ = _verdicts(kv=_kv(plain=(64, 128, 256), lmem=(64, 128, 256),
-                                    floors=(True, True, True)))[9:]
+                                    floors=(True, True, True)))[9:12]
   assert plain == PASS and lmem == UNTESTABLE
   # Keeping the own loss costs more than 1% on validation.
   data = _kv()
@@ -186,6 +190,25 @@ def test_kv_rows_follow_the_numbers():
     for s in c['selective']['seeds']:
       s['keep_loss'] = 1.9
   assert _verdicts(kv=data)[11] == FAIL
+
+
+def test_gain_with_context_follows_the_numbers():
+  row = claims.SECTION.rows[12]
+  assert row.measure({claims.KV: _kv()})[1] == PASS
+  # Larger at 512 than at 128 but not at 256; or larger only within the seeds' spread.
+  assert row.measure({claims.KV: _kv(gains=((0.5, 0.52), (0.45, 0.47), (0.7, 0.72)))})[
+      1] == DIRECTION
+  assert row.measure({claims.KV: _kv(gains=((0.4, 0.6), (0.45, 0.65), (0.5, 0.7)))})[
+      1] == DIRECTION
+  # Shrinking gain.
+  assert row.measure({claims.KV: _kv(gains=((0.7, 0.72), (0.6, 0.62), (0.5, 0.52)))})[
+      1] == FAIL
+  # One context only.
+  data = _kv()
+  data['contexts'] = {'128': data['contexts']['128']}
+  assert row.measure({claims.KV: data})[1] == UNTESTABLE
+  ours = row.measure({claims.KV: _kv()})[0]
+  assert 'N=128: 0.510 ± 0.014' in ours and 'N=512: 0.710 ± 0.014' in ours, ours
 
 
 def test_kv_compares_each_context_with_the_paper_at_four_times_it():
@@ -233,6 +256,32 @@ def test_floor_and_keep_point():
   assert sx.keep_point(history, 1.0, 0.005, 128, 2) == [112, 128]
   assert sx.keep_point(history, 1.0, 0.0, 128, 2) == [120, 128]
   assert sx.keep_point([], 1.0, 0.005, 128, 2) == [128, 128]
+
+
+def test_greedy_path_starts_at_the_full_cache():
+  history = [{'budgets': [120, 128], 'loss': 1.0000004}, {'budgets': [112, 120], 'loss': 1.02}]
+  assert sx.greedy_path(history, 0.99, 128, 2) == [[256, 0.99], [248, 1.0], [232, 1.02]]
+
+
+def test_a_finished_budget_search_is_reused_only_for_the_same_settings(tmp_path):
+  args = sx.parse_args(['--part', 'va', '--out', str(tmp_path / 'x.json')])  # C 8, fine 1, 4.
+  path = tmp_path / 'budgets.json'
+  assert sx.finished_search(str(path), 2.0, args, 800, 2) is None  # No file.
+  found = {'budgets': [3, 3], 'target_loss': 2.0, 'step': 8, 'batches': 4,
+           'checkpoint_step': 800, 'fine_step': 1, 'history': []}
+  path.write_text(json.dumps(found))
+  assert sx.finished_search(str(path), 2.0, args, 800, 2) == found
+  for target, step in ((2.1, 800), (2.0, 900)):  # Another dense target, another checkpoint.
+    assert sx.finished_search(str(path), target, args, step, 2) is None
+  for key, value in (('step', 16), ('batches', 2), ('fine_step', 2)):
+    path.write_text(json.dumps({**found, key: value}))
+    assert sx.finished_search(str(path), 2.0, args, 800, 2) is None, key
+  # Stopped at C's floor without the finer search: not finished. Above the floor: finished.
+  coarse = {k: v for k, v in found.items() if k != 'fine_step'}
+  path.write_text(json.dumps({**coarse, 'budgets': [8, 8]}))
+  assert sx.finished_search(str(path), 2.0, args, 800, 2) is None
+  path.write_text(json.dumps({**coarse, 'budgets': [16, 8]}))
+  assert sx.finished_search(str(path), 2.0, args, 800, 2) is not None
 
 
 def test_summarize_keeps_diverged_seeds_out_of_the_mean():
