@@ -443,11 +443,18 @@ def gain_with_context(results):
     gaps.append((mean, std))
     parts.append(f'N={n}: {pm(mean, std)} (dense {c["dense"]["bits_per_byte"]:.3f}, '
                  f'selective {c["selective"]["bits_per_byte"]:.3f})')
+  seeds = _n(len(contexts[0][1]['selective']['seeds']), 'seed')
   text = ('dense minus selective bits/byte, ' + '; '.join(parts)
-          + f' ({_kv_scale(s, contexts)})')
+          + f' ({seeds}, {s["steps"]} steps of {s["batch_size"]} rows at each context, '
+          f'd={s["d"]})')
   (first, first_std), (last, last_std) = gaps[0], gaps[-1]
   growth = f'{first:.3f} -> {last:.3f} bits/byte from N={contexts[0][0]} to {contexts[-1][0]}'
   rising = all(b[0] > a[0] for a, b in zip(gaps, gaps[1:]))
+  dense_first, dense_last = (c['dense']['bits_per_byte'] for c in (contexts[0][1],
+                                                                  contexts[-1][1]))
+  if dense_last > dense_first:  # Part of the growth is dense doing worse on longer rows.
+    growth += (f'; dense itself does worse on longer rows at this length of training '
+               f'({dense_first:.3f} -> {dense_last:.3f})')
   if rising and last > first and not near(last, last_std, first, first_std, NOISE):
     return text, 'reproduces', f'the gain grows at every longer context: {growth}'
   if last > first:
