@@ -8,6 +8,7 @@ with and without L_mem (section 6.2, figure 6), and the gain's growth with the c
 from __future__ import annotations
 
 import math
+import statistics
 
 from experiments.report import Row, Section, near, pm
 
@@ -437,9 +438,8 @@ def gain_with_context(results):
     dense = {x['seed']: x['bits_per_byte'] for x in c['dense']['seeds']}
     per_seed = [dense[x['seed']] - x['bits_per_byte'] for x in c['selective']['seeds']
                 if x['seed'] in dense]
-    mean = sum(per_seed) / len(per_seed)
-    std = (sum((g - mean) ** 2 for g in per_seed) / (len(per_seed) - 1)) ** 0.5 if len(
-        per_seed) > 1 else 0.0
+    mean = statistics.mean(per_seed)
+    std = statistics.stdev(per_seed) if len(per_seed) > 1 else 0.0
     gaps.append((mean, std))
     parts.append(f'N={n}: {pm(mean, std)} (dense {c["dense"]["bits_per_byte"]:.3f}, '
                  f'selective {c["selective"]["bits_per_byte"]:.3f})')

@@ -383,12 +383,11 @@ def prune(config, workdir: str, target: float, args, checkpoint_step: int) -> di
   config.pruning.budget_file = os.path.join(workdir, 'budgets_at_dense_loss.json')
   n_layers = config.model.n_layers
   found = finished_search(config.pruning.budget_file, target, args, checkpoint_step, n_layers)
-  if found is not None:
-    logging.info('reusing the finished budget search %s', config.pruning.budget_file)
-    budgets, loss, history = found['budgets'], found['loss'], list(found['history'])
-  else:
+  if found is None:
     found = pruning.allocate_budgets(config, workdir)
-    budgets, loss, history = found['budgets'], found['loss'], list(found['history'])
+  else:
+    logging.info('reusing the finished budget search %s', config.pruning.budget_file)
+  budgets, loss, history = found['budgets'], found['loss'], list(found['history'])
   context = found['context']
   layers = list(range(len(budgets)))  # Every layer is selective here.
   step = args.fine_step if 'fine_step' in found else args.prune_step
