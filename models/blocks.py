@@ -58,13 +58,14 @@ class LayerContext:
 
 def make_attention(config, variant: str, layer_index: int, **kwargs) -> nn.Module:
   """Layer `layer_index`'s attention module of `variant`, configured from `config`; its `impl`
-  is the concrete implementation model.attention_impl gives this variant on this run's
-  backend ('auto' resolved: MultiHeadAttention.implementation)."""
+  is the concrete implementation model.attention_impl gives this variant on the platform the
+  program is compiled for (config.target; 'auto' resolved: MultiHeadAttention.implementation)."""
   cls = attention.get(variant)
+  platform, devices = config.target
   impl = cls.implementation(
       config.attention_impl, options=dict(config.attention_options), head_dim=config.head_dim,
-      backend=jax.default_backend(), dtype=config.dtype, block_size=config.attention_block_size,
-      devices=jax.device_count())
+      backend=platform, dtype=config.dtype, block_size=config.attention_block_size,
+      devices=devices)
   return cls(
       num_heads=config.n_heads, head_dim=config.head_dim, qk_norm=config.qk_norm,
       impl=impl, block_size=config.attention_block_size,

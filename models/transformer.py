@@ -55,6 +55,11 @@ class TransformerConfig:
     universal_act: the universal stack halts per position with ACT (models/universal.py).
     universal_max_steps: ACT's cap M on the steps.
     universal_ponder: ACT's ponder cost weight τ.
+    target_platform: platform of the devices the program is compiled for ('cpu', 'gpu',
+      'tpu'), read from the mesh by training/train.py's setup; '' = this process's
+      jax.default_backend(). Kernels are chosen for it (models/attention/dispatch.py): a CPU
+      host may compile for a TPU slice ahead of time.
+    target_devices: number of devices of that mesh; 0 = this process's jax.device_count().
   """
   vocab_size: int
   d_model: int
@@ -81,6 +86,8 @@ class TransformerConfig:
   universal_act: bool = False
   universal_max_steps: int = 8
   universal_ponder: float = 0.01
+  target_platform: str = ''
+  target_devices: int = 0
 
   def __post_init__(self):
     for name in ('vocab_size', 'd_model', 'n_heads', 'n_layers', 'head_dim', 'mlp_dim', 'max_len',
@@ -119,6 +126,13 @@ class TransformerConfig:
     blocks.get(self.block).check(self)
     if self.stack != 'auto':
       stacks.get(self.stack).check(self)
+
+  @property
+  def target(self) -> tuple[str, int]:
+    """(platform, device count) the program is compiled for: target_platform and
+    target_devices, or this process's backend and device count where they are unset."""
+    return (self.target_platform or jax.default_backend(),
+            self.target_devices or jax.device_count())
 
   @property
   def homogeneous(self) -> bool:
@@ -183,7 +197,8 @@ class TransformerConfig:
         ff_chunk_len=m.get('ff_chunk_len', 0),
         universal_steps=m.get('universal_steps', 4), universal_act=m.get('universal_act', False),
         universal_max_steps=m.get('universal_max_steps', 8),
-        universal_ponder=m.get('universal_ponder', 0.01))
+        universal_ponder=m.get('universal_ponder', 0.01),
+        target_platform=m.get('target_platform', ''), target_devices=m.get('target_devices', 0))
 
   def num_params(self) -> int:
     """Number of trainable parameters, counted from the shapes `Decoder.init` creates (no

@@ -128,6 +128,10 @@ def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None =
   model_cfg['vocab_size'] = (config.model.vocab_size
                              or -(-data.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
   model_cfg['max_len'] = config.model.max_len or data.seq_len
+  # Kernels are chosen for the devices the program is compiled for, not for this process's
+  # backend: a CPU host may build a TPU slice's program (--mode=compile).
+  model_cfg['target_platform'] = mesh.devices.flat[0].platform
+  model_cfg['target_devices'] = int(mesh.devices.size)
   model_config = transformer.TransformerConfig.from_config(model_cfg)
   if data.seq_len > model_config.max_len:
     raise ValueError(f'sequence length {data.seq_len} is longer than the position table '
