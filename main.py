@@ -19,6 +19,7 @@ from ml_collections import config_flags
 from training import xla_flags
 
 xla_flags.set_cpu_defaults()
+xla_flags.skip_absent_tpu()
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Checkpoints, TensorBoard events and eval results go here.')

@@ -1,5 +1,6 @@
 """XLA:CPU defaults applied before the first computation (flags are read at backend start)."""
 
+import glob
 import os
 import re
 
@@ -63,3 +64,22 @@ def set_cpu_defaults() -> None:
   if count > 1:
     os.environ.setdefault('PJRT_NPROC', str(THREADS_PER_FAKE_DEVICE * count))
   os.environ['XLA_FLAGS'] = flags.strip()
+
+
+# Device files whose presence means a machine may have an accelerator JAX should look for.
+ACCELERATOR_DEVICE_FILES = ('/dev/accel*', '/dev/vfio/[0-9]*', '/dev/nvidia[0-9]*', '/dev/kfd')
+
+
+def skip_absent_tpu() -> None:
+  """JAX_PLATFORMS=cpu on a machine with no accelerator device file, unless JAX_PLATFORMS is
+  set. With libtpu installed (requirements.txt brings it for --mode=compile) JAX otherwise
+  tries to start a TPU at the first computation of every process and prints a screen of
+  TPU_WORKER_HOSTNAMES errors. Compiling for a TPU topology ahead of time
+  (jax.experimental.topologies) does not need the TPU backend started, and a machine with a
+  TPU, GPU or ROCm device is left alone.
+  """
+  if 'JAX_PLATFORMS' in os.environ:
+    return
+  if any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICE_FILES):
+    return
+  os.environ['JAX_PLATFORMS'] = 'cpu'
