@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from models import attention  # noqa: E402
-from models.attention import blocksparse, cpu_kernel, dense  # noqa: E402
+from models.attention import blocksparse, cpu_kernel  # noqa: E402
 
 # Row implementation -> model.attention_impl.
 IMPLEMENTATIONS = {'jax': 'blocksparse', 'kernel': 'cpu_kernel'}
@@ -60,7 +60,7 @@ def module(name: str, impl: str, args):
 def pattern_parts(name: str, args):
   """(pattern for counting allowed pairs, block-sparse parts) of a benchmark row."""
   m = module(name, 'jax', args)
-  return m.head_pattern(0), list(dense.DENSE_PARTS) if name == 'dense' else m.parts(0)
+  return m.head_pattern(0), m.parts(0)
 
 
 def allowed_pairs(pattern, n: int, chunk: int = 1024) -> int:

@@ -26,17 +26,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from models.attention import cpu_kernel, patterns, sparse  # noqa: E402
+from models.attention import blocksparse, cpu_kernel, patterns  # noqa: E402
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'cpu_kernel_alone.cc')
-_A1 = sparse.HeadView(patterns.Strided(128, 'a1'))
-_A2_MINUS_A1 = sparse.Minus(sparse.HeadView(patterns.Strided(128, 'a2')), _A1)
+_A1 = blocksparse.HeadView(patterns.Strided(128, 'a1'))
+_A2_MINUS_A1 = blocksparse.Minus(blocksparse.HeadView(patterns.Strided(128, 'a2')), _A1)
 PATTERNS = {  # name -> kernel parts ((allowed, residue_stride), ...)
-    'dense': ((sparse.HeadView(patterns.Dense()), 0),),
-    'local_128': ((sparse.HeadView(patterns.Local(128)), 0),),
+    'dense': ((blocksparse.HeadView(patterns.Dense()), 0),),
+    'local_128': ((blocksparse.HeadView(patterns.Local(128)), 0),),
     'strided_128': cpu_kernel.call_order(((_A1, 0), (_A2_MINUS_A1, 128))),
     'strided_128_residue_part': ((_A2_MINUS_A1, 128),),
-    'window_1': ((sparse.HeadView(patterns.Local(1)), 0),),
+    'window_1': ((blocksparse.HeadView(patterns.Local(1)), 0),),
 }
 
 

@@ -71,7 +71,7 @@ def make_attention(config, variant: str, layer_index: int, **kwargs) -> nn.Modul
       impl=impl, block_size=config.attention_block_size,
       layer_index=layer_index, max_len=config.max_len, num_layers=config.n_layers,
       options=config.attention_options, dtype=config.dtype, param_dtype=config.param_dtype,
-      **kwargs)
+      platform=platform, **kwargs)
 
 
 class BlockBase(nn.Module):

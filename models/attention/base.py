@@ -10,7 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import layers
-from models.attention import cpu_kernel, memory, patterns
+from models.attention import blocksparse, cpu_kernel, dispatch, memory, patterns
+# The shared math, under the names the variants use (base.reference_attention, ...).
+from models.attention.reference import (NEG_INF, block_attention, causal_segment_mask,  # noqa: F401
+                                        masked_softmax, reference_attention)
 
 Dtype = Any
 
@@ -23,51 +26,9 @@ Dtype = Any
 # (interpret mode elsewhere, for tests).
 IMPLEMENTATIONS = ('auto', 'xla', 'blocksparse', 'cpu_kernel', 'fused', 'cudnn', 'splash')
 
-# Masked logits get this instead of -inf so a fully masked row (padding) gives a uniform
-# distribution rather than NaN; such rows carry zero loss weight.
-NEG_INF = -1e30
 # `cache` value of MultiHeadAttention.__call__ (and Decoder's `decode`) for a prompt's forward
 # that fills the decoding caches.
 PREFILL = 'prefill'
-
-
-def causal_segment_mask(segment_ids: jax.Array) -> jax.Array:
-  """Boolean (batch, q, k) mask: key j is visible to query i iff j <= i and same document.
-
-  Args:
-    segment_ids: (batch, length) int document ids of packed sequences (0 = padding).
-
-  Returns:
-    (batch, length, length) bool mask.
-  """
-  n = segment_ids.shape[-1]
-  causal = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]
-  same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
-  return causal[None] & same_doc
-
-
-def reference_attention(q, k, v, mask, *, scale, dtype):
-  """softmax(q k^T * scale + mask) v with float32 scores: the dense reference path.
-
-  Args:
-    q: (batch, q_len, heads, head_dim) queries.
-    k: (batch, k_len, heads, head_dim) keys.
-    v: (batch, k_len, heads, head_dim) values.
-    mask: bool, broadcastable to (batch, heads, q_len, k_len).
-    scale: multiplier of the logits.
-    dtype: dtype of the probabilities fed to the value matmul.
-
-  Returns:
-    (batch, q_len, heads, head_dim) attention output.
-  """
-  logits = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32) * scale
-  return jnp.einsum('bhqk,bkhd->bqhd', masked_softmax(logits, mask, dtype), v)
-
-
-def masked_softmax(logits, mask, dtype):
-  """softmax over the last axis of float32 logits where `mask` is True, cast to `dtype`."""
-  return jax.nn.softmax(jnp.where(mask, logits, NEG_INF), axis=-1).astype(dtype)
-
 
 # The smallest cache view a decoding step reads (`over_live_slots`).
 SMALLEST_VIEW = 64
@@ -88,53 +49,6 @@ def over_live_slots(live, capacity: int, attend):
   sizes = jnp.asarray(views[:-1], jnp.int32)
   branch = jnp.sum((sizes < live).astype(jnp.int32))  # The first view >= live.
   return jax.lax.switch(branch, [functools.partial(attend, n) for n in views])
-
-
-def block_attention(q, k, v, segment_ids, *, key_range, allowed, block_size, scale, dtype):
-  """Attention computed query block by query block over a static range of keys.
-
-  For each query block [s, e), only keys in key_range(s, e) are multiplied; `allowed`
-  masks inside that range. The work is proportional to the blocks the pattern touches,
-  not to n^2 (for causal attention it is about half of the dense work). Queries never see
-  keys of another document.
-
-  Args:
-    q: (batch, length, heads, head_dim) queries.
-    k: (batch, length, heads, head_dim) keys.
-    v: (batch, length, heads, head_dim) values.
-    segment_ids: (batch, length) document ids.
-    key_range: (q_start, q_end) -> (k_start, k_end), Python ints: the keys any query of
-      the block may see.
-    allowed: (i, j) -> (q, k) bool pattern for absolute query indices i (shape (q, 1)) and
-      key indices j (shape (1, k)).
-    block_size: query block length.
-    scale: multiplier of the logits.
-    dtype: dtype of the probabilities fed to the value matmul.
-
-  Returns:
-    (batch, length, heads, head_dim).
-  """
-  n = q.shape[1]
-  if block_size < 1:
-    raise ValueError(f'attention block size must be >= 1, got {block_size}')
-  # Head-major once, so that slicing blocks along the sequence needs no further transposes.
-  qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # (b, h, n, d)
-  outputs = []
-  for qs in range(0, n, block_size):
-    qe = min(qs + block_size, n)
-    ks, ke = key_range(qs, qe)
-    same_doc = segment_ids[:, None, qs:qe, None] == segment_ids[:, None, None, ks:ke]
-    mask = allowed(jnp.arange(qs, qe)[:, None], jnp.arange(ks, ke)[None, :]) & same_doc
-    logits = jnp.einsum('bhqd,bhkd->bhqk', qh[:, :, qs:qe], kh[:, :, ks:ke],
-                        preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(mask, logits, NEG_INF)
-    # softmax(l) v = (exp(l - m) v) / sum exp(l - m): dividing the (q, d) output rather than
-    # the (q, k) probabilities saves a pass over the largest tensor, forward and backward.
-    e = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
-    out = jnp.einsum('bhqk,bhkd->bhqd', e.astype(dtype), vh[:, :, ks:ke],
-                     preferred_element_type=jnp.float32)
-    outputs.append((out / jnp.sum(e, axis=-1, keepdims=True)).astype(dtype))
-  return jnp.swapaxes(jnp.concatenate(outputs, axis=2), 1, 2)
 
 
 def check_known(impl: str) -> None:
@@ -256,6 +170,8 @@ class MultiHeadAttention(nn.Module):
       attention_options); read them with `option(name)`.
     shared: {name: array} of the parameters the variant shares across layers
       (`shared_params`), created by the Decoder; None for variants without.
+    platform: the platform the program is compiled for (TransformerConfig.target); '' =
+      this process's jax.default_backend().
     dtype: computation dtype.
     param_dtype: parameter dtype.
   """
@@ -271,12 +187,16 @@ class MultiHeadAttention(nn.Module):
   shared: Any = None
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
+  platform: str = ''
 
   # The variant's own hyper-parameters (name -> Option); subclasses inherit their parents'.
   OPTIONS: ClassVar[dict[str, Option]] = {}
   # True for a variant that encodes positions itself, relative to each query, and is meant
   # to run without absolute position embeddings (model.position_embedding='none').
   RELATIVE_POSITIONS: ClassVar[bool] = False
+  # True for a variant whose every head of every layer is dense causal attention (cuDNN's
+  # flash kernel can then compute it: dispatch.choose).
+  DENSE: ClassVar[bool] = False
 
   @classmethod
   def declared_options(cls) -> dict[str, Option]:
@@ -371,49 +291,40 @@ class MultiHeadAttention(nn.Module):
     return 1
 
   @classmethod
+  def has_static_pattern(cls) -> bool:
+    """True for a variant whose connectivity is a static pattern computed by the shared
+    kernels: it overrides `head_pattern` and leaves `attend` to this class (a variant that
+    overrides both computes its pattern itself, and no kernel is claimed for it)."""
+    return (cls.head_pattern is not MultiHeadAttention.head_pattern
+            and cls.attend is MultiHeadAttention.attend)
+
+  @classmethod
   def implementation(cls, impl: str, *, options: dict, head_dim: int, backend: str,
                      dtype: Dtype = jnp.float32, block_size: int = 128, devices: int = 1) -> str:
-    """What the variant's layers run for model.attention_impl=`impl` on `backend`: 'auto'
+    """What the variant's layers run for model.attention_impl=`impl` on the target: 'auto'
     resolved, an explicit name checked (a ValueError says what to use where it cannot run).
 
-    This default serves every variant; those with fewer implementations override it. A
-    variant has a static pattern when it overrides `head_pattern`. 'auto' picks:
-      tpu  'splash' for a static pattern (block_size a multiple of 128), else 'blocksparse';
-      gpu  'blocksparse' (DenseAttention: cuDNN flash where dtype and head_dim allow it);
-      cpu  'cpu_kernel' for a static pattern on one device, at a head width the kernel is
-           built for, with a compiler; else 'blocksparse' (no compiler: one warning).
-    A variant without a static pattern gets 'blocksparse' (its own blocked path) everywhere.
+    This default serves every variant (dispatch.choose decides); those with a path of their
+    own override it (`own_path_implementation`).
 
     Args:
       impl: one of IMPLEMENTATIONS.
       options: the resolved config.model.attention_options.
       head_dim: width of each head.
-      backend: the run's jax.default_backend(): 'cpu', 'gpu' or 'tpu'.
+      backend: the platform the program is compiled for (TransformerConfig.target): 'cpu',
+        'gpu' or 'tpu'.
       dtype: computation dtype.
       block_size: config.model.attention_block_size.
-      devices: the run's jax.device_count().
+      devices: the target's device count.
 
     Returns:
       A name of IMPLEMENTATIONS other than 'auto'.
     """
-    del options, dtype
+    del options
     check_known(impl)
-    static = cls.head_pattern is not MultiHeadAttention.head_pattern
-    if impl == 'auto':
-      if not static:
-        return 'blocksparse'
-      if backend == 'tpu':
-        return 'splash' if block_size % 128 == 0 else 'blocksparse'
-      if backend == 'cpu' and cpu_kernel.unusable(head_dim, backend, devices) is None:
-        return 'cpu_kernel'
-      return 'blocksparse'
-    if impl in ('splash', 'cpu_kernel') and not static:
-      raise ValueError(f'attention_impl={impl!r} computes a static pattern, and {cls.__name__} '
-                       "has none: use 'auto', 'xla' or 'blocksparse'")
-    if impl == 'cpu_kernel' and (why := cpu_kernel.unusable(head_dim, backend, devices)):
-      raise ValueError(f"attention_impl='cpu_kernel' cannot run here: {why}. Use 'auto' (the "
-                       "kernel where it can run, else 'blocksparse') or 'blocksparse'")
-    return impl
+    return dispatch.choose(impl, variant=cls.__name__, static=cls.has_static_pattern(),
+                           dense=cls.DENSE, head_dim=head_dim, platform=backend,
+                           devices=devices, dtype=dtype, block_size=block_size)
 
   @classmethod
   def own_path_implementation(cls, impl: str, *, refused: tuple[str, ...], why: str,
@@ -550,9 +461,21 @@ class MultiHeadAttention(nn.Module):
 
   def head_pattern(self, head: int):
     """The static pattern of `head` (models/attention/patterns.py), or None for a variant
-    whose connectivity is not a static pattern (the default)."""
+    whose connectivity is not a static pattern (the default). A variant that returns one
+    needs no `attend`: models/attention/dispatch.py computes it on every kernel."""
     del head
     return None
+
+  def parts(self, head: int) -> list[blocksparse.Part]:
+    """Disjoint parts of the head's pattern for the block-sparse paths (default: one part)."""
+    p = self.head_pattern(head)
+    # Heads whose pattern does not depend on the head share one view (and one computation).
+    return [blocksparse.Part(blocksparse.HeadView(
+        p, head if getattr(p, 'distinct_heads', False) else 0))]
+
+  def target_platform(self) -> str:
+    """The platform the program is compiled for: `platform`, or this process's backend."""
+    return self.platform or jax.default_backend()
 
   def kv_cache(self, q, k, v, capacity: int, position_shape: tuple[int, ...]):
     """The decoding cache of a layer: 'key' and 'value' (batch, heads, capacity, head_dim)
@@ -705,4 +628,8 @@ class MultiHeadAttention(nn.Module):
     Returns:
       (batch, length, heads, head_dim).
     """
-    raise NotImplementedError
+    del key_segment_ids, deterministic, extra
+    if self.head_pattern(0) is None:
+      raise NotImplementedError(f'{type(self).__name__} has no static pattern (head_pattern): '
+                                'it must implement attend')
+    return dispatch.attend(self, q, k, v, positions=positions, segment_ids=segment_ids)

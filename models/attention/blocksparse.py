@@ -42,6 +42,26 @@ class Part:
   residue_stride: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadView:
+  """`pattern` as an (i, j) -> bool callable for one head (hashable: layouts are cached)."""
+  pattern: object
+  head: int = 0
+
+  def __call__(self, i, j):
+    return self.pattern.allowed(i, j, self.head)
+
+
+@dataclasses.dataclass(frozen=True)
+class Minus:
+  """Pairs allowed by `a` and not by `b`: makes the parts of a union disjoint."""
+  a: object
+  b: object
+
+  def __call__(self, i, j):
+    return self.a(i, j) & ~self.b(i, j)
+
+
 def residue_order(n: int, l: int) -> np.ndarray:
   """Positions 0..n-1 sorted by (i mod l, i): each residue class becomes contiguous."""
   i = np.arange(n)

@@ -1,16 +1,9 @@
 """Static sparse patterns: Sparse Transformer strided and fixed, local and local-global.
 
 Which keys a query sees comes only from models/attention/patterns.py; this file decides which
-pattern each layer and head uses, and how it is computed:
-
-* `attention_impl='xla'` (and 'fused'/'cudnn'): the dense reference, a mask on full scores.
-* `attention_impl='blocksparse'`: blocksparse.pattern_attention, only the key blocks the
-  pattern touches (key blocks of `attention_options.key_block` positions); plain JAX, the
-  same code on every backend.
-* `attention_impl='cpu_kernel'`: the same parts in the fused C++ tile kernel of cpu_kernel.py
-  (one CPU device; what 'auto' picks there).
-* `attention_impl='splash'`: the Pallas TPU splash kernel with a lazy mask from the same
-  pattern function (interpret mode off TPU; what 'auto' picks on TPU).
+pattern each layer and head uses. How it is computed (the dense reference, the block-sparse
+path over `attention_options.key_block` key blocks, the C++ tile kernel, the TPU splash
+kernel) is models/attention/dispatch.py's choice, the same for every static pattern.
 
 The Sparse Transformer's three ways to use a factorized pattern (A1, A2) are
 `attention_options.factorization`:
@@ -22,13 +15,7 @@ A query that sees no key (e.g. the first block under fixed A2 alone) outputs zer
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
-import jax.numpy as jnp
-import numpy as np
-
-from models.attention import base, blocksparse, cpu_kernel, patterns, splash
+from models.attention import base, blocksparse, dispatch, patterns
 from models.attention.registry import register
 
 FACTORIZATIONS = ('interleave', 'merged', 'multihead')
@@ -43,80 +30,19 @@ FACTORIZED = {
 WINDOW = {'window': Option(128, 'sliding window w: the w most recent positions')}
 
 
-@dataclasses.dataclass(frozen=True)
-class HeadView:
-  """`pattern` as an (i, j) -> bool callable for one head (hashable: layouts are cached)."""
-  pattern: object
-  head: int = 0
-
-  def __call__(self, i, j):
-    return self.pattern.allowed(i, j, self.head)
-
-
-@dataclasses.dataclass(frozen=True)
-class Minus:
-  """Pairs allowed by `a` and not by `b`: makes the parts of a union disjoint."""
-  a: object
-  b: object
-
-  def __call__(self, i, j):
-    return self.a(i, j) & ~self.b(i, j)
-
-
 class PatternAttention(base.MultiHeadAttention):
-  """Shared compute for static patterns; subclasses say which pattern each head uses."""
+  """Static patterns with the block-sparse path's options; subclasses say which pattern each
+  head uses (`head_pattern`) and may split it into parts (`parts`); dispatch.py computes it."""
   OPTIONS = {
-      'key_block': Option(16, "key block of the 'blocksparse' path for sparse patterns"),
-      'band_block': Option(64, 'query block of the band path for near-diagonal patterns (local, '
-                           'strided A1); 0 = never use it'),
+      'key_block': Option(dispatch.KEY_BLOCK,
+                          "key block of the 'blocksparse' path for sparse patterns"),
+      'band_block': Option(dispatch.BAND_BLOCK, 'query block of the band path for near-diagonal '
+                           'patterns (local, strided A1); 0 = never use it'),
   }
 
   def head_pattern(self, head: int):
     """The pattern object of `head` in this layer."""
     raise NotImplementedError
-
-  def parts(self, head: int) -> list[blocksparse.Part]:
-    """Disjoint parts of the head's pattern for the block-sparse path (default: one part)."""
-    p = self.head_pattern(head)
-    # Heads whose pattern does not depend on the head share one view (and one computation).
-    return [blocksparse.Part(HeadView(p, head if getattr(p, 'distinct_heads', False) else 0))]
-
-  def attend(self, q, k, v, *, positions, segment_ids, deterministic, key_segment_ids=None,
-             extra=None):
-    del key_segment_ids, deterministic, extra
-    scale = q.shape[-1] ** -0.5
-    heads = q.shape[2]
-    if self.impl in ('blocksparse', 'cpu_kernel'):
-      if self.impl == 'cpu_kernel':
-        compute = functools.partial(cpu_kernel.pattern_attention, scale=scale, dtype=self.dtype)
-      else:
-        compute = functools.partial(
-            blocksparse.pattern_attention, q_block=self.block_size,
-            k_block=self.option('key_block'), band_block=self.option('band_block'), scale=scale,
-            dtype=self.dtype)
-      groups: dict[tuple, list[int]] = {}  # Heads with the same parts share one computation.
-      for h in range(heads):
-        groups.setdefault(tuple(self.parts(h)), []).append(h)
-      if len(groups) == 1:
-        return compute(q, k, v, segment_ids, list(next(iter(groups))))
-      outs = {}
-      for parts, hs in groups.items():
-        sel = np.asarray(hs)
-        out = compute(q[:, :, sel], k[:, :, sel], v[:, :, sel], segment_ids, list(parts))
-        for idx, h in enumerate(hs):
-          outs[h] = out[:, :, idx]
-      return jnp.stack([outs[h] for h in range(heads)], axis=2)
-    if self.impl == 'splash':
-      return splash.splash_attention(
-          q, k, v, segment_ids, positions, [self.head_pattern(h) for h in range(heads)],
-          block_size=self.block_size, scale=scale, dtype=self.dtype)
-    n = q.shape[1]
-    i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
-    allowed = jnp.stack([self.head_pattern(h).allowed(i, j, h) for h in range(heads)])
-    mask = allowed[None] & base.causal_segment_mask(segment_ids)[:, None]  # (b, h, q, k)
-    out = base.reference_attention(q, k, v, mask, scale=scale, dtype=self.dtype)
-    sees_any = jnp.swapaxes(mask.any(axis=-1), 1, 2)[..., None]  # (b, q, h, 1)
-    return jnp.where(sees_any, out, 0).astype(self.dtype)
 
 
 def _factorized_part(layer: int, head: int, heads: int, factorization: str) -> str:
@@ -167,13 +93,13 @@ class StridedAttention(PatternAttention):
   def parts(self, head):
     p = self.head_pattern(head)
     l = p.l
-    a1 = HeadView(patterns.Strided(l, 'a1'))
-    a2 = HeadView(patterns.Strided(l, 'a2'))
+    a1 = blocksparse.HeadView(patterns.Strided(l, 'a1'))
+    a2 = blocksparse.HeadView(patterns.Strided(l, 'a2'))
     if p.part == 'a1':
       return [blocksparse.Part(a1)]
     if p.part == 'a2':  # Block-diagonal once positions are sorted by residue mod l.
       return [blocksparse.Part(a2, residue_stride=l)]
-    return [blocksparse.Part(a1), blocksparse.Part(Minus(a2, a1), residue_stride=l)]
+    return [blocksparse.Part(a1), blocksparse.Part(blocksparse.Minus(a2, a1), residue_stride=l)]
 
   @classmethod
   def validate(cls, options, n_heads, n_layers):
@@ -261,14 +187,6 @@ class LocalGlobalAttention(PatternAttention):
 
   def head_pattern(self, head):
     return patterns.Dense() if self.is_global() else patterns.Local(self.option('window'))
-
-  def attend(self, q, k, v, **kwargs):
-    if self.is_global() and self.impl == 'blocksparse':
-      return base.block_attention(  # The causal block engine, as DenseAttention's.
-          q, k, v, kwargs['segment_ids'], key_range=lambda s, e: (0, e),
-          allowed=lambda i, j: i >= j, block_size=self.block_size, scale=q.shape[-1] ** -0.5,
-          dtype=self.dtype)
-    return super().attend(q, k, v, **kwargs)
 
   @classmethod
   def validate(cls, options, n_heads, n_layers):

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from models import attention
-from models.attention import cpu_kernel, patterns, sparse
+from models.attention import blocksparse, cpu_kernel, patterns
 
 # The kernel is a CPU custom call: it has no handler on another platform.
 pytestmark = pytest.mark.cpu_only
@@ -53,18 +53,18 @@ def built_kernel(_kernel_build):
 
 needs_kernel = pytest.mark.usefixtures('built_kernel')
 
-A1, A2 = sparse.HeadView(patterns.Strided(8, 'a1')), sparse.HeadView(patterns.Strided(8, 'a2'))
+A1, A2 = blocksparse.HeadView(patterns.Strided(8, 'a1')), blocksparse.HeadView(patterns.Strided(8, 'a2'))
 # name -> (allowed, residue_stride): every pattern, and the strided parts the model computes
 # in residue order.
 PATTERNS = {
-    'dense': (sparse.HeadView(patterns.Dense()), 0),
-    'local': (sparse.HeadView(patterns.Local(21)), 0),
-    'fixed': (sparse.HeadView(patterns.Fixed(16, 4)), 0),
-    'fixed-a2': (sparse.HeadView(patterns.Fixed(8, 3, 'a2')), 0),  # Early queries see nothing.
-    'strided': (sparse.HeadView(patterns.Strided(8)), 0),
+    'dense': (blocksparse.HeadView(patterns.Dense()), 0),
+    'local': (blocksparse.HeadView(patterns.Local(21)), 0),
+    'fixed': (blocksparse.HeadView(patterns.Fixed(16, 4)), 0),
+    'fixed-a2': (blocksparse.HeadView(patterns.Fixed(8, 3, 'a2')), 0),  # Early queries see nothing.
+    'strided': (blocksparse.HeadView(patterns.Strided(8)), 0),
     'strided-a2-residue': (A2, 8),
-    'strided-a2-minus-a1-residue': (sparse.Minus(A2, A1), 8),
-    'block_local': (sparse.HeadView(patterns.BlockLocal(12, 5)), 0),
+    'strided-a2-minus-a1-residue': (blocksparse.Minus(A2, A1), 8),
+    'block_local': (blocksparse.HeadView(patterns.BlockLocal(12, 5)), 0),
     # No query sees the keys from 20 on: the key tiles past it are in no tile list, and the
     # backward must still write their dk and dv (zeros).
     'early-keys-only': (lambda i, j: (j <= i) & (j < 20), 0),
@@ -75,15 +75,15 @@ PATTERNS = {
 # the first queries nothing, which the later part then fills), and fixed in both orders: A2
 # minus A1 then A1 (likewise), and A1 then A2 minus A1 (the later part gives the first block
 # nothing, which must leave its output as it was).
-_F1 = sparse.HeadView(patterns.Fixed(16, 4, 'a1'))
-_F2 = sparse.HeadView(patterns.Fixed(16, 4, 'a2'))
+_F1 = blocksparse.HeadView(patterns.Fixed(16, 4, 'a1'))
+_F2 = blocksparse.HeadView(patterns.Fixed(16, 4, 'a2'))
 MULTI_PART = {
-    'strided-two-parts': (sparse.HeadView(patterns.Strided(8)),
-                          [(A1, 0), (sparse.Minus(A2, A1), 8)]),
-    'fixed-two-parts': (sparse.HeadView(patterns.Fixed(16, 4)),
-                        [(sparse.Minus(_F2, _F1), 0), (_F1, 0)]),
-    'fixed-two-parts-a1-first': (sparse.HeadView(patterns.Fixed(16, 4)),
-                                 [(_F1, 0), (sparse.Minus(_F2, _F1), 0)]),
+    'strided-two-parts': (blocksparse.HeadView(patterns.Strided(8)),
+                          [(A1, 0), (blocksparse.Minus(A2, A1), 8)]),
+    'fixed-two-parts': (blocksparse.HeadView(patterns.Fixed(16, 4)),
+                        [(blocksparse.Minus(_F2, _F1), 0), (_F1, 0)]),
+    'fixed-two-parts-a1-first': (blocksparse.HeadView(patterns.Fixed(16, 4)),
+                                 [(_F1, 0), (blocksparse.Minus(_F2, _F1), 0)]),
 }
 
 
@@ -225,7 +225,7 @@ def test_tile_layout_covers_exactly_the_allowed_pairs(name):
 
 def test_residue_order_makes_the_strided_part_block_diagonal():
   n, l = 256, 16
-  allowed = sparse.HeadView(patterns.Strided(l, 'a2'))
+  allowed = blocksparse.HeadView(patterns.Strided(l, 'a2'))
   residue_pairs = cpu_kernel.layout_pairs(allowed, n, l)
   assert residue_pairs == l * (n // l) ** 2  # One 16 x 16 tile per residue class.
   assert cpu_kernel.layout_pairs(allowed, n) > 8 * residue_pairs  # Sequence order: thin tiles.

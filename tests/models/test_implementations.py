@@ -96,9 +96,19 @@ def test_auto_picks_the_documented_implementation(name, kernel_builds):
 @pytest.mark.parametrize('impl', [i for i in attention.IMPLEMENTATIONS if i != 'auto'])
 def test_an_explicit_name_is_kept_where_it_runs(impl, kernel_builds):
   del kernel_builds
+  backend = 'gpu' if impl == 'cudnn' else 'cpu'
   assert attention.get('strided').implementation(
       impl, options=attention.resolve_options({}, ['strided']), head_dim=64,
-      backend='cpu') == impl
+      backend=backend) == impl
+
+
+@pytest.mark.parametrize('impl,backend', [('cudnn', 'cpu'), ('cudnn', 'tpu'), ('splash', 'gpu'),
+                                          ('cpu_kernel', 'tpu'), ('cpu_kernel', 'gpu')])
+def test_a_kernel_of_another_platform_is_refused_for_the_target(impl, backend, kernel_builds):
+  del kernel_builds
+  with pytest.raises(ValueError, match=f'{impl}.*cannot run here|StridedAttention.*{impl}'):
+    attention.get('strided').implementation(
+        impl, options=attention.resolve_options({}, ['strided']), head_dim=64, backend=backend)
 
 
 @pytest.mark.cpu_only  # What the real backend resolves to on one CPU device.

@@ -1,0 +1,177 @@
+"""Which kernel computes a static pattern, and the one call to it, for every variant that has one.
+
+A variant with a static pattern (one that overrides `head_pattern` and leaves `attend` to the
+base class) only says which keys each head sees; this module decides how that is computed and
+calls the kernel:
+
+  'xla'          the dense reference: the pattern as a mask on full scores (reference.py);
+  'fused'        jax.nn.dot_product_attention, dense causal patterns only (else 'xla');
+  'cudnn'        the same with cuDNN's flash kernel (NVIDIA GPUs);
+  'blocksparse'  plain JAX over the key blocks the pattern touches (blocksparse.py; the causal
+                 blocked path for dense patterns), the same code on every platform;
+  'cpu_kernel'   the fused C++ tile kernel on the same parts (cpu_kernel.py, one CPU device);
+  'splash'       the Pallas TPU kernel with a lazy mask from the same pattern (splash.py),
+                 under shard_map over the mesh axes that split the batch and the heads.
+
+`choose` resolves model.attention_impl for the platform and device count of the mesh the
+program is compiled for (TransformerConfig.target), never for the process's backend: a CPU
+host may compile a TPU slice's program ahead of time, and a CPU-only kernel must never enter
+it. Interpret mode (Pallas run as plain JAX) is only for a CPU target.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import jax
+import numpy as np
+
+from models.attention import blocksparse, cpu_kernel, patterns, reference, splash
+
+# The options of the 'blocksparse' path of a static pattern (config.model.
+# attention_options.<name>); PatternAttention declares them, and a variant that declares
+# none gets these defaults.
+KEY_BLOCK, BAND_BLOCK = 16, 64
+
+
+def choose(impl: str, *, variant: str, static: bool, dense: bool, head_dim: int, platform: str, devices: int,
+           dtype, block_size: int) -> str:
+  """The implementation a variant runs for model.attention_impl=`impl` on the target.
+
+  'auto' picks, for a static pattern:
+    tpu  'splash' (block_size a multiple of 128), else 'blocksparse';
+    gpu  'cudnn' for dense causal attention where cuDNN's flash kernel runs (bf16/fp16,
+         head_dim a multiple of 8 up to 128), else 'blocksparse';
+    cpu  'cpu_kernel' on one device at a head width the kernel is built for, with a compiler;
+         else 'blocksparse' (no compiler: one warning).
+  A variant without a static pattern gets 'blocksparse' (its own blocked path) everywhere.
+  An explicit name is checked: one that cannot run on the target raises a ValueError that says
+  what to use.
+
+  Args:
+    impl: one of base.IMPLEMENTATIONS (already checked to be known).
+    variant: the variant's class name, for the errors.
+    static: the variant has a static pattern computed here (`has_static_pattern`).
+    dense: that pattern is dense causal attention in every head.
+    head_dim: width of each head.
+    platform: the target's platform: 'cpu', 'gpu' or 'tpu'.
+    devices: the target's device count.
+    dtype: computation dtype.
+    block_size: config.model.attention_block_size.
+
+  Returns:
+    A name of base.IMPLEMENTATIONS other than 'auto'.
+  """
+  if impl == 'auto':
+    if not static:
+      return 'blocksparse'
+    if platform == 'tpu':
+      return 'splash' if block_size % splash.BLOCK_MULTIPLE == 0 else 'blocksparse'
+    if platform == 'gpu' and dense and cudnn_runs(head_dim, dtype):
+      return 'cudnn'
+    if platform == 'cpu' and cpu_kernel.unusable(head_dim, platform, devices) is None:
+      return 'cpu_kernel'
+    return 'blocksparse'
+  if impl in ('splash', 'cpu_kernel') and not static:
+    raise ValueError(f'attention_impl={impl!r} computes a static pattern, and {variant} has '
+                     "none: use 'auto', 'xla' or 'blocksparse'")
+  if impl == 'cpu_kernel' and (why := cpu_kernel.unusable(head_dim, platform, devices)):
+    raise ValueError(f"attention_impl='cpu_kernel' cannot run here: {why}. Use 'auto' (the "
+                     "kernel where it can run, else 'blocksparse') or 'blocksparse'")
+  if impl == 'splash' and platform == 'gpu':
+    raise ValueError(f"{variant}: attention_impl='splash' is a TPU kernel; on GPU use 'auto' "
+                     "or 'blocksparse'")
+  if impl == 'cudnn' and platform != 'gpu':
+    raise ValueError(f"{variant}: attention_impl='cudnn' is an NVIDIA GPU kernel and the "
+                     f"program is compiled for {platform!r}: use 'auto', 'blocksparse' or 'xla'")
+  return impl
+
+
+# Head widths of cuDNN's flash kernel on every GPU it supports (Hopper also takes up to 256).
+CUDNN_HEAD_DIM_MAX = 128
+
+
+def cudnn_runs(head_dim: int, dtype) -> bool:
+  """Whether cuDNN's flash attention takes this head width and dtype."""
+  return (head_dim % 8 == 0 and head_dim <= CUDNN_HEAD_DIM_MAX
+          and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
+
+
+def block_option(module, name: str) -> int:
+  """`key_block` / `band_block` of the module's options, or the default where the variant
+  does not declare them."""
+  if name in module.declared_options():
+    return module.option(name)
+  return {'key_block': KEY_BLOCK, 'band_block': BAND_BLOCK}[name]
+
+
+def attend(module, q, k, v, *, positions, segment_ids):
+  """Attention of every head of `module` over its static pattern, on `module.impl`.
+
+  Args:
+    module: the variant's MultiHeadAttention (head_pattern, parts, impl, block_size, dtype,
+      platform).
+    q, k, v: (batch, length, heads, head_dim).
+    positions: (batch, length) positions within each document.
+    segment_ids: (batch, length) document ids; keys of other documents are never seen.
+
+  Returns:
+    (batch, length, heads, head_dim); a query that sees no key outputs zeros.
+  """
+  heads = q.shape[2]
+  head_patterns = [module.head_pattern(h) for h in range(heads)]
+  dense = all(isinstance(p, patterns.Dense) for p in head_patterns)
+  scale = q.shape[-1] ** -0.5
+  dtype = module.dtype
+  impl = module.impl
+  if impl == 'splash':
+    return splash.splash_attention(q, k, v, segment_ids, positions, head_patterns,
+                                   block_size=module.block_size, scale=scale, dtype=dtype,
+                                   interpret=module.target_platform() == 'cpu')
+  if impl == 'blocksparse' and dense:
+    # Query block [s, e) sees keys [0, e): the blocks above the diagonal are never computed.
+    return reference.block_attention(
+        q, k, v, segment_ids, key_range=lambda s, e: (0, e), allowed=lambda i, j: i >= j,
+        block_size=module.block_size, scale=scale, dtype=dtype)
+  if impl in ('blocksparse', 'cpu_kernel'):
+    if impl == 'cpu_kernel':
+      def compute(q, k, v, parts):
+        return cpu_kernel.pattern_attention(q, k, v, segment_ids, parts, scale=scale,
+                                            dtype=dtype)
+    else:
+      def compute(q, k, v, parts):
+        return blocksparse.pattern_attention(
+            q, k, v, segment_ids, parts, q_block=module.block_size,
+            k_block=block_option(module, 'key_block'),
+            band_block=block_option(module, 'band_block'), scale=scale, dtype=dtype)
+    return _by_head_group(module, q, k, v, compute)
+  mask = reference.causal_segment_mask(segment_ids)  # (b, q, k)
+  if dense:
+    if impl in ('fused', 'cudnn'):
+      return jax.nn.dot_product_attention(
+          q, k, v, mask=mask[:, None], scale=scale,
+          implementation='cudnn' if impl == 'cudnn' else None).astype(dtype)
+    return reference.reference_attention(q, k, v, mask[:, None], scale=scale, dtype=dtype)
+  n = q.shape[1]
+  i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+  allowed = jnp.stack([p.allowed(i, j, h) for h, p in enumerate(head_patterns)])
+  mask = allowed[None] & mask[:, None]  # (b, h, q, k)
+  out = reference.reference_attention(q, k, v, mask, scale=scale, dtype=dtype)
+  sees_any = jnp.swapaxes(mask.any(axis=-1), 1, 2)[..., None]  # (b, q, h, 1)
+  return jnp.where(sees_any, out, 0).astype(dtype)
+
+
+def _by_head_group(module, q, k, v, compute):
+  """`compute(q, k, v, parts)` once per group of heads with the same parts (module.parts)."""
+  heads = q.shape[2]
+  groups: dict[tuple, list[int]] = {}
+  for h in range(heads):
+    groups.setdefault(tuple(module.parts(h)), []).append(h)
+  if len(groups) == 1:
+    return compute(q, k, v, list(next(iter(groups))))
+  outs = {}
+  for parts, hs in groups.items():
+    sel = np.asarray(hs)
+    out = compute(q[:, :, sel], k[:, :, sel], v[:, :, sel], list(parts))
+    for idx, h in enumerate(hs):
+      outs[h] = out[:, :, idx]
+  return jnp.stack([outs[h] for h in range(heads)], axis=2)
