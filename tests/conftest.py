@@ -1,6 +1,10 @@
 """Fixtures shared by every test folder, and what the suite assumes of the backend."""
 
-import jax
+from training import xla_flags
+
+xla_flags.skip_absent_tpu()  # Before jax starts a backend: no TPU here (see its docstring).
+
+import jax  # noqa: E402
 import pytest
 
 from models.attention import base, registry

@@ -71,15 +71,18 @@ ACCELERATOR_DEVICE_FILES = ('/dev/accel*', '/dev/vfio/[0-9]*', '/dev/nvidia[0-9]
 
 
 def skip_absent_tpu() -> None:
-  """JAX_PLATFORMS=cpu on a machine with no accelerator device file, unless JAX_PLATFORMS is
-  set. With libtpu installed (requirements.txt brings it for --mode=compile) JAX otherwise
-  tries to start a TPU at the first computation of every process and prints a screen of
-  TPU_WORKER_HOSTNAMES errors. Compiling for a TPU topology ahead of time
-  (jax.experimental.topologies) does not need the TPU backend started, and a machine with a
-  TPU, GPU or ROCm device is left alone.
+  """On a machine with no accelerator device file: JAX_PLATFORMS=cpu (unless set) and
+  ALLOW_MULTIPLE_LIBTPU_LOAD=1. Call it before importing jax.
+
+  With libtpu installed (requirements.txt brings it for --mode=compile) JAX otherwise tries to
+  start a TPU at the first computation of every process and prints a screen of
+  TPU_WORKER_HOSTNAMES errors; compiling for a TPU topology ahead of time
+  (jax.experimental.topologies) does not need the TPU backend started. libtpu also takes a
+  machine-wide lock file when it loads, which makes a second process that compiles for a
+  topology at the same time (tests, a benchmark beside a run) fail; with no TPU to share,
+  the lock guards nothing. A machine with a TPU, GPU or ROCm device is left alone.
   """
-  if 'JAX_PLATFORMS' in os.environ:
-    return
   if any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICE_FILES):
     return
-  os.environ['JAX_PLATFORMS'] = 'cpu'
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
