@@ -154,10 +154,14 @@ def get_config() -> ml_collections.ConfigDict:
   pruning.target_loss = 0.0             # > 0: stop at this loss instead (e.g. a dense model's).
 
   # Sharding: mesh sizes (-1 = all remaining devices) and the logical-to-mesh rule table.
+  # data, fsdp and tensor are sizes within one TPU slice (ICI); on several slices (DCN) the
+  # mesh axes 'data' and 'fsdp' have sizes data * dcn_data and fsdp * dcn_fsdp.
   config.mesh = mesh = ml_collections.ConfigDict()
   mesh.data = -1                        # Pure data parallelism.
   mesh.fsdp = 1                         # Parameters and optimizer state sharded (ZeRO-3 style).
   mesh.tensor = 1                       # Heads and MLP width split (Megatron style).
+  mesh.dcn_data = 1                     # Slices over which the batch is split (data parallel).
+  mesh.dcn_fsdp = 1                     # Slices over which parameters are also sharded (FSDP).
   config.logical_axis_rules = [
       ('batch', ('data', 'fsdp')),
       ('embed', 'fsdp'),
