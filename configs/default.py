@@ -128,6 +128,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_stride = 0                # Tokens scored per window (the window moves by it); 0 = eval_window / 2.
   config.inspect_len = 256              # --mode=inspect: sequence length of the plotted masks; 0 = seq_len.
   config.peak_tflops_per_device = 0.0   # Peak for MFU; 0 = device table, else a measured matmul peak.
+  config.profile_steps = 0              # Train steps traced by the JAX profiler into WORKDIR/profile
+                                        # (TensorBoard's profile plugin, XProf); 0 = off.
+  config.profile_start_step = 2         # Steps of this process (a resume counts from its restored
+                                        # step) run before the trace starts: step 0 compiles.
 
   # Sampling (--mode=generate; training/generate.py) and the samples written at each eval.
   config.generate = generate = ml_collections.ConfigDict()
