@@ -128,6 +128,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_stride = 0                # Tokens scored per window (the window moves by it); 0 = eval_window / 2.
   config.inspect_len = 256              # --mode=inspect: sequence length of the plotted masks; 0 = seq_len.
   config.peak_tflops_per_device = 0.0   # Peak for MFU; 0 = device table, else a measured matmul peak.
+  config.profile_steps = 0              # Train steps traced by the JAX profiler into WORKDIR/profile
+                                        # (TensorBoard's profile plugin, XProf); 0 = off.
+  config.profile_start_step = 2         # Steps of this process (a resume counts from its restored
+                                        # step) run before the trace starts: step 0 compiles.
 
   # Sampling (--mode=generate; training/generate.py) and the samples written at each eval.
   config.generate = generate = ml_collections.ConfigDict()
@@ -154,10 +158,14 @@ def get_config() -> ml_collections.ConfigDict:
   pruning.target_loss = 0.0             # > 0: stop at this loss instead (e.g. a dense model's).
 
   # Sharding: mesh sizes (-1 = all remaining devices) and the logical-to-mesh rule table.
+  # data, fsdp and tensor are sizes within one TPU slice (ICI); on several slices (DCN) the
+  # mesh axes 'data' and 'fsdp' have sizes data * dcn_data and fsdp * dcn_fsdp.
   config.mesh = mesh = ml_collections.ConfigDict()
   mesh.data = -1                        # Pure data parallelism.
   mesh.fsdp = 1                         # Parameters and optimizer state sharded (ZeRO-3 style).
   mesh.tensor = 1                       # Heads and MLP width split (Megatron style).
+  mesh.dcn_data = 1                     # Slices over which the batch is split (data parallel).
+  mesh.dcn_fsdp = 1                     # Slices over which parameters are also sharded (FSDP).
   config.logical_axis_rules = [
       ('batch', ('data', 'fsdp')),
       ('embed', 'fsdp'),

@@ -121,6 +121,8 @@ KINDS = {
     'generate': RUNTIME,                    # Sampling settings.
     'inspect_len': RUNTIME,
     'peak_tflops_per_device': RUNTIME,
+    'profile_steps': RUNTIME,               # Profiler trace: the same steps, observed.
+    'profile_start_step': RUNTIME,
     'pruning': RUNTIME,                     # Parameters of the pruning modes.
     'mesh': RUNTIME,
     'logical_axis_rules': RUNTIME,

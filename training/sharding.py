@@ -1,7 +1,9 @@
 """Device mesh and logical-axis sharding.
 
 One mesh with named axes (data, fsdp, tensor) and Auto axis types; parameters and
-activations carry logical axis names that `config.logical_axis_rules` maps onto it.
+activations carry logical axis names that `config.logical_axis_rules` maps onto it. On
+several TPU slices, the data-parallel axes also span the slices (mesh.dcn_data,
+mesh.dcn_fsdp), so the rule table is the same on one slice and on many.
 """
 
 import contextlib
@@ -10,37 +12,117 @@ from typing import Sequence
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
 
 
-def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds the (data, fsdp, tensor) mesh.
+def _size(mesh_cfg, key: str, *, auto: bool) -> int:
+  """The integer size `mesh_cfg[key]`.
 
   Args:
-    mesh_cfg: mapping with integer sizes for 'data', 'fsdp' and 'tensor'; one of them may be -1
-      to take all remaining devices.
-    devices: devices to use; defaults to all of jax.devices().
+    mesh_cfg: the mesh config.
+    key: 'data', 'fsdp' or 'tensor' (required), or 'dcn_data' or 'dcn_fsdp' (1 when absent:
+      configs and run records older than these keys).
+    auto: -1 (all remaining devices) is allowed.
 
   Returns:
-    A Mesh with Auto axis types (linen logical constraints need them).
+    The size.
   """
-  devices = list(jax.devices() if devices is None else devices)
-  shape = [int(mesh_cfg[a]) for a in MESH_AXES]
+  value = mesh_cfg[key] if key in MESH_AXES or key in mesh_cfg else 1
+  try:
+    size = int(value)
+    integral = not isinstance(value, bool) and size == value
+  except (TypeError, ValueError):
+    integral = False
+  if not integral or size == 0 or size < (-1 if auto else 1):
+    allowed = 'an integer >= 1, or -1 for all remaining devices' if auto else 'an integer >= 1'
+    raise ValueError(f'mesh.{key} must be {allowed}, got {value!r}')
+  return size
+
+
+def _resolve(shape: list[int], n_devices: int, where: str = '') -> list[int]:
+  """`shape` with its -1 entry (at most one) set so that it covers `n_devices` devices."""
   if shape.count(-1) > 1:
     raise ValueError(f'at most one mesh axis may be -1, got {dict(zip(MESH_AXES, shape))}')
   known = int(np.prod([s for s in shape if s != -1]))
   if -1 in shape:
-    if len(devices) % known:
-      raise ValueError(f'{len(devices)} devices cannot be split into a mesh '
+    if n_devices % known:
+      raise ValueError(f'{n_devices} devices{where} cannot be split into a mesh '
                        f'{dict(zip(MESH_AXES, shape))}')
-    shape[shape.index(-1)] = len(devices) // known
-  if int(np.prod(shape)) != len(devices):
-    raise ValueError(f'mesh {dict(zip(MESH_AXES, shape))} needs {int(np.prod(shape))} devices, '
-                     f'{len(devices)} are available')
-  return jax.make_mesh(tuple(shape), MESH_AXES, devices=devices,
-                       axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    shape[shape.index(-1)] = n_devices // known
+  if int(np.prod(shape)) != n_devices:
+    raise ValueError(f'mesh {dict(zip(MESH_AXES, shape))} needs {int(np.prod(shape))} devices'
+                     f'{where}, {n_devices} are available')
+  return shape
+
+
+def _slices(devices: Sequence[jax.Device]) -> dict[int, list[jax.Device]]:
+  """slice_index -> the devices of that slice; {} when the devices carry no slice index."""
+  if not all(getattr(d, 'slice_index', None) is not None for d in devices):
+    return {}
+  slices = {}
+  for d in devices:
+    slices.setdefault(int(d.slice_index), []).append(d)
+  return slices
+
+
+def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Builds the (data, fsdp, tensor) mesh, over one TPU slice or several.
+
+  Within a slice devices talk over the fast interconnect (ICI); slices talk to each other
+  over the data-center network (DCN). `data`, `fsdp` and `tensor` are the per-slice (ICI)
+  sizes; `dcn_data` and `dcn_fsdp` split the slices between the data-parallel axes, so the
+  mesh's axes have sizes data * dcn_data, fsdp * dcn_fsdp and tensor, and only the outer
+  (DCN) part of the 'data' and 'fsdp' axes crosses a slice boundary.
+
+  Args:
+    mesh_cfg: mapping with integer sizes for 'data', 'fsdp' and 'tensor' (one of them may be
+      -1 to take all remaining devices of a slice), and optionally 'dcn_data' and 'dcn_fsdp'
+      (slices; 1 when absent).
+    devices: devices to use; defaults to all of jax.devices().
+
+  Returns:
+    A Mesh with Auto axis types (linen logical constraints need them).
+
+  Raises:
+    ValueError: a size that is not a positive integer (or -1 on a per-slice axis), sizes
+      that do not cover the devices, or slices that do not match dcn_data * dcn_fsdp.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  shape = [_size(mesh_cfg, a, auto=True) for a in MESH_AXES]
+  dcn = [_size(mesh_cfg, f'dcn_{a}', auto=False) for a in MESH_AXES[:2]] + [1]
+  n_slices = int(np.prod(dcn))
+  slices = _slices(devices)
+  if n_slices == 1:
+    if len(slices) > 1:
+      raise ValueError(f'the {len(devices)} devices form {len(slices)} slices (slice_index '
+                       f'{sorted(slices)}): set mesh.dcn_data (or mesh.dcn_fsdp) so that '
+                       f'mesh.dcn_data * mesh.dcn_fsdp = {len(slices)}, e.g. '
+                       f'--config.mesh.dcn_data={len(slices)}')
+    shape = _resolve(shape, len(devices))
+    return jax.make_mesh(tuple(shape), MESH_AXES, devices=devices,
+                         axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+  dcn_desc = f'mesh.dcn_data={dcn[0]} x mesh.dcn_fsdp={dcn[1]} = {n_slices} slices'
+  if not slices:
+    raise ValueError(f'{dcn_desc} asks for a multi-slice mesh, which needs TPU slices (devices '
+                     f'with a slice_index); the {devices[0].platform} devices here have none. '
+                     'Set mesh.dcn_data = mesh.dcn_fsdp = 1')
+  if len(slices) != n_slices:
+    raise ValueError(f'{dcn_desc}, but the {len(devices)} devices form {len(slices)} '
+                     f'slice{"s" if len(slices) != 1 else ""} (slice_index {sorted(slices)})')
+  sizes = sorted({len(s) for s in slices.values()})
+  if len(sizes) > 1:
+    raise ValueError(f'the slices hold different numbers of devices '
+                     f'{ {i: len(s) for i, s in sorted(slices.items())} }: a multi-slice mesh '
+                     'needs equal slices')
+  shape = _resolve(shape, sizes[0], where=' per slice')
+  # Each slice gets the per-slice (ICI) mesh; the slices are tiled along the DCN axes.
+  grid = mesh_utils.create_hybrid_device_mesh(shape, dcn, devices,
+                                              allow_split_physical_axes=True)
+  return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def rules_from_config(rules_cfg) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:

@@ -539,8 +539,99 @@ def _save_before_data_error(ckpt, window, step: int, state, data_state) -> None:
                   type(e).__name__, e)
 
 
+def check_profile(config: ml_collections.ConfigDict) -> tuple[int, int]:
+  """Validates the profiler settings.
+
+  Args:
+    config: the run config (a run record older than the profile keys reads as off).
+
+  Returns:
+    (profile_start_step, profile_steps).
+
+  Raises:
+    ValueError: either is not an integer >= 0.
+  """
+  values = []
+  for name, default in (('profile_start_step', 2), ('profile_steps', 0)):
+    value = config.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+      raise ValueError(f'{name} must be an integer >= 0, got {value!r}')
+    values.append(int(value))
+  return values[0], values[1]
+
+
+class _Profile:
+  """A JAX profiler trace of `steps` train steps of this process, into `directory`.
+
+  Counted from the first step this process runs (0; on a resume, the one after the restored
+  step): steps start .. start + steps - 1 are traced, so with start >= 1 the first step's
+  compilation is not in the trace. As a context manager it also stops (and writes) the trace
+  when the loop ends early or raises.
+  """
+
+  def __init__(self, directory: str, first_step: int, start: int, steps: int):
+    self.directory = directory
+    self._begin = first_step + start  # The trace starts before the step from this state.step,
+    self._end = self._begin + steps   # and stops once state.step reaches this one.
+    self._steps = steps
+    self._active = self._done = False
+    # A local, single-process trace is also converted for ui.perfetto.dev (jax writes that
+    # file through pathlib, and picks the newest trace folder: one host's, on local paths).
+    self._perfetto = '://' not in directory and jax.process_count() == 1
+
+  def __enter__(self):
+    return self
+
+  def before_step(self, step: int, state) -> None:
+    """Starts the trace if the step from state.step == `step` is the first one traced."""
+    if self._steps and not self._done and step == self._begin:
+      jax.block_until_ready(state)  # Earlier steps' device work stays out of the trace.
+      jax.profiler.start_trace(self.directory, create_perfetto_trace=self._perfetto)
+      self._active = True
+
+  def after_step(self, step: int, state) -> None:
+    """Stops the trace once state.step == `step` ends the traced steps."""
+    if self._active and step >= self._end:
+      self.stop(state)
+
+  def stop(self, state=None) -> None:
+    """Waits for `state` (if given) and writes the trace, if one is running."""
+    if not self._active:
+      return
+    self._active, self._done = False, True
+    try:
+      if state is not None:
+        jax.block_until_ready(state)
+    finally:
+      jax.profiler.stop_trace()
+    logging.info('profiler trace of train steps %d-%d written to %s/plugins/profile/: view it '
+                 'with TensorBoard\'s profile plugin (pip install tensorboard-plugin-profile; '
+                 'tensorboard --logdir %s, Profile tab) or XProf%s', self._begin + 1, self._end,
+                 self.directory, self.directory,
+                 ', or open its perfetto_trace.json.gz at https://ui.perfetto.dev'
+                 if self._perfetto else '')
+
+  def __exit__(self, exc_type, *exc):
+    if not self._active:
+      if self._steps and not self._done and exc_type is None:
+        logging.warning('profile_steps=%d: nothing was profiled, the run stopped before '
+                        'state.step %d where the trace starts (profile_start_step counts from '
+                        'the step this process started at)', self._steps, self._begin)
+      return
+    try:  # The loop ended early or failed: keep what was traced.
+      self.stop()
+    except Exception as e:  # pylint: disable=broad-except  (never mask the loop's error)
+      if exc_type is None:
+        raise
+      logging.error('could not write the profiler trace: %s: %s', type(e).__name__, e)
+
+
 def _train_loop(setup: Setup, state, data_state, ckpt, logger, peak: float):
   config = setup.config
+  profile_start, profile_steps = check_profile(config)  # Before the train step compiles.
+  # The workdir is the checkpoint folder's parent (checkpoints.Checkpointer).
+  profile = _Profile(os.path.join(os.path.dirname(ckpt.directory), 'profile'),
+                     int(state.step), profile_start, profile_steps)
   specialized = _SpecializedSteps(setup)
   train_step, eval_step = specialized.update(state.params)
   rng = jax.random.key(config.seed + 1)
@@ -549,7 +640,7 @@ def _train_loop(setup: Setup, state, data_state, ckpt, logger, peak: float):
   step = int(state.step)
   batches = setup.data.train_iter(step, data_state)
   compiling = True
-  with sharding.activate(setup.mesh, setup.rules), _Preemption() as preemption:
+  with sharding.activate(setup.mesh, setup.rules), _Preemption() as preemption, profile:
     while step < config.total_steps:
       try:
         local, data_state = next(batches)
@@ -557,6 +648,7 @@ def _train_loop(setup: Setup, state, data_state, ckpt, logger, peak: float):
         _save_before_data_error(ckpt, window, step, state, data_state)
         raise
       batch = device_batch(setup, local)
+      profile.before_step(step, state)
       started = time.time()
       state, step_metrics = train_step(state, batch, rng)
       if compiling:  # The model's (and its stack's) compile time, in the log.
@@ -566,6 +658,7 @@ def _train_loop(setup: Setup, state, data_state, ckpt, logger, peak: float):
         compiling = False
       train_step, eval_step = specialized.update(state.params)
       step += 1
+      profile.after_step(step, state)
       window.add(step, step_metrics)
       stop = preemption.requested(step)
       last = step == config.total_steps
@@ -594,6 +687,7 @@ def _train_loop(setup: Setup, state, data_state, ckpt, logger, peak: float):
         ckpt.wait()  # "saved" only once it is committed.
         logging.warning('preemption requested: saved step %d, exiting', step)
         break
+    profile.stop(state)  # A run that ends inside the traced steps.
     ckpt.wait()  # The last save is committed while SIGTERM is still handled.
   return state
 
