@@ -14,9 +14,11 @@ give, on 8 devices and on 1, the same
 
 The model: 2 layers, d_model 32, 4 heads of 8 (2 per device with tensor=2), float32, on the
 Copy task (rows of 32 with padding, so document masks matter; most positions are scored), with
-pattern sizes of 2-16 so the sparse patterns are sparse at that length. The default run uses
-the einsum reference ('xla') on two meshes with tensor=2; the slow runs add the default
-'blocksparse' implementation and meshes with tensor=4 and fsdp=8.
+pattern sizes of 2-16 so the sparse patterns are sparse at that length. The default runs use
+the einsum reference ('xla') on two meshes with tensor=2, and the TPU splash kernel (Pallas
+interpret mode, under shard_map over the batch and head axes) on data=2, fsdp=2, tensor=2 for
+every static pattern; the slow runs add the default 'blocksparse' implementation and meshes
+with tensor=4 and fsdp=8.
 
 Cost: everything runs in one 8-device subprocess per run (the fake device count is fixed when
 JAX starts); the initial parameters are computed once, on one device, and put onto each mesh;
@@ -68,9 +70,16 @@ SLOW_MESHES = {
 }
 RUNS = {  # name: (model.attention_impl, meshes)
     'xla': ('xla', MESHES),
+    # The Pallas TPU kernel in interpret mode, under shard_map over the batch and head axes
+    # (models/attention/splash.py), for the static patterns; its tiles are 128 long, so the
+    # 32-position rows are padded to one tile.
+    'splash': ('splash', {'data2_fsdp2_tensor2': MESHES['data2_fsdp2_tensor2']}),
     'blocksparse': ('blocksparse', {**MESHES, **SLOW_MESHES}),
     'xla_more_meshes': ('xla', SLOW_MESHES),
 }
+FAST_RUNS = ('xla', 'splash')  # The others are slow (CI skips them).
+# Keys on top of CONFIG for a run.
+RUN_CONFIG = {'splash': {'model.attention_block_size': 128}}
 REFERENCE = 'one'
 
 LOSS_RTOL = 1e-5
@@ -241,13 +250,21 @@ _SCRIPT = textwrap.dedent('''\
     ''')
 
 
+def _run_cases(run):
+  """The cases of a run: splash computes static patterns only (dense for the extra cases)."""
+  if RUNS[run][0] != 'splash':
+    return CASES
+  return [c for c in CASES if c in EXTRA_CASES or attention.get(c).has_static_pattern()]
+
+
 def _run(harness, out, run):
   """Runs the script for every variant on one device and on the meshes of RUNS[run]."""
   impl, meshes = RUNS[run]
   script = out / 'sharding_variants.py'
   script.write_text(_SCRIPT)
-  spec = {'variants': [v for v in CASES if v not in SKIP], 'meshes': meshes,
-          'config': {**CONFIG, 'model.attention_impl': impl}, 'case_config': CASE_CONFIG}
+  spec = {'variants': [v for v in _run_cases(run) if v not in SKIP], 'meshes': meshes,
+          'config': {**CONFIG, 'model.attention_impl': impl, **RUN_CONFIG.get(run, {})},
+          'case_config': CASE_CONFIG}
   proc = harness.run_script(script, out, json.dumps(spec), devices=8)
   assert proc.returncode == 0, proc.stderr[-5000:]
   result = json.loads((out / 'results.json').read_text())
@@ -276,8 +293,8 @@ def _tree(arrays, prefix: str) -> dict[str, np.ndarray]:
 def _cases():
   for run, (_, meshes) in RUNS.items():
     for mesh in meshes:
-      for name in CASES:
-        marks = [pytest.mark.slow] if run != 'xla' else []
+      for name in _run_cases(run):
+        marks = [pytest.mark.slow] if run not in FAST_RUNS else []
         if name in SKIP:
           marks.append(pytest.mark.skip(reason=SKIP[name]))
         yield pytest.param(run, mesh, name, marks=marks, id=f'{run}-{mesh}-{name}')
