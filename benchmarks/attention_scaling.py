@@ -97,7 +97,9 @@ def prepare(name: str, impl: str, n: int, args) -> dict:
   shape = (args.batch, n, args.heads, args.head_dim)
   q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(3))
   seg = jnp.ones((args.batch, n), jnp.int32)
+  started = time.perf_counter()
   compiled = make_fn(name, impl, args).lower(q, k, v, seg).compile()
+  compile_s = time.perf_counter() - started
   mem = compiled.memory_analysis()
   peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
           if mem is not None else float('nan'))
@@ -112,7 +114,8 @@ def prepare(name: str, impl: str, n: int, args) -> dict:
     computed = blocksparse.computed_pairs(parts, n, args.block, args.block)
   else:
     computed = blocksparse.computed_pairs(parts, n, args.block, args.key_block, args.band_block)
-  return {'pattern': name, 'impl': impl, 'n': n, 'peak_MiB': peak / 2**20,
+  return {'pattern': name, 'impl': impl, 'n': n, 'compile_s': compile_s,
+          'peak_MiB': peak / 2**20,
           'allowed_pairs': pairs, 'computed_pairs': computed, 'flop_ratio': causal / pairs,
           'run': run, 'times': []}
 
@@ -134,8 +137,8 @@ def time_round_robin(rows: list[dict], rounds: int) -> None:
     r['time_ms'], r['median_ms'] = 1e3 * min(times), 1e3 * float(np.median(times))
 
 
-COLUMNS = ['pattern', 'impl', 'n', 'time_ms', 'median_ms', 'peak_MiB', 'flop_ratio', 'block_ratio',
-           'speedup', 'speedup_over_ideal', 'paired_over_ideal']
+COLUMNS = ['pattern', 'impl', 'n', 'compile_s', 'time_ms', 'median_ms', 'peak_MiB', 'flop_ratio',
+           'block_ratio', 'speedup', 'speedup_over_ideal', 'paired_over_ideal']
 
 
 def main():
@@ -182,6 +185,9 @@ def main():
     rows.extend(block)
     common.print_table(block, COLUMNS)
     print(flush=True)
+    # After each length: a run cut off by a time limit keeps the lengths it finished.
+    common.write_json(args.out, {'config': vars(args), 'backend': jax.default_backend(),
+                                 'rows': rows})
   common.print_table(rows, COLUMNS)
   common.write_json(args.out, {'config': vars(args), 'backend': jax.default_backend(),
                                'rows': rows})
