@@ -121,6 +121,8 @@ KINDS = {
     'generate': RUNTIME,                    # Sampling settings.
     'inspect_len': RUNTIME,
     'peak_tflops_per_device': RUNTIME,
+    'compile_topology': RUNTIME,            # --mode=compile's target slice.
+    'compile_topology_num_slices': RUNTIME,
     'pruning': RUNTIME,                     # Parameters of the pruning modes.
     'mesh': RUNTIME,
     'logical_axis_rules': RUNTIME,
