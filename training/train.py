@@ -433,6 +433,22 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   resolved = run_config.resolve(config, workdir, trains=True, request=request)
   config = resolved.config
   setup = build(config, workdir=workdir)
+  if setup.mesh.devices.flat[0].platform == 'tpu':
+    # Fail in seconds, before anything is restored or initialized, when the train step cannot
+    # fit the chips' HBM: the check of --mode=compile (training/aot.py), with its advice. It
+    # compiles the train step once more than the loop does (the loop jits its own step per
+    # specialization of the model); with JAX's persistent compilation cache
+    # (JAX_COMPILATION_CACHE_DIR, docs/tpu.md) the loop's compile of the same program is a
+    # cache hit. Without the cache the extra compile (seconds to minutes, once per start) is
+    # the price of a clear error instead of an out-of-memory crash after the data and the
+    # state are loaded. An adaptive-span model is checked at its untrimmed spans: the most
+    # memory it can need.
+    from training import aot  # pylint: disable=import-outside-toplevel
+    try:
+      aot.check_train_step_fits(setup)
+    except BaseException:
+      setup.data.close()
+      raise
   mc = setup.model_config
   n_params = mc.num_params()
   flops_per_token = mc.train_flops_per_token(setup.data.seq_len)

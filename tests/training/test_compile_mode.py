@@ -156,6 +156,30 @@ def test_an_oversized_step_is_described_with_what_to_try(compiled):
 
 
 @needs_libtpu
+def test_a_tpu_run_checks_the_fit_before_anything_starts(monkeypatch, tmp_path):
+  """train_and_evaluate on a TPU mesh (here the topology's, through build) fails with the
+  mode's message before restoring, initializing or compiling anything else."""
+  devices = aot.topology_devices(TOPOLOGY)
+  build = train.build
+  monkeypatch.setattr(train, 'build', lambda config, **kw: build(config, devices=devices, **kw))
+
+  def fail(*args, **kwargs):
+    del args, kwargs
+    pytest.fail('the run started before the fit check failed')
+
+  for name in ('init_state', 'jit_eval_step', 'run_eval', '_train_loop'):
+    monkeypatch.setattr(train, name, fail)
+  monkeypatch.setattr(train.checkpoints, 'Checkpointer', fail)
+  config = _config(**{'batch_size': HUGE_BATCH, 'mesh.data': 1, 'mesh.fsdp': 4})
+  with pytest.raises(ValueError, match=r'the train step does not fit one TPU v5 lite chip '
+                     r'\(16.00 GiB HBM\) of this 4-chip slice: the TPU compiler needs .* GiB '
+                     r'where .* GiB is usable'):
+    train.train_and_evaluate(config, str(tmp_path))
+  assert not (tmp_path / 'checkpoints').exists()
+  assert not (tmp_path / 'config.json').exists()
+
+
+@needs_libtpu
 def test_main_exits_1_with_one_error_line_when_the_step_cannot_fit(harness, tmp_path):
   workdir = tmp_path / 'run'
   proc = harness.run_main(workdir, {
