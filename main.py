@@ -6,6 +6,7 @@
   python main.py --workdir=/tmp/tiny --mode=generate --config.generate.prompt='1 5 9'
   python main.py --config=configs/default.py --config.model.attention=fixed --mode=inspect
   python main.py --config=configs/default.py --workdir=gs://bucket/run --config.model.attention=dense
+  python main.py --config=configs/default.py --mode=compile --config.compile_topology=v5e:4x4
 """
 
 import os
@@ -24,7 +25,7 @@ xla_flags.skip_absent_tpu()
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Checkpoints, TensorBoard events and eval results go here.')
 flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'generate', 'inspect', 'allocate_budgets',
-                                    'eval_budgets'],
+                                    'eval_budgets', 'compile'],
                   'train: train (resuming from the latest checkpoint); eval: evaluate the latest '
                   'checkpoint and write JSON; generate: continue config.generate.prompt (or each '
                   'line of generate.prompt_file: text, or token ids for a synthetic task) from '
@@ -32,7 +33,10 @@ flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'generate', 'inspect', 'all
                   'WORKDIR/samples_step_<N>.jsonl; inspect: write what each layer and head '
                   'attends to (WORKDIR/inspect/); allocate_budgets: greedy per-layer context '
                   'budgets of a selective model (WORKDIR/budgets.json); eval_budgets: loss and '
-                  'KV-cache reduction with those budgets.')
+                  'KV-cache reduction with those budgets; compile: build the train, eval and '
+                  'decoding programs for the TPU slice config.compile_topology from this host '
+                  '(no data read) and report per-chip memory, FLOPs and collectives '
+                  '(WORKDIR/compile_<topology>.json; exits 1 if the train step does not fit).')
 flags.DEFINE_string('coordinator_address', None,
                     'Multi-host: host:port of process 0 (default: env JAX_COORDINATOR_ADDRESS; '
                     'srun, mpirun and Cloud TPU pods are detected without it).')
@@ -104,6 +108,9 @@ def main(argv):
     elif FLAGS.mode == 'eval_budgets':
       from training import pruning
       pruning.evaluate_budgets(FLAGS.config, workdir, request)
+    elif FLAGS.mode == 'compile':
+      from training import aot
+      aot.run(FLAGS.config, workdir, request)
     else:
       train.evaluate(FLAGS.config, workdir, request)
   except (ValueError, NotImplementedError, PermissionError, FileNotFoundError, FloatingPointError,

@@ -133,6 +133,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.profile_start_step = 2         # Steps of this process (a resume counts from its restored
                                         # step) run before the trace starts: step 0 compiles.
 
+  # --mode=compile (training/aot.py): the run's programs compiled for a TPU slice from any host.
+  config.compile_topology = ''          # TPU topology, e.g. 'v5e:2x2', 'v5e:4x4', 'v4:2x2x4', 'v6e:2x2'.
+  config.compile_topology_num_slices = 1  # Slices of that topology joined over DCN.
+
   # Sampling (--mode=generate; training/generate.py) and the samples written at each eval.
   config.generate = generate = ml_collections.ConfigDict()
   generate.step = 0                     # Checkpoint step to sample from; 0 = latest.

@@ -123,6 +123,8 @@ KINDS = {
     'peak_tflops_per_device': RUNTIME,
     'profile_steps': RUNTIME,               # Profiler trace: the same steps, observed.
     'profile_start_step': RUNTIME,
+    'compile_topology': RUNTIME,            # --mode=compile's target slice.
+    'compile_topology_num_slices': RUNTIME,
     'pruning': RUNTIME,                     # Parameters of the pruning modes.
     'mesh': RUNTIME,
     'logical_axis_rules': RUNTIME,

@@ -37,7 +37,8 @@ class Setup:
     config: the run config.
     model_config: the resolved TransformerConfig.
     model: the Decoder.
-    data: the DataSource.
+    data: the DataSource; None when built without data (`build(..., data=False)`).
+    seq_len: tokens per row of the program (the data's, or config.seq_len without data).
     mesh: the device mesh.
     rules: logical axis rules.
     tx: the optimizer.
@@ -50,7 +51,8 @@ class Setup:
   config: ml_collections.ConfigDict
   model_config: transformer.TransformerConfig
   model: transformer.Decoder
-  data: input_pipeline.DataSource
+  data: input_pipeline.DataSource | None
+  seq_len: int
   mesh: jax.sharding.Mesh
   rules: Any
   tx: optax.GradientTransformation
@@ -105,39 +107,65 @@ def _check_memory(config, model_config) -> None:
                      'streams)')
 
 
-def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None = None) -> Setup:
+def _shapes_without_data(config: ml_collections.ConfigDict) -> tuple[int, int]:
+  """(vocabulary size, sequence length) of a text source's programs, from the config alone."""
+  if not config.model.vocab_size:
+    raise ValueError('building without data (--mode=compile) cannot read the vocabulary from '
+                     f'the {config.data.name!r} data: set --config.model.vocab_size (e.g. 8192 '
+                     'for the 8K SentencePiece vocabulary, a multiple of '
+                     f'{VOCAB_MULTIPLE})')
+  if config.seq_len < 1:
+    raise ValueError(f'seq_len must be >= 1, got {config.seq_len}')
+  return config.model.vocab_size, config.seq_len
+
+
+def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None = None, *,
+          data: bool = True) -> Setup:
   """Validates the config and builds model, data, mesh, optimizer and state shardings.
 
   Every check that can fail on a bad config runs here, before any compute.
 
   Args:
     config: the run config.
-    devices: devices for the mesh; defaults to all.
+    devices: devices for the mesh; defaults to all. They may be a TPU topology's
+      compile-only devices (training/aot.py) when `data` is False.
     workdir: the run's folder (where a SentencePiece model is trained if none is given).
+    data: read the data source. False builds the programs' shapes without reading anything
+      (--mode=compile): a text source's vocabulary is model.vocab_size (which must then be
+      set) and its rows are config.seq_len long; a synthetic task's sizes come from the task
+      (pure computation). Setup.data is then None.
 
   Returns:
     The Setup.
   """
-  data = input_pipeline.make_source(
-      config, process_index=jax.process_index(), process_count=jax.process_count(),
-      workdir=workdir)
+  source = None
+  if data or config.data.name not in input_pipeline.text.TFDS_NAMES:
+    # A synthetic task reads nothing, and an unknown name gets the source's own error.
+    source = input_pipeline.make_source(
+        config, process_index=jax.process_index(), process_count=jax.process_count(),
+        workdir=workdir)
+    data_vocab, seq_len = source.vocab_size, source.seq_len
+  else:
+    data_vocab, seq_len = _shapes_without_data(config)
+  if not data:
+    source = None
   mesh = sharding.make_mesh(config.mesh, devices)
   model_cfg = dict(config.model)
   # A vocabulary taken from the data is padded to a multiple of VOCAB_MULTIPLE, whatever the
   # mesh: parameter shapes, and so checkpoints, are the same on every mesh.
   model_cfg['vocab_size'] = (config.model.vocab_size
-                             or -(-data.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
-  model_cfg['max_len'] = config.model.max_len or data.seq_len
+                             or -(-data_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
+  model_cfg['max_len'] = config.model.max_len or seq_len
   # Kernels are chosen for the devices the program is compiled for, not for this process's
   # backend: a CPU host may build a TPU slice's program (--mode=compile).
   model_cfg['target_platform'] = mesh.devices.flat[0].platform
   model_cfg['target_devices'] = int(mesh.devices.size)
   model_config = transformer.TransformerConfig.from_config(model_cfg)
-  if data.seq_len > model_config.max_len:
-    raise ValueError(f'sequence length {data.seq_len} is longer than the position table '
+  if seq_len > model_config.max_len:
+    raise ValueError(f'sequence length {seq_len} is longer than the position table '
                      f'(model.max_len={model_config.max_len})')
-  if data.vocab_size > model_config.vocab_size:
-    raise ValueError(f'the data uses {data.vocab_size} token ids but model.vocab_size is '
+  if data_vocab > model_config.vocab_size:
+    raise ValueError(f'the data uses {data_vocab} token ids but model.vocab_size is '
                      f'{model_config.vocab_size}')
 
   _warn_unaligned_packing(config, model_config)
@@ -162,7 +190,7 @@ def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None =
   schedule = optimizer.make_schedule(config)
   # Segment memory has one row per batch row; parameters do not depend on the batch.
   rows = config.batch_size if model_config.uses_memory else 1
-  init_model = lambda rng: model.init(rng, jnp.zeros((rows, data.seq_len), jnp.int32))
+  init_model = lambda rng: model.init(rng, jnp.zeros((rows, seq_len), jnp.int32))
   abstract_params = jax.eval_shape(init_model, jax.random.key(0))['params']
   tx = optimizer.make_optimizer(config, transformer.param_bounds(model_config),
                                 abstract_params=abstract_params)
@@ -178,8 +206,8 @@ def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None =
   sharding.check_divisible(nn.unbox(boxed).params, state_sharding.params)
   abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                 nn.unbox(boxed), state_sharding)
-  setup = Setup(config=config, model_config=model_config, model=model, data=data, mesh=mesh,
-                rules=rules, tx=tx, schedule=schedule, abstract_state=abstract_state,
+  setup = Setup(config=config, model_config=model_config, model=model, data=source,
+                seq_len=seq_len, mesh=mesh, rules=rules, tx=tx, schedule=schedule, abstract_state=abstract_state,
                 state_sharding=state_sharding, batch_sharding=sharding.batch_sharding(mesh),
                 init_fn=lambda rng: nn.unbox(init_boxed(rng)))
   return setup
@@ -263,7 +291,7 @@ def memory_layout(setup: Setup, model: transformer.Decoder):
   if model.config == setup.model_config:
     return setup.abstract_state.memory
   boxed = jax.eval_shape(lambda rng: model.init(
-      rng, jnp.zeros((setup.config.batch_size, setup.data.seq_len), jnp.int32)),
+      rng, jnp.zeros((setup.config.batch_size, setup.seq_len), jnp.int32)),
       jax.random.key(0))['memory']
   shardings = sharding.logical_shardings(boxed, setup.mesh, setup.rules)
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -405,6 +433,22 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   resolved = run_config.resolve(config, workdir, trains=True, request=request)
   config = resolved.config
   setup = build(config, workdir=workdir)
+  if setup.mesh.devices.flat[0].platform == 'tpu':
+    # Fail in seconds, before anything is restored or initialized, when the train step cannot
+    # fit the chips' HBM: the check of --mode=compile (training/aot.py), with its advice. It
+    # compiles the train step once more than the loop does (the loop jits its own step per
+    # specialization of the model); with JAX's persistent compilation cache
+    # (JAX_COMPILATION_CACHE_DIR, docs/tpu.md) the loop's compile of the same program is a
+    # cache hit. Without the cache the extra compile (seconds to minutes, once per start) is
+    # the price of a clear error instead of an out-of-memory crash after the data and the
+    # state are loaded. An adaptive-span model is checked at its untrimmed spans: the most
+    # memory it can need.
+    from training import aot  # pylint: disable=import-outside-toplevel
+    try:
+      aot.check_train_step_fits(setup)
+    except BaseException:
+      setup.data.close()
+      raise
   mc = setup.model_config
   n_params = mc.num_params()
   flops_per_token = mc.train_flops_per_token(setup.data.seq_len)

@@ -1,0 +1,693 @@
+"""--mode=compile: a run's programs built for a TPU slice ahead of time, from any host.
+
+  python main.py --config=configs/default.py --mode=compile --config.compile_topology=v5e:4x4
+
+jax.experimental.topologies describes a slice that is not here (its compile-only devices);
+the run's own train step, eval step and sampling program (training/train.py,
+models/decode.py) are lowered with abstract arguments -- shapes, dtypes and shardings, no
+arrays -- and compiled by the real TPU compiler (libtpu). No data is read (train.build with
+data=False). MaxText's train_compile.py is the model.
+
+The report, per chip: parameter and optimizer-state bytes (from the state's shardings), the
+compiler's temporaries and generated code, their total against the chip's HBM; XLA's FLOPs
+next to the model's own count; the collectives in each compiled program; the compile time.
+It is printed and written to WORKDIR/compile_<topology>.json, the only file the mode writes.
+Memory and FLOPs are the compiler's estimates: speed is not measured (nothing runs).
+
+`check_train_step_fits` is the same check before a real TPU run (training/train.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.util
+import json
+import os
+import re
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from models import decode, transformer
+from training import generate, run_config, sharding, train, xla_flags
+
+GiB = 1 << 30
+
+# HBM per chip by jax device_kind (the compile-only devices of a topology have no
+# memory_stats; a real TPU's own bytes_limit is used when it reports one).
+HBM_BYTES = {
+    'TPU v4': 32 * GiB,
+    'TPU v5 lite': 16 * GiB,  # v5e
+    'TPU v5': 95 * GiB,       # v5p
+    'TPU v6 lite': 32 * GiB,  # v6e (Trillium)
+}
+
+# Topology name prefixes whose chips hold two TensorCores that JAX drives as one device
+# (megacore): without chip_config_name='megacore', libtpu describes v4:2x2x4 as 32 devices
+# where the real v4-32 slice has 16.
+MEGACORE_PREFIXES = ('v4', 'v5p', 'v5:')
+
+COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all', 'collective-permute')
+
+STEPS = ('train', 'eval', 'decode')
+
+NOTE = ('Memory and FLOPs are the TPU compiler\'s estimates for the compiled programs; speed '
+        'is not measured (nothing ran). XLA counts a loop body (the layer scan, gradient '
+        'accumulation) once in its FLOPs, and each collective once per instruction in the '
+        'program, not once per iteration.')
+
+NO_LIBTPU = ('jax has no TPU support on this machine (the libtpu package is not installed): '
+             'install it with pip install \'jax[tpu]\' (Linux x86-64 only; requirements.txt '
+             'does this there). On macOS or ARM, run --mode=compile on a Linux x86-64 machine '
+             'or a Cloud TPU VM')
+
+
+def topology_devices(topology: str, num_slices: int = 1) -> list[jax.Device]:
+  """The compile-only devices of `num_slices` slices of a TPU topology.
+
+  Args:
+    topology: a name jax.experimental.topologies.get_topology_desc takes, e.g. 'v5e:2x2',
+      'v5e:4x4', 'v4:2x2x4', 'v5p:2x2x2', 'v6e:2x2'.
+    num_slices: slices joined over the data-center network.
+
+  Returns:
+    The devices, one per chip (megacore chips are one device, as on the real slice).
+
+  Raises:
+    ValueError: no topology given, libtpu missing, or a name libtpu does not know.
+  """
+  if not topology:
+    raise ValueError('set --config.compile_topology to the TPU slice to compile for, e.g. '
+                     'v5e:2x2, v5e:4x4 (v5e-16), v4:2x2x4 (v4-32), v5p:2x2x2 or v6e:2x2')
+  if isinstance(num_slices, bool) or not isinstance(num_slices, int) or num_slices < 1:
+    raise ValueError(f'compile_topology_num_slices must be an integer >= 1, got {num_slices!r}')
+  if importlib.util.find_spec('libtpu') is None:
+    raise ValueError(NO_LIBTPU)
+  if not any(glob.glob(pattern) for pattern in xla_flags.ACCELERATOR_DEVICE_FILES):
+    # libtpu takes /tmp/libtpu_lockfile for the process that loads it, so that two processes
+    # never drive one TPU; a second compile on a host without a TPU (another shell, a test's
+    # subprocess) would fail with "Internal error when accessing libtpu multi-process
+    # lockfile". There is no TPU here for the lock to guard.
+    os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  chip = 'megacore' if topology.startswith(MEGACORE_PREFIXES) else 'default'
+  try:
+    desc = topologies.get_topology_desc(topology_name=topology, platform='tpu',
+                                        chip_config_name=chip, num_slices=num_slices)
+  except Exception as e:  # pylint: disable=broad-except  (libtpu raises several kinds)
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise ValueError(f'libtpu cannot describe the TPU topology {topology!r} ({first}); use '
+                     'GENERATION:SHAPE as Cloud TPU names the chip layout, e.g. v5e:2x2, '
+                     'v5e:4x4, v4:2x2x4, v5p:2x2x2, v6e:2x2') from e
+  return list(desc.devices)
+
+
+def report_filename(topology: str, num_slices: int = 1) -> str:
+  """compile_<topology>[_<n>slices].json, the topology's name made a safe file name."""
+  name = re.sub(r'[^A-Za-z0-9]+', '_', topology).strip('_')
+  return f'compile_{name}' + (f'_{num_slices}slices' if num_slices > 1 else '') + '.json'
+
+
+def hbm_bytes(device: jax.Device) -> int | None:
+  """HBM of one chip: the device's own limit when it reports one (a real TPU), else the
+  HBM_BYTES table by device_kind; None when neither knows."""
+  try:
+    stats = device.memory_stats()
+  except Exception:  # pylint: disable=broad-except  (compile-only devices have none)
+    stats = None
+  if stats and stats.get('bytes_limit'):
+    return int(stats['bytes_limit'])
+  return HBM_BYTES.get(device.device_kind)
+
+
+def size(n: float | None) -> str:
+  """Bytes as text in binary units, e.g. '1.50 GiB'."""
+  if n is None:
+    return '?'
+  for unit, scale in (('GiB', 1 << 30), ('MiB', 1 << 20), ('KiB', 1 << 10)):
+    if abs(n) >= scale:
+      return f'{n / scale:.2f} {unit}'
+  return f'{int(n)} B'
+
+
+def per_device_bytes(tree) -> int:
+  """Bytes one device holds of a tree of ShapeDtypeStructs with NamedShardings (each leaf's
+  shard shape, so replicated leaves count whole)."""
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+    total += int(np.prod(shape, dtype=np.int64)) * jnp.dtype(leaf.dtype).itemsize
+  return total
+
+
+# --- Collectives in compiled HLO text. ----------------------------------------------------
+
+_BITS = {'pred': 8, 's4': 4, 'u4': 4, 's8': 8, 'u8': 8, 's16': 16, 'u16': 16, 'f16': 16,
+         'bf16': 16, 's32': 32, 'u32': 32, 'f32': 32, 's64': 64, 'u64': 64, 'f64': 64,
+         'c64': 64, 'c128': 128, 'f8e4m3fn': 8, 'f8e5m2': 8, 'f8e4m3b11fnuz': 8,
+         'f8e4m3fnuz': 8, 'f8e5m2fnuz': 8}
+_ARRAY = re.compile(r'\b(' + '|'.join(sorted(_BITS, key=len, reverse=True)) + r')\[([\d,]*)\]')
+_OPCODE = re.compile(r'\s([a-z][a-z0-9-]*)\(')
+_HEADER = re.compile(r'^(?:ENTRY\s+)?%(\S+)\s.*->\s*(.*?)\s*\{\s*$')
+# The TPU compiler emits a reduce-scatter as a fusion of this name around an all-reduce.
+_REDUCE_SCATTER_FUSION = 'all-reduce-scatter'
+
+
+def _array_bytes(text: str) -> int:
+  """Bytes of every array shape in an HLO type string."""
+  total = 0
+  for dtype, dims in _ARRAY.findall(text):
+    n = int(np.prod([int(d) for d in dims.split(',') if d], dtype=np.int64))
+    total += n * _BITS[dtype] // 8
+  return total
+
+
+def _tuple_elements(text: str) -> list[str]:
+  """The top-level elements of an HLO tuple type '(a, (b, c), d)'; [text] if not a tuple."""
+  text = re.sub(r'/\*.*?\*/', '', text).strip()
+  if not text.startswith('('):
+    return [text]
+  parts, depth, start = [], 0, 1
+  for i, ch in enumerate(text):
+    if ch in '({[':
+      depth += 1
+    elif ch in ')}]':
+      depth -= 1
+      if depth == 0:
+        parts.append(text[start:i])
+    elif ch == ',' and depth == 1:
+      parts.append(text[start:i])
+      start = i + 1
+  return [p.strip() for p in parts if p.strip()]
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+  """Count and result bytes of each kind of collective in a compiled HLO module's text.
+
+  Every instruction of every computation counts once, wherever it sits (entry, loop body,
+  fusion, async wrapper): an asynchronous pair counts at its -start (the result of
+  all-gather-start and collective-permute-start holds the operand, then the result: the
+  result is counted); a '-done' does not count. A loop body's collective counts once, not
+  once per iteration. The TPU compiler's reduce-scatter fusion (an all-reduce whose result
+  is sliced to the device's shard) counts as a reduce-scatter of its sliced result.
+
+  Args:
+    hlo_text: `compiled.as_text()`.
+
+  Returns:
+    {kind: {'count': n, 'bytes': b}} for each kind in COLLECTIVES (zeros when absent).
+  """
+  out = {kind: {'count': 0, 'bytes': 0} for kind in COLLECTIVES}
+  computation, result = '', ''
+  for line in hlo_text.splitlines():
+    if line and not line[0].isspace():
+      header = _HEADER.match(line)
+      if header:
+        computation, result = header.group(1), header.group(2)
+      continue
+    head, eq, rest = line.partition('=')
+    if not eq or '%' not in head:
+      continue
+    opcode = _OPCODE.search(' ' + rest)
+    if not opcode:
+      continue
+    op = opcode.group(1)
+    kind = op[:-len('-start')] if op.endswith('-start') else op
+    if kind not in out:
+      continue
+    shape = rest[:opcode.start()]
+    if op in ('all-gather-start', 'collective-permute-start'):
+      elements = _tuple_elements(shape)
+      shape = elements[1] if len(elements) > 1 else shape
+    if kind == 'all-reduce' and computation.startswith(_REDUCE_SCATTER_FUSION):
+      kind, shape = 'reduce-scatter', result
+    out[kind]['count'] += 1
+    out[kind]['bytes'] += _array_bytes(shape)
+  return out
+
+
+# --- Compiling one program. -----------------------------------------------------------------
+
+@dataclasses.dataclass
+class StepReport:
+  """One compiled program.
+
+  Attributes:
+    name: 'train', 'eval' or 'decode'.
+    lower_seconds: tracing and lowering to StableHLO.
+    compile_seconds: the TPU compiler.
+    memory: per chip, from compiled.memory_analysis(): argument_bytes, output_bytes,
+      alias_bytes (outputs written in place of donated inputs), temp_bytes,
+      generated_code_bytes, and total_bytes = arguments + outputs - aliased + temporaries +
+      code (what is live at once, at most).
+    xla_flops: compiled.cost_analysis()['flops'] per chip (loop bodies counted once).
+    collectives: {kind: {'count', 'bytes'}} (`collectives`).
+    detail: what was compiled (rows, lengths).
+    skipped: why the program was not compiled ('' when it was).
+    out_of_memory: the compiler's message when it refused the program for not fitting HBM
+      ('' otherwise); memory, FLOPs and collectives are then unknown.
+  """
+  name: str
+  lower_seconds: float = 0.0
+  compile_seconds: float = 0.0
+  memory: dict[str, int] = dataclasses.field(default_factory=dict)
+  xla_flops: float = 0.0
+  collectives: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+  detail: str = ''
+  skipped: str = ''
+  out_of_memory: str = ''
+
+  @property
+  def total_bytes(self) -> int:
+    return self.memory.get('total_bytes', 0)
+
+  @property
+  def collective_bytes(self) -> int:
+    return sum(c['bytes'] for c in self.collectives.values())
+
+
+def _compile(name: str, jitted, args, setup: train.Setup, detail: str, topology: str):
+  """Lowers and compiles `jitted(*args)` under the run's mesh and rules.
+
+  Returns:
+    (the jax Compiled, its StepReport); (None, a report with `out_of_memory`) when the
+    compiler finds that the program cannot fit HBM.
+
+  Raises:
+    ValueError: the program does not lower or compile for another reason (the compiler's
+      first line).
+  """
+  report = StepReport(name=name, detail=detail)
+  try:
+    with sharding.activate(setup.mesh, setup.rules):
+      start = time.perf_counter()
+      lowered = jitted.lower(*args)
+      report.lower_seconds = time.perf_counter() - start
+      start = time.perf_counter()
+      compiled = lowered.compile()
+      report.compile_seconds = time.perf_counter() - start
+  except (ValueError, NotImplementedError):
+    raise
+  except Exception as e:  # pylint: disable=broad-except  (XLA raises JaxRuntimeError)
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:600]
+    if 'RESOURCE_EXHAUSTED' in str(e):  # The compiler's own HBM check.
+      report.out_of_memory = first
+      logging.info('%s step for %s: the compiler says it does not fit: %s', name, topology,
+                   first)
+      return None, report
+    raise ValueError(f'the {name} step does not compile for {topology}: '
+                     f'{type(e).__name__}: {first}') from e
+  stats = compiled.memory_analysis()
+  if stats is not None:
+    memory = {
+        'argument_bytes': int(stats.argument_size_in_bytes),
+        'output_bytes': int(stats.output_size_in_bytes),
+        'alias_bytes': int(stats.alias_size_in_bytes),
+        'temp_bytes': int(stats.temp_size_in_bytes),
+        'generated_code_bytes': int(stats.generated_code_size_in_bytes),
+    }
+    memory['total_bytes'] = (memory['argument_bytes'] + memory['output_bytes']
+                             - memory['alias_bytes'] + memory['temp_bytes']
+                             + memory['generated_code_bytes'])
+    report.memory = memory
+  costs = compiled.cost_analysis()
+  if isinstance(costs, (list, tuple)):  # Older jax: one dict per program.
+    costs = costs[0] if costs else {}
+  report.xla_flops = float((costs or {}).get('flops', 0.0))
+  report.collectives = collectives(compiled.as_text())
+  logging.info('%s step for %s: lowered in %.1f s, compiled in %.1f s', name, topology,
+               report.lower_seconds, report.compile_seconds)
+  return compiled, report
+
+
+def _replicated(setup: train.Setup) -> NamedSharding:
+  return NamedSharding(setup.mesh, P())
+
+
+def abstract_batch(setup: train.Setup, rows: int) -> dict[str, jax.ShapeDtypeStruct]:
+  """A batch of `rows` rows as the input pipeline yields it (input_pipeline/__init__.py),
+  abstract, with the batch sharding."""
+  shape = (rows, setup.seq_len)
+  return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == 'weights' else jnp.int32,
+                                  sharding=setup.batch_sharding)
+          for k in ('inputs', 'targets', 'weights', 'positions', 'segment_ids')}
+
+
+def _device_kind(setup: train.Setup) -> str:
+  return setup.mesh.devices.flat[0].device_kind
+
+
+def abstract_key(setup: train.Setup) -> jax.ShapeDtypeStruct:
+  """A replicated random key, abstract (its dtype carries the key implementation)."""
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  return jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=_replicated(setup))
+
+
+def compile_train_step(setup: train.Setup, where: str = ''):
+  """The run's train step (train.jit_train_step: sharded, donated), compiled for the mesh.
+
+  Args:
+    setup: the run's Setup on the devices to compile for.
+    where: the slice's name, for messages (default: the devices' kind).
+
+  Returns:
+    (the jax Compiled, its StepReport).
+  """
+  config = setup.config
+  return _compile(
+      'train', train.jit_train_step(setup),
+      (setup.abstract_state, abstract_batch(setup, config.batch_size), abstract_key(setup)),
+      setup, f'{config.batch_size} rows x {setup.seq_len} tokens, '
+      f'grad_accum_steps={config.grad_accum_steps}', where or _device_kind(setup))
+
+
+def compile_eval_step(setup: train.Setup, where: str = ''):
+  """The run's eval step (train.jit_eval_step), compiled for eval_batch_size rows."""
+  rows = setup.config.eval_batch_size or setup.config.batch_size
+  eval_step = train.jit_eval_step(setup)
+  memory = eval_step.memory if eval_step.memory is not None else {}
+  # EvalStep keeps its jitted function private; it is what EvalStep.__call__ runs.
+  return _compile('eval', eval_step._fn,  # pylint: disable=protected-access
+                  (setup.abstract_state.params, abstract_batch(setup, rows), memory),
+                  setup, f'{rows} rows x {setup.seq_len} tokens', where or _device_kind(setup))
+
+
+def compile_decode(setup: train.Setup, where: str = ''):
+  """generate's sampling program (models/decode.generate: a prefill forward, then a loop of
+  one-token decoding steps over the caches), compiled for generate.batch_size rows of
+  model.max_len tokens: the longest prompt that leaves room for generate.max_new_tokens.
+
+  Returns:
+    (the jax Compiled, its StepReport); (None, a report with `skipped`) for a model that
+    cannot decode token by token.
+  """
+  model = setup.model  # The parameters' specialization (adaptive spans) needs their values.
+  try:
+    generate.check_decodes(model)
+  except NotImplementedError as e:
+    return None, StepReport(name='decode', skipped=str(e))
+  g = setup.config.generate
+  dp = setup.mesh.shape['data'] * setup.mesh.shape['fsdp']
+  rows = -(-g.batch_size // dp) * dp  # As generate.sample_ids pads a batch of prompts.
+  width = model.config.max_len
+  new_tokens = max(1, min(g.max_new_tokens, width - 1))
+  prompt = width - new_tokens
+  prefilled = 1 << (prompt.bit_length() - 1) if decode.can_prefill(model.config) else 0
+  eos_id = generate.EOS if g.stop_at_eos else None
+  # The jitted program decode.generate runs (one per shape and setting); private to decode.
+  loop = decode._sampling_loop(  # pylint: disable=protected-access
+      model, rows, width, prefilled, new_tokens, g.temperature, g.top_k, g.top_p, eos_id,
+      generate.PAD)
+  replicated = _replicated(setup)
+  args = (setup.abstract_state.params,
+          jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=replicated),
+          jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=replicated), abstract_key(setup))
+  return _compile('decode', loop, args, setup,
+                  f'{rows} rows, prompt {prompt} (prefill {prefilled}) + {new_tokens} new '
+                  'tokens', where or _device_kind(setup))
+
+
+_COMPILERS = {'train': compile_train_step, 'eval': compile_eval_step, 'decode': compile_decode}
+
+
+# --- The report. ------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Report:
+  """What compiling a run's programs for a TPU slice says, per chip.
+
+  Attributes:
+    topology: the topology name (or the device kind of a real slice).
+    num_slices: slices.
+    device_kind: jax's device_kind of the chips.
+    chips: devices of the mesh.
+    hbm_bytes: HBM of one chip; None when unknown.
+    mesh: the mesh's axis sizes.
+    param_bytes: parameters one chip holds (their shardings' shard shapes).
+    opt_state_bytes: optimizer state one chip holds.
+    model_flops: the model's training FLOPs per step per chip
+      (TransformerConfig.train_flops_per_token x tokens per step / chips).
+    steps: StepReport per compiled program, in order.
+    model: a summary of the model (attention per layer and implementation, parameters).
+  """
+  topology: str
+  num_slices: int
+  device_kind: str
+  chips: int
+  hbm_bytes: int | None
+  mesh: dict[str, int]
+  param_bytes: int
+  opt_state_bytes: int
+  model_flops: float
+  steps: dict[str, StepReport]
+  model: dict[str, Any]
+
+  def fits(self, step: str = 'train') -> bool | None:
+    """Whether `step`'s total fits one chip's HBM (None: HBM or the step unknown)."""
+    report = self.steps.get(step)
+    if report is not None and report.out_of_memory:
+      return False
+    if self.hbm_bytes is None or report is None or report.skipped or not report.memory:
+      return None
+    return report.total_bytes <= self.hbm_bytes
+
+  def to_json(self) -> dict:
+    steps = {}
+    for name, s in self.steps.items():
+      steps[name] = {**dataclasses.asdict(s), 'fits': self.fits(name),
+                     'collective_bytes': s.collective_bytes}
+    train_step = self.steps.get('train')
+    return {
+        'topology': self.topology, 'num_slices': self.num_slices,
+        'device_kind': self.device_kind, 'chips': self.chips, 'hbm_bytes': self.hbm_bytes,
+        'mesh': self.mesh, 'model': self.model,
+        'per_chip': {
+            'param_bytes': self.param_bytes,
+            'opt_state_bytes': self.opt_state_bytes,
+            'train_temp_bytes': train_step.memory.get('temp_bytes') if train_step else None,
+            'train_generated_code_bytes': (train_step.memory.get('generated_code_bytes')
+                                           if train_step else None),
+            'train_total_bytes': train_step.total_bytes if train_step else None,
+            'model_flops_per_step': self.model_flops,
+            'xla_train_flops_per_step': train_step.xla_flops if train_step else None,
+        },
+        'fits': self.fits('train'),
+        'steps': steps,
+        'note': NOTE,
+    }
+
+  def table(self) -> str:
+    """The report as text for the console."""
+    gib = lambda b: '?' if b is None else f'{b / GiB:.3f}'
+    lines = [f'compiled for {self.topology} x {self.num_slices} slice(s): {self.chips} x '
+             f'{self.device_kind} ({size(self.hbm_bytes)} HBM each), mesh {self.mesh}',
+             f'model: {self.model["params"] / 1e6:.2f}M parameters, '
+             f'{self.model["attention"]} attention ({self.model["implementation"]})',
+             f'per chip: parameters {size(self.param_bytes)}, optimizer state '
+             f'{size(self.opt_state_bytes)}',
+             f'{"program":<8} {"total GiB":>10} {"temp GiB":>9} {"code MiB":>9} '
+             f'{"fits":>5} {"XLA GFLOP":>10} {"lower s":>8} {"compile s":>9}  '
+             'collectives (count, MiB)']
+    for name, s in self.steps.items():
+      if s.skipped:
+        lines.append(f'{name:<8} skipped: {s.skipped}')
+        continue
+      if s.out_of_memory:
+        lines.append(f'{name:<8} does NOT fit (the compiler: {s.out_of_memory})')
+        continue
+      fits = self.fits(name)
+      colls = ', '.join(f'{k} {c["count"]} {c["bytes"] / 2**20:.1f}'
+                        for k, c in s.collectives.items() if c['count']) or 'none'
+      lines.append(f'{name:<8} {gib(s.total_bytes):>10} {gib(s.memory.get("temp_bytes")):>9} '
+                   f'{s.memory.get("generated_code_bytes", 0) / 2**20:>9.1f} '
+                   f'{"?" if fits is None else "yes" if fits else "NO":>5} '
+                   f'{s.xla_flops / 1e9:>10.3g} {s.lower_seconds:>8.1f} '
+                   f'{s.compile_seconds:>9.1f}  {colls}')
+      if s.detail:
+        lines.append(f'{"":<8} ({s.detail})')
+    train_step = self.steps.get('train')
+    if train_step and train_step.memory:
+      ratio = train_step.xla_flops / self.model_flops if self.model_flops else float('nan')
+      lines.append(f'train FLOPs per step per chip: XLA {train_step.xla_flops:.4g}, model '
+                   f'{self.model_flops:.4g} (6N + attention; XLA / model = {ratio:.2f})')
+    lines.append('note: ' + NOTE)
+    return '\n'.join(lines)
+
+
+def _model_summary(setup: train.Setup) -> dict[str, Any]:
+  mc = setup.model_config
+  return {'params': mc.num_params(), 'd_model': mc.d_model, 'n_layers': mc.n_layers,
+          'n_heads': mc.n_heads, 'stack': mc.stack_name, 'dtype': str(jnp.dtype(mc.dtype)),
+          'attention': ','.join(sorted(set(mc.attention))),
+          'implementation': ','.join(sorted(set(transformer.implementations(mc)))),
+          'batch_size': setup.config.batch_size, 'seq_len': setup.seq_len,
+          'vocab_size': mc.vocab_size}
+
+
+def report_for(setup: train.Setup, steps=STEPS, *, topology: str = '',
+               num_slices: int = 1) -> tuple[Report, dict]:
+  """Compiles `steps` of the run for `setup`'s mesh and reports on them.
+
+  Args:
+    setup: a Setup on the slice's devices (compile-only or real).
+    steps: names in STEPS to compile, in order.
+    topology: the slice's topology name (default: the devices' kind).
+    num_slices: slices the mesh spans (for the report).
+
+  Returns:
+    (the Report, {step name: the jax Compiled, or None when skipped}).
+  """
+  unknown = [s for s in steps if s not in _COMPILERS]
+  if unknown:
+    raise ValueError(f'unknown programs {unknown}; known: {", ".join(STEPS)}')
+  device = setup.mesh.devices.flat[0]
+  chips = int(setup.mesh.devices.size)
+  mc = setup.model_config
+  tokens = setup.config.batch_size * setup.seq_len
+  topology = topology or device.device_kind
+  compiled, reports = {}, {}
+  for name in steps:
+    compiled[name], reports[name] = _COMPILERS[name](setup, topology)
+  report = Report(
+      topology=topology, num_slices=num_slices, device_kind=device.device_kind,
+      chips=chips, hbm_bytes=hbm_bytes(device), mesh=dict(setup.mesh.shape),
+      param_bytes=per_device_bytes(setup.abstract_state.params),
+      opt_state_bytes=per_device_bytes(setup.abstract_state.opt_state),
+      model_flops=mc.train_flops_per_token(setup.seq_len) * tokens / chips, steps=reports,
+      model=_model_summary(setup))
+  return report, compiled
+
+
+_UNITS = {'': 1, 'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30, 'T': 1 << 40}
+# "... required for HLO temporaries (209.11G) exceeds available HBM (15.75G)."
+_EXHAUSTED = re.compile(r'\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)')
+
+
+def _compiler_amounts(message: str) -> tuple[int, int] | None:
+  """(bytes needed, bytes available) from the TPU compiler's out-of-memory message, if it
+  states them."""
+  found = _EXHAUSTED.search(message)
+  if not found:
+    return None
+  needed, unit, available, unit2 = found.groups()
+  return int(float(needed) * _UNITS[unit]), int(float(available) * _UNITS[unit2])
+
+
+def does_not_fit(report: Report) -> str:
+  """Why the train step does not fit one chip's HBM and what to try; '' when it fits (or
+  the HBM is unknown)."""
+  if report.fits('train') is not False:
+    return ''
+  s = report.steps['train']
+  hbm = size(report.hbm_bytes) if report.hbm_bytes else 'unknown'
+  where = (f'one chip of {report.topology} ({report.device_kind}, {hbm} HBM)'
+           if report.topology != report.device_kind else
+           f'one {report.device_kind} chip ({hbm} HBM) of this {report.chips}-chip slice')
+  state = report.param_bytes + report.opt_state_bytes
+  if s.out_of_memory:
+    amounts = _compiler_amounts(s.out_of_memory)
+    need = (f'the TPU compiler needs {size(amounts[0])} where {size(amounts[1])} is usable, '
+            f'{size(amounts[0] - amounts[1])} too much' if amounts else
+            'the TPU compiler finds it too large')
+    what = (f'{need} ("{s.out_of_memory}"); parameters {size(report.param_bytes)} and '
+            f'optimizer state {size(report.opt_state_bytes)} per chip')
+    temp = amounts[0] if amounts else 0
+  else:
+    temp = s.memory['temp_bytes']
+    what = (f'it needs {size(s.total_bytes)} per chip, {size(s.total_bytes - report.hbm_bytes)}'
+            f' more than the HBM (parameters {size(report.param_bytes)}, optimizer state '
+            f'{size(report.opt_state_bytes)}, temporaries {size(temp)}, code '
+            f'{size(s.memory["generated_code_bytes"])}; the compiler\'s estimate)')
+  shard_state = (f'a larger mesh.fsdp (now {report.mesh.get("fsdp", 1)}: parameters and '
+                 'optimizer state are split over that many chips)')
+  shrink_activations = ('a smaller batch_size (activations grow with the rows per chip), '
+                        "model.remat='full' (recompute activations in the backward pass) or "
+                        'grad_accum_steps=2 or more (micro-batches)')
+  hints = ([shard_state, shrink_activations] if state > temp
+           else [shrink_activations, shard_state])
+  return (f'the train step does not fit {where}: {what}. Try {"; or ".join(hints)}; or a '
+          'larger slice')
+
+
+def check_train_step_fits(setup: train.Setup):
+  """Compiles the run's train step for `setup`'s devices and raises if it cannot fit.
+
+  Returns:
+    (the Report of the train step, the compiled train step).
+
+  Raises:
+    ValueError: it does not fit one chip's HBM (`does_not_fit`'s message).
+  """
+  report, compiled = report_for(setup, ('train',))
+  message = does_not_fit(report)
+  if message:
+    raise ValueError(message)
+  return report, compiled['train']
+
+
+def compile_config(config: ml_collections.ConfigDict, steps=STEPS,
+                   workdir: str | None = None) -> Report:
+  """Builds the run of `config` on config.compile_topology (x compile_topology_num_slices)
+  without reading data, and compiles `steps` (the mode and benchmarks/tpu_compile.py).
+
+  Args:
+    config: the run config.
+    steps: names in STEPS.
+    workdir: the run's folder, if any (nothing is written there).
+
+  Returns:
+    The Report.
+  """
+  num_slices = config.compile_topology_num_slices
+  devices = topology_devices(config.compile_topology, num_slices)
+  setup = train.build(config, devices=devices, workdir=workdir, data=False)
+  report, _ = report_for(setup, steps, topology=config.compile_topology,
+                         num_slices=num_slices)
+  return report
+
+
+def run(config: ml_collections.ConfigDict, workdir: str,
+        request: run_config.Request | None = None) -> Report:
+  """--mode=compile: compiles the run's train, eval and decoding programs for
+  config.compile_topology, prints the report and writes WORKDIR/compile_<topology>.json.
+
+  The config is the workdir's recorded run when there is one (training/run_config.py, as
+  --mode=eval reads it), else the one given; nothing but the report is written, and no data
+  is read.
+
+  Args:
+    config: the config given.
+    workdir: the folder the report goes to (and the recorded run, if any, comes from).
+    request: what the command line asked for; None: every field of `config`.
+
+  Returns:
+    The Report.
+
+  Raises:
+    ValueError: no topology or no TPU support; a program does not compile; the train step
+      does not fit one chip's HBM (after the report is written).
+  """
+  config = run_config.resolve(config, workdir, trains=False, request=request).config
+  report = compile_config(config, STEPS, workdir)
+  print(report.table(), flush=True)
+  if jax.process_index() == 0:
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, report_filename(report.topology, report.num_slices))
+    with open(path, 'w') as f:
+      json.dump(report.to_json(), f, indent=2)
+    print(f'wrote {path}', flush=True)
+  for name in ('eval', 'decode'):
+    if report.fits(name) is False:
+      logging.warning('the %s program does not fit one chip\'s HBM (%s): see the report',
+                      name, size(report.hbm_bytes))
+  message = does_not_fit(report)
+  if message:
+    raise ValueError(message)
+  return report
