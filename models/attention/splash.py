@@ -25,6 +25,8 @@ from models.attention import patterns
 
 # The kernel's tiles are multiples of this many positions.
 BLOCK_MULTIPLE = 128
+# Settings of jax_default_matmul_precision that ask for full float32 products.
+FULL_PRECISION = ('highest', 'float32', 'precision.highest')
 
 
 class PatternMask(sm._ComputableMask):  # The public lazy masks (CausalMask, ...) share this base.
@@ -100,6 +102,11 @@ def splash_attention(q, k, v, segment_ids, positions, head_patterns, *, block_si
                      f"to be a multiple of {BLOCK_MULTIPLE}; change it or use "
                      "attention_impl='blocksparse'")
   seg = segment_ids.astype(jnp.int32)
+  if (str(jax.config.jax_default_matmul_precision).lower() in FULL_PRECISION
+      and jnp.dtype(q.dtype).itemsize < 4):
+    # Mosaic computes a 16-bit matmul only at its own precision ("Bad lhs type" at HIGHEST):
+    # the full float32 products asked for process-wide are products of float32 inputs.
+    q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
   pad = -n % block
   if pad:  # Padding keys come after every real query, so the causal patterns never see them.
     q, k, v = (jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0))) for a in (q, k, v))

@@ -28,7 +28,8 @@ class DilatedWindow:
 
 
 class DilatedWindowAttention(base.MultiHeadAttention):
-  """A dilated sliding window: the whole variant is its pattern and two options."""
+  """A dilated sliding window: the whole variant is its pattern and two options (no `attend`:
+  models/attention/dispatch.py computes the pattern on every kernel)."""
   OPTIONS = {
       'test_dilation': base.Option(2, 'r: every r-th position'),
       'test_dilated_window': base.Option(3, 'w: positions kept'),
@@ -37,14 +38,6 @@ class DilatedWindowAttention(base.MultiHeadAttention):
   def head_pattern(self, head):
     return DilatedWindow(self.option('test_dilated_window'), self.option('test_dilation'))
 
-  def attend(self, q, k, v, *, positions, segment_ids, deterministic, key_segment_ids=None,
-             extra=None):
-    del positions, deterministic, key_segment_ids, extra
-    n = q.shape[1]
-    allowed = self.head_pattern(0).allowed(jnp.arange(n)[:, None], jnp.arange(n)[None, :])
-    mask = allowed[None, None] & attention.causal_segment_mask(segment_ids)[:, None]
-    return base.reference_attention(q, k, v, mask, scale=q.shape[-1] ** -0.5, dtype=self.dtype)
-
 
 if NAME not in attention.known():
   attention.register(NAME)(DilatedWindowAttention)
@@ -52,8 +45,7 @@ if NAME not in attention.known():
 
 def _config():
   config = tiny.get_config()  # Built after the registration: the options are there.
-  config.model.attention = NAME
-  config.model.attention_impl = 'xla'
+  config.model.attention = NAME  # attention_impl 'auto': the kernel the target runs.
   config.model.attention_options.test_dilation = 3
   config.batch_size, config.peak_tflops_per_device = 8, 1.0
   config.data.num_assignments = 2
@@ -96,3 +88,24 @@ def test_new_variant_decodes_through_its_pattern_and_is_inspected(tmp_path):
   masks = inspect.connectivity(cfg, 12)
   np.testing.assert_array_equal(masks['layer1_head0'],
                                 patterns.mask(DilatedWindow(3, 2), 12))
+
+
+def test_new_variant_runs_every_kernel_of_its_pattern():
+  """Defining head_pattern is enough: 'auto' (the CPU kernel here, where it builds) and
+  'blocksparse' compute the pattern and equal the 'xla' reference, and the per-layer log names
+  the kernel that runs."""
+  logits = {}
+  for impl in ('xla', 'blocksparse', 'auto'):
+    cfg = transformer.TransformerConfig.from_config(
+        {'vocab_size': 16, 'd_model': 32, 'n_heads': 2, 'n_layers': 2, 'max_len': 24,
+         'attention': NAME, 'attention_impl': impl, 'attention_options': {'test_dilation': 2}})
+    names = transformer.implementations(cfg)
+    assert names == [names[0]] * 2 and names[0] != 'auto'
+    if impl != 'auto':
+      assert names[0] == impl
+    model = transformer.Decoder(cfg)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 16, (2, 24)), jnp.int32)
+    params = model.init(jax.random.key(0), tokens)['params']
+    logits[impl] = model.apply({'params': params}, tokens)
+  for impl in ('blocksparse', 'auto'):
+    np.testing.assert_allclose(logits[impl], logits['xla'], atol=2e-5, rtol=2e-5)
