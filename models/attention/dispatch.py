@@ -5,7 +5,8 @@ base class) only says which keys each head sees; this module decides how that is
 calls the kernel:
 
   'xla'          the dense reference: the pattern as a mask on full scores (reference.py);
-  'fused'        jax.nn.dot_product_attention, dense causal patterns only (else 'xla');
+  'fused'        jax.nn.dot_product_attention, for dense causal attention (reported and run
+                 as 'xla' for other patterns);
   'cudnn'        the same with cuDNN's flash kernel (NVIDIA GPUs);
   'blocksparse'  plain JAX over the key blocks the pattern touches (blocksparse.py; the causal
                  blocked path for dense patterns), the same code on every platform;
@@ -80,6 +81,11 @@ def choose(impl: str, *, variant: str, static: bool, dense: bool, head_dim: int,
   if impl == 'splash' and platform == 'gpu':
     raise ValueError(f"{variant}: attention_impl='splash' is a TPU kernel; on GPU use 'auto' "
                      "or 'blocksparse'")
+  if impl in ('fused', 'cudnn') and static and not dense:
+    if impl == 'cudnn':
+      raise ValueError(f"{variant}: attention_impl='cudnn' (cuDNN's flash kernel) computes "
+                       "dense causal attention only; use 'auto', 'blocksparse' or 'xla'")
+    return 'xla'  # jax.nn.dot_product_attention's XLA path is the masked reference here.
   if impl == 'cudnn' and platform != 'gpu':
     raise ValueError(f"{variant}: attention_impl='cudnn' is an NVIDIA GPU kernel and the "
                      f"program is compiled for {platform!r}: use 'auto', 'blocksparse' or 'xla'")
@@ -146,7 +152,7 @@ def attend(module, q, k, v, *, positions, segment_ids):
     return _by_head_group(module, q, k, v, compute)
   mask = reference.causal_segment_mask(segment_ids)  # (b, q, k)
   if dense:
-    if impl in ('fused', 'cudnn'):
+    if impl in ('fused', 'cudnn'):  # choose() gives these to dense variants only.
       return jax.nn.dot_product_attention(
           q, k, v, mask=mask[:, None], scale=scale,
           implementation='cudnn' if impl == 'cudnn' else None).astype(dtype)

@@ -97,9 +97,19 @@ def test_auto_picks_the_documented_implementation(name, kernel_builds):
 def test_an_explicit_name_is_kept_where_it_runs(impl, kernel_builds):
   del kernel_builds
   backend = 'gpu' if impl == 'cudnn' else 'cpu'
-  assert attention.get('strided').implementation(
-      impl, options=attention.resolve_options({}, ['strided']), head_dim=64,
+  name = 'dense' if impl in ('fused', 'cudnn') else 'strided'
+  assert attention.get(name).implementation(
+      impl, options=attention.resolve_options({}, [name]), head_dim=64,
       backend=backend) == impl
+
+
+def test_fused_and_cudnn_name_what_runs_for_a_sparse_pattern():
+  """jax.nn.dot_product_attention computes a sparse pattern as the masked reference, and the log
+  says so; cuDNN's flash kernel cannot compute it at all."""
+  args = dict(options=attention.resolve_options({}, ['strided']), head_dim=64, backend='gpu')
+  assert attention.get('strided').implementation('fused', **args) == 'xla'
+  with pytest.raises(ValueError, match='dense causal attention only'):
+    attention.get('strided').implementation('cudnn', **args)
 
 
 @pytest.mark.parametrize('impl,backend', [('cudnn', 'cpu'), ('cudnn', 'tpu'), ('splash', 'gpu'),
