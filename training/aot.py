@@ -489,7 +489,8 @@ class Report:
     lines = [f'compiled for {self.topology} x {self.num_slices} slice(s): {self.chips} x '
              f'{self.device_kind} ({size(self.hbm_bytes)} HBM each), mesh {self.mesh}',
              f'model: {self.model["params"] / 1e6:.2f}M parameters, '
-             f'{self.model["attention"]} attention ({self.model["implementation"]})',
+             f'{self.model["attention"]} attention ({self.model["implementation"]}), '
+             f'{self.model["n_layers"]} layers ({self.model["stack"]} stack)',
              f'per chip: parameters {size(self.param_bytes)}, optimizer state '
              f'{size(self.opt_state_bytes)}',
              f'{"program":<8} {"total GiB":>10} {"temp GiB":>9} {"code MiB":>9} '

@@ -1,0 +1,160 @@
+"""Every attention variant's train step compiled for TPU slices ahead of time: fit and cost.
+
+  python benchmarks/tpu_compile.py                          # the full matrix (below)
+  python benchmarks/tpu_compile.py --variants dense selective --topologies v5e:2x2 --impl xla
+  python benchmarks/tpu_compile.py --mesh fsdp=-1 --steps train eval decode
+
+The selective-attention paper's C4 model (configs/default.py at d=12: 12 layers x 12 heads,
+d_model 768, 8K vocabulary, rows of 512 tokens, batch 256, bfloat16) with each registered
+attention variant, compiled by the TPU compiler (libtpu) for v5e:4x4 (v5e-16) and v4:2x2x4
+(v4-32) from this host: the same code as --mode=compile (training/aot.py compile_config), one
+row per (topology, variant). Columns: whether the train step fits a chip's HBM, its GiB per
+chip (arguments + outputs - donated + temporaries + code), XLA's FLOPs per step and chip
+relative to dense attention on the same slice, the bytes of its collectives, the compile
+time. A variant that does not compile gets its error in the row. Memory and FLOPs are the
+compiler's estimates; nothing runs, so speed is not measured.
+
+The layers are unrolled (`--stack unrolled`, the default here) so that every row counts every
+layer: XLA counts a loop body once, in its FLOPs and in its collectives, so a scanned stack
+(what model.stack='auto' picks for identical layers, e.g. dense) would show 1/12 of its layers
+next to an unrolled one (e.g. a variant whose layers differ). `--stack auto` compiles the
+recipe's own program (its memory and compile time; its FLOPs column is then not comparable
+across stacks). Results go to benchmarks/results/tpu_compile.json.
+"""
+
+import argparse
+import ast
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from training import xla_flags  # noqa: E402
+
+xla_flags.set_cpu_defaults()  # As main.py does, before JAX starts its backend.
+xla_flags.skip_absent_tpu()
+
+from benchmarks import common  # noqa: E402
+from configs import default  # noqa: E402
+from models import attention  # noqa: E402
+from training import aot  # noqa: E402,I100
+
+TOPOLOGIES = ('v5e:4x4', 'v4:2x2x4')
+
+# What a variant needs besides its name to build at all: Transformer-XL carries each row's
+# previous segment (stream packing) and has relative positions.
+VARIANT_SETTINGS = {
+    'txl': {'data.packing': 'stream', 'model.position_embedding': 'none'},
+}
+
+COLUMNS = ('topology', 'variant', 'stack', 'fits', 'gib_per_chip', 'param_gib', 'xla_gflop',
+           'model_gflop', 'flops_vs_dense', 'collective_mib', 'compile_s', 'error')
+
+
+def make_config(args, variant: str, topology: str):
+  """The paper's C4 recipe at args.d with `variant` attention, for `topology`."""
+  config = default.get_config()
+  config.model.d = args.d
+  config.model.attention = variant
+  config.model.attention_impl = args.impl
+  config.model.dtype = args.dtype
+  config.model.stack = args.stack
+  config.seq_len = args.seq_len
+  config.model.max_len = args.seq_len
+  config.batch_size = args.batch
+  config.compile_topology = topology
+  config.compile_topology_num_slices = args.num_slices
+  overrides = dict(VARIANT_SETTINGS.get(variant, {}))
+  overrides.update({f'mesh.{k}': int(v) for k, v in (kv.split('=') for kv in args.mesh)})
+  for kv in args.set:
+    key, value = kv.split('=', 1)
+    try:
+      overrides[key] = ast.literal_eval(value)
+    except (ValueError, SyntaxError):  # A bare word is a string.
+      overrides[key] = value
+  config.update_from_flattened_dict(overrides)
+  return config
+
+
+def bench(args, variant: str, topology: str) -> dict:
+  """One row: the variant's programs compiled for the topology (or the error)."""
+  row = {'topology': topology, 'variant': variant}
+  start = time.perf_counter()
+  try:
+    report = aot.compile_config(make_config(args, variant, topology), tuple(args.steps))
+  except (ValueError, NotImplementedError) as e:
+    row.update(error=str(e)[:300], wall_s=time.perf_counter() - start)
+    return row
+  train = report.steps['train']
+  row.update(
+      fits=report.fits('train'), hbm_gib=(report.hbm_bytes or 0) / aot.GiB,
+      gib_per_chip=train.total_bytes / aot.GiB if train.memory else None,
+      param_gib=report.param_bytes / aot.GiB, opt_state_gib=report.opt_state_bytes / aot.GiB,
+      xla_gflop=train.xla_flops / 1e9, model_gflop=report.model_flops / 1e9,
+      collective_mib=train.collective_bytes / 2**20, compile_s=train.compile_seconds,
+      lower_s=train.lower_seconds, out_of_memory=train.out_of_memory,
+      implementation=report.model['implementation'], stack=report.model['stack'],
+      mesh=report.mesh,
+      steps={name: {'total_gib': s.total_bytes / aot.GiB if s.memory else None,
+                    'fits': report.fits(name), 'compile_s': s.compile_seconds,
+                    'skipped': s.skipped, 'out_of_memory': s.out_of_memory}
+             for name, s in report.steps.items()},
+      collectives=train.collectives, wall_s=time.perf_counter() - start)
+  return row
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--topologies', nargs='+', default=list(TOPOLOGIES),
+                      help='TPU topologies (jax.experimental.topologies names)')
+  parser.add_argument('--num-slices', type=int, default=1, help='slices of each topology')
+  parser.add_argument('--variants', nargs='+', default=None,
+                      help='attention variants (default: every registered one)')
+  parser.add_argument('--d', type=int, default=12, help='size knob of configs/default.py')
+  parser.add_argument('--seq-len', type=int, default=512)
+  parser.add_argument('--batch', type=int, default=256, help='global batch (rows)')
+  parser.add_argument('--dtype', default='bfloat16', help='compute dtype')
+  parser.add_argument('--impl', default='auto', help='model.attention_impl')
+  parser.add_argument('--stack', default='unrolled',
+                      help="model.stack: 'unrolled' (every layer counted) or 'auto' (the "
+                      "recipe's own program)")
+  parser.add_argument('--mesh', nargs='*', default=[],
+                      help='mesh axis sizes, e.g. fsdp=-1 data=1 (default: the recipe\'s, '
+                      'all data-parallel)')
+  parser.add_argument('--set', nargs='*', default=[],
+                      help='other config overrides KEY=VALUE (dotted keys of configs/default.py)')
+  parser.add_argument('--steps', nargs='+', default=['train'], choices=aot.STEPS,
+                      help='programs to compile (the columns describe the train step)')
+  parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
+                                                    'tpu_compile.json'))
+  args = parser.parse_args()
+  variants = args.variants or attention.known()
+  unknown = sorted(set(variants) - set(attention.known()))
+  if unknown:
+    parser.error(f'unknown variants {unknown}; known: {", ".join(attention.known())}')
+
+  rows = []
+  for topology in args.topologies:
+    for variant in variants:
+      row = bench(args, variant, topology)
+      rows.append(row)
+      print(f'{topology} {variant}: ' + (f'error: {row["error"]}' if 'error' in row else
+            f'{row["gib_per_chip"] or 0:.2f} GiB per chip, compiled in {row["compile_s"]:.1f} s'),
+            flush=True)
+    dense = next((r for r in rows if r['topology'] == topology and r['variant'] == 'dense'
+                  and r.get('xla_gflop')), None)
+    for r in rows:
+      if r['topology'] == topology and dense and r.get('xla_gflop'):
+        r['flops_vs_dense'] = r['xla_gflop'] / dense['xla_gflop']
+  common.print_table(rows, COLUMNS)
+  common.write_json(args.out, {
+      'settings': {'d': args.d, 'seq_len': args.seq_len, 'batch': args.batch,
+                   'dtype': args.dtype, 'impl': args.impl, 'stack': args.stack, 'mesh': args.mesh, 'set': args.set,
+                   'num_slices': args.num_slices, 'steps': args.steps},
+      'note': aot.NOTE, 'rows': rows})
+
+
+if __name__ == '__main__':
+  main()
