@@ -362,10 +362,26 @@ def compile_train_step(setup: train.Setup, where: str = ''):
   """
   config = setup.config
   return _compile(
-      'train', train.jit_train_step(setup),
-      (setup.abstract_state, abstract_batch(setup, config.batch_size), abstract_key(setup)),
+      'train', train.jit_train_step(setup), _train_args(setup),
       setup, f'{config.batch_size} rows x {setup.seq_len} tokens, '
       f'grad_accum_steps={config.grad_accum_steps}', where or _device_kind(setup))
+
+
+def _train_args(setup: train.Setup):
+  """The train step's abstract arguments: state, one global batch, the step's key."""
+  return (setup.abstract_state, abstract_batch(setup, setup.config.batch_size),
+          abstract_key(setup))
+
+
+def lower_train_step(setup: train.Setup):
+  """The run's train step lowered for the mesh, not compiled (seconds where a TPU compile
+  takes tens of them): its StableHLO names the kernels it calls.
+
+  Returns:
+    The jax Lowered.
+  """
+  with sharding.activate(setup.mesh, setup.rules):
+    return train.jit_train_step(setup).lower(*_train_args(setup))
 
 
 def compile_eval_step(setup: train.Setup, where: str = ''):

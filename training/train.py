@@ -184,6 +184,7 @@ def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None =
   for name in ('total_steps', 'log_every_steps', 'checkpoint_every_steps', 'keep_checkpoints'):
     if config[name] < 1:
       raise ValueError(f'{name} must be >= 1, got {config[name]}')
+  check_profile(config)
 
   rules = sharding.rules_from_config(config.logical_axis_rules)
   model = transformer.Decoder(model_config)
