@@ -1,0 +1,153 @@
+"""Every registered variant, block and stack builds its programs for a multi-chip TPU slice.
+
+The programs are the run's own (training/aot.py: the train step, the eval step, generate's
+sampling loop), for the chips of a v5e:2x2 slice that is not here
+(jax.experimental.topologies), with no data read. The contract:
+
+* the train step of every case lowers on fsdp=4 and on fsdp=2 x tensor=2 (seconds each); a
+  static pattern's program calls the splash kernel (a Mosaic `tpu_custom_call`) on each
+  device's own rows and heads, i.e. under shard_map (XLA cannot partition a Mosaic kernel:
+  outside shard_map the TPU compile fails); no program calls a CPU kernel (`zoo_*` FFI);
+* libtpu's compiler compiles the train step of the default recipe and of one case of each
+  static pattern family, block and stack on the mixed mesh, and the eval step and sampling
+  loop of the static patterns (a compile of a blocked path unrolled in Python takes 20-40 s
+  here, so those are lowered only; benchmarks/tpu_compile.py compiles every variant);
+* the default recipe compiles on two slices joined over DCN (mesh.dcn_data=2);
+* slow (run with -m slow, 8 min here): every case's train step compiles on both meshes and on
+  two slices.
+
+A case is the default recipe (C4's shapes, bf16, 'auto' kernels) at d=2 (2 heads of 64), rows
+of 256 tokens (two splash tiles), batch 16, with one of: each attention variant, each block
+wiring other than pre_ln, each stack (with its variant).
+"""
+
+import re
+
+import pytest
+
+from configs import default
+from models import attention
+from training import aot, train
+
+TOPOLOGY = 'v5e:2x2'
+MESHES = {'fsdp4': {'fsdp': 4}, 'fsdp2_tensor2': {'fsdp': 2, 'tensor': 2}}
+
+VARIANTS = [n for n in attention.known() if attention.get(n).__module__.startswith('models.')]
+STATIC = [n for n in VARIANTS if attention.get(n).has_static_pattern()]
+# Keys on top of the base config per case (besides model.attention=<variant>).
+CASES = {
+    **{name: {'model.attention': name} for name in VARIANTS},
+    'txl': {'model.attention': 'txl', 'model.position_embedding': 'none',
+            'data.packing': 'stream'},
+    'gtrxl_block': {'model.block': 'gtrxl'},
+    'reversible_block': {'model.block': 'reversible'},
+    'unrolled_stack': {'model.stack': 'unrolled', 'model.attention': 'local'},
+    'scan_cycle_stack': {'model.stack': 'scan_cycle', 'model.attention': 'strided'},
+    'universal_stack': {'model.stack': 'universal', 'model.n_layers': 1,
+                        'model.position_embedding': 'none'},
+    'universal_act_stack': {'model.stack': 'universal', 'model.n_layers': 1,
+                            'model.universal_act': True, 'model.position_embedding': 'none'},
+}
+# Cases whose attention is a static pattern: their programs must hold the TPU kernel.
+SPLASH_CASES = [c for c, keys in CASES.items()
+                if keys.get('model.attention', 'dense') in STATIC]
+# Cases compiled in full (the others are lowered): the default recipe, a factorized pattern,
+# every block wiring and every stack.
+COMPILED = ['dense', 'strided', 'block_local', 'gtrxl_block', 'reversible_block',
+            'unrolled_stack', 'scan_cycle_stack', 'universal_act_stack']
+
+
+def _config(case: str, mesh: dict, **extra):
+  config = default.get_config()
+  config.model.d = 2
+  config.seq_len = 256
+  config.model.max_len = 256
+  config.batch_size = 16
+  config.generate.batch_size = 4
+  config.generate.max_new_tokens = 8
+  config.data.data_dir = '/nonexistent'  # Nothing is read.
+  for key, value in {**CASES[case], **extra}.items():
+    node = config
+    *parents, leaf = key.split('.')
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  for axis, size in {'data': 1, **mesh}.items():
+    config.mesh[axis] = size
+  return config
+
+
+@pytest.fixture(scope='module')
+def devices():
+  return aot.topology_devices(TOPOLOGY)
+
+
+def _setup(case, mesh, devices, **extra):
+  return train.build(_config(case, mesh, **extra), devices=devices, data=False)
+
+
+def _check_kernels(text: str, case: str, setup=None):
+  """No CPU kernel in the program; a static pattern's splash call on per-device shapes (the
+  train step's rows and heads divided over the mesh axes of 'batch' and 'heads')."""
+  assert 'zoo_' not in text, f'{case}: a CPU kernel entered the TPU program'
+  if case not in SPLASH_CASES:
+    return
+  assert 'tpu_custom_call' in text, f'{case}: the splash kernel is not in the program'
+  if setup is not None:
+    mesh, mc = setup.mesh.shape, setup.model_config
+    rows = setup.config.batch_size // (mesh['data'] * mesh['fsdp'])
+    local = f'tensor<{rows}x{mc.n_heads // mesh["tensor"]}x{setup.seq_len}x{mc.head_dim}x'
+    kernel_functions = [f for f in re.split(r'\n\s*func\.func ', text) if 'tpu_custom_call' in f]
+    assert any(local in f for f in kernel_functions), (
+        f'{case}: the splash kernel does not run on per-device shapes {local}...')
+
+
+@pytest.mark.parametrize('mesh', MESHES)
+@pytest.mark.parametrize('case', CASES)
+def test_train_step_lowers_for_the_slice(case, mesh, devices):
+  setup = _setup(case, MESHES[mesh], devices)
+  assert setup.model_config.target == ('tpu', 4)
+  _check_kernels(aot.lower_train_step(setup).as_text(), case, setup)
+
+
+@pytest.mark.parametrize('case', COMPILED)
+def test_train_step_compiles_for_the_slice(case, devices):
+  setup = _setup(case, MESHES['fsdp2_tensor2'], devices)
+  compiled, report = aot.compile_train_step(setup, TOPOLOGY)
+  assert compiled is not None, report
+  _check_kernels(compiled.as_text(), case)
+  assert report.total_bytes > 0 and report.xla_flops > 0
+
+
+@pytest.mark.parametrize('case', [c for c in STATIC])
+def test_eval_and_decode_programs_compile_for_the_slice(case, devices):
+  setup = _setup(case, MESHES['fsdp2_tensor2'], devices)
+  for compile_fn in (aot.compile_eval_step, aot.compile_decode):
+    compiled, report = compile_fn(setup, TOPOLOGY)
+    assert compiled is not None, report
+    _check_kernels(compiled.as_text(), case)
+
+
+@pytest.fixture(scope='module')
+def two_slices():
+  return aot.topology_devices(TOPOLOGY, num_slices=2)
+
+
+def test_default_recipe_compiles_on_two_slices(two_slices):
+  setup = _setup('dense', {'fsdp': 4}, two_slices, **{'mesh.dcn_data': 2})
+  assert dict(setup.mesh.shape) == {'data': 2, 'fsdp': 4, 'tensor': 1}
+  compiled, _ = aot.compile_train_step(setup, TOPOLOGY)
+  _check_kernels(compiled.as_text(), 'dense')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('mesh', [*MESHES, 'two_slices'])
+@pytest.mark.parametrize('case', CASES)
+def test_every_case_compiles_for_the_slice(case, mesh, devices, two_slices):
+  if mesh == 'two_slices':
+    setup = _setup(case, {'fsdp': 4}, two_slices, **{'mesh.dcn_data': 2})
+  else:
+    setup = _setup(case, MESHES[mesh], devices)
+  compiled, report = aot.compile_train_step(setup, TOPOLOGY)
+  assert compiled is not None, report
+  _check_kernels(compiled.as_text(), case)
