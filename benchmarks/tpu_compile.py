@@ -143,18 +143,27 @@ def main():
       print(f'{topology} {variant}: ' + (f'error: {row["error"]}' if 'error' in row else
             f'{row["gib_per_chip"] or 0:.2f} GiB per chip, compiled in {row["compile_s"]:.1f} s'),
             flush=True)
-    dense = next((r for r in rows if r['topology'] == topology and r['variant'] == 'dense'
-                  and r.get('xla_gflop')), None)
-    for r in rows:
-      if r['topology'] == topology and dense and r.get('xla_gflop'):
-        r['flops_vs_dense'] = r['xla_gflop'] / dense['xla_gflop']
+      _relative_flops(rows, topology)
+      _write(args, rows)  # After each row: a run cut off keeps the rows it finished.
   common.print_table(rows, COLUMNS)
+
+
+def _relative_flops(rows: list[dict], topology: str) -> None:
+  """flops_vs_dense of the topology's rows, once its dense row is in."""
+  dense = next((r for r in rows if r['topology'] == topology and r['variant'] == 'dense'
+                and r.get('xla_gflop')), None)
+  for r in rows:
+    if r['topology'] == topology and dense and r.get('xla_gflop'):
+      r['flops_vs_dense'] = r['xla_gflop'] / dense['xla_gflop']
+
+
+def _write(args, rows: list[dict]) -> None:
   common.write_json(args.out, {
       'settings': {'d': args.d, 'seq_len': args.seq_len, 'batch': args.batch,
-                   'dtype': args.dtype, 'impl': args.impl, 'stack': args.stack, 'mesh': args.mesh, 'set': args.set,
-                   'num_slices': args.num_slices, 'steps': args.steps},
+                   'dtype': args.dtype, 'impl': args.impl, 'stack': args.stack,
+                   'mesh': args.mesh, 'set': args.set, 'num_slices': args.num_slices,
+                   'steps': args.steps},
       'note': aot.NOTE, 'rows': rows})
-
 
 if __name__ == '__main__':
   main()
