@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
+from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models import decode, transformer
@@ -96,7 +97,6 @@ def topology_devices(topology: str, num_slices: int = 1) -> list[jax.Device]:
     # subprocess) would fail with "Internal error when accessing libtpu multi-process
     # lockfile". There is no TPU here for the lock to guard.
     os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
-  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   chip = 'megacore' if topology.startswith(MEGACORE_PREFIXES) else 'default'
   try:
     desc = topologies.get_topology_desc(topology_name=topology, platform='tpu',
