@@ -153,9 +153,7 @@ def attend(module, q, k, v, *, positions, segment_ids):
   mask = reference.causal_segment_mask(segment_ids)  # (b, q, k)
   if dense:
     if impl in ('fused', 'cudnn'):  # choose() gives these to dense variants only.
-      return jax.nn.dot_product_attention(
-          q, k, v, mask=mask[:, None], scale=scale,
-          implementation='cudnn' if impl == 'cudnn' else None).astype(dtype)
+      return fused_attention(q, k, v, mask[:, None], impl=impl, scale=scale, dtype=dtype)
     return reference.reference_attention(q, k, v, mask[:, None], scale=scale, dtype=dtype)
   n = q.shape[1]
   i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
@@ -164,6 +162,25 @@ def attend(module, q, k, v, *, positions, segment_ids):
   out = reference.reference_attention(q, k, v, mask, scale=scale, dtype=dtype)
   sees_any = jnp.swapaxes(mask.any(axis=-1), 1, 2)[..., None]  # (b, q, h, 1)
   return jnp.where(sees_any, out, 0).astype(dtype)
+
+
+def fused_attention(q, k, v, mask, *, impl: str, scale: float, dtype, bias=None):
+  """jax.nn.dot_product_attention: XLA's fused path ('fused') or cuDNN's flash kernel ('cudnn').
+
+  Args:
+    q, k, v: (batch, length, heads, head_dim).
+    mask: bool, broadcastable to (batch, heads, q_len, k_len).
+    impl: 'fused' or 'cudnn'.
+    scale: logit multiplier.
+    dtype: output dtype.
+    bias: added to the logits, broadcastable like `mask` (selective attention's -F).
+
+  Returns:
+    (batch, length, heads, head_dim).
+  """
+  return jax.nn.dot_product_attention(
+      q, k, v, bias=bias, mask=mask, scale=scale,
+      implementation='cudnn' if impl == 'cudnn' else None).astype(dtype)
 
 
 def _by_head_group(module, q, k, v, compute):

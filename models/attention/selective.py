@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import layers
-from models.attention import base
+from models.attention import base, dispatch
 from models.attention.registry import register
 
 Option = base.Option
@@ -265,9 +265,8 @@ class SelectiveAttention(base.MultiHeadAttention):
       mask = mask & kept_mask(e, bos, budget)
     logits = logits - f[:, None]                             # eq. 1: QK^T/sqrt(d) - F
     if self.impl in ('fused', 'cudnn'):
-      return jax.nn.dot_product_attention(
-          q, k, v, bias=(-f[:, None]).astype(q.dtype), mask=mask[:, None], scale=scale,
-          implementation='cudnn' if self.impl == 'cudnn' else None).astype(self.dtype)
+      return dispatch.fused_attention(q, k, v, mask[:, None], impl=self.impl, scale=scale,
+                                      dtype=self.dtype, bias=(-f[:, None]).astype(q.dtype))
     probs = base.masked_softmax(logits, mask[:, None], self.dtype)
     return jnp.einsum('bhqk,bkhd->bqhd', probs, v).astype(self.dtype)
 
