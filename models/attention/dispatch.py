@@ -22,8 +22,8 @@ it. Interpret mode (Pallas run as plain JAX) is only for a CPU target.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from models.attention import blocksparse, cpu_kernel, patterns, reference, splash
