@@ -208,7 +208,8 @@ def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None =
   abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                 nn.unbox(boxed), state_sharding)
   setup = Setup(config=config, model_config=model_config, model=model, data=source,
-                seq_len=seq_len, mesh=mesh, rules=rules, tx=tx, schedule=schedule, abstract_state=abstract_state,
+                seq_len=seq_len, mesh=mesh, rules=rules, tx=tx, schedule=schedule,
+                abstract_state=abstract_state,
                 state_sharding=state_sharding, batch_sharding=sharding.batch_sharding(mesh),
                 init_fn=lambda rng: nn.unbox(init_boxed(rng)))
   return setup
@@ -434,7 +435,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   resolved = run_config.resolve(config, workdir, trains=True, request=request)
   config = resolved.config
   setup = build(config, workdir=workdir)
-  if setup.mesh.devices.flat[0].platform == 'tpu':
+  if setup.model_config.target_platform == 'tpu':
     # Fail in seconds, before anything is restored or initialized, when the train step cannot
     # fit the chips' HBM: the check of --mode=compile (training/aot.py), with its advice. It
     # compiles the train step once more than the loop does (the loop jits its own step per

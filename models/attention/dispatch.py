@@ -34,8 +34,8 @@ from models.attention import blocksparse, cpu_kernel, patterns, reference, splas
 KEY_BLOCK, BAND_BLOCK = 16, 64
 
 
-def choose(impl: str, *, variant: str, static: bool, dense: bool, head_dim: int, platform: str, devices: int,
-           dtype, block_size: int) -> str:
+def choose(impl: str, *, variant: str, static: bool, dense: bool, head_dim: int,
+           platform: str, devices: int, dtype, block_size: int) -> str:
   """The implementation a variant runs for model.attention_impl=`impl` on the target.
 
   'auto' picks, for a static pattern:

@@ -95,7 +95,7 @@ def splash_attention(q, k, v, segment_ids, positions, head_patterns, *, block_si
     (batch, length, heads, head_dim); a query that sees no key outputs zeros, as on the
     other paths.
   """
-  b, n, h, _ = q.shape
+  _, n, h, _ = q.shape
   block = block_size
   if block % BLOCK_MULTIPLE:
     raise ValueError(f"attention_impl='splash' needs model.attention_block_size (now {block}) "

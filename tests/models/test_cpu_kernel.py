@@ -53,7 +53,8 @@ def built_kernel(_kernel_build):
 
 needs_kernel = pytest.mark.usefixtures('built_kernel')
 
-A1, A2 = blocksparse.HeadView(patterns.Strided(8, 'a1')), blocksparse.HeadView(patterns.Strided(8, 'a2'))
+A1 = blocksparse.HeadView(patterns.Strided(8, 'a1'))
+A2 = blocksparse.HeadView(patterns.Strided(8, 'a2'))
 # name -> (allowed, residue_stride): every pattern, and the strided parts the model computes
 # in residue order.
 PATTERNS = {
