@@ -12,7 +12,7 @@ import numpy as np
 from models import layers
 from models.attention import blocksparse, cpu_kernel, dispatch, memory, patterns
 # The shared math, under the names the variants use (base.reference_attention, ...).
-from models.attention.reference import (NEG_INF, block_attention, causal_segment_mask,  # noqa: F401
+from models.attention.reference import (NEG_INF, causal_segment_mask,  # noqa: F401
                                         masked_softmax, reference_attention)
 
 Dtype = Any

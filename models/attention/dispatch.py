@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.attention import blocksparse, cpu_kernel, patterns, reference, splash
+from models.attention import blockloop, blocksparse, cpu_kernel, patterns, reference, splash
 
 # The options of the 'blocksparse' path of a static pattern (config.model.
 # attention_options.<name>); PatternAttention declares them, and a variant that declares
@@ -135,9 +135,8 @@ def attend(module, q, k, v, *, positions, segment_ids):
                                    interpret=module.target_platform() == 'cpu')
   if impl == 'blocksparse' and dense:
     # Query block [s, e) sees keys [0, e): the blocks above the diagonal are never computed.
-    return reference.block_attention(
-        q, k, v, segment_ids, key_range=lambda s, e: (0, e), allowed=lambda i, j: i >= j,
-        block_size=module.block_size, scale=scale, dtype=dtype)
+    return blockloop.causal(q, k, v, segment_ids, block_size=module.block_size, scale=scale,
+                            dtype=dtype)
   if impl in ('blocksparse', 'cpu_kernel'):
     if impl == 'cpu_kernel':
       def compute(q, k, v, parts):
