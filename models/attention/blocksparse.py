@@ -13,6 +13,10 @@ query block of `band_block` positions sees the same number of keys just before i
 blocks go through one batched matmul on a strided view of the keys. Whichever of the two
 computes fewer pairs is used.
 
+The blocked layout runs as a loop over query blocks (blockloop.py), its key blocks read from a
+table built once on the host; the band and residue computations are batched, their masks built
+in the program from iotas. None of the three grows the program with the sequence length.
+
 This is plain JAX, the same code on every backend (attention_impl='blocksparse'). The fused
 CPU kernel takes the same parts (attention_impl='cpu_kernel': cpu_kernel.pattern_attention).
 """
@@ -27,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-NEG_INF = -1e30
+from models.attention import blockloop
+from models.attention.reference import NEG_INF
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,9 +123,17 @@ def _band_pairs(n: int, width: int, band_block: int) -> int:
   return -(-n // band_block) * band_block * (width + band_block)
 
 
+def chunks_per_step(q_block: int, k_block: int) -> int:
+  """Key blocks the blocked layout's loop reads per step: about a query block's worth."""
+  return max(1, q_block // k_block)
+
+
 def _blocked_pairs(part: Part, n: int, q_block: int, k_block: int) -> int:
+  """Pairs of the blocked layout's loop: whole steps of chunks_per_step key blocks."""
   _, keys = layout(part, n, q_block, k_block)
-  return sum(min(q_block, n - b * q_block) * len(idx) for b, idx in enumerate(keys))
+  per_step = chunks_per_step(q_block, k_block)
+  return sum(min(q_block, n - b * q_block) * -(-len(idx) // (per_step * k_block)) * per_step
+             * k_block for b, idx in enumerate(keys))
 
 
 def layout(part: Part, n: int, q_block: int, k_block: int):
@@ -173,11 +186,11 @@ def _residue_stats(q, k, v, segment_ids, part: Part, *, scale, dtype):
 
   qg, kg, vg = by_class(q), by_class(k), by_class(v)
   seg = jnp.swapaxes(jnp.pad(segment_ids, ((0, 0), (0, pad))).reshape(b, g, l), 1, 2)  # (b, l, g)
-  pos = (np.arange(g)[None, :] * l + np.arange(l)[:, None])  # (l, g) original positions
+  # Positions from iota, not host constants: the program stays the same size at every n.
+  pos = jnp.arange(g)[None, :] * l + jnp.arange(l)[:, None]  # (l, g) original positions
   real = pos < n
-  mask = (np.asarray(part.allowed(pos[:, :, None], pos[:, None, :]), bool)
-          & real[:, :, None] & real[:, None, :])
-  mask = jnp.asarray(mask)[None, None] & (seg[:, None, :, :, None] == seg[:, None, :, None, :])
+  mask = (part.allowed(pos[:, :, None], pos[:, None, :]) & real[:, :, None] & real[:, None, :])
+  mask = mask[None, None] & (seg[:, None, :, :, None] == seg[:, None, :, None, :])
   o, m, s = _masked_stats(qg, kg, vg, mask, scale=scale, dtype=dtype)
 
   def back(a):  # (b, h, l, g, x) -> (b, h, n, x)
@@ -204,11 +217,11 @@ def _band_stats(q, k, v, segment_ids, part: Part, *, width, band_block, scale, d
   kw, vw = windows(k), windows(v)
   seg_k = windows(segment_ids[..., None], fill=-1)[..., 0]  # (b, nb, width + B)
   seg_q = jnp.pad(segment_ids, ((0, 0), (0, nb * bb - n)), constant_values=-2)
-  qpos = np.arange(nb)[:, None, None] * bb + np.arange(bb)[None, :, None]
-  kpos = np.arange(nb)[:, None, None] * bb - width + np.arange(width + bb)[None, None, :]
+  qpos = jnp.arange(nb)[:, None, None] * bb + jnp.arange(bb)[None, :, None]
+  kpos = jnp.arange(nb)[:, None, None] * bb - width + jnp.arange(width + bb)[None, None, :]
   inside = (kpos >= 0) & (qpos < n)
-  mask = np.asarray(part.allowed(qpos, np.maximum(kpos, 0)), bool) & inside  # (nb, B, W + B)
-  mask = jnp.asarray(mask)[None, None] & (
+  mask = part.allowed(qpos, jnp.maximum(kpos, 0)) & inside  # (nb, B, W + B)
+  mask = mask[None, None] & (
       seg_q.reshape(b, nb, bb)[:, None, :, :, None] == seg_k[:, None, :, None, :])
   qb = jnp.pad(q, ((0, 0), (0, 0), (0, nb * bb - n), (0, 0))).reshape(b, h, nb, bb, d)
   o, m, s = _masked_stats(qb, kw, vw, mask, scale=scale, dtype=dtype)
@@ -221,7 +234,10 @@ def _band_stats(q, k, v, segment_ids, part: Part, *, width, band_block, scale, d
 
 def _part_stats(q, k, v, segment_ids, part: Part, *, q_block, k_block, band_block, scale,
                 dtype):
-  """Unnormalized output, row max and row sum of one part, in sequence order.
+  """Softmax statistics of one part, in sequence order: o, m, s with the part's attention
+  o / s and its weights summing to s exp(m) (o unnormalized, m the row max and s the row sum
+  for the band and residue paths; the loop's normalized output, its log-sum-exp and 1 for
+  the blocked layout).
 
   q, k, v are head-major (b, h, n, d); returns o (b, h, n, d) f32, m and s (b, h, n, 1).
   """
@@ -232,39 +248,21 @@ def _part_stats(q, k, v, segment_ids, part: Part, *, q_block, k_block, band_bloc
   if width:
     return _band_stats(q, k, v, segment_ids, part, width=width, band_block=band_block,
                        scale=scale, dtype=dtype)
-  order, keys_of_block = layout(part, n, q_block, k_block)
-  reorder = part.residue_stride > 0
-  if reorder:
-    q, k, v = (jnp.take(a, order, axis=2) for a in (q, k, v))
-    segment_ids = jnp.take(segment_ids, order, axis=1)
-  outs, maxes, sums = [], [], []
-  for bi, idx in enumerate(keys_of_block):
-    qs, qe = bi * q_block, min((bi + 1) * q_block, n)
-    b, h, _, d = q.shape
-    if len(idx) == 0:  # No query of this block sees any key: zero contribution.
-      outs.append(jnp.zeros((b, h, qe - qs, d), jnp.float32))
-      maxes.append(jnp.full((b, h, qe - qs, 1), NEG_INF, jnp.float32))
-      sums.append(jnp.zeros((b, h, qe - qs, 1), jnp.float32))
-      continue
-    contiguous = idx[-1] - idx[0] + 1 == len(idx)
-    if contiguous:
-      kb, vb = k[:, :, idx[0]:idx[-1] + 1], v[:, :, idx[0]:idx[-1] + 1]
-      seg_k = segment_ids[:, idx[0]:idx[-1] + 1]
-    else:
-      kb, vb = jnp.take(k, idx, axis=2), jnp.take(v, idx, axis=2)
-      seg_k = jnp.take(segment_ids, idx, axis=1)
-    qpos, kpos = order[qs:qe], order[idx]
-    mask = jnp.asarray(np.asarray(part.allowed(qpos[:, None], kpos[None, :]), bool))
-    mask = mask[None, None] & (segment_ids[:, None, qs:qe, None] == seg_k[:, None, None, :])
-    o, m, s = _masked_stats(q[:, :, qs:qe], kb, vb, mask, scale=scale, dtype=dtype)
-    outs.append(o)
-    maxes.append(m)
-    sums.append(s)
-  o, m, s = (jnp.concatenate(x, axis=2) for x in (outs, maxes, sums))
-  if reorder:
-    inverse = np.argsort(order)
-    o, m, s = (jnp.take(x, inverse, axis=2) for x in (o, m, s))
-  return o, m, s
+  _, keys_of_block = layout(part, n, q_block, k_block)
+  table = blockloop.Table.from_chunks([idx[::k_block] // k_block for idx in keys_of_block],
+                                      k_block)
+
+  def score(params, qb, kb, i, j):
+    del params
+    logits = jnp.einsum('bhqd,bhkd->bhqk', qb, kb, preferred_element_type=jnp.float32)
+    return logits * scale, part.allowed(i[:, None], j[None, :])[None, None], None
+
+  out, lse = blockloop.attention(q, k, v, segment_ids, segment_ids, None, table=table,
+                                 q_block=q_block, score=score, dtype=dtype,
+                                 per_step=chunks_per_step(q_block, k_block),
+                                 out_dtype=jnp.float32)
+  # As (o, m, s) statistics: the normalized output weighs exp(lse) in a merge.
+  return out, lse[..., None], (lse > NEG_INF / 2).astype(jnp.float32)[..., None]
 
 
 def pattern_attention(q, k, v, segment_ids, parts, *, q_block: int, k_block: int, scale: float,
