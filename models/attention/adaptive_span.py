@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.attention import base, memory
+from models.attention import base, blockloop, memory
 from models.attention import registry
 from models.attention.registry import register
 
@@ -73,38 +73,35 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
   """
   b, n, h, d = q.shape
   m = k.shape[1] - n
-  qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # (b, h, len, d)
+  if block < 1:
+    raise ValueError(f'attention block size must be >= 1, got {block}')
+  nq = -(-n // block)
+  # Query i is key index m + i; it sees keys m + i - T .. m + i - 1: the queries of block
+  # [s, s + B) read one window of T + B - 1 keys from m + s - T (blockloop's loop over blocks).
+  width = span + block - 1
+  table = blockloop.Table.runs(m + np.arange(nq) * block - span, np.ones(nq), width)
   z = jnp.asarray(z, jnp.float32)
-  zh = z[None, :, None, None] if z.ndim == 1 else jnp.swapaxes(z, 1, 2)[..., None]
-  p = rel[:span].astype(dtype)
-  outputs = []
-  for qs in range(0, n, block):
-    qe = min(qs + block, n)
-    # Query i is key index m + i; it sees keys m + i - T .. m + i - 1.
-    ks, ke = max(0, m + qs - span), m + qe - 1
-    if ke <= ks:
-      outputs.append(jnp.zeros((b, h, qe - qs, d), dtype))
-      continue
-    x = (m + np.arange(qs, qe))[:, None] - np.arange(ks, ke)[None, :]  # distances (q, k)
-    in_reach = jnp.asarray((x >= 1) & (x <= span))
-    same_doc = q_segments[:, None, qs:qe, None] == k_segments[:, None, None, ks:ke]
-    z_block = zh if z.ndim == 1 else zh[:, :, qs:qe]
-    live = in_reach & same_doc & (x < ramp + z_block)  # m_z(x) > 0
-    qb = qh[:, :, qs:qe]
-    logits = jnp.einsum('bhqd,bhkd->bhqk', qb, kh[:, :, ks:ke],
-                        preferred_element_type=jnp.float32)
+  per_token = z.ndim != 1
+  if per_token:  # (b, n, h) -> (b, h, blocks x B): sliced by each block's queries.
+    z = jnp.pad(jnp.swapaxes(z, 1, 2), ((0, 0), (0, 0), (0, nq * block - n)))
+
+  def score(params, qb, kb, i, j):
+    p, z = params
+    x = (m + i)[:, None] - j[None, :]  # distances (B, W)
+    logits = jnp.einsum('bhqd,bhkd->bhqk', qb, kb, preferred_element_type=jnp.float32)
     # q . p_x for every distance once, then placed at each key (eq. 1's relative term).
     qp = jnp.einsum('bhqd,xd->bhqx', qb, p, preferred_element_type=jnp.float32)
-    rows = np.arange(qe - qs)[:, None]
-    logits = (logits + qp[:, :, rows, np.clip(x - 1, 0, span - 1)]) * scale
-    logits = jnp.where(live, logits, base.NEG_INF)
-    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    w = jnp.where(live, soft_mask(x, z_block, ramp) * jnp.exp(logits - top), 0.0)
-    o = jnp.einsum('bhqk,bhkd->bhqd', w.astype(dtype), vh[:, :, ks:ke],
-                   preferred_element_type=jnp.float32)
-    s = jnp.sum(w, axis=-1, keepdims=True)
-    outputs.append(jnp.where(s > 0, o / jnp.where(s > 0, s, 1.0), 0.0).astype(dtype))
-  return jnp.swapaxes(jnp.concatenate(outputs, axis=2), 1, 2)
+    at = jnp.broadcast_to(jnp.clip(x - 1, 0, span - 1), qp.shape[:2] + x.shape)
+    logits = (logits + jnp.take_along_axis(qp, at, axis=-1)) * scale
+    z_block = (jax.lax.dynamic_slice_in_dim(z, i[0], block, axis=2)[..., None] if per_token
+               else z[None, :, None, None])
+    live = (x >= 1) & (x <= span) & (x < ramp + z_block)  # m_z(x) > 0
+    return logits, live, soft_mask(x, z_block, ramp)
+
+  qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # (b, h, len, d)
+  out, _ = blockloop.attention(qh, kh, vh, q_segments, k_segments, (rel[:span].astype(dtype), z),
+                               table=table, q_block=block, score=score, dtype=dtype)
+  return jnp.swapaxes(out, 1, 2)
 
 
 def span_report(config, head_spans: np.ndarray) -> dict:
