@@ -132,8 +132,11 @@ def _blocked_pairs(part: Part, n: int, q_block: int, k_block: int) -> int:
   """Pairs of the blocked layout's loop: whole steps of chunks_per_step key blocks."""
   _, keys = layout(part, n, q_block, k_block)
   per_step = chunks_per_step(q_block, k_block)
-  return sum(min(q_block, n - b * q_block) * -(-len(idx) // (per_step * k_block)) * per_step
-             * k_block for b, idx in enumerate(keys))
+  pairs = 0
+  for b, idx in enumerate(keys):
+    chunks = -(-len(idx) // k_block)
+    pairs += min(q_block, n - b * q_block) * -(-chunks // per_step) * per_step * k_block
+  return pairs
 
 
 def layout(part: Part, n: int, q_block: int, k_block: int):

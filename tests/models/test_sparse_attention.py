@@ -367,18 +367,22 @@ def _allowed_np(name, options, layer, head, heads, n):
   return bp.local_np(n, o['window'])
 
 
-def _block_cover_pairs(part_mask, order, q_block, k_block):
+def _block_cover_pairs(part_mask, order, q_block, k_block, per_step=0):
   """Brute force from the pattern's mask: for each query block (q_block rows of the
   computation order), the key blocks (k_block columns of that order, the last one ragged)
   holding at least one allowed pair; returns ({query block: those key blocks}, the pairs
-  multiplied when each query block is computed against all the keys of its key blocks)."""
+  multiplied when each query block is computed against all the keys of its key blocks, or,
+  with per_step, against whole loop steps of per_step key blocks)."""
   n = len(order)
   m = part_mask[np.ix_(order, order)]
   touched, pairs = {}, 0
   for qb, qs in enumerate(range(0, n, q_block)):
     rows = range(qs, min(qs + q_block, n))
     touched[qb] = {int(col) // k_block for col in np.flatnonzero(m[rows].any(axis=0))}
-    pairs += len(rows) * sum(min(k_block, n - kb * k_block) for kb in touched[qb])
+    if per_step:
+      pairs += len(rows) * -(-len(touched[qb]) // per_step) * per_step * k_block
+    else:
+      pairs += len(rows) * sum(min(k_block, n - kb * k_block) for kb in touched[qb])
   return touched, pairs
 
 
@@ -386,8 +390,8 @@ def _block_cover_pairs(part_mask, order, q_block, k_block):
 def test_blocksparse_layout_covers_the_pattern_with_disjoint_parts(case_id):
   """Each head's parts are disjoint, their union is the pattern's definition, and each
   part's layout computes exactly the key blocks that hold an allowed pair (counted by brute
-  force from the mask), which is also what computed_pairs reports; the total never exceeds
-  the causal dense layout's work."""
+  force from the mask); computed_pairs reports those blocks in whole steps of the loop; the
+  total never exceeds the causal dense layout's work."""
   _, name, layer, heads, overrides = BY_ID[case_id]
   n, q_block = 100, 16
   options = _options(**overrides)
@@ -395,7 +399,9 @@ def test_blocksparse_layout_covers_the_pattern_with_disjoint_parts(case_id):
   i, j = np.arange(n)[:, None], np.arange(n)[None, :]
   dense = blocksparse.computed_pairs([blocksparse.Part(blocksparse.HeadView(patterns.Dense()))], n,
                                      q_block, k_block)
-  assert dense == _block_cover_pairs(bp.dense_np(n), np.arange(n), q_block, k_block)[1]
+  per_step = blocksparse.chunks_per_step(q_block, k_block)
+  assert dense == _block_cover_pairs(bp.dense_np(n), np.arange(n), q_block, k_block,
+                                     per_step)[1]
   for head in range(heads):
     parts = _head_parts(name, layer, heads, overrides, head)
     union = np.zeros((n, n), bool)
@@ -434,7 +440,7 @@ def test_blocksparse_layout_covers_the_pattern_with_disjoint_parts(case_id):
         seq_order = _block_cover_pairs(part_mask, np.arange(n), q_block, k_block)[1]
         assert part_mask.sum() <= reported < seq_order, what
       else:
-        assert reported == brute, what
+        assert reported == _block_cover_pairs(part_mask, order, q_block, k_block, per_step)[1]
       total += reported
     want = _allowed_np(name, options, layer, head, heads, n)
     np.testing.assert_array_equal(union, want, err_msg=f'{case_id} head {head}')
@@ -499,7 +505,8 @@ def test_band_path_computes_the_window_plus_one_query_block():
 def test_computed_pairs_dense_counts_the_causal_blocks():
   # Query block b of length 128 sees keys [0, (b + 1) 128).
   assert _dense_pairs(512) == sum(128 * 128 * (b + 1) for b in range(4))
-  assert _dense_pairs(200) == 128 * 128 + 72 * 200
+  # The loop reads whole steps of 128 keys: block 1's second step is masked past n = 200.
+  assert _dense_pairs(200) == 128 * 128 + 72 * 256
 
 
 # ------------------------------------------------------------------- config-time validation
