@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import layers
-from models.attention import base, memory
+from models.attention import base, blockloop, memory
 from models.attention.registry import register
 
 
@@ -58,9 +58,10 @@ def sinusoid(distances, width: int):
 
 
 def distance_table(length: int, clamp_len: int):
-  """Distances 0 .. length - 1, clamped at `clamp_len` (0: no clamp)."""
-  x = np.arange(length)
-  return np.minimum(x, clamp_len) if clamp_len > 0 else x
+  """Distances 0 .. length - 1, clamped at `clamp_len` (0: no clamp); an iota in a traced
+  program, not a constant of the program's length."""
+  x = jnp.arange(length)
+  return jnp.minimum(x, clamp_len) if clamp_len > 0 else x
 
 
 def relative_attention(q, k, v, q_segments, k_segments, pos_keys, u, v_bias, *, reach, block,
@@ -85,43 +86,49 @@ def relative_attention(q, k, v, q_segments, k_segments, pos_keys, u, v_bias, *, 
   """
   b, n, h, d = q.shape
   m = k.shape[1] - n
-  qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # (b, h, len, d)
-  q_content = qh + u[None, :, None, :].astype(qh.dtype)
-  q_position = qh + v_bias[None, :, None, :].astype(qh.dtype)
-  outputs = []
-  for qs in range(0, n, block):
-    qe = min(qs + block, n)
-    # Query i is key index m + i and sees key indices m + i - reach .. m + i.
-    ks = 0 if reach is None else max(0, m + qs - reach)
-    ke = m + qe
-    x = (m + np.arange(qs, qe))[:, None] - np.arange(ks, ke)[None, :]  # (q, k) distances
-    # The farthest distance a visible pair has (pairs beyond `reach` are masked).
-    far = int(x.max()) if reach is None else min(int(x.max()), reach)
-    if far >= pos_keys.shape[0]:
-      raise ValueError(f'relative positions cover distances < {pos_keys.shape[0]}, the block '
-                       f'reaches {far}')
-    visible = x >= 0
-    if reach is not None:
-      visible &= x <= reach
-    live = (jnp.asarray(visible)[None, None]
-            & (q_segments[:, None, qs:qe, None] == k_segments[:, None, None, ks:ke]))
-    logits = jnp.einsum('bhqd,bhkd->bhqk', q_content[:, :, qs:qe], kh[:, :, ks:ke],
-                        preferred_element_type=jnp.float32)
-    # (q_i + v) W_R r_x once per query and distance, then placed at each key.
-    by_distance = jnp.einsum('bhqd,xhd->bhqx', q_position[:, :, qs:qe],
-                             pos_keys[:far + 1].astype(qh.dtype),
+  if block < 1:
+    raise ValueError(f'attention block size must be >= 1, got {block}')
+  nq = -(-n // block)
+  # Query i is key index m + i and sees key indices m + i - reach .. m + i.
+  windowed = reach is not None and reach + block < m + n
+  if windowed:  # Block [s, s + B) reads one window of reach + B keys.
+    table = blockloop.Table.runs(m + np.arange(nq) * block - reach, np.ones(nq), reach + block)
+    per_step = 1
+  else:  # Block [s, s + B) reads the key blocks up to its last query, two per loop step.
+    table = blockloop.Table.runs(np.zeros(nq), -(-(m + (np.arange(nq) + 1) * block) // block),
+                                 block)
+    per_step = 2
+  farthest = m + n - 1 if reach is None else min(m + n - 1, reach)  # of a visible pair
+  if farthest >= pos_keys.shape[0]:
+    raise ValueError(f'relative positions cover distances < {pos_keys.shape[0]}, the queries '
+                     f'reach {farthest}')
+  keys = per_step * table.width
+  margin = block + keys
+  # W_R r_x head-major, with room for the distances a step reads outside [0, L) (masked).
+  pk = jnp.pad(jnp.swapaxes(pos_keys, 0, 1).astype(q.dtype), ((0, 0), (margin, margin), (0, 0)))
+
+  def score(params, qb, kb, i, j):
+    q_content, q_position = qb
+    x = (m + i)[:, None] - j[None, :]  # (B, keys) distances
+    logits = jnp.einsum('bhqd,bhkd->bhqk', q_content, kb, preferred_element_type=jnp.float32)
+    # (q_i + v) W_R r_x once per query and distance of the step, then placed at each key.
+    lowest = m + i[0] - j[-1]
+    window = jax.lax.dynamic_slice_in_dim(params, lowest + margin, block + keys - 1, axis=1)
+    by_distance = jnp.einsum('bhqd,hxd->bhqx', q_position, window,
                              preferred_element_type=jnp.float32)
-    rows = np.arange(qe - qs)[:, None]
-    logits = (logits + by_distance[:, :, rows, np.clip(x, 0, far)]) * scale
-    logits = jnp.where(live, logits, base.NEG_INF)
-    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    e = jnp.where(live, jnp.exp(logits - top), 0.0)
-    out = jnp.einsum('bhqk,bhkd->bhqd', e.astype(dtype), vh[:, :, ks:ke],
-                     preferred_element_type=jnp.float32)
-    total = jnp.sum(e, axis=-1, keepdims=True)
-    outputs.append(jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
-                   .astype(dtype))
-  return jnp.swapaxes(jnp.concatenate(outputs, axis=2), 1, 2)
+    at = jnp.broadcast_to(x - lowest, by_distance.shape[:2] + x.shape)
+    logits = (logits + jnp.take_along_axis(by_distance, at, axis=-1)) * scale
+    live = x >= 0
+    if reach is not None:
+      live &= x <= reach
+    return logits, live[None, None], None
+
+  qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # (b, h, len, d)
+  queries = (qh + u[None, :, None, :].astype(qh.dtype),
+             qh + v_bias[None, :, None, :].astype(qh.dtype))
+  out, _ = blockloop.attention(queries, kh, vh, q_segments, k_segments, pk, table=table,
+                               q_block=block, score=score, dtype=dtype, per_step=per_step)
+  return jnp.swapaxes(out, 1, 2)
 
 
 @register('txl')
