@@ -315,16 +315,15 @@ class LSHAttention(base.MultiHeadAttention):
     pos.value = put(pos.value, step, 0)
     index.value = step + 1
 
-    def attend(view):
-      logits = jnp.einsum('bhd,bhcd->bhc', q[:, 0], ck.value[:, :, :view],
-                          preferred_element_type=jnp.float32)  # Scale 1, as `attend`.
-      held = pos.value[:view]
+    def scores(logits, start, size):
+      held = jax.lax.dynamic_slice_in_dim(pos.value, start, size)
       logits = jnp.where((held == step)[None, None], SELF_LOGIT, logits)
       # Each bucket-mate once, found by any round (the union of the rounds' key sets).
-      mates = jnp.any(bucket.value[..., :view] == mine[..., None], axis=2)  # (b, h, view)
-      live = mates & ((held >= 0) & (held <= step))[None, None]
-      probs = base.masked_softmax(logits, live, self.dtype)
-      return jnp.einsum('bhc,bhcd->bhd', probs, cv.value[:, :, :view])
+      buckets = jax.lax.dynamic_slice_in_dim(bucket.value, start, size, axis=3)
+      mates = jnp.any(buckets == mine[..., None], axis=2)  # (b, h, size)
+      return logits, mates & ((held >= 0) & (held <= step))[None, None]
 
-    out = base.over_live_slots(step + 1, n, attend)
+    # Scale 1, as `attend`.
+    out = base.over_live_slots(step + 1, q[:, 0], ck.value, cv.value, scores, scale=1.0,
+                               dtype=self.dtype)
     return out[:, None].astype(self.dtype)

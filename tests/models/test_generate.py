@@ -105,8 +105,9 @@ def test_every_registered_variant_makes_its_caches():
 
 
 def test_decoding_reads_the_live_part_of_a_long_cache():
-  """max_len 160: the step attends over views of 64, 128 and 160 slots as the text grows
-  (base.over_live_slots); greedy still equals the forward's argmax across the switches."""
+  """max_len 160: the step attends over 1, 2, then 3 chunks of 64 slots as the text grows
+  (base.over_live_slots; the last chunk ends at slot 160); greedy still equals the forward's
+  argmax across them (tests/models/test_decode_views.py runs the plain-JAX path on CPU)."""
   model, params = _model('dense', max_len=160, n_layers=1)
   prompts = _prompts(batch=2, length=60, seed=2)
   tokens, _ = decode.generate(model, params, prompts, [60, 20], 74, jax.random.key(0),

@@ -1,0 +1,116 @@
+"""A decoding step's attention over the live part of its cache (base.over_live_slots).
+
+* over_live_slots equals a plain softmax over the allowed slots below `live`, for caches of
+  one chunk, of several, and of a size LIVE_CHUNK does not divide (the last chunk is moved
+  back inside the cache and skips the slots the chunk before it took); the chunks past slot
+  live - 1 are not read, and a row that may attend to nothing gives zeros.
+* Decoding through the plain-JAX path (CPU kernel library off) past several chunks, with a
+  capacity LIVE_CHUNK does not divide, equals the forward pass: a static pattern and LSH.
+* The step's program does not grow with the capacity (lowering only): one chunk's attention
+  in a loop, not one branch per cache view.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import decode, transformer
+from models.attention import base, cpu_kernel
+
+VOCAB = 50
+
+
+@pytest.fixture
+def plain_jax(monkeypatch):
+  """Decoding's plain-JAX path (what accelerators run), not the CPU kernel."""
+  monkeypatch.setattr(cpu_kernel, 'available', lambda: False)
+
+
+def _softmax_reference(q, k, v, allowed, live, scale):
+  n = int(live)
+  logits = jnp.einsum('bhd,bhcd->bhc', q, k[:, :, :n], precision='highest') * scale
+  mask = allowed[:, :, :n]
+  probs = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
+  out = jnp.einsum('bhc,bhcd->bhd', jnp.where(mask, probs, 0), v[:, :, :n],
+                   precision='highest')
+  return jnp.where(mask.any(-1)[..., None], out, 0)
+
+
+CHUNK = base.LIVE_CHUNK
+SLOTS = [(capacity, live) for capacity in (5, CHUNK, CHUNK + 36, 3 * CHUNK + 8)
+         for live in sorted({1, 3, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 5, capacity - 1,
+                             capacity})
+         if 1 <= live <= capacity]
+
+
+@pytest.mark.parametrize('capacity, live', SLOTS)
+def test_over_live_slots_equals_the_softmax_over_the_live_slots(capacity, live):
+  rng = np.random.default_rng(capacity * 1000 + live)
+  b, h, d = 2, 3, 8
+  q = jnp.asarray(3 * rng.standard_normal((b, h, d)), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal((b, h, capacity, d)), jnp.float32) for _ in 'kv')
+  allowed = jnp.asarray(rng.random((b, h, capacity)) < 0.6).at[:, 1].set(False)
+  # Slots at and past `live` are empty (not allowed); in the chunk of slot live - 1 they
+  # hold values that would show if they counted, and past it NaN: those are not read.
+  allowed = allowed.at[:, :, live:].set(False)
+  want = _softmax_reference(q, k, v, allowed, live, 0.3)
+  read = -(-live // CHUNK) * CHUNK
+  k, v = (a.at[:, :, live:].set(1e4).at[:, :, read:].set(jnp.nan) for a in (k, v))
+  scores = lambda logits, start, size: (  # noqa: E731
+      logits, jax.lax.dynamic_slice_in_dim(allowed, start, size, axis=2))
+  got = jax.jit(lambda q, k, v, live: base.over_live_slots(
+      live, q, k, v, scores, scale=0.3, dtype=jnp.float32))(q, k, v, jnp.int32(live))
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(got[:, 1], 0)  # Head 1 may attend to nothing.
+
+
+def _model(name, max_len, **extra):
+  m = dict(d=0, d_model=32, n_heads=2, n_layers=1, vocab_size=VOCAB, max_len=max_len,
+           attention=name, stack='unrolled', dtype='float32')
+  m.update(extra)
+  return transformer.Decoder(transformer.TransformerConfig.from_config(m))
+
+
+# Capacity 150 (static: dense caches every position; LSH: max_len) is two chunks and a part.
+LONG = 150
+
+
+@pytest.mark.parametrize('name, extra', [
+    ('dense', dict(attention_impl='blocksparse')),
+    # One chunk (chunk_len >= the length): the forward pass attends to the whole bucket, as
+    # decoding does (tests/models/test_lsh_decode.py).
+    ('lsh', dict(attention_options=dict(chunk_len=160, n_buckets=4, n_hashes=2)))])
+def test_decoding_past_several_chunks_equals_the_forward_pass(plain_jax, name, extra):
+  model = _model(name, LONG, **extra)
+  tokens = jnp.asarray(np.random.default_rng(3).integers(3, VOCAB, (2, LONG)), jnp.int32)
+  params = model.init(jax.random.key(0), tokens)['params']
+  full = model.apply({'params': params}, tokens)
+  np.testing.assert_allclose(decode.score(model, params, tokens), full, rtol=2e-5, atol=2e-5)
+
+
+def _step_program_chars(model) -> int:
+  """Characters of the decoding step's lowered StableHLO (shapes only, nothing computed),
+  large constants elided: the static patterns' cache-plan tables (the slot of each position,
+  the live slots after each step) are data of max_len entries, not program."""
+  tokens = jax.ShapeDtypeStruct((1, model.config.max_len), jnp.int32)
+  params = jax.eval_shape(lambda t: model.init(jax.random.key(0), t)['params'], tokens)
+  cache = jax.eval_shape(lambda: decode.init_cache(model, None, 1))
+  step = jax.jit(lambda p, c, tok, t: decode.step(model, p, c, tok, t))
+  lowered = step.lower(params, cache, jax.ShapeDtypeStruct((1,), jnp.int32),
+                       jax.ShapeDtypeStruct((), jnp.int32))
+  return len(lowered.compiler_ir('stablehlo').operation.get_asm(large_elements_limit=16))
+
+
+@pytest.mark.parametrize('name, small, large', [
+    # Caches of 128 and 2048 slots (the same max_len: the same cache-plan tables); one cache
+    # view per power of two gave 1.36x.
+    ('local', dict(max_len=2048, attention_options=dict(window=128)),
+     dict(max_len=2048, attention_options=dict(window=2048))),
+    ('lsh', dict(max_len=128), dict(max_len=16384)),  # Was 1.73x.
+])
+def test_the_step_program_does_not_grow_with_the_capacity(plain_jax, name, small, large):
+  impl = dict(attention_impl='blocksparse') if name != 'lsh' else {}
+  sizes = [_step_program_chars(_model(name, **impl, **kw)) for kw in (small, large)]
+  assert sizes[1] <= 1.2 * sizes[0], sizes
