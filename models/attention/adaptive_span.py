@@ -291,7 +291,7 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
              extra=None):
     del positions, deterministic
     z, rel = extra
-    impl_block = q.shape[1] if self.impl == 'xla' else self.block_size
+    impl_block = q.shape[1] if self.impl == 'xla' else self.loop_block(q.shape[1])
     if key_segment_ids is None:
       key_segment_ids = segment_ids
     return span_attention(q, k, v, segment_ids, key_segment_ids, rel, z,

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import layers
-from models.attention import blocksparse, cpu_kernel, dispatch, memory, patterns
+from models.attention import blockloop, blocksparse, cpu_kernel, dispatch, memory, patterns
 # The shared math, under the names the variants use (base.reference_attention, ...).
 from models.attention.reference import (NEG_INF, causal_segment_mask,  # noqa: F401
                                         masked_softmax, reference_attention)
@@ -525,6 +525,11 @@ class MultiHeadAttention(nn.Module):
   def target_platform(self) -> str:
     """The platform the program is compiled for: `platform`, or this process's backend."""
     return self.platform or jax.default_backend()
+
+  def loop_block(self, n: int) -> int:
+    """The query block of this layer's blocked path over n queries (blockloop.query_block:
+    block_size, larger on an accelerator)."""
+    return blockloop.query_block(self.target_platform(), self.block_size, n)
 
   def kv_cache(self, q, k, v, capacity: int, position_shape: tuple[int, ...]):
     """The decoding cache of a layer: 'key' and 'value' (batch, heads, capacity, head_dim)

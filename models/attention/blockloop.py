@@ -378,6 +378,27 @@ def _vjp_with_live(spec, q, qb, kb, params, i, j):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+# On an accelerator each loop step has a fixed cost (a GPU's while loop reads its trip count
+# back on the host every step: about 35 us on an H200, where a 128 x 128 block's math takes
+# a microsecond or two), so there the blocked paths take query blocks of at least
+# ACCELERATOR_BLOCK and loop steps of at least ACCELERATOR_KEYS keys. A CPU keeps
+# model.attention_block_size (128 by default), its best size there.
+ACCELERATOR_BLOCK = 512
+ACCELERATOR_KEYS = 1024
+
+
+def query_block(platform: str, block_size: int, n: int) -> int:
+  """The query block of a blocked path over n queries compiled for `platform`:
+  model.attention_block_size on a CPU, at least ACCELERATOR_BLOCK elsewhere (at most n)."""
+  return block_size if platform == 'cpu' else max(block_size, min(ACCELERATOR_BLOCK, n))
+
+
+def step_keys(platform: str, block: int) -> int:
+  """Keys a loop step of a blocked path reads on `platform`, at least (a query block's worth on
+  a CPU, at least ACCELERATOR_KEYS elsewhere)."""
+  return block if platform == 'cpu' else max(block, ACCELERATOR_KEYS)
+
+
 def causal(q, k, v, segment_ids, *, block_size: int, scale: float, dtype, per_step: int = 1):
   """Causal attention by query blocks: block b reads the key blocks 0..b only, the blocks
   above the diagonal are never computed (about half of the dense work).

@@ -135,8 +135,9 @@ def attend(module, q, k, v, *, positions, segment_ids):
                                    interpret=module.target_platform() == 'cpu')
   if impl == 'blocksparse' and dense:
     # Query block [s, e) sees keys [0, e): the blocks above the diagonal are never computed.
-    return blockloop.causal(q, k, v, segment_ids, block_size=module.block_size, scale=scale,
-                            dtype=dtype)
+    block = module.loop_block(q.shape[1])
+    return blockloop.causal(q, k, v, segment_ids, block_size=block, scale=scale, dtype=dtype,
+                            per_step=blockloop.step_keys(module.target_platform(), block) // block)
   if impl in ('blocksparse', 'cpu_kernel'):
     if impl == 'cpu_kernel':
       def compute(q, k, v, parts):
@@ -145,7 +146,7 @@ def attend(module, q, k, v, *, positions, segment_ids):
     else:
       def compute(q, k, v, parts):
         return blocksparse.pattern_attention(
-            q, k, v, segment_ids, parts, q_block=module.block_size,
+            q, k, v, segment_ids, parts, q_block=module.loop_block(q.shape[1]),
             k_block=block_option(module, 'key_block'),
             band_block=block_option(module, 'band_block'), scale=scale, dtype=dtype)
     return _by_head_group(module, q, k, v, compute)

@@ -606,7 +606,7 @@ class SelectiveAttention(base.MultiHeadAttention):
       raise ValueError(f'attention block size must be >= 1, got {self.block_size}')
     lmem = self.option('selective_lmem_eps') > 0
     keep_f = self.is_mutable_collection('intermediates')
-    spec = _Blocked(block=min(self.block_size, q.shape[1]), scale=scale,
+    spec = _Blocked(block=min(self.loop_block(q.shape[1]), q.shape[1]), scale=scale,
                     shift=bool(self.option('selective_shift')),
                     relu=bool(self.option('selective_relu')),
                     mask_bos=bool(self.option('selective_mask_bos')),

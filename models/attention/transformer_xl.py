@@ -229,7 +229,7 @@ class TransformerXLAttention(base.MultiHeadAttention):
     reach = self.reach
     span = k.shape[1] if reach is None else min(k.shape[1], reach + 1)
     u, v_bias = self.biases()
-    block = n if self.impl == 'xla' else self.block_size
+    block = n if self.impl == 'xla' else self.loop_block(n)
     return relative_attention(q, k, v, segment_ids, key_segment_ids,
                               self.position_keys(extra, span), u, v_bias, reach=reach,
                               block=block, scale=self.head_dim ** -0.5, dtype=self.dtype)

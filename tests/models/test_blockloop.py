@@ -116,3 +116,14 @@ def test_query_without_keys_outputs_zeros_with_finite_gradients():
   assert np.all(np.asarray(out) == 0) and np.all(np.asarray(lse) <= reference.NEG_INF / 2)
   grads = jax.grad(lambda *a: jnp.sum(f(*a)[0] * w[:, :, :16]), argnums=(0, 1, 2))(q, k, v)
   assert all(np.all(np.isfinite(g)) and np.all(np.asarray(g) == 0) for g in grads)
+
+
+def test_accelerators_take_big_steps():
+  """A loop step has a fixed cost on a GPU or TPU: query blocks of at least 512 (at most the
+  sequence) and steps of at least 1024 keys there; a CPU keeps the configured block."""
+  assert blockloop.query_block('cpu', 128, 16384) == 128
+  assert blockloop.query_block('gpu', 128, 16384) == blockloop.ACCELERATOR_BLOCK == 512
+  assert blockloop.query_block('tpu', 128, 256) == 256
+  assert blockloop.query_block('tpu', 1024, 256) == 1024
+  assert blockloop.step_keys('cpu', 128) == 128
+  assert blockloop.step_keys('gpu', 512) == blockloop.ACCELERATOR_KEYS == 1024
