@@ -2,6 +2,8 @@
 
   python benchmarks/train_step.py                       # d=4 and d=8, seq 512, batch 8
   python benchmarks/train_step.py --d=8 --batch=16 --dtype=bfloat16
+  python benchmarks/train_step.py --d 2 --seq_len 16384 --batch 1 --impl blocksparse \
+      --attention dense strided selective adaptive_span      # long contexts, blocked paths
 
 Builds the real sharded train step of training/train.py for the C4 recipe's architecture
 (vocab 8192) and times it on random tokens (token values do not change the step time).
@@ -12,6 +14,7 @@ is the best of jitted square float matmuls of several sizes on the same device.
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,10 +38,11 @@ def matmul_peak(dtype) -> tuple[float, int]:
 
 
 def bench_step(d: int, seq_len: int, batch: int, dtype: str, impl: str, remat: str,
-               scan: bool, iters: int) -> dict:
-  """Times one configuration's train step."""
+               scan: bool, iters: int, attention: str = 'dense') -> dict:
+  """Times one configuration's train step (first_step_s: its first call, compile included)."""
   config = default.get_config()
   config.model.d = d
+  config.model.attention = attention
   config.model.dtype = dtype
   config.model.attention_impl = impl
   config.model.remat = remat
@@ -61,13 +65,16 @@ def bench_step(d: int, seq_len: int, batch: int, dtype: str, impl: str, remat: s
     jax.block_until_ready(m['loss'])
 
   with sharding.activate(setup.mesh, setup.rules):
-    t = common.time_fn(run, warmup=2, iters=iters)
+    start = time.perf_counter()
+    run()
+    first = time.perf_counter() - start
+    t = common.time_fn(run, warmup=1, iters=iters)
   mc = setup.model_config
   fpt = mc.train_flops_per_token(seq_len)
   tok_s = batch * seq_len / t['median_s']
   # What the layers ran: model.attention_impl resolved ('auto' on one CPU device: cpu_kernel).
   ran = ','.join(dict.fromkeys(transformer.implementations(mc)))
-  return {'d': d, 'seq_len': seq_len, 'batch': batch, 'dtype': dtype, 'impl': ran,
+  return {'attention': attention, 'first_step_s': first, 'd': d, 'seq_len': seq_len, 'batch': batch, 'dtype': dtype, 'impl': ran,
           'attention_impl': impl, 'remat': remat, 'scan': scan,
           'params_M': mc.num_params() / 1e6, 'flops_per_token': fpt, 'step_ms': 1e3 * t['median_s'],
           'tokens_per_s': tok_s, 'achieved_tflops': fpt * tok_s / 1e12}
@@ -77,6 +84,7 @@ def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument('--d', type=int, nargs='+', default=[4, 8], help='size knobs to run')
   p.add_argument('--seq_len', type=int, default=512)
+  p.add_argument('--attention', nargs='+', default=['dense'], help='model.attention variants')
   p.add_argument('--batch', type=int, default=8)
   p.add_argument('--dtype', default='float32', help='compute dtype (float32 on CPU)')
   p.add_argument('--impl', default='auto',
@@ -92,12 +100,15 @@ def main():
   print(f'measured {args.dtype} matmul peak: {peak / 1e9:.1f} GFLOP/s (n={peak_n}) on '
         f'{jax.devices()[0].device_kind} x{jax.device_count()}')
   rows = []
-  for d in args.d:
-    row = bench_step(d, args.seq_len, args.batch, args.dtype, args.impl, args.remat, bool(args.scan),
-                     args.iters)
-    row['mfu'] = row['achieved_tflops'] * 1e12 / (peak * jax.device_count())
-    rows.append(row)
-  common.print_table(rows, ['d', 'seq_len', 'batch', 'dtype', 'impl', 'scan', 'params_M', 'step_ms',
+  for attention in args.attention:
+    for d in args.d:
+      row = bench_step(d, args.seq_len, args.batch, args.dtype, args.impl, args.remat,
+                       bool(args.scan), args.iters, attention)
+      row['mfu'] = row['achieved_tflops'] * 1e12 / (peak * jax.device_count())
+      rows.append(row)
+      common.write_json(args.out, {'matmul_peak_flops': peak, 'matmul_peak_n': peak_n,
+                                   'rows': rows})
+  common.print_table(rows, ['attention', 'd', 'seq_len', 'first_step_s', 'batch', 'dtype', 'impl', 'scan', 'params_M', 'step_ms',
                             'tokens_per_s', 'achieved_tflops', 'mfu'])
   common.write_json(args.out, {'matmul_peak_flops': peak, 'matmul_peak_n': peak_n, 'rows': rows})
 
