@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import layers
-from models.attention import base, dispatch
+from models.attention import base, blockloop, dispatch
 from models.attention.registry import register
 
 Option = base.Option
@@ -606,7 +606,10 @@ class SelectiveAttention(base.MultiHeadAttention):
       raise ValueError(f'attention block size must be >= 1, got {self.block_size}')
     lmem = self.option('selective_lmem_eps') > 0
     keep_f = self.is_mutable_collection('intermediates')
-    spec = _Blocked(block=min(self.loop_block(q.shape[1]), q.shape[1]), scale=scale,
+    # One block length for queries and keys: on an accelerator, a loop step's worth of keys
+    # (blockloop.step_keys), the size at which the loop matched the unrolled code on an H200.
+    block = blockloop.step_keys(self.target_platform(), self.loop_block(q.shape[1]))
+    spec = _Blocked(block=min(block, q.shape[1]), scale=scale,
                     shift=bool(self.option('selective_shift')),
                     relu=bool(self.option('selective_relu')),
                     mask_bos=bool(self.option('selective_mask_bos')),
