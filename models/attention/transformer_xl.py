@@ -103,20 +103,21 @@ def relative_attention(q, k, v, q_segments, k_segments, pos_keys, u, v_bias, *, 
     raise ValueError(f'relative positions cover distances < {pos_keys.shape[0]}, the queries '
                      f'reach {farthest}')
   keys = per_step * table.width
-  margin = block + keys
-  # W_R r_x head-major, with room for the distances a step reads outside [0, L) (masked).
-  pk = jnp.pad(jnp.swapaxes(pos_keys, 0, 1).astype(q.dtype), ((0, 0), (margin, margin), (0, 0)))
+  # A step's pairs span block + keys - 1 distances; only those in [0, L) are visible.
+  span = min(block + keys - 1, pos_keys.shape[0])
+  pk = jnp.swapaxes(pos_keys, 0, 1).astype(q.dtype)  # W_R r_x head-major
 
   def score(params, qb, kb, i, j):
     q_content, q_position = qb
     x = (m + i)[:, None] - j[None, :]  # (B, keys) distances
     logits = jnp.einsum('bhqd,bhkd->bhqk', q_content, kb, preferred_element_type=jnp.float32)
-    # (q_i + v) W_R r_x once per query and distance of the step, then placed at each key.
-    lowest = m + i[0] - j[-1]
-    window = jax.lax.dynamic_slice_in_dim(params, lowest + margin, block + keys - 1, axis=1)
-    by_distance = jnp.einsum('bhqd,hxd->bhqx', q_position, window,
+    # (q_i + v) W_R r_x once per query and distance of the step, then placed at each key: the
+    # `span` distances from `first` hold every visible one (x outside them is masked).
+    first = jnp.clip(m + i[0] - j[-1], 0, params.shape[1] - span)
+    by_distance = jnp.einsum('bhqd,hxd->bhqx', q_position,
+                             jax.lax.dynamic_slice_in_dim(params, first, span, axis=1),
                              preferred_element_type=jnp.float32)
-    at = jnp.broadcast_to(x - lowest, by_distance.shape[:2] + x.shape)
+    at = jnp.broadcast_to(jnp.clip(x - first, 0, span - 1), by_distance.shape[:2] + x.shape)
     logits = (logits + jnp.take_along_axis(by_distance, at, axis=-1)) * scale
     live = x >= 0
     if reach is not None:
