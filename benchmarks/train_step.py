@@ -74,8 +74,8 @@ def bench_step(d: int, seq_len: int, batch: int, dtype: str, impl: str, remat: s
   tok_s = batch * seq_len / t['median_s']
   # What the layers ran: model.attention_impl resolved ('auto' on one CPU device: cpu_kernel).
   ran = ','.join(dict.fromkeys(transformer.implementations(mc)))
-  return {'attention': attention, 'first_step_s': first, 'd': d, 'seq_len': seq_len, 'batch': batch, 'dtype': dtype, 'impl': ran,
-          'attention_impl': impl, 'remat': remat, 'scan': scan,
+  return {'attention': attention, 'first_step_s': first, 'd': d, 'seq_len': seq_len,
+          'batch': batch, 'dtype': dtype, 'impl': ran, 'attention_impl': impl, 'remat': remat, 'scan': scan,
           'params_M': mc.num_params() / 1e6, 'flops_per_token': fpt, 'step_ms': 1e3 * t['median_s'],
           'tokens_per_s': tok_s, 'achieved_tflops': fpt * tok_s / 1e12}
 
@@ -108,9 +108,9 @@ def main():
       rows.append(row)
       common.write_json(args.out, {'matmul_peak_flops': peak, 'matmul_peak_n': peak_n,
                                    'rows': rows})
-  common.print_table(rows, ['attention', 'd', 'seq_len', 'first_step_s', 'batch', 'dtype', 'impl', 'scan', 'params_M', 'step_ms',
-                            'tokens_per_s', 'achieved_tflops', 'mfu'])
-  common.write_json(args.out, {'matmul_peak_flops': peak, 'matmul_peak_n': peak_n, 'rows': rows})
+  common.print_table(rows, ['attention', 'd', 'seq_len', 'first_step_s', 'batch', 'dtype', 'impl',
+                            'scan', 'params_M', 'step_ms', 'tokens_per_s', 'achieved_tflops',
+                            'mfu'])
 
 
 if __name__ == '__main__':

@@ -224,12 +224,12 @@ class _Keys:
 
 
 def _pair(spec: _Spec, keys: _Keys, params, qb, seg_q, i, b, step):
-  """Scores of query block b against loop step `step`: (logits, live, gate, kb, vb, j)."""
+  """Scores of query block b against loop step `step`: (logits, live, gate, values)."""
   j, valid = keys.positions(b, step)
   kb, vb, seg_k = keys.read(j)
   logits, live, gate = spec.score(params, qb, kb, i, j)
   live = live & valid[None, None, None, :] & (seg_q[:, None, :, None] == seg_k[:, None, None, :])
-  return logits, live, gate, kb, vb, j
+  return logits, live, gate, vb
 
 
 def _block_inputs(spec: _Spec, q, q_segments, b):
@@ -256,7 +256,7 @@ def _forward(spec: _Spec, q, k, v, q_segments, k_segments, params):
 
     def step(t, carry):
       acc, m, l = carry
-      logits, live, gate, _, vb, _ = _pair(spec, keys, params, _unwrap(q, qb), seg_q, i, b, t)
+      logits, live, gate, vb = _pair(spec, keys, params, _unwrap(q, qb), seg_q, i, b, t)
       logits = jnp.where(live, logits, NEG_INF)
       m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
       e = jnp.where(live, jnp.exp(logits - m_new[..., None]), 0.0)
