@@ -223,13 +223,13 @@ class _Keys:
     return acc.at[:, :, j + self.lo].add(update, mode='drop')
 
 
-def _pair(spec: _Spec, keys: _Keys, params, qb, seg_q, i, b, step):
-  """Scores of query block b against loop step `step`: (logits, live, gate, values)."""
+def _step_keys(keys: _Keys, seg_q, b, step):
+  """Loop step `step` of query block b: key positions, keys, values, and which pairs are real
+  (a key of the row's chunks, in the query's document)."""
   j, valid = keys.positions(b, step)
   kb, vb, seg_k = keys.read(j)
-  logits, live, gate = spec.score(params, qb, kb, i, j)
-  live = live & valid[None, None, None, :] & (seg_q[:, None, :, None] == seg_k[:, None, None, :])
-  return logits, live, gate, vb
+  real = valid[None, None, None, :] & (seg_q[:, None, :, None] == seg_k[:, None, None, :])
+  return j, kb, vb, real
 
 
 def _block_inputs(spec: _Spec, q, q_segments, b):
@@ -256,7 +256,9 @@ def _forward(spec: _Spec, q, k, v, q_segments, k_segments, params):
 
     def step(t, carry):
       acc, m, l = carry
-      logits, live, gate, vb = _pair(spec, keys, params, _unwrap(q, qb), seg_q, i, b, t)
+      j, kb, vb, real = _step_keys(keys, seg_q, b, t)
+      logits, live, gate = spec.score(params, _unwrap(q, qb), kb, i, j)
+      live = live & real
       logits = jnp.where(live, logits, NEG_INF)
       m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
       e = jnp.where(live, jnp.exp(logits - m_new[..., None]), 0.0)
@@ -320,11 +322,9 @@ def _attention_bwd(spec, residuals, cotangents):
 
     def step(t, inner):
       dqb, dk, dv, dparams = inner
-      j, valid = keys.positions(b, t)
-      kb, vb, seg_k = keys.read(j)
+      j, kb, vb, real = _step_keys(keys, seg_q, b, t)
       (logits, gate), vjp, live = _vjp_with_live(spec, q, qb, kb, params, i, j)
-      live = live & valid[None, None, None, :] & (
-          seg_q[:, None, :, None] == seg_k[:, None, None, :])
+      live = live & real
       e = jnp.where(live, jnp.exp(jnp.where(live, logits, NEG_INF) - lse_b[..., None]), 0.0)
       p = e if gate is None else e * gate
       dv_blk = jnp.einsum('bhqk,bhqd->bhkd', p.astype(spec.dtype), do_b.astype(spec.dtype),

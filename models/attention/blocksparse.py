@@ -139,6 +139,15 @@ def _blocked_pairs(part: Part, n: int, q_block: int, k_block: int) -> int:
   return pairs
 
 
+@functools.lru_cache(maxsize=256)
+def _table(allowed, n: int, q_block: int, k_block: int) -> blockloop.Table:
+  """The blocked layout of a sequence-order part as blockloop's table of key blocks (built
+  once per pattern and size, like the layout)."""
+  _, keys_of_block = _layout(allowed, n, q_block, k_block, 0)
+  return blockloop.Table.from_chunks([idx[::k_block] // k_block for idx in keys_of_block],
+                                     k_block)
+
+
 def layout(part: Part, n: int, q_block: int, k_block: int):
   """(order, key indices per query block) of `part` in its computation order.
 
@@ -251,9 +260,7 @@ def _part_stats(q, k, v, segment_ids, part: Part, *, q_block, k_block, band_bloc
   if width:
     return _band_stats(q, k, v, segment_ids, part, width=width, band_block=band_block,
                        scale=scale, dtype=dtype)
-  _, keys_of_block = layout(part, n, q_block, k_block)
-  table = blockloop.Table.from_chunks([idx[::k_block] // k_block for idx in keys_of_block],
-                                      k_block)
+  table = _table(part.allowed, n, q_block, k_block)
 
   def score(params, qb, kb, i, j):
     del params
