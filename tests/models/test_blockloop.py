@@ -6,6 +6,7 @@
   the dense reference with packed documents, for contiguous tables (slices) and gathered ones,
   one or several chunks per loop step, and a multiplicative gate.
 * A query that sees no key outputs zeros, with finite gradients.
+* Every blocked path at the accelerators' block sizes gives the CPU sizes' model.
 """
 
 import jax
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from models import transformer
 from models.attention import blockloop, reference
 
 B, N, H, D = 2, 37, 3, 8
@@ -127,3 +129,37 @@ def test_accelerators_take_big_steps():
   assert blockloop.query_block('tpu', 1024, 256) == 1024
   assert blockloop.step_keys('cpu', 128) == 128
   assert blockloop.step_keys('gpu', 512) == blockloop.ACCELERATOR_KEYS == 1024
+
+
+@pytest.mark.parametrize('variant', ['dense', 'fixed', 'adaptive_span', 'txl', 'selective'])
+def test_accelerator_block_sizes_give_the_same_model(variant):
+  """Each blocked path wired to the GPU/TPU sizes (query blocks of 512, steps of 1,024 keys;
+  plain JAX, so it runs here) gives the CPU sizes' logits and gradients, on rows of 600 tokens
+  with two documents (two query blocks, the second ragged)."""
+  n = 600
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 16, (1, n)))
+  segments = jnp.asarray(np.r_[[1] * 250, [2] * (n - 250)][None])
+  positions = jnp.asarray(np.r_[np.arange(250), np.arange(n - 250)][None])
+
+  def model(platform):
+    cfg = transformer.TransformerConfig.from_config(dict(
+        d_model=32, n_heads=2, n_layers=1, vocab_size=16, max_len=n, attention=variant,
+        attention_impl='blocksparse', target_platform=platform,
+        position_embedding='none' if variant == 'txl' else 'learned',
+        attention_options={'mem_len': 0} if variant == 'txl' else {}))
+    return transformer.Decoder(cfg)
+
+  params = model('cpu').init(jax.random.key(0), tokens)['params']
+
+  def loss(platform):
+    def fn(params):
+      logits = model(platform).apply({'params': params}, tokens, positions=positions,
+                                     segment_ids=segments)
+      return jnp.sum(jnp.sin(logits))
+    return jax.jit(jax.value_and_grad(fn))
+
+  with jax.default_matmul_precision('highest'):
+    (cpu_value, cpu_grads), (tpu_value, tpu_grads) = loss('cpu')(params), loss('tpu')(params)
+  np.testing.assert_allclose(tpu_value, cpu_value, rtol=1e-5)
+  for got, want in zip(jax.tree.leaves(tpu_grads), jax.tree.leaves(cpu_grads)):
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
