@@ -19,8 +19,8 @@ from absl import logging
 import input_pipeline
 from models import transformer
 from models.attention import memory as segment_memory
-from training import (checkpoints, flops, metrics as metrics_lib, optimizer, run_config, sharding,
-                      steps, workdir_lock)
+from training import (checkpoints, flops, metrics as metrics_lib, optimizer, run_config, settings,
+                      sharding, steps, workdir_lock)
 
 
 # A vocabulary taken from the data (model.vocab_size=0) is padded to a multiple of this: the
@@ -138,6 +138,7 @@ def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None =
   Returns:
     The Setup.
   """
+  settings.check(config)
   source = None
   if data or config.data.name not in input_pipeline.text.TFDS_NAMES:
     # A synthetic task reads nothing, and an unknown name gets the source's own error.
@@ -171,8 +172,6 @@ def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None =
   _warn_unaligned_packing(config, model_config)
   _check_memory(config, model_config)
   data_parallel = mesh.shape['data'] * mesh.shape['fsdp']
-  if isinstance(config.grad_accum_steps, bool) or config.grad_accum_steps < 1:
-    raise ValueError(f'grad_accum_steps must be an integer >= 1, got {config.grad_accum_steps}')
   if config.batch_size % config.grad_accum_steps:
     raise ValueError(f'batch_size={config.batch_size} is not divisible by '
                      f'grad_accum_steps={config.grad_accum_steps}')
@@ -181,9 +180,6 @@ def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None =
     if rows % data_parallel:
       raise ValueError(f'{name}={rows} is not divisible by the {data_parallel} data-parallel '
                        f'devices of the mesh {dict(mesh.shape)}')
-  for name in ('total_steps', 'log_every_steps', 'checkpoint_every_steps', 'keep_checkpoints'):
-    if config[name] < 1:
-      raise ValueError(f'{name} must be >= 1, got {config[name]}')
   check_profile(config)
 
   rules = sharding.rules_from_config(config.logical_axis_rules)

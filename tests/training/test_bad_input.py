@@ -29,6 +29,17 @@ _BAD_CONFIGS = {
     'grad_accum_zero': ({'grad_accum_steps': 0}, r'grad_accum_steps must be an integer >= 1, got 0'),
     'grad_accum_negative': ({'grad_accum_steps': -1},
                             r'grad_accum_steps must be an integer >= 1, got -1'),
+    # Numbers: finite, and in range, each named (issue 35: a NaN learning rate trained).
+    'learning_rate_nan': ({'learning_rate': float('nan')},
+                          r'^learning_rate must be a finite number, got nan$'),
+    'nested_float_inf': ({'model.attention_options.span_penalty': float('inf')},
+                         r'^model\.attention_options\.span_penalty must be a finite number'),
+    'warmup_negative': ({'warmup_steps': -5}, r'^warmup_steps must be an integer >= 0, got -5$'),
+    'eval_every_negative': ({'eval_every_steps': -1},
+                            r'^eval_every_steps must be an integer >= 0 \(0 = no periodic '
+                            r'evaluation\), got -1$'),
+    'adam_b2_one': ({'adam_b2': 1.0}, r'^adam_b2 must be a finite number in \[0, 1\), got 1\.0$'),
+    'total_steps_zero': ({'total_steps': 0}, r'^total_steps must be an integer >= 1, got 0$'),
     'unknown_data_name': (
         {'data.name': 'no_such_task'},
         r"unknown data\.name 'no_such_task'; known: c4, tfds, local_text, copy, duplication, "
@@ -147,6 +158,9 @@ def test_parameter_not_divisible_by_mesh_axis_fails_in_build(harness, tmp_path):
     ('--config.no_such_field=1', "KeyError: 'no_such_field'"),
     ('--config.total_steps=abc', "invalid literal for int() with base 10: 'abc'"),
     ('--no_such_flag', "Unknown command line flag 'no_such_flag'"),
+    # absl's message names the flag; the bare reason did not (issue 35).
+    ('--mode=bogus', 'flag --mode=bogus: value should be one of <train|eval'),
+    ('--num_processes=x', "flag --num_processes=x: invalid literal for int() with base 10: 'x'"),
 ])
 def test_bad_command_line_is_one_line_and_exit_1(harness, tmp_path, flag, message):
   proc = subprocess.run(harness.main_command(tmp_path / 'run') + [flag], env=harness.env(),
