@@ -58,8 +58,13 @@ def _bad_command_line(error: Exception, argv) -> None:
   cause = error
   while cause.__cause__ is not None or cause.__context__ is not None:
     cause = cause.__cause__ or cause.__context__
+  # absl's own error names the flag ('flag --mode=bogus: value should be one of ...'); its
+  # cause has only the reason. ml_collections' errors name the field in the cause.
+  what = f'{type(cause).__name__}: {cause}'
+  if isinstance(error, flags.IllegalFlagValueError) and str(error).startswith('flag --'):
+    what = str(error)
   overrides = [a for a in argv[1:] if a.startswith('--config.')]
-  print(f'error: bad command line ({type(cause).__name__}: {cause}); config overrides given: '
+  print(f'error: bad command line ({what}); config overrides given: '
         f'{" ".join(overrides) or "none"}. Fields and their types are in the recipe and '
         'configs/default.py', file=sys.stderr)
   sys.exit(1)
