@@ -98,17 +98,30 @@ def make_optimizer(config, param_bounds: dict[str, tuple[float, float]] | None =
       which parameters are matrices (decay_mask); None counts every axis.
 
   Returns:
-    clip_by_global_norm (if clip_grad_norm > 0), AdamW with the schedule, then
-    `keep_in_box` (always in the chain, so every model's optimizer state has one layout).
+    clip_by_global_norm (identity if clip_grad_norm is 0), AdamW with the schedule, then
+    `keep_in_box`. Both end slots are always in the chain and hold no state, so the optimizer
+    state has one layout whatever the clipping or the model: a run resumes with clipping
+    turned on or off (--allow_config_change=clip_grad_norm), and every model's checkpoint
+    names its Adam moments opt_state.1.*.
   """
   for name in ('learning_rate', 'weight_decay', 'clip_grad_norm'):
     if getattr(config, name) < 0:
       raise ValueError(f'{name} must be >= 0, got {getattr(config, name)}')
-  chain = []
-  if config.clip_grad_norm > 0:
-    chain.append(optax.clip_by_global_norm(config.clip_grad_norm))
+  chain = [optax.clip_by_global_norm(config.clip_grad_norm) if config.clip_grad_norm > 0
+           else optax.identity()]
   chain.append(optax.adamw(make_schedule(config), b1=config.adam_b1, b2=config.adam_b2,
                            eps=config.adam_eps, weight_decay=config.weight_decay,
                            mask=decay_mask(abstract_params)))
   chain.append(keep_in_box(param_bounds or {}))
   return optax.chain(*chain)
+
+
+def without_clip_slot(opt_state):
+  """`opt_state` laid out as checkpoints written without clipping before the clip slot was
+  always in the chain (before issue 35): (AdamW's state, keep_in_box's), no leading slot."""
+  return tuple(opt_state)[1:]
+
+
+def with_clip_slot(opt_state):
+  """The inverse of `without_clip_slot`: a restored old layout in today's chain."""
+  return (optax.EmptyState(),) + tuple(opt_state)

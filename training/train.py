@@ -464,7 +464,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   try:
     data_state = None
     if ckpt.latest_step() is not None:
-      state, saved = ckpt.restore(setup.abstract_state, with_data=True)
+      state, saved = _restore_train_state(ckpt, setup)
       data_state = _this_process_data_state(saved)
       logging.info('resumed from checkpoint step %d (input stream at %s)', int(state.step),
                    data_state)
@@ -477,6 +477,30 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     setup.data.close()
     ckpt.close()
     logger.close()
+
+
+def _restore_train_state(ckpt: checkpoints.Checkpointer, setup: Setup):
+  """(state, saved input-stream position) of the newest good checkpoint.
+
+  A checkpoint written without clipping before the optimizer chain always held its clip slot
+  (optimizer.without_clip_slot) restores too: it fails to match today's layout by its
+  opt_state names only, and is read in its own layout and given the slot (which holds no
+  state), so no saved moment is lost.
+  """
+  try:
+    return ckpt.restore(setup.abstract_state, with_data=True)
+  except checkpoints.CheckpointError as e:
+    if 'opt_state' not in str(e):
+      raise
+    old = setup.abstract_state.replace(
+        opt_state=optimizer.without_clip_slot(setup.abstract_state.opt_state))
+    try:
+      state, saved = ckpt.restore(old, with_data=True)
+    except checkpoints.CheckpointError:
+      raise e from None
+    logging.info('checkpoint step %d has the optimizer layout of a run without clipping '
+                 'written before the clip slot: restored into today\'s layout', int(state.step))
+    return state.replace(opt_state=optimizer.with_clip_slot(state.opt_state)), saved
 
 
 def _gather_data_state(state: dict) -> dict:

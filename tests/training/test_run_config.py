@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from training import inspect, run_config, train
+from training import inspect, optimizer, run_config, train
 
 # A model the default recipe does not describe: evaluating with the recipe's defaults would
 # score dense attention with these parameters (same shapes), silently.
@@ -198,3 +198,42 @@ def test_an_allowed_change_that_cannot_restore_records_nothing(harness, trained,
     train.train_and_evaluate(harness.config({**TRAINED, 'model.d': 1}), str(workdir), request)
   assert (workdir / 'config.json').read_text() == record
   assert (workdir / 'config_history.jsonl').read_text() == history
+
+
+def test_clipping_turned_off_and_on_again_resumes_when_allowed(harness, trained, tmp_path):
+  # Issue 35: the optimizer state's layout followed the clipping (opt_state.0.0.count: not in
+  # the checkpoint), so the NaN message's advice to enable clipping could not be taken.
+  workdir = _copy(trained, tmp_path)
+  keys = frozenset({'total_steps', 'clip_grad_norm'})
+  for steps, clip in ((5, 0.0), (6, 1.0)):
+    config = harness.config({**TRAINED, 'total_steps': steps, 'clip_grad_norm': clip})
+    state = train.train_and_evaluate(config, str(workdir),
+                                     run_config.Request(keys=keys, allow=('clip_grad_norm',)))
+    assert int(state.step) == steps
+  assert harness.step_dirs(workdir)[-2:] == [5, 6]
+  assert [[c for c in line['changes'] if c['key'] == 'clip_grad_norm']
+          for line in _history(workdir)[-2:]] == [
+      [{'key': 'clip_grad_norm', 'recorded': 1.0, 'given': 0.0, 'kind': 'training'}],
+      [{'key': 'clip_grad_norm', 'recorded': 0.0, 'given': 1.0, 'kind': 'training'}]]
+
+
+def test_an_unclipped_checkpoint_of_the_old_optimizer_layout_resumes_exactly(harness, tmp_path):
+  # Before the clip slot was always in the chain, a run without clipping saved its Adam
+  # moments as opt_state.0.*: such a checkpoint resumes with its moments.
+  make = lambda steps: harness.config({'total_steps': steps, 'checkpoint_every_steps': 2,
+                                       'clip_grad_norm': 0.0})
+  straight = train.train_and_evaluate(make(3), str(tmp_path / 'straight'))
+  setup = train.build(make(2))
+  ckpt = train.checkpoints.Checkpointer(str(tmp_path / 'straight'), async_save=False)
+  try:
+    saved = ckpt.restore(setup.abstract_state, step=2)
+  finally:
+    ckpt.close()
+  old = train.checkpoints.Checkpointer(str(tmp_path / 'old'), async_save=False)
+  try:
+    old.save(2, saved.replace(opt_state=optimizer.without_clip_slot(saved.opt_state)))
+  finally:
+    old.close()
+  resumed = train.train_and_evaluate(make(3), str(tmp_path / 'old'))
+  assert int(resumed.step) == 3
+  assert harness.max_abs_diff(straight.params, resumed.params) == 0.0
