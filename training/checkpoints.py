@@ -7,7 +7,9 @@ on how the arrays are sharded: a checkpoint saved on one mesh verifies on any ot
 written by orbax in the same commit as the arrays, so no committed checkpoint lacks them.
 Restoring recomputes them over the restored arrays; a mismatch, a read error or missing
 metadata makes the newest checkpoint "corrupt": the restore falls back to the newest good one
-and moves the bad folder to `checkpoints/corrupt/`.
+and moves the bad folder to `checkpoints/corrupt/`. A step whose folder is gone by then was
+rotated away by the run writing there (an eval beside a live run): it is not corrupt, and the
+steps are listed again.
 """
 
 import datetime
@@ -318,8 +320,10 @@ class Checkpointer:
       saved = sorted(self._manager.all_steps())
       raise FileNotFoundError(f'no checkpoint step {step} in {self.directory} (saved steps: '
                               f'{", ".join(map(str, saved)) or "none"})')
-    bad = []
-    for candidate in steps:
+    bad, tried = [], set()
+    while steps:
+      candidate = steps.pop(0)
+      tried.add(candidate)
       try:
         restored = read(candidate)
       except _Incompatible as e:
@@ -327,6 +331,20 @@ class Checkpointer:
             f'checkpoint step {candidate} in {self.directory} was written by a different model '
             f'configuration: {e}') from e
       except _Corrupt as e:
+        if self._deleted(candidate):
+          # The run that writes these checkpoints rotated this step away (keep_checkpoints)
+          # while it was read: not damage. Newer steps may have been committed meanwhile.
+          if step is not None:
+            raise FileNotFoundError(
+                f'checkpoint step {step} in {self.directory} was deleted while it was read '
+                '(the training run keeps only its newest keep_checkpoints steps); saved '
+                f'steps now: {", ".join(map(str, sorted(self._manager.all_steps()))) or "none"}'
+            ) from None
+          steps = [s for s in sorted(self._manager.all_steps(), reverse=True) if s not in tried]
+          logging.info('checkpoint step %d in %s was deleted while it was read (rotated by '
+                       'the run writing there); reading the newest step now: %s', candidate,
+                       self.directory, steps[0] if steps else 'none left')
+          continue
         bad.append((candidate, str(e)))
         if step is None:
           logging.warning('checkpoint step %d in %s is corrupt (%s); trying an older one',
@@ -341,12 +359,21 @@ class Checkpointer:
           self._move_aside(bad_step, reason, candidate)
       self.restored_step = candidate
       return restored
+    if not bad:
+      raise FileNotFoundError(f'no checkpoint found in {self.directory}: every step was deleted '
+                              'while it was read')
     listing = '; '.join(f'step {s}: {reason}' for s, reason in bad)
     raise CheckpointError(
         f'could not restore checkpoint step{"s" if len(bad) > 1 else ""} '
         f'{", ".join(str(s) for s, _ in bad)} from {self.directory}: '
         f'{"no good checkpoint remains; nothing was moved or deleted. " if step is None else ""}'
         f'{listing}')
+
+  def _deleted(self, step: int) -> bool:
+    """True when `step`'s folder is gone (on any process), the step list reloaded."""
+    gone, _ = _agree(int(not (epath.Path(self.directory) / str(step)).exists()))
+    self._manager.reload()
+    return bool(gone)
 
   def _restore_verified(self, abstract_state, step: int, *, with_data: bool = False,
                         partial: bool = False):

@@ -225,6 +225,50 @@ def test_no_good_checkpoint_is_an_error_naming_every_bad_step(harness, run6, tmp
   assert harness.step_dirs(workdir) == [2, 4, 6]
 
 
+def _rotating_copy(run6, tmp_path, monkeypatch):
+  """A copy of run6 whose step 6 is committed, and step 4 deleted, while step 4 is being read:
+  what a reader beside a run with keep_checkpoints=1 meets (issue 35)."""
+  workdir = tmp_path / 'run'
+  shutil.copytree(run6, workdir)
+  folder = workdir / 'checkpoints'
+  (folder / '6').rename(tmp_path / 'pending_6')
+  read = checkpoints.Checkpointer._read
+
+  def rotate_then_read(self, step, args):
+    if step == 4 and (tmp_path / 'pending_6').exists():
+      (tmp_path / 'pending_6').rename(folder / '6')
+      shutil.rmtree(folder / '4')
+    return read(self, step, args)
+
+  monkeypatch.setattr(checkpoints.Checkpointer, '_read', rotate_then_read)
+  return workdir
+
+
+def test_a_step_rotated_away_while_read_is_not_corrupt(harness, run6, tmp_path, monkeypatch,
+                                                       caplog):
+  workdir = _rotating_copy(run6, tmp_path, monkeypatch)
+  setup = train.build(harness.config(RUN), workdir=str(workdir))
+  setup.data.close()
+  ckpt = checkpoints.Checkpointer(str(workdir), read_only=True)
+  try:
+    with caplog.at_level(logging.INFO):
+      step, _ = ckpt.restore_params(setup.abstract_state.params)
+  finally:
+    ckpt.close()
+  assert step == 6  # The newest step that exists, listed again.
+  assert 'step 4' in caplog.text and 'deleted while it was read' in caplog.text
+  assert 'corrupt' not in caplog.text
+  assert not (workdir / 'checkpoints' / checkpoints.CORRUPT_DIR).exists()
+
+
+def test_an_asked_for_step_rotated_away_while_read_is_not_found(harness, run6, tmp_path,
+                                                                monkeypatch):
+  workdir = _rotating_copy(run6, tmp_path, monkeypatch)
+  with pytest.raises(FileNotFoundError, match=r'step 4 .* was deleted while it was read .*'
+                                              r'saved steps now: 2, 6'):
+    train.evaluate(harness.config({**RUN, 'eval_checkpoint_step': 4}), str(workdir))
+
+
 def test_another_model_is_an_error_not_a_fallback(harness, run6, tmp_path):
   workdir = _damaged_copy(run6, tmp_path, 'truncate')  # Even with a damaged newest step.
   before = _files(workdir)
