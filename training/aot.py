@@ -691,7 +691,10 @@ def run(config: ml_collections.ConfigDict, workdir: str,
     ValueError: no topology or no TPU support; a program does not compile; the train step
       does not fit one chip's HBM (after the report is written).
   """
-  config = run_config.resolve(config, workdir, trains=False, request=request).config
+  config = run_config.resolve(
+      config, workdir, trains=False, request=request,
+      devices=lambda c: topology_devices(c.compile_topology, c.compile_topology_num_slices)
+  ).config
   report = compile_config(config, STEPS, workdir)
   print(report.table(), flush=True)
   if jax.process_index() == 0:

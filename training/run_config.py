@@ -47,7 +47,7 @@ import datetime
 import json
 import os
 import re
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import ml_collections
 from absl import logging
@@ -332,14 +332,23 @@ def _apply(config: ml_collections.ConfigDict, flat: dict[str, Any], keys) -> Non
 
 
 def resolve(config: ml_collections.ConfigDict, workdir: str, *, trains: bool,
-            request: Request | None = None) -> Resolved:
+            request: Request | None = None,
+            devices: Callable[[ml_collections.ConfigDict], Sequence[Any]] | None = None
+            ) -> Resolved:
   """The config to run with in `workdir`: its record plus the asked-for changes.
+
+  The mesh is the machine's, not the run's: when no mesh key is asked for and the recorded
+  mesh does not fit the devices present (an eval on one device of a run trained on eight, a
+  resume on a slice of another size), it is fitted to them (sharding.fit_mesh) with one log
+  line.
 
   Args:
     config: the config given (recipe and command-line overrides).
     workdir: the run's folder.
     trains: training (refuses training changes too) rather than reading parameters.
     request: what was asked for on the command line; None: every field of `config`.
+    devices: effective config -> the devices its mesh is for (--mode=compile: a TPU
+      topology's); None: jax.devices().
 
   Returns:
     The Resolved config.
@@ -382,8 +391,25 @@ def resolve(config: ml_collections.ConfigDict, workdir: str, *, trains: bool,
     logging.warning('the record\'s %s=%r is no field of the current config: ignored', k,
                     recorded[k])
   _log(changes, trains, request)
+  if not any(_covers('mesh', k) for k in asked):
+    _fit_mesh(effective, devices(effective) if devices else None)
   return Resolved(config=effective, new_start=False, replaced=None, changes=changes,
                   request=request)
+
+
+def _fit_mesh(config: ml_collections.ConfigDict, devices: Sequence[Any] | None) -> None:
+  """Fits `config.mesh` (the record's) to `devices` (default all), in place, if it does not
+  fit them."""
+  import jax  # pylint: disable=import-outside-toplevel  (the record needs no JAX)
+  from training import sharding  # pylint: disable=import-outside-toplevel
+  devices = jax.devices() if devices is None else devices
+  fitted = sharding.fit_mesh(config.mesh, devices)
+  if fitted is None:
+    return
+  recorded = {k: config.mesh[k] for k in fitted if k in config.mesh}
+  config.mesh.update(fitted)
+  logging.warning('the recorded mesh %s does not fit the %d devices here: using mesh %s '
+                  '(--config.mesh.* chooses another)', recorded, len(devices), fitted)
 
 
 def _log(changes: tuple[Change, ...], trains: bool, request: Request) -> None:

@@ -125,6 +125,45 @@ def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
   return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def fit_mesh(mesh_cfg, devices: Sequence[jax.Device]) -> dict[str, int] | None:
+  """A mesh like `mesh_cfg` for `devices`, or None when `mesh_cfg` fits them as it is.
+
+  A run's recorded mesh describes the machine it trained on; an eval, or a resume on a slice
+  of another size, fits it to the devices present: each recorded axis size is kept where it
+  divides the devices left (tensor first, then fsdp), otherwise it becomes 1, and the axis
+  recorded as -1 (else data) takes the rest. Slices: dcn_data * dcn_fsdp is kept when it is
+  the number of slices present, otherwise the slices all go to dcn_data.
+
+  Args:
+    mesh_cfg: the mesh config (as make_mesh takes it).
+    devices: the devices the mesh is for.
+
+  Returns:
+    The fitted mesh config, or None.
+  """
+  try:
+    make_mesh(mesh_cfg, devices)
+    return None
+  except ValueError:
+    pass
+  devices = list(devices)
+  n_slices = max(len(_slices(devices)), 1)
+  dcn = {a: _size(mesh_cfg, a, auto=False) for a in ('dcn_data', 'dcn_fsdp')}
+  if dcn['dcn_data'] * dcn['dcn_fsdp'] != n_slices:
+    dcn = {'dcn_data': n_slices, 'dcn_fsdp': 1}
+  shape = {a: _size(mesh_cfg, a, auto=True) for a in MESH_AXES}
+  rest = next((a for a in MESH_AXES if shape[a] == -1), 'data')
+  remaining = len(devices) // n_slices
+  fitted = {}
+  for axis in ('tensor', 'fsdp', 'data'):
+    if axis == rest:
+      continue
+    fitted[axis] = shape[axis] if remaining % shape[axis] == 0 else 1
+    remaining //= fitted[axis]
+  fitted[rest] = -1
+  return {**{a: fitted[a] for a in MESH_AXES}, **dcn}
+
+
 def rules_from_config(rules_cfg) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
   """Normalizes the config's rule list (lists from the CLI become tuples)."""
   out = []

@@ -4,6 +4,7 @@ once the state matches, a checkpoint before every evaluation, honest accuracy (i
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -81,3 +82,37 @@ def test_a_one_device_checkpoint_evaluates_on_a_tensor_parallel_mesh(harness, tm
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads((workdir / 'eval_step_2.json').read_text())
   assert np.isfinite(result['loss'])
+
+
+def test_the_recorded_mesh_is_fitted_to_the_devices_present(harness, tmp_path):
+  # Issue 35: a run trained on 4 devices (data=2, fsdp=2) could not be evaluated on 1 device
+  # ("mesh ... needs 4 devices, 1 are available") nor resumed on 2. The mesh is the machine's:
+  # a start that sets none fits the recorded one to the devices present, in one log line.
+  workdir = tmp_path / 'run'
+  mesh = {'mesh.data': 2, 'mesh.fsdp': 2}
+  proc = harness.run_main(workdir, {'total_steps': 2, 'checkpoint_every_steps': 2, **mesh},
+                          devices=4)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  proc = harness.run_main(workdir, {'total_steps': 2}, mode='eval', devices=1)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert ("the recorded mesh {'data': 2, 'fsdp': 2, 'tensor': 1, 'dcn_data': 1, 'dcn_fsdp': 1} "
+          'does not fit the 1 devices here: using mesh {\'data\': -1, \'fsdp\': 1, ') in proc.stderr
+  assert np.isfinite(json.loads((workdir / 'eval_step_2.json').read_text())['loss'])
+  proc = harness.run_main(workdir, {'total_steps': 3}, devices=2)  # Resume on 2: fsdp kept.
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "using mesh {'data': -1, 'fsdp': 2, 'tensor': 1" in proc.stderr
+  assert harness.step_dirs(workdir) == [2, 3]
+  # A mesh asked for is not fitted: it is an error naming it.
+  proc = harness.run_main(workdir, {'total_steps': 3, **mesh}, mode='eval', devices=1)
+  assert proc.returncode == 1 and 'needs 4 devices, 1 are available' in proc.stderr
+
+
+def test_fit_mesh_keeps_the_sizes_that_divide_and_fills_the_rest():
+  from training import sharding  # pylint: disable=import-outside-toplevel
+  one = jax.devices()[:1]
+  assert sharding.fit_mesh({'data': -1, 'fsdp': 1, 'tensor': 1}, one) is None  # Fits.
+  assert sharding.fit_mesh({'data': 2, 'fsdp': 4, 'tensor': 1}, one) == {
+      'data': -1, 'fsdp': 1, 'tensor': 1, 'dcn_data': 1, 'dcn_fsdp': 1}
+  # The axis recorded as -1 keeps taking the rest; others that do not divide become 1.
+  assert sharding.fit_mesh({'data': 2, 'fsdp': -1, 'tensor': 2, 'dcn_data': 2}, one) == {
+      'data': 1, 'fsdp': -1, 'tensor': 1, 'dcn_data': 1, 'dcn_fsdp': 1}

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -237,3 +238,25 @@ def test_an_unclipped_checkpoint_of_the_old_optimizer_layout_resumes_exactly(har
   resumed = train.train_and_evaluate(make(3), str(tmp_path / 'old'))
   assert int(resumed.step) == 3
   assert harness.max_abs_diff(straight.params, resumed.params) == 0.0
+
+
+def test_the_recorded_mesh_is_fitted_to_the_devices_of_the_effective_config(harness, tmp_path):
+  # --mode=compile fits the record's mesh to the topology it compiles for, which the
+  # effective config names: resolve asks for the devices with that config.
+  record = harness.config({'mesh.data': 1, 'mesh.fsdp': 2, 'compile_topology': 'v5e:2x2'})
+  (tmp_path / 'config.json').write_text(record.to_json_best_effort())
+  asked = []
+
+  def devices(config):
+    asked.append(config.compile_topology)
+    return jax.devices()[:1]
+
+  resolved = run_config.resolve(harness.config(), str(tmp_path), trains=False,
+                                request=run_config.Request(keys=frozenset()), devices=devices)
+  assert asked == ['v5e:2x2']
+  assert dict(resolved.config.mesh) == {'data': -1, 'fsdp': 1, 'tensor': 1, 'dcn_data': 1,
+                                        'dcn_fsdp': 1}
+  asked_mesh = run_config.Request(keys=frozenset({'mesh.fsdp'}))
+  resolved = run_config.resolve(harness.config({'mesh.fsdp': 4}), str(tmp_path), trains=False,
+                                request=asked_mesh, devices=devices)
+  assert resolved.config.mesh.fsdp == 4 and asked == ['v5e:2x2']  # Asked for: kept as given.
