@@ -365,9 +365,11 @@ class _Preemption:
   """SIGTERM (a TPU/cloud preemption notice) sets a flag the loop checks after each step.
 
   The loop leaves the block only once its last checkpoint is committed, so a second SIGTERM
-  during that save is logged, not fatal. Once one has arrived, the handler stays after the
-  block too: the process is exiting with its checkpoint saved, and a repeated notice must
-  not turn that into a kill (exit -15).
+  during that save is logged, not fatal. Once one has arrived and the block is left (the
+  save committed), SIGTERM is ignored until the process exits: a Python handler would not
+  do, as the interpreter puts the default action (death by SIGTERM, exit -15, which
+  schedulers read as a crash) back for every signal with a Python handler while it shuts
+  down.
   """
 
   def __init__(self):
@@ -386,7 +388,12 @@ class _Preemption:
     return self
 
   def __exit__(self, *exc):
-    if self._previous is not None and not self._event.is_set():
+    if self._previous is None:
+      return
+    if self._event.is_set():
+      signal.signal(signal.SIGTERM, signal.SIG_IGN)
+      logging.info('preemption: further SIGTERMs are ignored until the process exits')
+    else:
       signal.signal(signal.SIGTERM, self._previous)
 
   def requested(self, step: int) -> bool:

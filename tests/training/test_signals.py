@@ -55,3 +55,26 @@ def test_second_sigterm_keeps_the_checkpoint_and_exits_zero(harness, tmp_path, c
   assert f'resumed from checkpoint step {stopped}' in caplog.text
   assert int(state.step) == stopped + 2
   assert harness.step_dirs(workdir) == [stopped, stopped + 2]
+
+
+def test_sigterms_every_50ms_until_exit_end_in_a_clean_exit(harness, tmp_path):
+  # Issue 35: the preemption save was committed, yet the process died of a later SIGTERM
+  # (rc -15, 7 tries in 7): the interpreter restores the default action while it exits.
+  workdir, log = tmp_path / 'run', tmp_path / 'term.log'
+  proc = harness.start_main(workdir, log, RUN)
+  try:
+    harness.wait_for(lambda: f'step {TERM_AFTER}/{RUN["total_steps"]}' in log.read_text(), proc,
+                     log, timeout=300, what=f'step {TERM_AFTER}')
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+      proc.send_signal(signal.SIGTERM)
+      time.sleep(0.05)
+    rc = proc.wait(timeout=5)
+  finally:
+    proc.kill()
+    proc.wait()
+  text = pathlib.Path(log).read_text()
+  assert rc == 0, f'rc {rc}:\n{text[-3000:]}'
+  [saved] = harness.step_dirs(workdir)
+  assert f'preemption requested: saved step {saved}, exiting' in text
+  assert 'further SIGTERMs are ignored until the process exits' in text
