@@ -142,7 +142,7 @@ def get_config() -> ml_collections.ConfigDict:
   generate.step = 0                     # Checkpoint step to sample from; 0 = latest.
   generate.prompt = ''                  # One prompt (text, tokenized with the run's tokenizer).
   generate.prompt_file = ''             # Or a file of prompts, one per line (overrides prompt).
-  generate.max_new_tokens = 128         # Tokens generated per prompt at most.
+  generate.max_new_tokens = 128         # Tokens per prompt at most (default: capped to max_len).
   generate.temperature = 1.0            # Softmax temperature; 0 = greedy.
   generate.top_k = 0                    # Keep the k most likely tokens; 0 = all.
   generate.top_p = 1.0                  # Nucleus: smallest set with this probability mass; 1 = all.

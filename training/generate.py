@@ -124,6 +124,19 @@ def check_lengths(prompts: list[tuple[str, str]], ids: list[np.ndarray], max_new
           f'{max_len - n}{shorten}')
 
 
+def fit_new_tokens(ids: list[np.ndarray], max_new_tokens: int, max_len: int) -> int:
+  """`max_new_tokens`, or fewer so that the longest prompt's continuation fits the model's
+  context (max_len - its length, at least 1), with a log line when it is fewer."""
+  longest = max(int(tokens.size) for tokens in ids)
+  room = max(max_len - longest, 1)  # check_lengths refuses a prompt that fills max_len.
+  if max_new_tokens <= room:
+    return max_new_tokens
+  logging.info('generate.max_new_tokens=%d (not set on the command line) is more than the '
+               'model\'s context leaves after the longest prompt (max_len=%d, %d prompt '
+               'tokens): generating up to %d new tokens', max_new_tokens, max_len, longest, room)
+  return room
+
+
 @functools.lru_cache(maxsize=16)
 def _cannot_decode(model) -> str | None:
   """Why `model` cannot decode token by token (the variant's NotImplementedError), or None;
@@ -199,7 +212,9 @@ def generate(config: ml_collections.ConfigDict, workdir: str,
 
   The model is the workdir's recorded one (training/run_config.py); the `generate.*` settings
   are run-time keys, so the command line may set any of them. Prints each prompt and its
-  continuation; process 0 writes WORKDIR/samples_step_<N>.jsonl.
+  continuation; process 0 writes WORKDIR/samples_step_<N>.jsonl. generate.max_new_tokens not
+  set on the command line is capped at what the model's context leaves after the longest
+  prompt (logged); set there, a prompt that leaves less room is an error.
 
   Args:
     config: the config given.
@@ -228,17 +243,21 @@ def generate(config: ml_collections.ConfigDict, workdir: str,
   setup.data.close()
   tokenizer = setup.data.tokenizer
   ids = encode_prompts(prompts, tokenizer, setup.data.vocab_size)
-  check_lengths(prompts, ids, g.max_new_tokens, setup.model_config.max_len)
+  max_new_tokens = g.max_new_tokens
+  if not resolved.request.asks('generate.max_new_tokens'):  # The default: up to the context.
+    max_new_tokens = fit_new_tokens(ids, max_new_tokens, setup.model_config.max_len)
+  check_lengths(prompts, ids, max_new_tokens, setup.model_config.max_len)
   check_decodes(setup.model)
   step, params = train.latest_params(setup, workdir, required='train a model first',
                                      step=g.step)
   model = train.specialized_model(setup, params)
   eos_id = EOS if g.stop_at_eos else None
-  samples = sample_ids(setup, model, params, ids, max_new_tokens=g.max_new_tokens,
+  samples = sample_ids(setup, model, params, ids, max_new_tokens=max_new_tokens,
                        batch_size=g.batch_size, rng=jax.random.key(g.seed),
                        temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, eos_id=eos_id)
-  settings = {k: g[k] for k in ('max_new_tokens', 'temperature', 'top_k', 'top_p', 'seed',
-                                'stop_at_eos', 'batch_size')}
+  settings = {k: g[k] for k in ('temperature', 'top_k', 'top_p', 'seed', 'stop_at_eos',
+                                'batch_size')}
+  settings['max_new_tokens'] = max_new_tokens
   records = []
   for i, (tokens, (new, stopped)) in enumerate(zip(ids, samples)):
     records.append({

@@ -158,6 +158,10 @@ class Request:
   recipe_given: bool = False
   allow: tuple[str, ...] = ()
 
+  def asks(self, key: str) -> bool:
+    """True when the command line set dotted config `key` (every key when `keys` is None)."""
+    return self.keys is None or key in self.keys
+
 
 @dataclasses.dataclass(frozen=True)
 class Change:

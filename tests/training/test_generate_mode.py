@@ -19,7 +19,7 @@ import pytest
 from configs import local_text
 from input_pipeline import tokenizers
 from models import decode
-from training import generate, metrics, train
+from training import generate, metrics, run_config, train
 
 SEQ_LEN = 32  # The model's max_len.
 CORPUS = '\n'.join(f'the cat sat on the mat number {i % 7}; the dog ran {i % 3} times.'
@@ -164,6 +164,23 @@ def test_a_prompt_that_leaves_no_room_is_an_error_naming_it(text_run):
     generate.generate(_text_config(tmp, prompt_file=str(tmp / 'missing.txt')), workdir)
   with pytest.raises(ValueError, match='generate.top_p must be in'):
     generate.generate(_text_config(tmp, prompt='the', top_p=0.0), workdir)
+
+
+def test_the_default_length_is_capped_to_the_context_and_said(text_run, caplog):
+  # Issue 35: the default generate.max_new_tokens (128) on a model of max_len 128 was refused
+  # whatever the prompt. Not set on the command line (the record's 6 here), it is capped at
+  # what the context leaves.
+  tmp, workdir = text_run
+  default = run_config.Request(keys=frozenset({'generate.prompt'}))
+  with caplog.at_level('INFO'):
+    [record] = generate.generate(_text_config(tmp, prompt='b' * 27), workdir, default)
+  assert record['max_new_tokens'] == 4 and record['prompt_tokens'] == 28
+  assert 1 <= record['new_tokens'] <= 4
+  assert ('generate.max_new_tokens=6 (not set on the command line) is more than the model\'s '
+          'context leaves after the longest prompt (max_len=32, 28 prompt tokens): generating '
+          'up to 4 new tokens') in caplog.text
+  with pytest.raises(ValueError, match=r'has 41 tokens and the model\'s max_len is 32: no room'):
+    generate.generate(_text_config(tmp, prompt='a' * 40), workdir, default)
 
 
 def _synthetic_config(**model):
