@@ -100,7 +100,7 @@ def main(argv):
                  jax.device_count(), jax.devices()[0].device_kind, jax.process_index(),
                  jax.process_count(), workdir)
     if FLAGS.mode == 'train':
-      train.train_and_evaluate(FLAGS.config, workdir, request)
+      train.train_and_evaluate(FLAGS.config, workdir, request, exits=True)
     elif FLAGS.mode == 'generate':
       from training import generate
       generate.generate(FLAGS.config, workdir, request)

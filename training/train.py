@@ -365,16 +365,19 @@ class _Preemption:
   """SIGTERM (a TPU/cloud preemption notice) sets a flag the loop checks after each step.
 
   The loop leaves the block only once its last checkpoint is committed, so a second SIGTERM
-  during that save is logged, not fatal. Once one has arrived and the block is left (the
-  save committed), SIGTERM is ignored until the process exits: a Python handler would not
-  do, as the interpreter puts the default action (death by SIGTERM, exit -15, which
-  schedulers read as a crash) back for every signal with a Python handler while it shuts
-  down.
+  during that save is logged, not fatal. When the block is left the previous handler is put
+  back, unless a notice came and `exits` says the process ends after the run (main.py): then
+  SIGTERM is ignored until it exits. A Python handler would not do there, as the interpreter
+  puts the default action (death by SIGTERM, exit -15, which schedulers read as a crash) back
+  for every signal with a Python handler while it shuts down. A process that goes on (a test,
+  a notebook) gets its own handler back, so a later SIGTERM (a test runner's timeout) still
+  stops it.
   """
 
-  def __init__(self):
+  def __init__(self, exits: bool = False):
     self._event = threading.Event()
     self._previous = None
+    self._exits = exits
 
   def _handle(self, *_):
     if self._event.is_set():
@@ -390,7 +393,7 @@ class _Preemption:
   def __exit__(self, *exc):
     if self._previous is None:
       return
-    if self._event.is_set():
+    if self._event.is_set() and self._exits:
       signal.signal(signal.SIGTERM, signal.SIG_IGN)
       logging.info('preemption: further SIGTERMs are ignored until the process exits')
     else:
@@ -416,25 +419,31 @@ def _check_finite(step: int, host_metrics: dict[str, float], ckpt: checkpoints.C
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       request: run_config.Request | None = None) -> steps.TrainState:
+                       request: run_config.Request | None = None, *,
+                       exits: bool = False) -> steps.TrainState:
   """Trains to config.total_steps, resuming from the latest checkpoint in `workdir`.
+
+  SIGTERM (a preemption notice) saves a checkpoint and returns early.
 
   Args:
     config: the run config; on a resume, the keys `request` names are checked against and
       applied on top of the workdir's record (training/run_config.py).
     workdir: checkpoints, TensorBoard events and eval JSON go here.
     request: what the command line asked for; None: every field of `config`.
+    exits: the process exits when this returns (main.py): after a preemption, later
+      SIGTERMs are ignored so that they cannot turn the clean exit into a kill. False (a
+      test, a notebook): the caller's SIGTERM handler is put back.
 
   Returns:
     The final TrainState.
   """
   check_workdir(workdir)
   with workdir_lock.hold(workdir):  # One run per workdir.
-    return _train_and_evaluate(config, workdir, request)
+    return _train_and_evaluate(config, workdir, request, exits)
 
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                        request: run_config.Request | None = None) -> steps.TrainState:
+                        request: run_config.Request | None, exits: bool) -> steps.TrainState:
   resolved = run_config.resolve(config, workdir, trains=True, request=request)
   config = resolved.config
   setup = build(config, workdir=workdir)
@@ -479,7 +488,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       state = init_state(setup, config.seed)
     if jax.process_index() == 0:  # Only once the state matches: a failed restore keeps it.
       run_config.record_start(workdir, resolved, int(state.step))
-    return _train_loop(setup, state, data_state, ckpt, logger, peak)
+    return _train_loop(setup, state, data_state, ckpt, logger, peak, exits)
   finally:  # Also on errors: pending checkpoint writes finish, event files are flushed.
     setup.data.close()
     ckpt.close()
@@ -699,7 +708,7 @@ class _Profile:
       logging.error('could not write the profiler trace: %s: %s', type(e).__name__, e)
 
 
-def _train_loop(setup: Setup, state, data_state, ckpt, logger, peak: float):
+def _train_loop(setup: Setup, state, data_state, ckpt, logger, peak: float, exits: bool):
   config = setup.config
   profile_start, profile_steps = check_profile(config)  # Before the train step compiles.
   # The workdir is the checkpoint folder's parent (checkpoints.Checkpointer).
@@ -713,7 +722,7 @@ def _train_loop(setup: Setup, state, data_state, ckpt, logger, peak: float):
   step = int(state.step)
   batches = setup.data.train_iter(step, data_state)
   compiling = True
-  with sharding.activate(setup.mesh, setup.rules), _Preemption() as preemption, profile:
+  with sharding.activate(setup.mesh, setup.rules), _Preemption(exits) as preemption, profile:
     while step < config.total_steps:
       try:
         local, data_state = next(batches)

@@ -4,6 +4,7 @@ main.py runs in a subprocess on the tiny recipe (conftest.FAST).
 """
 
 import logging
+import os
 import pathlib
 import signal
 import time
@@ -78,3 +79,24 @@ def test_sigterms_every_50ms_until_exit_end_in_a_clean_exit(harness, tmp_path):
   [saved] = harness.step_dirs(workdir)
   assert f'preemption requested: saved step {saved}, exiting' in text
   assert 'further SIGTERMs are ignored until the process exits' in text
+
+
+def test_an_in_process_run_gives_the_caller_its_sigterm_handler_back():
+  # A test or notebook that trains in its own process keeps its handler (a test runner's
+  # timeout still stops it); only main.py, which exits next, ignores later notices.
+  def mine(*_):
+    pass
+
+  previous = signal.signal(signal.SIGTERM, mine)
+  try:
+    for exits, after in ((False, mine), (True, signal.SIG_IGN)):
+      with train._Preemption(exits) as preemption:  # pylint: disable=protected-access
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not preemption.requested(1) and time.monotonic() < deadline:
+          time.sleep(0.01)
+        assert preemption.requested(1)
+      assert signal.getsignal(signal.SIGTERM) is after
+      signal.signal(signal.SIGTERM, mine)
+  finally:
+    signal.signal(signal.SIGTERM, previous)
