@@ -61,7 +61,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from training import xla_flags  # noqa: E402
+from training import assembly, xla_flags  # noqa: E402
 
 xla_flags.set_cpu_defaults()  # As main.py does, before JAX starts its backend.
 
@@ -343,16 +343,16 @@ class StepTimer:
   span's trimmed spans) on a fixed batch of random tokens, run `steps` at a time."""
 
   def __init__(self, config, workdir: str):
-    self.setup = setup = train.build(config, workdir=workdir)
+    self.setup = setup = assembly.build(config, workdir=workdir)
     setup.data.close()
-    _, params = train.latest_params(setup, workdir)
-    state = train.init_state(setup, config.seed)
+    _, params = assembly.latest_params(setup, workdir)
+    state = assembly.init_state(setup, config.seed)
     if params is not None:
       state = state.replace(params=params)
-    self._step = train.jit_train_step(setup, train.specialized_model(setup, state.params))
+    self._step = train.jit_train_step(setup, assembly.specialized_model(setup, state.params))
     self.tokens = config.batch_size * setup.data.seq_len
     local = common.random_lm_batch(setup.data.vocab_size, config.batch_size, setup.data.seq_len)
-    self._batch = train.device_batch(setup, local)
+    self._batch = assembly.device_batch(setup, local)
     self._rng = jax.random.key(0)
     self._state = state
     self(1)  # Compile.
@@ -395,9 +395,9 @@ def run_variant(spec: str, config, workdir: str) -> dict:
   except FloatingPointError as e:  # A diverged run keeps its curves up to there.
     row['diverged'] = str(e)
   row['run_seconds'] = time.time() - started
-  setup = train.build(config, workdir=workdir)
+  setup = assembly.build(config, workdir=workdir)
   try:
-    step, params = train.latest_params(setup, workdir)
+    step, params = assembly.latest_params(setup, workdir)
   finally:
     setup.data.close()
   mc = setup.model_config if params is None else transformer.specialized(setup.model_config,
@@ -546,7 +546,7 @@ def main(argv=None) -> dict:
   for spec in specs:  # Every config is checked before any training.
     config = variant_config(base, spec)
     try:
-      train.build(config).data.close()
+      assembly.build(config).data.close()
     except ValueError as e:
       if spec not in grouped:
         raise

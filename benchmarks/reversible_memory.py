@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training import xla_flags  # noqa: E402
+from training import assembly, xla_flags  # noqa: E402
 
 xla_flags.set_cpu_defaults()  # As main.py does, before JAX starts its backend.
 
@@ -49,11 +49,11 @@ def bench(block: str, n_layers: int, ff_chunk_len: int, args) -> dict:
   config.data.num_bits = args.seq_len // 2  # Parity gives sequences of 2 * num_bits inputs.
   config.batch_size = args.batch
   config.total_steps = 10**6
-  setup = train.build(config)
-  state = train.init_state(setup, 0)
+  setup = assembly.build(config)
+  state = assembly.init_state(setup, 0)
   step = train.jit_train_step(setup)
   local = common.random_lm_batch(setup.model_config.vocab_size, args.batch, args.seq_len)
-  batch = train.device_batch(setup, local)
+  batch = assembly.device_batch(setup, local)
   key = jax.random.key(0)
   with sharding.activate(setup.mesh, setup.rules):
     compiled = step.lower(state, batch, key).compile()

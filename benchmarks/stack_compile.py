@@ -17,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training import xla_flags  # noqa: E402
+from training import assembly, xla_flags  # noqa: E402
 
 xla_flags.set_cpu_defaults()  # As main.py does, before JAX starts its backend.
 
@@ -36,14 +36,14 @@ def bench(attention: str, n_layers: int, stack: str, iters: int) -> dict:
   config.model.n_layers = n_layers
   config.model.stack = stack
   config.peak_tflops_per_device = 1.0
-  setup = train.build(config)
-  state = train.init_state(setup, 0)
+  setup = assembly.build(config)
+  state = assembly.init_state(setup, 0)
   local, _ = next(setup.data.train_iter(0, None))
   setup.data.close()
   step = train.jit_train_step(setup)
   rng = jax.random.key(0)
   with sharding.activate(setup.mesh, setup.rules):
-    batch = train.device_batch(setup, local)
+    batch = assembly.device_batch(setup, local)
     t = time.perf_counter()
     lowered = step.lower(state, batch, rng)
     lower_s = time.perf_counter() - t

@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training import xla_flags  # noqa: E402
+from training import assembly, xla_flags  # noqa: E402
 
 xla_flags.set_cpu_defaults()  # As main.py does, before JAX starts its backend.
 
@@ -52,11 +52,11 @@ def bench_step(d: int, seq_len: int, batch: int, dtype: str, impl: str, remat: s
   config.data.num_bits = seq_len // 2    # Parity gives sequences of 2 * num_bits inputs.
   config.batch_size = batch
   config.total_steps = 10**6
-  setup = train.build(config)
-  state = train.init_state(setup, 0)
+  setup = assembly.build(config)
+  state = assembly.init_state(setup, 0)
   step = train.jit_train_step(setup)
   local = common.random_lm_batch(setup.model_config.vocab_size, batch, seq_len)
-  dev_batch = train.device_batch(setup, local)
+  dev_batch = assembly.device_batch(setup, local)
   key = jax.random.key(0)
   holder = {'state': state}
 

@@ -200,15 +200,15 @@ def va_test(config, workdir: str, seed: int, batches: int, num_values: int) -> d
   """Loss and answer accuracy of a trained run on `batches` x batch_size fresh examples whose
   values are drawn from the first `num_values` values (the trained vocabulary's ids)."""
   from input_pipeline import synthetic
-  from training import train
-  setup = train.build(config, workdir=workdir)
+  from training import assembly, train
+  setup = assembly.build(config, workdir=workdir)
   setup.data.close()
-  step, params = train.latest_params(setup, workdir, required='train it first')
+  step, params = assembly.latest_params(setup, workdir, required='train it first')
   task = synthetic.VariableAssignment(num_variables=config.data.num_variables,
                                       num_values=num_values,
                                       num_assignments=config.data.num_assignments)
   data = [task.batch(seed + TEST_SEED_OFFSET, i, config.batch_size) for i in range(batches)]
-  eval_step = train.jit_eval_step(setup, train.specialized_model(setup, params))
+  eval_step = train.jit_eval_step(setup, assembly.specialized_model(setup, params))
   out = train.run_eval(setup, eval_step, params, batches=data)
   return {'step': step, 'loss': out['loss'], 'accuracy': out['accuracy'],
           'examples': int(out['scored_tokens'])}
@@ -295,15 +295,15 @@ def _lm_settings(args) -> dict:
 def sample_loss(config, workdir: str, batches: int) -> float:
   """A trained run's loss on the first `batches` training batches: the sample
   training/pruning.allocate_budgets measures (the same data config gives the same batches)."""
-  from training import train
-  setup = train.build(config, workdir=workdir)
+  from training import assembly, train
+  setup = assembly.build(config, workdir=workdir)
   try:
     it = setup.data.train_iter(0, None)
     sample = [next(it)[0] for _ in range(batches)]
   finally:
     setup.data.close()
-  _, params = train.latest_params(setup, workdir, required='train it first')
-  eval_step = train.jit_eval_step(setup, train.specialized_model(setup, params))
+  _, params = assembly.latest_params(setup, workdir, required='train it first')
+  eval_step = train.jit_eval_step(setup, assembly.specialized_model(setup, params))
   return train.run_eval(setup, eval_step, params, batches=sample)['loss']
 
 
@@ -319,17 +319,17 @@ def refine(config, workdir: str, budgets: list[int], target: float, step: int):
   allocate_budgets measures (its first pruning.batches batches): (budgets, loss, history)."""
   import jax
   import jax.numpy as jnp
-  from training import pruning, sharding, train
-  setup = train.build(config, workdir=workdir)
+  from training import assembly, pruning, sharding
+  setup = assembly.build(config, workdir=workdir)
   try:
     it = setup.data.train_iter(0, None)
     sample = [next(it)[0] for _ in range(config.pruning.batches)]
   finally:
     setup.data.close()
-  _, params = train.latest_params(setup, workdir, required='train it first')
+  _, params = assembly.latest_params(setup, workdir, required='train it first')
   loss_fn = pruning.make_loss_fn(setup)
   with sharding.activate(setup.mesh, setup.rules):
-    batches = [train.device_batch(setup, local) for local in sample]
+    batches = [assembly.device_batch(setup, local) for local in sample]
 
     def loss_of(trial):
       arr = jnp.asarray(trial, jnp.int32)

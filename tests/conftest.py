@@ -8,7 +8,7 @@ import jax  # noqa: E402
 import pytest
 
 from models.attention import base, registry
-from training import flops, train
+from training import assembly, flops, train
 
 # The tests compare float32 paths to ~1e-5 (the rounding of exact float32 products). On NVIDIA
 # GPUs JAX runs float32 matmuls in TF32 by default (errors of 5e-4 to 1e-2 on an H100, which
@@ -39,7 +39,8 @@ def no_compute(monkeypatch):
     del args, kwargs
     pytest.fail('compute started before the bad input was reported')
 
-  for name in ('init_state', 'jit_train_step', 'jit_eval_step', 'run_eval'):
+  monkeypatch.setattr(assembly, 'init_state', fail)
+  for name in ('jit_train_step', 'jit_eval_step', 'run_eval'):
     monkeypatch.setattr(train, name, fail)
   monkeypatch.setattr(flops, 'measure_matmul_peak', fail)
 

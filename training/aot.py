@@ -5,7 +5,7 @@
 jax.experimental.topologies describes a slice that is not here (its compile-only devices);
 the run's own train step, eval step and sampling program (training/train.py,
 models/decode.py) are lowered with abstract arguments -- shapes, dtypes and shardings, no
-arrays -- and compiled by the real TPU compiler (libtpu). No data is read (train.build with
+arrays -- and compiled by the real TPU compiler (libtpu). No data is read (assembly.build with
 data=False). MaxText's train_compile.py is the model.
 
 The report, per chip: parameter and optimizer-state bytes (from the state's shardings), the
@@ -37,7 +37,7 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models import decode, transformer
-from training import generate, run_config, sharding, train, xla_flags
+from training import assembly, generate, run_config, sharding, train, xla_flags
 
 GiB = 1 << 30
 
@@ -273,7 +273,7 @@ class StepReport:
     return sum(c['bytes'] for c in self.collectives.values())
 
 
-def _compile(name: str, jitted, args, setup: train.Setup, detail: str, topology: str):
+def _compile(name: str, jitted, args, setup: assembly.Setup, detail: str, topology: str):
   """Lowers and compiles `jitted(*args)` under the run's mesh and rules.
 
   Returns:
@@ -327,11 +327,11 @@ def _compile(name: str, jitted, args, setup: train.Setup, detail: str, topology:
   return compiled, report
 
 
-def _replicated(setup: train.Setup) -> NamedSharding:
+def _replicated(setup: assembly.Setup) -> NamedSharding:
   return NamedSharding(setup.mesh, P())
 
 
-def abstract_batch(setup: train.Setup, rows: int) -> dict[str, jax.ShapeDtypeStruct]:
+def abstract_batch(setup: assembly.Setup, rows: int) -> dict[str, jax.ShapeDtypeStruct]:
   """A batch of `rows` rows as the input pipeline yields it (input_pipeline/__init__.py),
   abstract, with the batch sharding."""
   shape = (rows, setup.seq_len)
@@ -340,17 +340,17 @@ def abstract_batch(setup: train.Setup, rows: int) -> dict[str, jax.ShapeDtypeStr
           for k in ('inputs', 'targets', 'weights', 'positions', 'segment_ids')}
 
 
-def _device_kind(setup: train.Setup) -> str:
+def _device_kind(setup: assembly.Setup) -> str:
   return setup.mesh.devices.flat[0].device_kind
 
 
-def abstract_key(setup: train.Setup) -> jax.ShapeDtypeStruct:
+def abstract_key(setup: assembly.Setup) -> jax.ShapeDtypeStruct:
   """A replicated random key, abstract (its dtype carries the key implementation)."""
   key = jax.eval_shape(lambda: jax.random.key(0))
   return jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=_replicated(setup))
 
 
-def compile_train_step(setup: train.Setup, where: str = ''):
+def compile_train_step(setup: assembly.Setup, where: str = ''):
   """The run's train step (train.jit_train_step: sharded, donated), compiled for the mesh.
 
   Args:
@@ -367,13 +367,13 @@ def compile_train_step(setup: train.Setup, where: str = ''):
       f'grad_accum_steps={config.grad_accum_steps}', where or _device_kind(setup))
 
 
-def _train_args(setup: train.Setup):
+def _train_args(setup: assembly.Setup):
   """The train step's abstract arguments: state, one global batch, the step's key."""
   return (setup.abstract_state, abstract_batch(setup, setup.config.batch_size),
           abstract_key(setup))
 
 
-def lower_train_step(setup: train.Setup):
+def lower_train_step(setup: assembly.Setup):
   """The run's train step lowered for the mesh, not compiled (seconds where a TPU compile
   takes tens of them): its StableHLO names the kernels it calls.
 
@@ -384,7 +384,7 @@ def lower_train_step(setup: train.Setup):
     return train.jit_train_step(setup).lower(*_train_args(setup))
 
 
-def compile_eval_step(setup: train.Setup, where: str = ''):
+def compile_eval_step(setup: assembly.Setup, where: str = ''):
   """The run's eval step (train.jit_eval_step), compiled for eval_batch_size rows."""
   rows = setup.config.eval_batch_size or setup.config.batch_size
   eval_step = train.jit_eval_step(setup)
@@ -395,7 +395,7 @@ def compile_eval_step(setup: train.Setup, where: str = ''):
                   setup, f'{rows} rows x {setup.seq_len} tokens', where or _device_kind(setup))
 
 
-def compile_decode(setup: train.Setup, where: str = ''):
+def compile_decode(setup: assembly.Setup, where: str = ''):
   """generate's sampling program (models/decode.generate: a prefill forward, then a loop of
   one-token decoding steps over the caches), compiled for generate.batch_size rows of
   model.max_len tokens: the longest prompt that leaves room for generate.max_new_tokens.
@@ -538,7 +538,7 @@ class Report:
     return '\n'.join(lines)
 
 
-def _model_summary(setup: train.Setup) -> dict[str, Any]:
+def _model_summary(setup: assembly.Setup) -> dict[str, Any]:
   mc = setup.model_config
   return {'params': mc.num_params(), 'd_model': mc.d_model, 'n_layers': mc.n_layers,
           'n_heads': mc.n_heads, 'stack': mc.stack_name, 'dtype': str(jnp.dtype(mc.dtype)),
@@ -548,7 +548,7 @@ def _model_summary(setup: train.Setup) -> dict[str, Any]:
           'vocab_size': mc.vocab_size}
 
 
-def report_for(setup: train.Setup, steps=STEPS, *, topology: str = '',
+def report_for(setup: assembly.Setup, steps=STEPS, *, topology: str = '',
                num_slices: int = 1) -> tuple[Report, dict]:
   """Compiles `steps` of the run for `setup`'s mesh and reports on them.
 
@@ -633,7 +633,7 @@ def does_not_fit(report: Report) -> str:
           'larger slice')
 
 
-def check_train_step_fits(setup: train.Setup):
+def check_train_step_fits(setup: assembly.Setup):
   """Compiles the run's train step for `setup`'s devices and raises if it cannot fit.
 
   Returns:
@@ -664,7 +664,7 @@ def compile_config(config: ml_collections.ConfigDict, steps=STEPS,
   """
   num_slices = config.compile_topology_num_slices
   devices = topology_devices(config.compile_topology, num_slices)
-  setup = train.build(config, devices=devices, workdir=workdir, data=False)
+  setup = assembly.build(config, devices=devices, workdir=workdir, data=False)
   report, _ = report_for(setup, steps, topology=config.compile_topology,
                          num_slices=num_slices)
   return report

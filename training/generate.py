@@ -31,7 +31,7 @@ from absl import logging
 
 from input_pipeline import synthetic
 from models import decode
-from training import run_config, sharding, train
+from training import assembly, run_config, sharding
 
 PAD, BOS, EOS = synthetic.PAD, synthetic.BOS, synthetic.EOS
 
@@ -165,11 +165,11 @@ def _to_host(x) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _data_parallel(setup: train.Setup) -> int:
+def _data_parallel(setup: assembly.Setup) -> int:
   return setup.mesh.shape['data'] * setup.mesh.shape['fsdp']
 
 
-def sample_ids(setup: train.Setup, model, params, ids: list[np.ndarray], *, max_new_tokens: int,
+def sample_ids(setup: assembly.Setup, model, params, ids: list[np.ndarray], *, max_new_tokens: int,
                batch_size: int, rng, temperature: float, top_k: int, top_p: float,
                eos_id: int | None) -> list[tuple[np.ndarray, bool]]:
   """(new token ids, stopped at EOS) for each prompt of `ids`, decoded `batch_size` at a time.
@@ -233,13 +233,13 @@ def generate(config: ml_collections.ConfigDict, workdir: str,
       attention cannot decode token by token (a variant with neither a static pattern nor a
       decode_step of its own; every registered variant decodes).
   """
-  train.check_workdir(workdir)
+  assembly.check_workdir(workdir)
   resolved = run_config.resolve(config, workdir, trains=False, request=request)
   config = resolved.config
   g = config.generate
   _check_settings(g)
   prompts = read_prompts(g)  # A missing file fails before anything is built.
-  setup = train.build(config, workdir=workdir)
+  setup = assembly.build(config, workdir=workdir)
   setup.data.close()
   tokenizer = setup.data.tokenizer
   ids = encode_prompts(prompts, tokenizer, setup.data.vocab_size)
@@ -248,9 +248,9 @@ def generate(config: ml_collections.ConfigDict, workdir: str,
     max_new_tokens = fit_new_tokens(ids, max_new_tokens, setup.model_config.max_len)
   check_lengths(prompts, ids, max_new_tokens, setup.model_config.max_len)
   check_decodes(setup.model)
-  step, params = train.latest_params(setup, workdir, required='train a model first',
+  step, params = assembly.latest_params(setup, workdir, required='train a model first',
                                      step=g.step)
-  model = train.specialized_model(setup, params)
+  model = assembly.specialized_model(setup, params)
   eos_id = EOS if g.stop_at_eos else None
   samples = sample_ids(setup, model, params, ids, max_new_tokens=max_new_tokens,
                        batch_size=g.batch_size, rng=jax.random.key(g.seed),
@@ -292,7 +292,7 @@ def _print(records: list[dict]) -> None:
     print(r['completion'], flush=True)
 
 
-def eval_samples(setup: train.Setup, model, params, step: int,
+def eval_samples(setup: assembly.Setup, model, params, step: int,
                  rng_seed: int | None = None) -> list[tuple[str, str]]:
   """(prompt, continuation) texts of `generate.eval_samples` rows of the first eval batch.
 
@@ -305,7 +305,7 @@ def eval_samples(setup: train.Setup, model, params, step: int,
 
   Args:
     setup: the run's Setup.
-    model: the Decoder to sample (None: train.specialized_model(setup, params)).
+    model: the Decoder to sample (None: assembly.specialized_model(setup, params)).
     params: its parameters.
     step: the training step (written with the samples, and folded into the key).
     rng_seed: the sampling seed; None: generate.seed.
@@ -322,7 +322,7 @@ def eval_samples(setup: train.Setup, model, params, step: int,
   max_len = setup.model_config.max_len
   cap = max(1, min(EVAL_PROMPT_TOKENS, max_len // 2))
   new_tokens = min(g.eval_new_tokens, max_len - cap)
-  model = model or train.specialized_model(setup, params)
+  model = model or assembly.specialized_model(setup, params)
   reason = _cannot_decode(model)
   if reason:  # Training goes on without samples.
     logging.log_first_n(logging.WARNING, 'no eval samples: %s', 1, reason)
@@ -336,7 +336,7 @@ def eval_samples(setup: train.Setup, model, params, step: int,
   return [(tokenizer.decode(p), tokenizer.decode(new)) for p, (new, _) in zip(ids, samples)]
 
 
-def _eval_prompts(setup: train.Setup, n: int, cap: int) -> list[np.ndarray]:
+def _eval_prompts(setup: assembly.Setup, n: int, cap: int) -> list[np.ndarray]:
   """The first `n` rows of the first eval batch (process 0's, on every process), each cut to
   its first document and `cap` tokens; a row of padding or a missing row is BOS alone."""
   batches = setup.data.eval_batches()

@@ -33,7 +33,7 @@ from absl import logging
 
 from models import blocks, stacks, transformer
 from models.attention import base, patterns
-from training import run_config
+from training import assembly, run_config
 
 
 def connectivity(model_config: transformer.TransformerConfig, n: int) -> dict[str, np.ndarray]:
@@ -95,12 +95,12 @@ def sown_per_layer(config: ml_collections.ConfigDict, workdir: str):
   """
   import jax
   from training import sharding, train
-  setup = train.build(config, workdir=workdir)
-  step, params = train.latest_params(setup, workdir)
+  setup = assembly.build(config, workdir=workdir)
+  step, params = assembly.latest_params(setup, workdir)
   if params is None:
-    params = train.init_state(setup, config.seed).params
+    params = assembly.init_state(setup, config.seed).params
   local = _first_eval_batch(setup)
-  model = train.specialized_model(setup, params)
+  model = assembly.specialized_model(setup, params)
   with sharding.activate(setup.mesh, setup.rules):
     variables = {'params': params}
     mutable = ['intermediates']
@@ -109,7 +109,7 @@ def sown_per_layer(config: ml_collections.ConfigDict, workdir: str):
       mutable.append('memory')
     _, sown = jax.jit(lambda v, b: model.apply(
         v, b['inputs'], positions=b['positions'], segment_ids=b['segment_ids'],
-        mutable=mutable))(variables, train.device_batch(setup, local))
+        mutable=mutable))(variables, assembly.device_batch(setup, local))
   mc = model.config
   sown = jax.device_get(sown['intermediates'])
   stack = stacks.of(mc)

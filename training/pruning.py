@@ -29,7 +29,7 @@ from absl import logging
 from models import stacks
 from models.attention import selective
 from models.attention import registry
-from training import losses, run_config, sharding, train
+from training import assembly, losses, run_config, sharding, train
 
 
 def selective_layers(model_config) -> list[int]:
@@ -45,10 +45,10 @@ def memory_reduction(budgets, context: int) -> float:
 
 def _restore(config, workdir):
   """(setup, step, params) of the latest checkpoint; `config` is the resolved one."""
-  setup = train.build(config, workdir=workdir)
+  setup = assembly.build(config, workdir=workdir)
   if not selective_layers(setup.model_config):
     raise ValueError('context pruning needs model.attention = \'selective\' (in some layer)')
-  step, params = train.latest_params(setup, workdir, required='train a selective model first')
+  step, params = assembly.latest_params(setup, workdir, required='train a selective model first')
   return setup, step, params
 
 
@@ -132,7 +132,7 @@ def allocate_budgets(config, workdir: str, request: run_config.Request | None = 
   The model is the workdir's recorded one (training/run_config.py); `request` (what the
   command line asked for; None: every field of `config`) may change run-time settings.
   """
-  train.check_workdir(workdir)
+  assembly.check_workdir(workdir)
   config = run_config.resolve(config, workdir, trains=False, request=request).config
   pc = config.pruning
   if pc.step < 1 or pc.batches < 1:
@@ -148,7 +148,7 @@ def allocate_budgets(config, workdir: str, request: run_config.Request | None = 
   mc = setup.model_config
   context = setup.data.seq_len
   with sharding.activate(setup.mesh, setup.rules):
-    batches = [train.device_batch(setup, local) for local in sample]
+    batches = [assembly.device_batch(setup, local) for local in sample]
 
     def loss_of(budgets):
       arr = jnp.asarray(budgets, jnp.int32)
@@ -181,7 +181,7 @@ def evaluate_budgets(config, workdir: str, request: run_config.Request | None = 
 
   The model is the workdir's recorded one, as in `allocate_budgets`.
   """
-  train.check_workdir(workdir)
+  assembly.check_workdir(workdir)
   config = run_config.resolve(config, workdir, trains=False, request=request).config
   path = budget_path(config, workdir)
   if not os.path.exists(path):
@@ -193,7 +193,7 @@ def evaluate_budgets(config, workdir: str, request: run_config.Request | None = 
   unpruned = train.run_eval(setup, train.jit_eval_step(setup), params)
   pruned_config = copy.deepcopy(config)
   pruned_config.model.attention_options.selective_budgets = budgets
-  pruned_setup = train.build(pruned_config, workdir=workdir)
+  pruned_setup = assembly.build(pruned_config, workdir=workdir)
   try:
     pruned = train.run_eval(pruned_setup, train.jit_eval_step(pruned_setup), params)
   finally:

@@ -2,7 +2,7 @@
 
 A NaN learning rate used to train, write config.json and stop at step 2 with a non-finite
 loss that named no setting; a negative warm-up or evaluation cadence was accepted silently.
-`check` runs first in `train.build`, so every mode (train, eval, generate, inspect, pruning,
+`check` runs first in `assembly.build`, so every mode (train, eval, generate, inspect, pruning,
 compile) refuses such a config in one line naming the key, before any data is read.
 
 Two rules:
@@ -18,6 +18,7 @@ import math
 from typing import Any
 
 import ml_collections
+import numpy as np
 
 from training import run_config
 
@@ -103,3 +104,24 @@ def check(config: ml_collections.ConfigDict) -> None:
       zero = f' (0 = {ZERO_MEANS[key]})' if key in ZERO_MEANS else ''
       raise ValueError(f'{key} must be {_describe(integer, lo, hi, lo_in, hi_in)}{zero}, '
                        f'got {value!r}')
+
+
+def check_profile(config: ml_collections.ConfigDict) -> tuple[int, int]:
+  """Validates the profiler settings.
+
+  Args:
+    config: the run config (a run record older than the profile keys reads as off).
+
+  Returns:
+    (profile_start_step, profile_steps).
+
+  Raises:
+    ValueError: either is not an integer >= 0.
+  """
+  values = []
+  for name, default in (('profile_start_step', 2), ('profile_steps', 0)):
+    value = config.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+      raise ValueError(f'{name} must be an integer >= 0, got {value!r}')
+    values.append(int(value))
+  return values[0], values[1]

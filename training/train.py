@@ -1,236 +1,26 @@
-"""The training loop and evaluation: setup, sharded jit steps, checkpoints, preemption."""
+"""The training loop, the eval step and preemption; a run is assembled in training/assembly.py."""
 
-import dataclasses
 import json
 import os
 import signal
 import threading
 import time
-from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from absl import logging
 
 import input_pipeline
 from models import transformer
 from models.attention import memory as segment_memory
-from training import (checkpoints, flops, metrics as metrics_lib, optimizer, run_config, settings,
-                      sharding, steps, workdir_lock)
+from training import (assembly, checkpoints, flops, metrics as metrics_lib, optimizer, run_config,
+                      settings, sharding, steps, workdir_lock)
 
 
-# A vocabulary taken from the data (model.vocab_size=0) is padded to a multiple of this: the
-# 'vocab' axis then splits over any tensor-parallel size that divides it, and fills whole
-# 128-wide matrix units.
-VOCAB_MULTIPLE = 128
-
-
-@dataclasses.dataclass
-class Setup:
-  """Everything built from a config before any compute.
-
-  Attributes:
-    config: the run config.
-    model_config: the resolved TransformerConfig.
-    model: the Decoder.
-    data: the DataSource; None when built without data (`build(..., data=False)`).
-    seq_len: tokens per row of the program (the data's, or config.seq_len without data).
-    mesh: the device mesh.
-    rules: logical axis rules.
-    tx: the optimizer.
-    schedule: the learning-rate schedule.
-    abstract_state: TrainState of ShapeDtypeStructs carrying the target shardings.
-    state_sharding: shardings of the TrainState.
-    batch_sharding: sharding of every batch array.
-    init_fn: rng -> freshly initialized (unboxed) TrainState.
-  """
-  config: ml_collections.ConfigDict
-  model_config: transformer.TransformerConfig
-  model: transformer.Decoder
-  data: input_pipeline.DataSource | None
-  seq_len: int
-  mesh: jax.sharding.Mesh
-  rules: Any
-  tx: optax.GradientTransformation
-  schedule: optax.Schedule
-  abstract_state: steps.TrainState
-  state_sharding: Any
-  batch_sharding: jax.sharding.NamedSharding
-  init_fn: Any
-
-
-def check_workdir(workdir: str) -> None:
-  """Creates `workdir` and proves it is writable, before any compute."""
-  try:
-    os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, f'.write_probe_{jax.process_index()}')
-    with open(probe, 'w') as f:
-      f.write('ok')
-    os.remove(probe)
-  except OSError as e:
-    raise PermissionError(f'workdir {workdir!r} is not writable: {e}') from e
-
-
-def _warn_unaligned_packing(config, model_config) -> None:
-  """Patterns whose blocks are anchored to row positions (transformer.row_periods) need packed
-  documents to start on block boundaries for training to see what decoding a document sees."""
-  if config.data.name not in input_pipeline.text.TFDS_NAMES or config.data.packing != 'packed':
-    return
-  for name, period in transformer.row_periods(model_config).items():
-    if config.data.pack_align % period:
-      logging.warning('%s attention anchors its blocks (%d) to row positions, but packed '
-                      'documents start anywhere (data.pack_align=%d): set data.pack_align=%d so '
-                      'each document sees the pattern it would see alone', name, period,
-                      config.data.pack_align, period)
-
-
-def _check_memory(config, model_config) -> None:
-  """Segment memory needs consecutive segments of one stream in each batch row; stream rows
-  carry document positions longer than any position table."""
-  if config.data.packing == 'stream' and model_config.position_embedding != 'none':
-    raise ValueError('data.packing=\'stream\' positions grow past the position table: set '
-                     'model.position_embedding=\'none\' and use a variant with relative '
-                     'positions')
-  if not model_config.uses_memory:
-    return
-  if config.data.name not in input_pipeline.text.TFDS_NAMES or config.data.packing != 'stream':
-    raise ValueError(f'{",".join(sorted(set(model_config.attention)))} attention with segment '
-                     'memory carries each row\'s previous segment to the next batch: it needs a '
-                     'text source with data.packing=\'stream\' (got '
-                     f'data.name={config.data.name!r}, data.packing={config.data.packing!r})')
-  if config.grad_accum_steps != 1:
-    raise ValueError('segment memory needs grad_accum_steps=1 (micro-batches would split the '
-                     'streams)')
-
-
-def _shapes_without_data(config: ml_collections.ConfigDict) -> tuple[int, int]:
-  """(vocabulary size, sequence length) of a text source's programs, from the config alone."""
-  if not config.model.vocab_size:
-    raise ValueError('building without data (--mode=compile) cannot read the vocabulary from '
-                     f'the {config.data.name!r} data: set --config.model.vocab_size (e.g. 8192 '
-                     'for the 8K SentencePiece vocabulary, a multiple of '
-                     f'{VOCAB_MULTIPLE})')
-  if config.seq_len < 1:
-    raise ValueError(f'seq_len must be >= 1, got {config.seq_len}')
-  return config.model.vocab_size, config.seq_len
-
-
-def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None = None, *,
-          data: bool = True) -> Setup:
-  """Validates the config and builds model, data, mesh, optimizer and state shardings.
-
-  Every check that can fail on a bad config runs here, before any compute.
-
-  Args:
-    config: the run config.
-    devices: devices for the mesh; defaults to all. They may be a TPU topology's
-      compile-only devices (training/aot.py) when `data` is False.
-    workdir: the run's folder (where a SentencePiece model is trained if none is given).
-    data: read the data source. False builds the programs' shapes without reading anything
-      (--mode=compile): a text source's vocabulary is model.vocab_size (which must then be
-      set) and its rows are config.seq_len long; a synthetic task's sizes come from the task
-      (pure computation). Setup.data is then None.
-
-  Returns:
-    The Setup.
-  """
-  settings.check(config)
-  source = None
-  if data or config.data.name not in input_pipeline.text.TFDS_NAMES:
-    # A synthetic task reads nothing, and an unknown name gets the source's own error.
-    source = input_pipeline.make_source(
-        config, process_index=jax.process_index(), process_count=jax.process_count(),
-        workdir=workdir)
-    data_vocab, seq_len = source.vocab_size, source.seq_len
-  else:
-    data_vocab, seq_len = _shapes_without_data(config)
-  if not data:
-    source = None
-  mesh = sharding.make_mesh(config.mesh, devices)
-  model_cfg = dict(config.model)
-  # A vocabulary taken from the data is padded to a multiple of VOCAB_MULTIPLE, whatever the
-  # mesh: parameter shapes, and so checkpoints, are the same on every mesh.
-  model_cfg['vocab_size'] = (config.model.vocab_size
-                             or -(-data_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
-  model_cfg['max_len'] = config.model.max_len or seq_len
-  # Kernels are chosen for the devices the program is compiled for, not for this process's
-  # backend: a CPU host may build a TPU slice's program (--mode=compile).
-  model_cfg['target_platform'] = mesh.devices.flat[0].platform
-  model_cfg['target_devices'] = int(mesh.devices.size)
-  model_config = transformer.TransformerConfig.from_config(model_cfg)
-  if seq_len > model_config.max_len:
-    raise ValueError(f'sequence length {seq_len} is longer than the position table '
-                     f'(model.max_len={model_config.max_len})')
-  if data_vocab > model_config.vocab_size:
-    raise ValueError(f'the data uses {data_vocab} token ids but model.vocab_size is '
-                     f'{model_config.vocab_size}')
-
-  _warn_unaligned_packing(config, model_config)
-  _check_memory(config, model_config)
-  data_parallel = mesh.shape['data'] * mesh.shape['fsdp']
-  if config.batch_size % config.grad_accum_steps:
-    raise ValueError(f'batch_size={config.batch_size} is not divisible by '
-                     f'grad_accum_steps={config.grad_accum_steps}')
-  for name, rows in (('batch_size / grad_accum_steps', config.batch_size // config.grad_accum_steps),
-                     ('eval batch size', config.eval_batch_size or config.batch_size)):
-    if rows % data_parallel:
-      raise ValueError(f'{name}={rows} is not divisible by the {data_parallel} data-parallel '
-                       f'devices of the mesh {dict(mesh.shape)}')
-  check_profile(config)
-
-  rules = sharding.rules_from_config(config.logical_axis_rules)
-  model = transformer.Decoder(model_config)
-  schedule = optimizer.make_schedule(config)
-  # Segment memory has one row per batch row; parameters do not depend on the batch.
-  rows = config.batch_size if model_config.uses_memory else 1
-  init_model = lambda rng: model.init(rng, jnp.zeros((rows, seq_len), jnp.int32))
-  abstract_params = jax.eval_shape(init_model, jax.random.key(0))['params']
-  tx = optimizer.make_optimizer(config, transformer.param_bounds(model_config),
-                                abstract_params=abstract_params)
-
-  def init_boxed(rng):
-    variables = init_model(rng)
-    params = variables['params']
-    return steps.TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                            opt_state=tx.init(params), memory=variables.get('memory', {}))
-
-  boxed = jax.eval_shape(init_boxed, jax.random.key(0))
-  state_sharding = sharding.logical_shardings(boxed, mesh, rules)
-  sharding.check_divisible(nn.unbox(boxed).params, state_sharding.params)
-  abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                nn.unbox(boxed), state_sharding)
-  setup = Setup(config=config, model_config=model_config, model=model, data=source,
-                seq_len=seq_len, mesh=mesh, rules=rules, tx=tx, schedule=schedule,
-                abstract_state=abstract_state,
-                state_sharding=state_sharding, batch_sharding=sharding.batch_sharding(mesh),
-                init_fn=lambda rng: nn.unbox(init_boxed(rng)))
-  return setup
-
-
-def init_state(setup: Setup, seed: int) -> steps.TrainState:
-  """Initializes parameters and optimizer state directly into their shardings."""
-  with sharding.activate(setup.mesh, setup.rules):
-    return jax.jit(setup.init_fn, out_shardings=setup.state_sharding)(jax.random.key(seed))
-
-
-def device_batch(setup: Setup, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-  """Assembles the global batch from this process's rows."""
-  return {k: jax.make_array_from_process_local_data(setup.batch_sharding, v)
-          for k, v in local.items()}
-
-
-def specialized_model(setup: Setup, params) -> transformer.Decoder:
-  """The Decoder with the static values its variants derive from the parameters
-  (transformer.specialized, e.g. adaptive span's trimmed spans); `setup.model` when none."""
-  config = transformer.specialized(setup.model_config, params)
-  return setup.model if config == setup.model_config else transformer.Decoder(config)
-
-
-def jit_train_step(setup: Setup, model: transformer.Decoder | None = None):
+def jit_train_step(setup: assembly.Setup, model: transformer.Decoder | None = None):
   """The sharded, donated train step of `model` (default `setup.model`)."""
   fn = steps.make_train_step(model or setup.model, setup.tx, setup.schedule,
                              setup.config.grad_accum_steps, setup.config.loss_chunk_len)
@@ -249,7 +39,7 @@ class EvalStep:
     memory: abstract memory (shapes, dtypes, shardings) for one eval batch, or None.
   """
 
-  def __init__(self, setup: Setup, model: transformer.Decoder):
+  def __init__(self, setup: assembly.Setup, model: transformer.Decoder):
     self.model = model
     self.memory = memory_layout(setup, model)
     replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
@@ -262,7 +52,7 @@ class EvalStep:
   def __call__(self, params, batch, memory):
     return self._fn(params, batch, memory)
 
-  def fresh_memory(self, setup: Setup, rows: int):
+  def fresh_memory(self, setup: assembly.Setup, rows: int):
     """Empty memory for `rows` eval rows ({} for models without memory)."""
     if self.memory is None:
       return {}
@@ -273,7 +63,7 @@ class EvalStep:
                         jax.tree.map(lambda a: a.sharding, self.memory))
 
 
-def jit_eval_step(setup: Setup, model: transformer.Decoder | None = None) -> EvalStep:
+def jit_eval_step(setup: assembly.Setup, model: transformer.Decoder | None = None) -> EvalStep:
   """The sharded eval step of `model` (default `setup.model`), with the option values its
   variants use at evaluation (transformer.for_eval)."""
   model = model or setup.model
@@ -281,7 +71,7 @@ def jit_eval_step(setup: Setup, model: transformer.Decoder | None = None) -> Eva
   return EvalStep(setup, model if config == model.config else transformer.Decoder(config))
 
 
-def memory_layout(setup: Setup, model: transformer.Decoder):
+def memory_layout(setup: assembly.Setup, model: transformer.Decoder):
   """Abstract segment memory of `model` for one batch (shapes, dtypes and shardings), or
   None for a model without memory."""
   if not model.config.uses_memory:
@@ -296,7 +86,7 @@ def memory_layout(setup: Setup, model: transformer.Decoder):
                       nn.unbox(boxed), shardings)
 
 
-def fresh_memory(setup: Setup, rows: int):
+def fresh_memory(setup: assembly.Setup, rows: int):
   """Empty training segment memory for `rows` batch rows ({} for models without memory)."""
   if not setup.model_config.uses_memory:
     return {}
@@ -308,7 +98,7 @@ def fresh_memory(setup: Setup, rows: int):
                       jax.tree.map(lambda a: a.sharding, abstract))
 
 
-def _eval_local_batches(setup: Setup, batches=None):
+def _eval_local_batches(setup: assembly.Setup, batches=None):
   """This process's eval batches (`batches`, default the data's); with a whole split on
   several hosts, every host runs the same number of steps, feeding rows that score nothing
   once its own batches run out."""
@@ -330,7 +120,7 @@ def _eval_local_batches(setup: Setup, batches=None):
     yield template if local is None else local
 
 
-def run_eval(setup: Setup, eval_step: EvalStep, params, batches=None) -> dict[str, float]:
+def run_eval(setup: assembly.Setup, eval_step: EvalStep, params, batches=None) -> dict[str, float]:
   """Loss, perplexity and accuracy over the validation batches (or this process's
   `batches`, e.g. training/evaluation.py's sliding windows), and bits per byte on text.
 
@@ -342,7 +132,7 @@ def run_eval(setup: Setup, eval_step: EvalStep, params, batches=None) -> dict[st
   memory = eval_step.fresh_memory(setup, setup.config.eval_batch_size or setup.config.batch_size)
   with sharding.activate(setup.mesh, setup.rules):
     for local in _eval_local_batches(setup, batches):
-      out, memory = eval_step(params, device_batch(setup, local), memory)
+      out, memory = eval_step(params, assembly.device_batch(setup, local), memory)
       out = jax.device_get(out)
       for k in totals:
         totals[k] += float(out[k])
@@ -437,7 +227,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   Returns:
     The final TrainState.
   """
-  check_workdir(workdir)
+  assembly.check_workdir(workdir)
   with workdir_lock.hold(workdir):  # One run per workdir.
     return _train_and_evaluate(config, workdir, request, exits)
 
@@ -446,7 +236,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                         request: run_config.Request | None, exits: bool) -> steps.TrainState:
   resolved = run_config.resolve(config, workdir, trains=True, request=request)
   config = resolved.config
-  setup = build(config, workdir=workdir)
+  setup = assembly.build(config, workdir=workdir)
   if setup.model_config.target_platform == 'tpu':
     # Fail in seconds, before anything is restored or initialized, when the train step cannot
     # fit the chips' HBM: the check of --mode=compile (training/aot.py), with its advice. It
@@ -485,7 +275,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       logging.info('resumed from checkpoint step %d (input stream at %s)', int(state.step),
                    data_state)
     else:
-      state = init_state(setup, config.seed)
+      state = assembly.init_state(setup, config.seed)
     if jax.process_index() == 0:  # Only once the state matches: a failed restore keeps it.
       run_config.record_start(workdir, resolved, int(state.step))
     return _train_loop(setup, state, data_state, ckpt, logger, peak, exits)
@@ -495,7 +285,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     logger.close()
 
 
-def _restore_train_state(ckpt: checkpoints.Checkpointer, setup: Setup):
+def _restore_train_state(ckpt: checkpoints.Checkpointer, setup: assembly.Setup):
   """(state, saved input-stream position) of the newest good checkpoint.
 
   A checkpoint written without clipping before the optimizer chain always held its clip slot
@@ -583,14 +373,14 @@ class _SpecializedSteps:
   derive from the parameters, e.g. adaptive spans' trimmed T per layer): a step is compiled
   again only when one of those options changes."""
 
-  def __init__(self, setup: Setup):
+  def __init__(self, setup: assembly.Setup):
     self._setup = setup
     self._steps = {}
     self._current = None
 
   def update(self, params):
     """Selects the steps for the current parameters; returns (train_step, eval_step)."""
-    model = specialized_model(self._setup, params)
+    model = assembly.specialized_model(self._setup, params)
     key = model.config.attention_options
     if key not in self._steps:
       if self._current is not None:
@@ -619,27 +409,6 @@ def _save_before_data_error(ckpt, window, step: int, state, data_state) -> None:
   except Exception as e:  # pylint: disable=broad-except  (the data error matters more)
     logging.error('could not save step %d before the input error: %s: %s', step,
                   type(e).__name__, e)
-
-
-def check_profile(config: ml_collections.ConfigDict) -> tuple[int, int]:
-  """Validates the profiler settings.
-
-  Args:
-    config: the run config (a run record older than the profile keys reads as off).
-
-  Returns:
-    (profile_start_step, profile_steps).
-
-  Raises:
-    ValueError: either is not an integer >= 0.
-  """
-  values = []
-  for name, default in (('profile_start_step', 2), ('profile_steps', 0)):
-    value = config.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-      raise ValueError(f'{name} must be an integer >= 0, got {value!r}')
-    values.append(int(value))
-  return values[0], values[1]
 
 
 class _Profile:
@@ -708,9 +477,9 @@ class _Profile:
       logging.error('could not write the profiler trace: %s: %s', type(e).__name__, e)
 
 
-def _train_loop(setup: Setup, state, data_state, ckpt, logger, peak: float, exits: bool):
+def _train_loop(setup: assembly.Setup, state, data_state, ckpt, logger, peak: float, exits: bool):
   config = setup.config
-  profile_start, profile_steps = check_profile(config)  # Before the train step compiles.
+  profile_start, profile_steps = settings.check_profile(config)  # Before the train step compiles.
   # The workdir is the checkpoint folder's parent (checkpoints.Checkpointer).
   profile = _Profile(os.path.join(os.path.dirname(ckpt.directory), 'profile'),
                      int(state.step), profile_start, profile_steps)
@@ -729,7 +498,7 @@ def _train_loop(setup: Setup, state, data_state, ckpt, logger, peak: float, exit
       except input_pipeline.DataError:  # A damaged shard: keep the last good step, then fail.
         _save_before_data_error(ckpt, window, step, state, data_state)
         raise
-      batch = device_batch(setup, local)
+      batch = assembly.device_batch(setup, local)
       profile.before_step(step, state)
       started = time.time()
       state, step_metrics = train_step(state, batch, rng)
@@ -774,37 +543,6 @@ def _train_loop(setup: Setup, state, data_state, ckpt, logger, peak: float, exit
   return state
 
 
-def latest_params(setup: Setup, workdir: str, *, required: str = '', step: int = 0):
-  """(step, params) of the latest checkpoint of `workdir` (or of checkpoint `step`), restored
-  onto `setup`'s mesh; only the parameters and the step are read, so the optimizer settings
-  need not match the run's.
-
-  Args:
-    setup: the Setup of the run's (resolved) config.
-    workdir: the run's folder.
-    required: if not empty, a missing checkpoint raises FileNotFoundError ending with this;
-      otherwise it returns (None, None).
-    step: a checkpoint step to restore (FileNotFoundError listing the saved steps if there
-      is none); 0 = the newest good one.
-  """
-  if step < 0:
-    raise ValueError(f'a checkpoint step must be >= 0 (0 = latest), got {step}')
-  if not os.path.isdir(os.path.join(workdir, 'checkpoints')) and '://' not in workdir:
-    if required:
-      raise FileNotFoundError(f'no checkpoint found in {workdir}/checkpoints: {required}')
-    return None, None
-  ckpt = checkpoints.Checkpointer(workdir, keep=setup.config.keep_checkpoints, async_save=False,
-                                  read_only=True)
-  try:
-    if ckpt.latest_step() is None:
-      if required:
-        raise FileNotFoundError(f'no checkpoint found in {ckpt.directory}: {required}')
-      return None, None
-    return ckpt.restore_params(setup.abstract_state.params, step or None)
-  finally:
-    ckpt.close()
-
-
 def evaluate(config: ml_collections.ConfigDict, workdir: str,
              request: run_config.Request | None = None) -> dict[str, float]:
   """Restores a checkpoint's parameters onto this machine's mesh and evaluates them.
@@ -827,16 +565,16 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
     The metrics written.
   """
   from training import evaluation  # pylint: disable=import-outside-toplevel
-  check_workdir(workdir)
+  assembly.check_workdir(workdir)
   resolved = run_config.resolve(config, workdir, trains=False, request=request)
-  setup = build(resolved.config, workdir=workdir)
+  setup = assembly.build(resolved.config, workdir=workdir)
   try:
     options = evaluation.options(setup)  # Before anything is read or compiled.
-    step, params = latest_params(setup, workdir, required='train a model first',
+    step, params = assembly.latest_params(setup, workdir, required='train a model first',
                                  step=resolved.config.eval_checkpoint_step)
   finally:
     setup.data.close()
-  eval_step = jit_eval_step(setup, specialized_model(setup, params))
+  eval_step = jit_eval_step(setup, assembly.specialized_model(setup, params))
   if options.window:
     metrics = evaluation.run(setup, eval_step, params, options)
   else:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import input_pipeline
-from training import checkpoints, train
+from training import assembly, checkpoints, train
 
 KEYS = ('inputs', 'targets', 'weights', 'positions', 'segment_ids')
 N_BATCHES = 8
@@ -84,7 +84,7 @@ def test_training_resumes_exactly_from_an_earlier_checkpoint(c4, spm_path, kit, 
   assert sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()) == [3, 6]
 
   # The data cursor saved at step 3 is where 3 batches of a fresh stream end, and it matters.
-  setup = train.build(config, devices=jax.devices()[:1], workdir=str(workdir))
+  setup = assembly.build(config, devices=jax.devices()[:1], workdir=str(workdir))
   try:
     ckpt = checkpoints.Checkpointer(str(workdir), async_save=False)
     try:
@@ -108,7 +108,7 @@ def test_training_resumes_exactly_from_an_earlier_checkpoint(c4, spm_path, kit, 
   diff = kit.max_abs_diff(final, jax.tree.map(np.asarray, jax.device_get(second.params)))
   assert diff <= 1e-6
   # Training moved the parameters after step 3, so equality above is not vacuous.
-  setup = train.build(config, devices=jax.devices()[:1], workdir=str(workdir))
+  setup = assembly.build(config, devices=jax.devices()[:1], workdir=str(workdir))
   setup.data.close()
   ckpt = checkpoints.Checkpointer(str(workdir), async_save=False)
   try:

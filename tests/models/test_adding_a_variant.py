@@ -10,7 +10,7 @@ import numpy as np
 from configs import tiny
 from models import attention, decode, transformer
 from models.attention import base, patterns
-from training import inspect, train
+from training import assembly, inspect, train
 
 NAME = 'test_dilated_window'
 
@@ -53,17 +53,17 @@ def _config():
 
 
 def test_new_variant_trains_through_the_production_loop(tmp_path):
-  setup = train.build(_config(), workdir=str(tmp_path))
+  setup = assembly.build(_config(), workdir=str(tmp_path))
   assert dict(setup.model_config.attention_options)['test_dilation'] == 3
   assert setup.model_config.stack_name == 'scan'  # Layer-independent: scanned by default.
-  state = train.init_state(setup, seed=0)
+  state = assembly.init_state(setup, seed=0)
   batches = setup.data.train_iter(0, None)
   step = train.jit_train_step(setup)
   losses = []
   with train.sharding.activate(setup.mesh, setup.rules):
     for _ in range(3):
       local, _ = next(batches)
-      state, metrics = step(state, train.device_batch(setup, local), jax.random.key(1))
+      state, metrics = step(state, assembly.device_batch(setup, local), jax.random.key(1))
       losses.append(float(metrics['loss']))
   setup.data.close()
   assert int(state.step) == 3 and np.all(np.isfinite(losses))

@@ -10,7 +10,7 @@ import pytest
 
 from configs import default
 from models import attention
-from training import aot, train
+from training import aot, assembly
 
 VARIANTS = [n for n in attention.known() if attention.get(n).__module__.startswith('models.')]
 EXTRA = {'txl': {'position_embedding': 'none', 'packing': 'stream'}}
@@ -28,7 +28,7 @@ def _hlo_bytes(variant: str, n: int) -> int:
   config.model.attention_impl = 'blocksparse'
   for key, value in EXTRA.get(variant, {}).items():
     (config.data if key == 'packing' else config.model)[key] = value
-  setup = train.build(config, data=False)
+  setup = assembly.build(config, data=False)
   return len(aot.lower_train_step(setup).as_text())
 
 

@@ -253,7 +253,7 @@ def test_splash_kernel_survives_a_second_trace():
 @pytest.mark.cpu_only
 @pytest.mark.parametrize('scan', [True, False])
 def test_splash_decoder_builds_and_matches_xla(scan, fresh_splash_kernels):
-  """What train.build and the train step do: an abstract init (jax.eval_shape), then a jit.
+  """What assembly.build and the train step do: an abstract init (jax.eval_shape), then a jit.
 
   Unrolled, the jit is the kernel's second trace (see above); under nn.scan, flax traces the
   layer body more than once, so even the abstract init fails.

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from training import checkpoints, train, xla_flags
+from training import assembly, checkpoints, train, xla_flags
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -132,7 +132,7 @@ class Harness:
 
   def restore(self, workdir, extra: dict | None = None, step: int | None = None):
     """Restores a checkpoint of a run made with `extra` onto one device; numpy leaves."""
-    setup = train.build(self.config(extra), devices=jax.devices()[:1])
+    setup = assembly.build(self.config(extra), devices=jax.devices()[:1])
     ckpt = checkpoints.Checkpointer(str(workdir), async_save=False)
     try:
       state = ckpt.restore(setup.abstract_state, step=step)

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from training import train
+from training import assembly, train
 
 _BAD_CONFIGS = {
     'unknown_attention': (
@@ -52,7 +52,7 @@ def test_bad_config_fails_in_build(harness, no_compute, tmp_path, case):
   extra, message = _BAD_CONFIGS[case]
   config = harness.config({**extra, 'peak_tflops_per_device': 0.0})  # Table or measurement.
   with pytest.raises(ValueError, match=message):
-    train.build(config)
+    assembly.build(config)
   with pytest.raises(ValueError, match=message):
     train.train_and_evaluate(config, str(tmp_path / 'train'))
   with pytest.raises(ValueError, match=message):
@@ -90,7 +90,7 @@ def _unwritable_workdirs(tmp_path):
 def test_unwritable_workdir(harness, no_compute, tmp_path, kind):
   workdir = str(_unwritable_workdirs(tmp_path)[kind])
   config = harness.config()
-  for fn in (train.check_workdir, lambda w: train.train_and_evaluate(config, w),
+  for fn in (assembly.check_workdir, lambda w: train.train_and_evaluate(config, w),
              lambda w: train.evaluate(config, w)):
     with pytest.raises(PermissionError, match='is not writable') as info:
       fn(workdir)
@@ -114,23 +114,23 @@ _INDIVISIBLE_SCRIPT = textwrap.dedent('''\
     import jax
 
     from configs import tiny
-    from training import train
+    from training import assembly
 
     config = tiny.get_config()
     config.peak_tflops_per_device = 1.0
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 2
     assert jax.device_count() == 2
-    setup = train.build(config)
-    train.init_state(setup, 0)
+    setup = assembly.build(config)
+    assembly.init_state(setup, 0)
     print('PADDED_OK', setup.model_config.vocab_size)
     config.model.vocab_size = 25
     try:
-      setup = train.build(config)
+      setup = assembly.build(config)
     except ValueError as e:
       print('BUILD_ERROR', e)
     else:
       try:
-        train.init_state(setup, 0)
+        assembly.init_state(setup, 0)
       except Exception as e:  # pylint: disable=broad-except
         print('INIT_ERROR', type(e).__name__, e)
       else:
@@ -147,7 +147,7 @@ def test_parameter_not_divisible_by_mesh_axis_fails_in_build(harness, tmp_path):
   padded, out = proc.stdout.strip().splitlines()[-2:]
   assert padded == 'PADDED_OK 128', padded
   assert out.startswith('BUILD_ERROR'), (
-      'train.build accepted a mesh that cannot hold the parameters; the error only comes '
+      'assembly.build accepted a mesh that cannot hold the parameters; the error only comes '
       f'later, from compute: {out}')
   # The message names the parameter (or its vocab axis) and the mesh axis.
   assert 'tensor' in out, out

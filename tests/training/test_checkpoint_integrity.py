@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from training import checkpoints, train
+from training import assembly, checkpoints, train
 
 RUN = {'total_steps': 6, 'checkpoint_every_steps': 2, 'keep_checkpoints': 3}
 # A main.py run that hangs (orbax threads waiting for a folder that never came) fails here.
@@ -194,9 +194,9 @@ def test_eval_mode_uses_the_fallback_and_changes_no_checkpoint(harness, run6, tm
 def test_params_only_restore_checks_the_parameters_checksums(harness, run6, step4, tmp_path):
   """restore_params reads params and step alone, and still catches their damage."""
   workdir = _damaged_copy(run6, tmp_path, 'flip_a_bit_every_4k')
-  setup = train.build(harness.config(RUN), workdir=str(workdir))
+  setup = assembly.build(harness.config(RUN), workdir=str(workdir))
   try:
-    step, params = train.latest_params(setup, str(workdir))
+    step, params = assembly.latest_params(setup, str(workdir))
   finally:
     setup.data.close()
   assert step == 4
@@ -247,7 +247,7 @@ def _rotating_copy(run6, tmp_path, monkeypatch):
 def test_a_step_rotated_away_while_read_is_not_corrupt(harness, run6, tmp_path, monkeypatch,
                                                        caplog):
   workdir = _rotating_copy(run6, tmp_path, monkeypatch)
-  setup = train.build(harness.config(RUN), workdir=str(workdir))
+  setup = assembly.build(harness.config(RUN), workdir=str(workdir))
   setup.data.close()
   ckpt = checkpoints.Checkpointer(str(workdir), read_only=True)
   try:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from training import checkpoints, train
+from training import assembly, checkpoints, train
 
 # SIGKILL test: a run to N steps saving every EVERY steps is killed once a checkpoint at a
 # step >= KILL_AFTER is on disk; N - KILL_AFTER steps are left so the run cannot finish
@@ -53,7 +53,7 @@ MESH_B = {'mesh.data': 2, 'mesh.fsdp': 2, 'mesh.tensor': 2}
 # (see test_sharded_step.ADAM_EPS). A resume that restored the wrong step, the wrong batch
 # position or a wrongly resharded array differs by > 1e-3. A run that silently started over
 # instead of resuming would match the uninterrupted one (its batches are a function of the
-# step), so the resumed runs fail if they initialize parameters (train.init_state).
+# step), so the resumed runs fail if they initialize parameters (assembly.init_state).
 MESH_TOL = 1e-5
 
 EVAL_KEYS = {'step', 'loss', 'perplexity', 'accuracy'}
@@ -180,8 +180,8 @@ def test_non_finite_loss_stops_with_error_and_keeps_checkpoints(harness, tmp_pat
 
 
 def test_save_refuses_non_finite_params(harness, tmp_path):
-  setup = train.build(harness.config(), devices=jax.devices()[:1])
-  state = train.init_state(setup, 0)
+  setup = assembly.build(harness.config(), devices=jax.devices()[:1])
+  state = assembly.init_state(setup, 0)
   ckpt = checkpoints.Checkpointer(str(tmp_path), keep=3, async_save=False)
   ckpt.save(1, state)
   leaves, treedef = jax.tree.flatten(state.params)
@@ -316,7 +316,7 @@ _MESH_CHANGE_SCRIPT = textwrap.dedent('''\
     import jax
 
     from configs import tiny
-    from training import train
+    from training import assembly, train
 
     out, spec = pathlib.Path(sys.argv[1]), json.loads(sys.argv[2])
 
@@ -341,7 +341,7 @@ _MESH_CHANGE_SCRIPT = textwrap.dedent('''\
       raise AssertionError('the resumed run initialized new parameters instead of restoring')
 
 
-    train.init_state = fresh_init
+    assembly.init_state = fresh_init
     resumed = train.train_and_evaluate(make_config(spec['b']), str(out / 'resumed'))
     with open(out / 'result.json', 'w') as f:
       json.dump({'device_count': jax.device_count(), 'straight': summary(straight),
@@ -399,7 +399,7 @@ def test_resume_on_one_device_matches_uninterrupted_run(harness, mesh_change, tm
     del args, kwargs
     pytest.fail('the resumed run initialized new parameters instead of restoring')
 
-  monkeypatch.setattr(train, 'init_state', fresh_init)
+  monkeypatch.setattr(assembly, 'init_state', fresh_init)
   # This process's devices (one, unless XLA_FLAGS says otherwise): data=-1 takes them all.
   state = train.train_and_evaluate(harness.config(MESH_RUN), str(workdir))
   assert int(state.step) == MESH_STEPS

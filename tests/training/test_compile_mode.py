@@ -14,7 +14,7 @@ import os
 import pytest
 
 from configs import tiny
-from training import aot, train
+from training import aot, assembly, train
 
 TOPOLOGY = 'v5e:2x2'
 
@@ -92,7 +92,7 @@ def test_flops_collectives_and_compile_times(compiled):
   js, report, _, _ = compiled
   per_chip = js['per_chip']
   # The model's own count for the 16 x 32 tokens of a step, split over the 4 chips.
-  setup = train.build(_config(**C4), devices=aot.topology_devices(TOPOLOGY), data=False)
+  setup = assembly.build(_config(**C4), devices=aot.topology_devices(TOPOLOGY), data=False)
   assert report.model['params'] == setup.model_config.num_params()
   assert per_chip['model_flops_per_step'] == pytest.approx(
       setup.model_config.train_flops_per_token(32) * 16 * 32 / 4)
@@ -129,7 +129,7 @@ def test_tensor_parallel_train_step_on_a_synthetic_task():
   """The synthetic task's shapes come from the task (no data is read either way); tensor=2
   splits heads, MLP and vocabulary: activations are all-reduced inside the step."""
   config = _config(**{'mesh.data': -1, 'mesh.tensor': 2})
-  setup = train.build(config, devices=aot.topology_devices(TOPOLOGY), data=False)
+  setup = assembly.build(config, devices=aot.topology_devices(TOPOLOGY), data=False)
   assert setup.data is None
   assert setup.seq_len == 10  # 2 x 4 assignments + 2.
   assert dict(setup.mesh.shape) == {'data': 2, 'fsdp': 1, 'tensor': 2}
@@ -160,14 +160,15 @@ def test_a_tpu_run_checks_the_fit_before_anything_starts(monkeypatch, tmp_path):
   """train_and_evaluate on a TPU mesh (here the topology's, through build) fails with the
   mode's message before restoring, initializing or compiling anything else."""
   devices = aot.topology_devices(TOPOLOGY)
-  build = train.build
-  monkeypatch.setattr(train, 'build', lambda config, **kw: build(config, devices=devices, **kw))
+  build = assembly.build
+  monkeypatch.setattr(assembly, 'build', lambda config, **kw: build(config, devices=devices, **kw))
 
   def fail(*args, **kwargs):
     del args, kwargs
     pytest.fail('the run started before the fit check failed')
 
-  for name in ('init_state', 'jit_eval_step', 'run_eval', '_train_loop'):
+  monkeypatch.setattr(assembly, 'init_state', fail)
+  for name in ('jit_eval_step', 'run_eval', '_train_loop'):
     monkeypatch.setattr(train, name, fail)
   monkeypatch.setattr(train.checkpoints, 'Checkpointer', fail)
   config = _config(**{'batch_size': HUGE_BATCH, 'mesh.data': 1, 'mesh.fsdp': 4})
@@ -225,7 +226,7 @@ def test_text_data_without_a_vocabulary_size_is_a_clear_error():
   config = _config(**{'data.name': 'c4', 'data.data_dir': '/no/such/dir', 'seq_len': 32,
                       'model.vocab_size': 0})
   with pytest.raises(ValueError, match=r'set --config.model.vocab_size'):
-    train.build(config, data=False)
+    assembly.build(config, data=False)
 
 
 @needs_libtpu

@@ -16,7 +16,7 @@ import pytest
 
 from configs import local_text as local_text_recipe
 from input_pipeline import local_text
-from training import evaluation, train
+from training import assembly, evaluation, train
 
 VALIDATION_FRACTION = TEST_FRACTION = 0.3
 SEQ_LEN = 128  # Also model.max_len; every document is shorter than a row.
@@ -192,8 +192,8 @@ def test_window_losses_equal_a_forward_per_window_by_hand(corpus, workdir):
   17-21 (start 5), 22-26 (10), 27-31 (15), 32-36 (20), and 37-40 from the last window, which
   ends at the document's end (start 24)."""
   config = make_config(corpus, {'eval_window': 16, 'eval_stride': 5})
-  setup = train.build(config, devices=jax.devices()[:1])
-  step, params = train.latest_params(setup, str(workdir), required='trained above')
+  setup = assembly.build(config, devices=jax.devices()[:1])
+  step, params = assembly.latest_params(setup, str(workdir), required='trained above')
   assert step == 4
   tokens = np.concatenate([[1], np.random.RandomState(3).randint(3, 259, 39), [2]]).astype(np.int32)
   opts = evaluation.options(setup)

@@ -19,7 +19,7 @@ import pytest
 from configs import local_text
 from input_pipeline import tokenizers
 from models import decode
-from training import generate, metrics, run_config, train
+from training import assembly, generate, metrics, run_config, train
 
 SEQ_LEN = 32  # The model's max_len.
 CORPUS = '\n'.join(f'the cat sat on the mat number {i % 7}; the dog ran {i % 3} times.'
@@ -82,9 +82,9 @@ def greedy_records(text_run):
 
 
 def _restore(config, workdir, step=0):
-  setup = train.build(config, workdir=workdir)
+  setup = assembly.build(config, workdir=workdir)
   setup.data.close()
-  step, params = train.latest_params(setup, workdir, step=step)
+  step, params = assembly.latest_params(setup, workdir, step=step)
   return setup, step, params
 
 
@@ -260,11 +260,11 @@ def test_eval_samples_are_written_as_tensorboard_text(text_run, tmp_path, no_dec
   generate.write_samples(writer, 4, [])
   config.generate.eval_samples = 0
   assert generate.eval_samples(setup, None, params, step) == []
-  synthetic = train.build(_synthetic_config())
+  synthetic = assembly.build(_synthetic_config())
   assert generate.eval_samples(synthetic, None, None, 4) == []  # No tokenizer.
   undecodable = _text_config(tmp)
   undecodable.model.attention = no_decode
-  undecodable = train.build(undecodable, workdir=str(tmp_path / 'no_decode'))
+  undecodable = assembly.build(undecodable, workdir=str(tmp_path / 'no_decode'))
   undecodable.data.close()
   assert generate.eval_samples(undecodable, undecodable.model, None, 4) == []  # A warning.
   assert writer.calls == []
@@ -272,9 +272,9 @@ def test_eval_samples_are_written_as_tensorboard_text(text_run, tmp_path, no_dec
   lsh = _text_config(tmp)
   lsh.model.attention = 'lsh'
   lsh.model.attention_options.update(chunk_len=8, n_buckets=4)
-  lsh = train.build(lsh, workdir=str(tmp_path / 'lsh'))
+  lsh = assembly.build(lsh, workdir=str(tmp_path / 'lsh'))
   lsh.data.close()
-  lsh_samples = generate.eval_samples(lsh, lsh.model, train.init_state(lsh, 0).params, 4)
+  lsh_samples = generate.eval_samples(lsh, lsh.model, assembly.init_state(lsh, 0).params, 4)
   assert len(lsh_samples) == 2
   for (prompt, continuation), row in zip(lsh_samples, rows):
     assert decoded.decode(row).startswith(prompt) and 0 < len(prompt.encode()) <= 16

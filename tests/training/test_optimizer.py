@@ -7,7 +7,7 @@ import pytest
 
 from configs import tiny
 from models import stacks
-from training import train
+from training import assembly
 
 
 def _decayed(stack: str, block: str = 'pre_ln') -> dict[str, list[bool]]:
@@ -17,7 +17,7 @@ def _decayed(stack: str, block: str = 'pre_ln') -> dict[str, list[bool]]:
   config.model.stack, config.model.block = stack, block
   config.peak_tflops_per_device = 1.0
   config.weight_decay, config.learning_rate, config.warmup_steps = 0.5, 0.1, 0
-  setup = train.build(config)
+  setup = assembly.build(config)
   params = setup.init_fn(jax.random.key(0)).params
   params = jax.tree.map(jnp.ones_like, params)  # Norm scales are ones already; make all so.
   tx = setup.tx

@@ -5,7 +5,7 @@ import logging
 import jax.numpy as jnp
 import pytest
 
-from training import train
+from training import settings, train
 
 
 def _traces(workdir) -> list:
@@ -59,7 +59,7 @@ def test_bad_values_are_refused_before_the_train_step(key, value):
   # A plain dict: a ConfigDict's type lock would refuse the float before the check sees it.
   config = {'profile_steps': 2, 'profile_start_step': 2, key: value}
   with pytest.raises(ValueError, match=rf'{key} must be an integer >= 0, got {value!r}'):
-    train.check_profile(config)
+    settings.check_profile(config)
 
 
 def test_a_bad_value_stops_the_run_before_compiling(harness, tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from training import inspect, optimizer, run_config, train
+from training import assembly, inspect, optimizer, run_config, train
 
 # A model the default recipe does not describe: evaluating with the recipe's defaults would
 # score dense attention with these parameters (same shapes), silently.
@@ -224,7 +224,7 @@ def test_an_unclipped_checkpoint_of_the_old_optimizer_layout_resumes_exactly(har
   make = lambda steps: harness.config({'total_steps': steps, 'checkpoint_every_steps': 2,
                                        'clip_grad_norm': 0.0})
   straight = train.train_and_evaluate(make(3), str(tmp_path / 'straight'))
-  setup = train.build(make(2))
+  setup = assembly.build(make(2))
   ckpt = train.checkpoints.Checkpointer(str(tmp_path / 'straight'), async_save=False)
   try:
     saved = ckpt.restore(setup.abstract_state, step=2)

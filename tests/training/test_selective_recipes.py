@@ -137,7 +137,7 @@ _SHARDED = '''
 import json, sys
 import jax
 from configs import tiny
-from training import sharding, train
+from training import assembly, sharding, train
 
 def run(data, fsdp, tensor, devices):
   config = tiny.get_config()
@@ -147,13 +147,13 @@ def run(data, fsdp, tensor, devices):
   config.update(batch_size=8, warmup_steps=0, adam_eps=1e-3, peak_tflops_per_device=1.0)
   config.data.num_assignments = 8
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = data, fsdp, tensor
-  setup = train.build(config, devices=devices)
-  state = train.init_state(setup, config.seed)
+  setup = assembly.build(config, devices=devices)
+  state = assembly.init_state(setup, config.seed)
   step_fn = train.jit_train_step(setup)
   out = []
   with sharding.activate(setup.mesh, setup.rules):
     for step in range(2):
-      batch = train.device_batch(setup, setup.data.train_batch(step))
+      batch = assembly.device_batch(setup, setup.data.train_batch(step))
       state, m = step_fn(state, batch, jax.random.key(1))
       out.append([float(m['loss']), float(m['aux_loss']), float(m['grad_norm'])])
   return out

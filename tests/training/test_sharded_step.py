@@ -11,7 +11,7 @@ import textwrap
 import jax
 import numpy as np
 
-from training import sharding, train
+from training import assembly, sharding, train
 
 # float32 everywhere; the only differences are reduction orders across devices.
 RTOL = 1e-5
@@ -33,7 +33,7 @@ _SCRIPT = textwrap.dedent('''\
     import numpy as np
 
     from configs import tiny
-    from training import sharding, train
+    from training import assembly, sharding, train
 
     out_dir, num_steps = sys.argv[1], int(sys.argv[2])
 
@@ -56,15 +56,15 @@ _SCRIPT = textwrap.dedent('''\
 
 
     def run(config, devices):
-      setup = train.build(config, devices=devices)
-      state = train.init_state(setup, config.seed)
+      setup = assembly.build(config, devices=devices)
+      state = assembly.init_state(setup, config.seed)
       init = jax.tree.map(np.asarray, jax.device_get(state.params))
       step_fn = train.jit_train_step(setup)
       rng = jax.random.key(config.seed + 1)
       losses = []
       with sharding.activate(setup.mesh, setup.rules):
         for step in range(num_steps):
-          batch = train.device_batch(setup, setup.data.train_batch(step))
+          batch = assembly.device_batch(setup, setup.data.train_batch(step))
           state, metrics = step_fn(state, batch, rng)
           losses.append([float(metrics['loss']), float(metrics['grad_norm'])])
       return setup, state, init, losses
@@ -139,7 +139,7 @@ _TENSOR_SCRIPT = textwrap.dedent('''\
     import jax
 
     from configs import tiny
-    from training import sharding, train
+    from training import assembly, sharding, train
 
     config = tiny.get_config()
     config.model.dtype = config.model.param_dtype = 'float32'
@@ -147,11 +147,11 @@ _TENSOR_SCRIPT = textwrap.dedent('''\
     config.data.num_assignments = 8
     config.batch_size = 8
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 2
-    setup = train.build(config, devices=jax.devices())
-    state = train.init_state(setup, config.seed)
+    setup = assembly.build(config, devices=jax.devices())
+    state = assembly.init_state(setup, config.seed)
     step_fn = train.jit_train_step(setup)
     with sharding.activate(setup.mesh, setup.rules):
-      batch = train.device_batch(setup, setup.data.train_batch(0))
+      batch = assembly.device_batch(setup, setup.data.train_batch(0))
       hlo = step_fn.lower(state, batch, jax.random.key(0)).compile().as_text()
     gathers = [line.strip()[:160] for line in hlo.splitlines()
                if re.search(r'= [a-z0-9]+\\[[0-9,]*\\]\\S* all-gather(-start)?\\(', line)]
@@ -183,15 +183,15 @@ def test_tensor_parallel_step_gathers_no_weights_or_hidden_activations(tmp_path,
 def _train(harness, grad_accum_steps, num_steps=2):
   config = harness.config({'batch_size': 8, 'grad_accum_steps': grad_accum_steps,
                            'warmup_steps': 0, 'adam_eps': ADAM_EPS})
-  setup = train.build(config, devices=jax.devices()[:1])
-  state = train.init_state(setup, config.seed)
+  setup = assembly.build(config, devices=jax.devices()[:1])
+  state = assembly.init_state(setup, config.seed)
   init = jax.tree.map(np.asarray, jax.device_get(state.params))
   step_fn = train.jit_train_step(setup)
   rng = jax.random.key(config.seed + 1)
   losses = []
   with sharding.activate(setup.mesh, setup.rules):
     for step in range(num_steps):
-      state, metrics = step_fn(state, train.device_batch(setup, setup.data.train_batch(step)),
+      state, metrics = step_fn(state, assembly.device_batch(setup, setup.data.train_batch(step)),
                                rng)
       losses.append([float(metrics['loss']), float(metrics['grad_norm'])])
   assert int(state.step) == num_steps

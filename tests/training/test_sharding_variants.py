@@ -141,7 +141,7 @@ _SCRIPT = textwrap.dedent('''\
     import optax
 
     from configs import tiny
-    from training import sharding, train
+    from training import assembly, sharding, train
 
     out_dir = sys.argv[1]
     spec = json.loads(sys.argv[2])
@@ -172,11 +172,11 @@ _SCRIPT = textwrap.dedent('''\
     setups = {}
     for name in spec['variants']:
       try:
-        setups[name] = {tag: train.build(make_config(name, mesh),
+        setups[name] = {tag: assembly.build(make_config(name, mesh),
                                          devices=jax.devices()[:int(np.prod(mesh))])
                         for tag, mesh in meshes.items()}
       except Exception:  # pylint: disable=broad-except
-        fail(name, 'train.build')
+        fail(name, 'assembly.build')
 
     # Initial states: every variant initialized once on one device (one compiled program).
     one = {name: s['one'] for name, s in setups.items()}
@@ -195,9 +195,9 @@ _SCRIPT = textwrap.dedent('''\
       group = {n: setups[n][tag] for n in names}
       lead = group[names[0]]
       states = {n: jax.device_put(host_init[n], s.state_sharding) for n, s in group.items()}
-      batch = train.device_batch(lead, host_batch)
+      batch = assembly.device_batch(lead, host_batch)
       # The loop's step: each model specialized to its parameters (adaptive span's trim).
-      fns = {n: train.jit_train_step(s, train.specialized_model(s, host_init[n].params))
+      fns = {n: train.jit_train_step(s, assembly.specialized_model(s, host_init[n].params))
              for n, s in group.items()}
       with sharding.activate(lead.mesh, lead.rules):
         step = jax.jit(lambda st, b, r: {n: fns[n](st[n], b, r) for n in names})

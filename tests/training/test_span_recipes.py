@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from configs import adaptive_span_char
-from training import inspect, train
+from training import assembly, inspect, train
 
 STEPS = 40
 OPTIONS = {'span_limit': 16, 'span_ramp': 4, 'span_init': 0.125, 'span_block': 4,
@@ -81,7 +81,7 @@ def test_memory_needs_a_stream(harness, tmp_path, extra, match):
   config = harness.config({'model.attention': 'adaptive_span',
                            'model.position_embedding': 'none', **extra})
   with pytest.raises(ValueError, match=match):
-    train.build(config)
+    assembly.build(config)
 
 
 def _stream_config(tmp_path, total_steps):

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from training import sharding, train
+from training import assembly, sharding, train
 
 FAST_COMPILE = {'xla_backend_optimization_level': 0, 'xla_llvm_disable_expensive_passes': True}
 NAMES = ('strided', 'fixed', 'local', 'block_local', 'local_global')
@@ -43,7 +43,7 @@ def _train(harness, name, impl) -> np.ndarray:
   """Per-step training losses (memoized: the xla comparison reuses the blocksparse run)."""
   if (name, impl) not in _losses:
     config = _config(harness, name, impl)
-    setup = train.build(config, devices=jax.devices()[:1])
+    setup = assembly.build(config, devices=jax.devices()[:1])
     assert setup.model_config.attention == (name,) * setup.model_config.n_layers
     assert dict(setup.model_config.attention_options)['window'] == OPTIONS['window']
     assert setup.data.seq_len == 10
@@ -51,7 +51,7 @@ def _train(harness, name, impl) -> np.ndarray:
     state = jax.jit(setup.init_fn, out_shardings=setup.state_sharding).lower(key).compile(
         compiler_options=FAST_COMPILE)(key)
     rng = jax.random.key(config.seed + 1)
-    batches = [train.device_batch(setup, setup.data.train_batch(s)) for s in range(STEPS)]
+    batches = [assembly.device_batch(setup, setup.data.train_batch(s)) for s in range(STEPS)]
     losses = []
     with sharding.activate(setup.mesh, setup.rules):
       step_fn = train.jit_train_step(setup).lower(state, batches[0], rng).compile(

@@ -26,7 +26,7 @@ import re
 import pytest
 
 from configs import tiny
-from training import train
+from training import assembly, train
 
 # Fast Variable Assignment run: the tiny recipe stopped at half its steps.
 VA_FAST = {'total_steps': 200}
@@ -62,7 +62,7 @@ def _train_and_eval(config, workdir):
   assert int(state.step) == config.total_steps
   result = train.evaluate(config, str(workdir))
   assert result['step'] == config.total_steps
-  chance = train.build(config).data.chance_loss
+  chance = assembly.build(config).data.chance_loss
   return result, chance
 
 

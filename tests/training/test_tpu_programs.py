@@ -27,7 +27,7 @@ import pytest
 
 from configs import default
 from models import attention
-from training import aot, train
+from training import aot, assembly
 
 TOPOLOGY = 'v5e:2x2'
 MESHES = {'fsdp4': {'fsdp': 4}, 'fsdp2_tensor2': {'fsdp': 2, 'tensor': 2}}
@@ -83,7 +83,7 @@ def devices():
 
 
 def _setup(case, mesh, devices, **extra):
-  return train.build(_config(case, mesh, **extra), devices=devices, data=False)
+  return assembly.build(_config(case, mesh, **extra), devices=devices, data=False)
 
 
 def _check_kernels(text: str, case: str, setup=None):

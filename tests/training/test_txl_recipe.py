@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from configs import transformer_xl_char
-from training import train
+from training import assembly, train
 
 N, MEM = 16, 16
 
@@ -68,4 +68,4 @@ def test_bad_setups_are_refused_before_compute(tmp_path, no_compute, extra, matc
     section, name = key.split('.')
     config[section][name] = value
   with pytest.raises(ValueError, match=match):
-    train.build(config)
+    assembly.build(config)

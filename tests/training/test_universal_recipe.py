@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from configs import default
-from training import inspect, metrics, train
+from training import assembly, inspect, metrics, train
 
 
 def _config(total_steps, **model):
@@ -54,7 +54,7 @@ def test_steps_are_logged_and_counted_in_the_mfu(tmp_path, monkeypatch):
     assert sum(scalars[f'halted_at_{k}/universal'] for k in (1, 2, 3)) == pytest.approx(1.0)
     assert scalars['aux_loss'] == pytest.approx(0.05 * scalars['ponder/universal'], rel=1e-4)
     # The MFU counts the mean steps taken, not the cap.
-    setup = train.build(config, workdir=str(tmp_path))
+    setup = assembly.build(config, workdir=str(tmp_path))
     flops = setup.model_config.train_flops_per_token(setup.data.seq_len, scalars)
     assert scalars['mfu'] == pytest.approx(scalars['tokens_per_sec'] * flops / 1e12, rel=1e-6)
     setup.data.close()
