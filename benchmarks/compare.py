@@ -61,7 +61,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from training import assembly, xla_flags  # noqa: E402
+from training import xla_flags  # noqa: E402
 
 xla_flags.set_cpu_defaults()  # As main.py does, before JAX starts its backend.
 
@@ -73,7 +73,7 @@ from absl import logging  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from models import attention, blocks, decode, transformer  # noqa: E402
-from training import metrics, sharding, train  # noqa: E402
+from training import assembly, metrics, sharding, steps, train  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(REPO, 'configs', 'local_text.py')
 DEFAULT_OUT = os.path.join(REPO, 'benchmarks', 'results', 'compare.json')
@@ -349,7 +349,7 @@ class StepTimer:
     state = assembly.init_state(setup, config.seed)
     if params is not None:
       state = state.replace(params=params)
-    self._step = train.jit_train_step(setup, assembly.specialized_model(setup, state.params))
+    self._step = steps.jit_train_step(setup, assembly.specialized_model(setup, state.params))
     self.tokens = config.batch_size * setup.data.seq_len
     local = common.random_lm_batch(setup.data.vocab_size, config.batch_size, setup.data.seq_len)
     self._batch = assembly.device_batch(setup, local)

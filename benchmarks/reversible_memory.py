@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training import assembly, xla_flags  # noqa: E402
+from training import xla_flags  # noqa: E402
 
 xla_flags.set_cpu_defaults()  # As main.py does, before JAX starts its backend.
 
@@ -29,7 +29,7 @@ import jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 from configs import default  # noqa: E402
 from models import transformer  # noqa: E402
-from training import sharding, train  # noqa: E402,I100
+from training import assembly, sharding, steps  # noqa: E402,I100
 
 MB = 2.0 ** 20
 
@@ -51,7 +51,7 @@ def bench(block: str, n_layers: int, ff_chunk_len: int, args) -> dict:
   config.total_steps = 10**6
   setup = assembly.build(config)
   state = assembly.init_state(setup, 0)
-  step = train.jit_train_step(setup)
+  step = steps.jit_train_step(setup)
   local = common.random_lm_batch(setup.model_config.vocab_size, args.batch, args.seq_len)
   batch = assembly.device_batch(setup, local)
   key = jax.random.key(0)

@@ -17,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training import assembly, xla_flags  # noqa: E402
+from training import xla_flags  # noqa: E402
 
 xla_flags.set_cpu_defaults()  # As main.py does, before JAX starts its backend.
 
@@ -26,7 +26,7 @@ import jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 from configs import tiny  # noqa: E402
 from models import stacks  # noqa: E402
-from training import sharding, train  # noqa: E402,I100
+from training import assembly, sharding, steps  # noqa: E402,I100
 
 
 def bench(attention: str, n_layers: int, stack: str, iters: int) -> dict:
@@ -40,7 +40,7 @@ def bench(attention: str, n_layers: int, stack: str, iters: int) -> dict:
   state = assembly.init_state(setup, 0)
   local, _ = next(setup.data.train_iter(0, None))
   setup.data.close()
-  step = train.jit_train_step(setup)
+  step = steps.jit_train_step(setup)
   rng = jax.random.key(0)
   with sharding.activate(setup.mesh, setup.rules):
     batch = assembly.device_batch(setup, local)

@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training import assembly, xla_flags  # noqa: E402
+from training import xla_flags  # noqa: E402
 
 xla_flags.set_cpu_defaults()  # As main.py does, before JAX starts its backend.
 
@@ -28,7 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 from benchmarks import common  # noqa: E402
 from configs import default  # noqa: E402
 from models import transformer  # noqa: E402
-from training import flops, sharding, train  # noqa: E402,I100
+from training import assembly, flops, sharding, steps  # noqa: E402,I100
 
 
 def matmul_peak(dtype) -> tuple[float, int]:
@@ -54,7 +54,7 @@ def bench_step(d: int, seq_len: int, batch: int, dtype: str, impl: str, remat: s
   config.total_steps = 10**6
   setup = assembly.build(config)
   state = assembly.init_state(setup, 0)
-  step = train.jit_train_step(setup)
+  step = steps.jit_train_step(setup)
   local = common.random_lm_batch(setup.model_config.vocab_size, batch, seq_len)
   dev_batch = assembly.device_batch(setup, local)
   key = jax.random.key(0)

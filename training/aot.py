@@ -37,7 +37,7 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models import decode, transformer
-from training import assembly, generate, run_config, sharding, train, xla_flags
+from training import assembly, generate, run_config, sharding, steps, xla_flags
 
 GiB = 1 << 30
 
@@ -351,7 +351,7 @@ def abstract_key(setup: assembly.Setup) -> jax.ShapeDtypeStruct:
 
 
 def compile_train_step(setup: assembly.Setup, where: str = ''):
-  """The run's train step (train.jit_train_step: sharded, donated), compiled for the mesh.
+  """The run's train step (steps.jit_train_step: sharded, donated), compiled for the mesh.
 
   Args:
     setup: the run's Setup on the devices to compile for.
@@ -362,7 +362,7 @@ def compile_train_step(setup: assembly.Setup, where: str = ''):
   """
   config = setup.config
   return _compile(
-      'train', train.jit_train_step(setup), _train_args(setup),
+      'train', steps.jit_train_step(setup), _train_args(setup),
       setup, f'{config.batch_size} rows x {setup.seq_len} tokens, '
       f'grad_accum_steps={config.grad_accum_steps}', where or _device_kind(setup))
 
@@ -381,13 +381,13 @@ def lower_train_step(setup: assembly.Setup):
     The jax Lowered.
   """
   with sharding.activate(setup.mesh, setup.rules):
-    return train.jit_train_step(setup).lower(*_train_args(setup))
+    return steps.jit_train_step(setup).lower(*_train_args(setup))
 
 
 def compile_eval_step(setup: assembly.Setup, where: str = ''):
-  """The run's eval step (train.jit_eval_step), compiled for eval_batch_size rows."""
+  """The run's eval step (steps.jit_eval_step), compiled for eval_batch_size rows."""
   rows = setup.config.eval_batch_size or setup.config.batch_size
-  eval_step = train.jit_eval_step(setup)
+  eval_step = steps.jit_eval_step(setup)
   memory = eval_step.memory if eval_step.memory is not None else {}
   # EvalStep keeps its jitted function private; it is what EvalStep.__call__ runs.
   return _compile('eval', eval_step._fn,  # pylint: disable=protected-access

@@ -17,7 +17,7 @@ every token after BOS) and scored by windows of W inputs, positions 0..W-1:
   W - S + 1 inputs (or all of its document's earlier tokens, when there are fewer).
 
 Windows fill rows of eval_batch_size (rows that score nothing pad the last batch) and run
-through the same jitted eval step as packed evaluation (train.EvalStep), so sharding, several
+through the same jitted eval step as packed evaluation (steps.EvalStep), so sharding, several
 hosts and `eval_steps` (a number of batches, or 0 = the whole split) work as there.
 """
 

@@ -33,7 +33,7 @@ from absl import logging
 
 from models import blocks, stacks, transformer
 from models.attention import base, patterns
-from training import assembly, run_config
+from training import assembly, run_config, steps
 
 
 def connectivity(model_config: transformer.TransformerConfig, n: int) -> dict[str, np.ndarray]:
@@ -94,7 +94,7 @@ def sown_per_layer(config: ml_collections.ConfigDict, workdir: str):
     whole sown tree).
   """
   import jax
-  from training import sharding, train
+  from training import sharding
   setup = assembly.build(config, workdir=workdir)
   step, params = assembly.latest_params(setup, workdir)
   if params is None:
@@ -105,7 +105,7 @@ def sown_per_layer(config: ml_collections.ConfigDict, workdir: str):
     variables = {'params': params}
     mutable = ['intermediates']
     if setup.model_config.uses_memory:
-      variables['memory'] = train.fresh_memory(setup, local['inputs'].shape[0])
+      variables['memory'] = steps.fresh_memory(setup, local['inputs'].shape[0])
       mutable.append('memory')
     _, sown = jax.jit(lambda v, b: model.apply(
         v, b['inputs'], positions=b['positions'], segment_ids=b['segment_ids'],

@@ -6,96 +6,15 @@ import signal
 import threading
 import time
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
 
 import input_pipeline
 from models import transformer
-from models.attention import memory as segment_memory
 from training import (assembly, checkpoints, flops, metrics as metrics_lib, optimizer, run_config,
                       settings, sharding, steps, workdir_lock)
-
-
-def jit_train_step(setup: assembly.Setup, model: transformer.Decoder | None = None):
-  """The sharded, donated train step of `model` (default `setup.model`)."""
-  fn = steps.make_train_step(model or setup.model, setup.tx, setup.schedule,
-                             setup.config.grad_accum_steps, setup.config.loss_chunk_len)
-  replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
-  return jax.jit(fn, in_shardings=(setup.state_sharding, setup.batch_sharding, replicated),
-                 out_shardings=(setup.state_sharding, replicated), donate_argnums=(0,))
-
-
-class EvalStep:
-  """The sharded eval step of a model, (params, batch, memory) -> (sums, memory), with the
-  layout of the segment memory it carries (its own when evaluation uses other options, e.g.
-  Transformer-XL's eval_mem_len).
-
-  Attributes:
-    model: the Decoder it evaluates (transformer.for_eval of the trained one).
-    memory: abstract memory (shapes, dtypes, shardings) for one eval batch, or None.
-  """
-
-  def __init__(self, setup: assembly.Setup, model: transformer.Decoder):
-    self.model = model
-    self.memory = memory_layout(setup, model)
-    replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
-    memory = (jax.tree.map(lambda a: a.sharding, self.memory) if self.memory is not None
-              else replicated)
-    self._fn = jax.jit(steps.make_eval_step(model, setup.config.loss_chunk_len),
-                       in_shardings=(setup.state_sharding.params, setup.batch_sharding, memory),
-                       out_shardings=(replicated, memory))
-
-  def __call__(self, params, batch, memory):
-    return self._fn(params, batch, memory)
-
-  def fresh_memory(self, setup: assembly.Setup, rows: int):
-    """Empty memory for `rows` eval rows ({} for models without memory)."""
-    if self.memory is None:
-      return {}
-    if rows != setup.config.batch_size:
-      raise ValueError(f'segment memory is laid out for batch_size={setup.config.batch_size} '
-                       f'rows; set eval_batch_size to the same ({rows} given)')
-    return jax.tree.map(jax.device_put, segment_memory.fresh(self.memory),
-                        jax.tree.map(lambda a: a.sharding, self.memory))
-
-
-def jit_eval_step(setup: assembly.Setup, model: transformer.Decoder | None = None) -> EvalStep:
-  """The sharded eval step of `model` (default `setup.model`), with the option values its
-  variants use at evaluation (transformer.for_eval)."""
-  model = model or setup.model
-  config = transformer.for_eval(model.config)
-  return EvalStep(setup, model if config == model.config else transformer.Decoder(config))
-
-
-def memory_layout(setup: assembly.Setup, model: transformer.Decoder):
-  """Abstract segment memory of `model` for one batch (shapes, dtypes and shardings), or
-  None for a model without memory."""
-  if not model.config.uses_memory:
-    return None
-  if model.config == setup.model_config:
-    return setup.abstract_state.memory
-  boxed = jax.eval_shape(lambda rng: model.init(
-      rng, jnp.zeros((setup.config.batch_size, setup.seq_len), jnp.int32)),
-      jax.random.key(0))['memory']
-  shardings = sharding.logical_shardings(boxed, setup.mesh, setup.rules)
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                      nn.unbox(boxed), shardings)
-
-
-def fresh_memory(setup: assembly.Setup, rows: int):
-  """Empty training segment memory for `rows` batch rows ({} for models without memory)."""
-  if not setup.model_config.uses_memory:
-    return {}
-  if rows != setup.config.batch_size:
-    raise ValueError(f'segment memory is laid out for batch_size={setup.config.batch_size} '
-                     f'rows; set eval_batch_size to the same ({rows} given)')
-  abstract = setup.abstract_state.memory
-  return jax.tree.map(jax.device_put, segment_memory.fresh(abstract),
-                      jax.tree.map(lambda a: a.sharding, abstract))
 
 
 def _eval_local_batches(setup: assembly.Setup, batches=None):
@@ -120,7 +39,7 @@ def _eval_local_batches(setup: assembly.Setup, batches=None):
     yield template if local is None else local
 
 
-def run_eval(setup: assembly.Setup, eval_step: EvalStep, params, batches=None) -> dict[str, float]:
+def run_eval(setup: assembly.Setup, eval_step: steps.EvalStep, params, batches=None) -> dict[str, float]:
   """Loss, perplexity and accuracy over the validation batches (or this process's
   `batches`, e.g. training/evaluation.py's sliding windows), and bits per byte on text.
 
@@ -387,7 +306,7 @@ class _SpecializedSteps:
         changed = {k: v for k, v in key if dict(self._current).get(k) != v}
         logging.info('specialized attention options changed to %s; compiling their step',
                      changed)
-      self._steps[key] = (jit_train_step(self._setup, model), jit_eval_step(self._setup, model))
+      self._steps[key] = (steps.jit_train_step(self._setup, model), steps.jit_eval_step(self._setup, model))
     self._current = key
     return self._steps[key]
 
@@ -574,7 +493,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str,
                                  step=resolved.config.eval_checkpoint_step)
   finally:
     setup.data.close()
-  eval_step = jit_eval_step(setup, assembly.specialized_model(setup, params))
+  eval_step = steps.jit_eval_step(setup, assembly.specialized_model(setup, params))
   if options.window:
     metrics = evaluation.run(setup, eval_step, params, options)
   else:

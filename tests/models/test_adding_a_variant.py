@@ -10,7 +10,7 @@ import numpy as np
 from configs import tiny
 from models import attention, decode, transformer
 from models.attention import base, patterns
-from training import assembly, inspect, train
+from training import assembly, inspect, steps, train
 
 NAME = 'test_dilated_window'
 
@@ -58,7 +58,7 @@ def test_new_variant_trains_through_the_production_loop(tmp_path):
   assert setup.model_config.stack_name == 'scan'  # Layer-independent: scanned by default.
   state = assembly.init_state(setup, seed=0)
   batches = setup.data.train_iter(0, None)
-  step = train.jit_train_step(setup)
+  step = steps.jit_train_step(setup)
   losses = []
   with train.sharding.activate(setup.mesh, setup.rules):
     for _ in range(3):

@@ -14,7 +14,7 @@ import os
 import pytest
 
 from configs import tiny
-from training import aot, assembly, train
+from training import aot, assembly, steps, train
 
 TOPOLOGY = 'v5e:2x2'
 
@@ -168,7 +168,8 @@ def test_a_tpu_run_checks_the_fit_before_anything_starts(monkeypatch, tmp_path):
     pytest.fail('the run started before the fit check failed')
 
   monkeypatch.setattr(assembly, 'init_state', fail)
-  for name in ('jit_eval_step', 'run_eval', '_train_loop'):
+  monkeypatch.setattr(steps, 'jit_eval_step', fail)
+  for name in ('run_eval', '_train_loop'):
     monkeypatch.setattr(train, name, fail)
   monkeypatch.setattr(train.checkpoints, 'Checkpointer', fail)
   config = _config(**{'batch_size': HUGE_BATCH, 'mesh.data': 1, 'mesh.fsdp': 4})

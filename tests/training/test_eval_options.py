@@ -16,7 +16,7 @@ import pytest
 
 from configs import local_text as local_text_recipe
 from input_pipeline import local_text
-from training import assembly, evaluation, train
+from training import assembly, evaluation, steps, train
 
 VALIDATION_FRACTION = TEST_FRACTION = 0.3
 SEQ_LEN = 128  # Also model.max_len; every document is shorter than a row.
@@ -197,7 +197,7 @@ def test_window_losses_equal_a_forward_per_window_by_hand(corpus, workdir):
   assert step == 4
   tokens = np.concatenate([[1], np.random.RandomState(3).randint(3, 259, 39), [2]]).astype(np.int32)
   opts = evaluation.options(setup)
-  result = evaluation.run(setup, train.jit_eval_step(setup), params, opts, documents=[tokens])
+  result = evaluation.run(setup, steps.jit_eval_step(setup), params, opts, documents=[tokens])
   assert result['scored_tokens'] == 40 and result['windows'] == 6 and result['documents'] == 1
 
   by_hand = [(0, range(1, 17)), (5, range(17, 22)), (10, range(22, 27)), (15, range(27, 32)),

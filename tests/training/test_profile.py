@@ -5,7 +5,7 @@ import logging
 import jax.numpy as jnp
 import pytest
 
-from training import settings, train
+from training import settings, steps, train
 
 
 def _traces(workdir) -> list:
@@ -67,7 +67,7 @@ def test_a_bad_value_stops_the_run_before_compiling(harness, tmp_path, monkeypat
     del args, kwargs
     pytest.fail('the train step was built before the bad profile_steps was reported')
 
-  monkeypatch.setattr(train, 'jit_train_step', fail)
+  monkeypatch.setattr(steps, 'jit_train_step', fail)
   with pytest.raises(ValueError, match='profile_steps must be an integer >= 0, got -1'):
     train.train_and_evaluate(harness.config({'total_steps': 2, 'profile_steps': -1}),
                              str(tmp_path / 'run'))

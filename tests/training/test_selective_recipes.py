@@ -137,7 +137,7 @@ _SHARDED = '''
 import json, sys
 import jax
 from configs import tiny
-from training import assembly, sharding, train
+from training import assembly, sharding, steps
 
 def run(data, fsdp, tensor, devices):
   config = tiny.get_config()
@@ -149,7 +149,7 @@ def run(data, fsdp, tensor, devices):
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = data, fsdp, tensor
   setup = assembly.build(config, devices=devices)
   state = assembly.init_state(setup, config.seed)
-  step_fn = train.jit_train_step(setup)
+  step_fn = steps.jit_train_step(setup)
   out = []
   with sharding.activate(setup.mesh, setup.rules):
     for step in range(2):

@@ -11,7 +11,7 @@ import textwrap
 import jax
 import numpy as np
 
-from training import assembly, sharding, train
+from training import assembly, sharding, steps
 
 # float32 everywhere; the only differences are reduction orders across devices.
 RTOL = 1e-5
@@ -33,7 +33,7 @@ _SCRIPT = textwrap.dedent('''\
     import numpy as np
 
     from configs import tiny
-    from training import assembly, sharding, train
+    from training import assembly, sharding, steps
 
     out_dir, num_steps = sys.argv[1], int(sys.argv[2])
 
@@ -59,7 +59,7 @@ _SCRIPT = textwrap.dedent('''\
       setup = assembly.build(config, devices=devices)
       state = assembly.init_state(setup, config.seed)
       init = jax.tree.map(np.asarray, jax.device_get(state.params))
-      step_fn = train.jit_train_step(setup)
+      step_fn = steps.jit_train_step(setup)
       rng = jax.random.key(config.seed + 1)
       losses = []
       with sharding.activate(setup.mesh, setup.rules):
@@ -139,7 +139,7 @@ _TENSOR_SCRIPT = textwrap.dedent('''\
     import jax
 
     from configs import tiny
-    from training import assembly, sharding, train
+    from training import assembly, sharding, steps
 
     config = tiny.get_config()
     config.model.dtype = config.model.param_dtype = 'float32'
@@ -149,7 +149,7 @@ _TENSOR_SCRIPT = textwrap.dedent('''\
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 2
     setup = assembly.build(config, devices=jax.devices())
     state = assembly.init_state(setup, config.seed)
-    step_fn = train.jit_train_step(setup)
+    step_fn = steps.jit_train_step(setup)
     with sharding.activate(setup.mesh, setup.rules):
       batch = assembly.device_batch(setup, setup.data.train_batch(0))
       hlo = step_fn.lower(state, batch, jax.random.key(0)).compile().as_text()
@@ -186,7 +186,7 @@ def _train(harness, grad_accum_steps, num_steps=2):
   setup = assembly.build(config, devices=jax.devices()[:1])
   state = assembly.init_state(setup, config.seed)
   init = jax.tree.map(np.asarray, jax.device_get(state.params))
-  step_fn = train.jit_train_step(setup)
+  step_fn = steps.jit_train_step(setup)
   rng = jax.random.key(config.seed + 1)
   losses = []
   with sharding.activate(setup.mesh, setup.rules):

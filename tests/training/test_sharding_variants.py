@@ -10,7 +10,7 @@ give, on 8 devices and on 1, the same
 - gradient, as the optimizer saw it after global-norm clipping: after one AdamW step from a
   zero state the first moment is mu = (1 - b1) g, so g = mu / (1 - b1) is read back from the
   optimizer state without compiling a second program;
-- parameters after the step (`train.jit_train_step`, the loop's step, with its shardings).
+- parameters after the step (`steps.jit_train_step`, the loop's step, with its shardings).
 
 The model: 2 layers, d_model 32, 4 heads of 8 (2 per device with tensor=2), float32, on the
 Copy task (rows of 32 with padding, so document masks matter; most positions are scored), with
@@ -141,7 +141,7 @@ _SCRIPT = textwrap.dedent('''\
     import optax
 
     from configs import tiny
-    from training import assembly, sharding, train
+    from training import assembly, sharding, steps
 
     out_dir = sys.argv[1]
     spec = json.loads(sys.argv[2])
@@ -197,7 +197,7 @@ _SCRIPT = textwrap.dedent('''\
       states = {n: jax.device_put(host_init[n], s.state_sharding) for n, s in group.items()}
       batch = assembly.device_batch(lead, host_batch)
       # The loop's step: each model specialized to its parameters (adaptive span's trim).
-      fns = {n: train.jit_train_step(s, assembly.specialized_model(s, host_init[n].params))
+      fns = {n: steps.jit_train_step(s, assembly.specialized_model(s, host_init[n].params))
              for n, s in group.items()}
       with sharding.activate(lead.mesh, lead.rules):
         step = jax.jit(lambda st, b, r: {n: fns[n](st[n], b, r) for n in names})

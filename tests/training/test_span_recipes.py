@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from configs import adaptive_span_char
-from training import assembly, inspect, train
+from training import assembly, inspect, steps, train
 
 STEPS = 40
 OPTIONS = {'span_limit': 16, 'span_ramp': 4, 'span_init': 0.125, 'span_block': 4,
@@ -23,13 +23,13 @@ OPTIONS = {'span_limit': 16, 'span_ramp': 4, 'span_init': 0.125, 'span_block': 4
 
 def _run(harness, tmp_path, name, monkeypatch):
   compiled = []
-  original = train.jit_train_step
+  original = steps.jit_train_step
 
   def counting(setup, model=None):
     compiled.append(dict((model or setup.model).config.attention_options).get('span_trim'))
     return original(setup, model)
 
-  monkeypatch.setattr(train, 'jit_train_step', counting)
+  monkeypatch.setattr(steps, 'jit_train_step', counting)
   extra = {'model.attention': name, 'model.position_embedding': 'none', 'total_steps': STEPS,
            'learning_rate': 0.01, 'warmup_steps': 5, 'checkpoint_every_steps': STEPS,
            'model.attention_block_size': 8}

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from training import assembly, sharding, train
+from training import assembly, sharding, steps
 
 FAST_COMPILE = {'xla_backend_optimization_level': 0, 'xla_llvm_disable_expensive_passes': True}
 NAMES = ('strided', 'fixed', 'local', 'block_local', 'local_global')
@@ -54,7 +54,7 @@ def _train(harness, name, impl) -> np.ndarray:
     batches = [assembly.device_batch(setup, setup.data.train_batch(s)) for s in range(STEPS)]
     losses = []
     with sharding.activate(setup.mesh, setup.rules):
-      step_fn = train.jit_train_step(setup).lower(state, batches[0], rng).compile(
+      step_fn = steps.jit_train_step(setup).lower(state, batches[0], rng).compile(
           compiler_options=FAST_COMPILE)
       for batch in batches:
         state, metrics = step_fn(state, batch, rng)
