@@ -26,8 +26,47 @@ hang until jax's 5 minute connection timeout, or train alone into a shared workd
 
 `plan` decides from (flags, environment) alone, so every case is testable without starting
 processes; `initialize` applies the plan.
+
+A lost process. When one process of a run dies (a host fails, or a process is killed), the
+others cannot go on: they wait in their next collective for it. jax notices through its
+heartbeats, but only after its heartbeat timeout (100 s by default), and then aborts every
+process with a C++ stack trace (jaxlib 0.10's hook for that moment, the client's
+missed_heartbeat_callback, cannot be used from Python: calling it throws std::bad_cast). So a
+run of several processes also keeps its own watch (`_PeerWatch`), through the coordination
+service's key-value store: each process records a heartbeat there every few seconds; process 0
+reads them all, and when one has been silent for the peer timeout it records the failure; every
+process then prints one `error: ...` line naming the lost process and exits with status 1 at
+once (os._exit: a normal exit would wait at jax's shutdown barrier for the dead process).
+Process 0 exits last, once the others have seen the failure: it hosts the coordination service,
+and the others' jax clients abort the moment it goes. The same watch lets a process that
+finishes wait at exit for the others, so that jax's shutdown barrier is never entered while a
+process is gone. If process 0 itself dies, jax aborts the other processes at once (their
+clients lose the service); nothing in Python runs before that.
+
+The timeouts, in seconds, from the environment (whole numbers):
+
+- DISTRIBUTED_PEER_TIMEOUT_SECONDS (default 20; 0 turns the watch off): how long a process may
+  go unheard before the run is stopped. Heartbeats come from a Python thread every eighth of
+  it (at most 5 s), so a process is only declared lost if it has not run Python for this long:
+  dead, killed, frozen, or holding the GIL in a C call for that long.
+- JAX_HEARTBEAT_TIMEOUT_SECONDS (default max(100, 3 x the peer timeout)): jax's own heartbeat
+  timeout, after which it aborts every process. It must exceed the peer timeout so that the
+  watch acts first; it stays the last resort when the watch is off or cannot act.
+- JAX_SHUTDOWN_TIMEOUT_SECONDS (default 300, jax's): how long a process that has finished waits
+  at exit for the others to finish too (process 0 may still be committing the last checkpoint
+  to a slow store). Past it, the run is stopped as above, naming the processes not finished.
+- JAX_INITIALIZATION_TIMEOUT (default 300, jax's): how long the processes wait for each other
+  to start and connect (hosts of a pod may start minutes apart).
 """
 
+import atexit
+import dataclasses
+import json
+import os
+import socket
+import sys
+import threading
+import time
 from typing import Any, Mapping
 
 from absl import logging
@@ -43,6 +82,15 @@ SLURM_VARS = ('SLURM_JOB_ID', 'SLURM_STEP_NODELIST', 'SLURM_NTASKS', 'SLURM_PROC
 OMPI_VARS = ('OMPI_MCA_orte_hnp_uri', 'OMPI_COMM_WORLD_SIZE', 'OMPI_COMM_WORLD_RANK',
              'OMPI_COMM_WORLD_LOCAL_RANK')
 TPU_HOST_VARS = ('TPU_PROCESS_ADDRESSES', 'TPU_WORKER_HOSTNAMES')
+
+ENV_PEER_TIMEOUT = 'DISTRIBUTED_PEER_TIMEOUT_SECONDS'
+ENV_HEARTBEAT_TIMEOUT = 'JAX_HEARTBEAT_TIMEOUT_SECONDS'
+ENV_SHUTDOWN_TIMEOUT = 'JAX_SHUTDOWN_TIMEOUT_SECONDS'
+ENV_INITIALIZATION_TIMEOUT = 'JAX_INITIALIZATION_TIMEOUT'
+DEFAULT_PEER_TIMEOUT = 20
+DEFAULT_HEARTBEAT_TIMEOUT = 100  # jax's default; raised to 3x a longer peer timeout.
+DEFAULT_SHUTDOWN_TIMEOUT = 300  # jax's default.
+DEFAULT_INITIALIZATION_TIMEOUT = 300  # jax's default.
 
 
 class LaunchError(ValueError):
@@ -188,6 +236,47 @@ def plan(environ: Mapping[str, str], *, coordinator_address: str | None = None,
                     f'give {" and ".join(missing)} too, the same coordinator on every process')
 
 
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+  """Seconds; see the module docstring. peer == 0: no peer watch."""
+  peer: int
+  heartbeat: int
+  shutdown: int
+  initialization: int
+
+  def jax_kwargs(self) -> dict[str, int]:
+    """The arguments of jax.distributed.initialize that they set."""
+    return {'heartbeat_timeout_seconds': self.heartbeat,
+            'shutdown_timeout_seconds': self.shutdown,
+            'initialization_timeout': self.initialization}
+
+
+def timeouts(environ: Mapping[str, str]) -> Timeouts:
+  """The timeouts the environment sets, with the defaults for those it does not.
+
+  Raises:
+    LaunchError (a ValueError): a value that is not a whole number of seconds, or a heartbeat
+      timeout that would abort the processes before the peer watch can stop them cleanly.
+  """
+  peer = _int_setting('', None, ENV_PEER_TIMEOUT, environ, 0)
+  peer = DEFAULT_PEER_TIMEOUT if peer is None else peer
+  heartbeat = _int_setting('', None, ENV_HEARTBEAT_TIMEOUT, environ, 1)
+  if heartbeat is None:
+    heartbeat = max(DEFAULT_HEARTBEAT_TIMEOUT, 3 * peer)
+  elif peer and heartbeat <= peer:
+    raise LaunchError(f'{ENV_HEARTBEAT_TIMEOUT}={heartbeat} must exceed {ENV_PEER_TIMEOUT}='
+                      f'{peer}: jax aborts every process once a peer has been silent for its '
+                      'heartbeat timeout, so the peer watch, which stops them with a clear '
+                      'message, must act first')
+  shutdown = _int_setting('', None, ENV_SHUTDOWN_TIMEOUT, environ, 1)
+  initialization = _int_setting('', None, ENV_INITIALIZATION_TIMEOUT, environ, 1)
+  return Timeouts(
+      peer=peer, heartbeat=heartbeat,
+      shutdown=DEFAULT_SHUTDOWN_TIMEOUT if shutdown is None else shutdown,
+      initialization=(DEFAULT_INITIALIZATION_TIMEOUT if initialization is None
+                      else initialization))
+
+
 def _running_on_cloud_tpu_vm() -> bool:
   try:
     from jax._src import cloud_tpu_init  # Set by `import jax` when it finds TPU chips.
@@ -219,13 +308,14 @@ def initialize(environ: Mapping[str, str], *, coordinator_address: str | None = 
                 process_id=process_id, cloud_tpu_vm=_running_on_cloud_tpu_vm())
   if kwargs is None:
     return False
+  limits = timeouts(environ)
   # CPU processes compute together through gloo (jax's default since 0.5; set for older ones).
   if not jax.config.jax_cpu_collectives_implementation:
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   shown = ', '.join(f'{k}={v}' for k, v in kwargs.items()) or 'all detected'
   logging.info('joining a multi-process run (%s)', shown)
   try:
-    jax.distributed.initialize(**kwargs)
+    jax.distributed.initialize(**kwargs, **limits.jax_kwargs())
   except (RuntimeError, KeyError, ValueError) as e:  # jax's detectors and the connection.
     raise LaunchError(f'could not start the multi-process run ({shown}): {type(e).__name__}: '
                       f'{e}. Check that every process was given the same coordinator, a '
@@ -236,4 +326,192 @@ def initialize(environ: Mapping[str, str], *, coordinator_address: str | None = 
                jax.process_index(), jax.process_count(),
                getattr(jax_distributed.global_state, 'coordinator_address', None) or '?',
                jax.local_device_count(), jax.device_count())
+  client = jax_distributed.global_state.client
+  if limits.peer and client is not None:
+    _PeerWatch(client, jax.process_index(), jax.process_count(), limits).start()
   return True
+
+
+# The peer watch's keys in the coordination service's key-value store.
+_WATCH = 'peer_watch/'
+_BEAT = _WATCH + 'beat/'  # + process index: JSON {n, host, pid, exited}.
+_FAILED_DIR = _WATCH + 'failed/'
+_FAILED = _FAILED_DIR + 'record'  # JSON {message, lost}: set once, by the first to see it.
+_ACK = _WATCH + 'ack/'  # + process index: this process has seen the failure and is leaving.
+
+
+class _PeerWatch:
+  """Stops every process of the run, cleanly and at once, when one of them is lost.
+
+  See the module docstring. A daemon thread on each process records a heartbeat every
+  `interval` seconds; on process 0 it also reads the others' and records a failure when one
+  has not changed for the peer timeout; on the others it looks for a recorded failure. At exit
+  (atexit, before jax's own shutdown) a process marks itself finished and waits for the others
+  to finish too, the thread still watching, then stops the thread.
+  """
+
+  def __init__(self, client, index: int, count: int, limits: Timeouts):
+    self._client = client
+    self._index, self._count = index, count
+    self._timeout, self._shutdown_timeout = limits.peer, limits.shutdown
+    self._interval = min(max(limits.peer / 8, 0.25), 5.0)
+    self._identity = {'host': socket.gethostname(), 'pid': os.getpid()}
+    self._beats = 0
+    self._exiting = False
+    self._lock = threading.Lock()  # Orders the thread's beats before the exit mark.
+    self._stopping = threading.Lock()  # Held by the one thread that ends the process.
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, name='peer-watch', daemon=True)
+    # Process 0's view: each process's last heartbeat and when it last changed.
+    now = time.monotonic()
+    self._last = {i: (None, now) for i in range(count)}
+
+  def start(self):
+    self._beat()
+    self._thread.start()
+    atexit.register(self._at_exit)  # Runs before jax's shutdown (registered at import).
+    logging.info('peer watch: a process unheard for %d s stops the run (%s)', self._timeout,
+                 ENV_PEER_TIMEOUT)
+
+  # --- the thread ---------------------------------------------------------------------------
+
+  def _run(self):
+    failing_since = None
+    while not self._stop.is_set():
+      try:
+        self._beat()
+        failure = self._check() if self._index == 0 else self._recorded_failure()
+        failing_since = None
+      except Exception as e:  # pylint: disable=broad-except  (the service's RPC errors)
+        if self._stop.is_set():
+          return
+        failing_since = failing_since or time.monotonic()
+        if time.monotonic() - failing_since >= self._timeout:
+          _exit_run(f'process {self._index} of {self._count} has not reached the coordination '
+                    f'service (process 0) for {self._timeout} s ({_first_line(e)}): process 0 '
+                    'is gone or unreachable, and the run cannot go on without it')
+        failure = None
+      if failure is not None:
+        self._stop_run(failure)
+      self._stop.wait(self._interval)
+
+  def _beat(self):
+    with self._lock:
+      if self._exiting:
+        return
+      self._beats += 1
+      self._client.key_value_set(f'{_BEAT}{self._index}', json.dumps(
+          {'n': self._beats, **self._identity, 'exited': False}), allow_overwrite=True)
+
+  def _recorded_failure(self) -> dict | None:
+    entries = self._client.key_value_dir_get(_FAILED_DIR)
+    return json.loads(entries[0][1]) if entries else None
+
+  def _check(self) -> dict | None:
+    """Process 0: the recorded failure, or a new one if a process has gone silent."""
+    entries = dict(self._client.key_value_dir_get(_WATCH))
+    if _FAILED in entries:
+      return json.loads(entries[_FAILED])
+    now = time.monotonic()
+    lost = []
+    for i in range(1, self._count):
+      value = entries.get(f'{_BEAT}{i}')
+      if value != self._last[i][0]:
+        self._last[i] = (value, now)
+      beat = json.loads(value) if value else {}
+      if not beat.get('exited') and now - self._last[i][1] >= self._timeout:
+        lost.append((i, beat))
+    if not lost:
+      return None
+    silent = int(now - max(self._last[i][1] for i, _ in lost))
+
+    def name(i: int, beat: dict) -> str:
+      where = f'pid {beat["pid"]} on host {beat["host"]}' if beat else 'never heard from'
+      return f'{i} of {self._count} ({where})'
+
+    one = len(lost) == 1
+    return self._record(
+        f'process{"" if one else "es"} {", ".join(name(i, b) for i, b in lost)} '
+        f'{"has" if one else "have"} not been heard from for {silent} s ({ENV_PEER_TIMEOUT}='
+        f'{self._timeout}): {"it" if one else "they"} died (killed, crashed, host lost) or '
+        f'{"is" if one else "are"} stuck. The run cannot go on without '
+        f'{"it" if one else "them"}: every process stops; restart the run to resume from its '
+        'last checkpoint', [i for i, _ in lost])
+
+  def _record(self, message: str, lost: list[int]) -> dict:
+    """Records a failure, unless one is recorded already; returns the one recorded."""
+    try:
+      self._client.key_value_set(_FAILED, json.dumps({'message': message, 'lost': lost}))
+    except Exception:  # pylint: disable=broad-except  (ALREADY_EXISTS: another process was first)
+      return self._recorded_failure() or {'message': message, 'lost': lost}
+    return {'message': message, 'lost': lost}
+
+  def _stop_run(self, failure: dict):
+    """Exits this process (status 1) with the failure's message; process 0 last."""
+    if not self._stopping.acquire(blocking=False):
+      threading.Event().wait()  # The other thread (watch or exit) is ending the process.
+    _report(failure['message'])
+    if self._index != 0:
+      try:
+        self._client.key_value_set(f'{_ACK}{self._index}', '1', allow_overwrite=True)
+      finally:
+        _exit_run(None)
+    waiting = set(range(1, self._count)) - set(failure.get('lost', ()))
+    deadline = time.monotonic() + self._timeout
+    while waiting and time.monotonic() < deadline:
+      try:
+        waiting -= {int(k[len(_ACK):]) for k, _ in self._client.key_value_dir_get(_ACK)}
+      except Exception:  # pylint: disable=broad-except
+        break
+      time.sleep(0.05)
+    time.sleep(0.5)  # Let the processes that answered leave before the service goes.
+    _exit_run(None)
+
+  # --- exit ---------------------------------------------------------------------------------
+
+  def _at_exit(self):
+    """Marks this process finished and waits for the others; see the class docstring."""
+    try:
+      with self._lock:
+        self._exiting = True
+        self._client.key_value_set(f'{_BEAT}{self._index}', json.dumps(
+            {'n': self._beats, **self._identity, 'exited': True}), allow_overwrite=True)
+      deadline = time.monotonic() + self._shutdown_timeout
+      while True:
+        beats = {k: json.loads(v) for k, v in self._client.key_value_dir_get(_BEAT)}
+        running = [i for i in range(self._count)
+                   if not beats.get(f'{_BEAT}{i}', {}).get('exited')]
+        if not running:
+          break
+        if time.monotonic() > deadline:
+          self._stop_run(self._record(
+              f'process {self._index} of {self._count} finished but process'
+              f'{"es" if len(running) > 1 else ""} {", ".join(map(str, running))} did not '
+              f'within {self._shutdown_timeout} s ({ENV_SHUTDOWN_TIMEOUT}): stuck, or still '
+              'working; stopping the run', []))
+        time.sleep(min(self._interval, 0.2))
+    except Exception as e:  # pylint: disable=broad-except  (the client is gone: jax decides)
+      logging.warning('peer watch: could not wait for the other processes at exit: %s',
+                      _first_line(e))
+    finally:
+      self._stop.set()
+      self._thread.join(timeout=30)
+
+
+def _first_line(error: Exception) -> str:
+  return f'{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ""}'
+
+
+def _report(message: str):
+  logging.error('%s', message)
+  print(f'error: {message}', file=sys.stderr, flush=True)
+
+
+def _exit_run(message: str | None):
+  """Ends the process now, with status 1: a normal exit would wait for the lost process."""
+  if message is not None:
+    _report(message)
+  logging.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(1)  # pylint: disable=protected-access

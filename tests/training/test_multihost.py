@@ -4,6 +4,7 @@ resumed and evaluated, ending with the parameters of a 1-process x 4-device run.
 
 import contextlib
 import json
+import os
 import pathlib
 import re
 import signal
@@ -111,6 +112,76 @@ def test_a_cluster_described_in_part_is_an_error_naming_what_is_missing(environ,
   with pytest.raises(ValueError) as e:
     distributed.plan(environ, **flags)
   assert message in str(e.value)
+
+
+# --- timeouts(): jax's timeouts and the peer watch's, from the environment --------------------
+
+def test_the_default_timeouts_stop_a_run_with_a_lost_process_well_before_jax_aborts_it():
+  limits = distributed.timeouts({})
+  assert limits == distributed.Timeouts(peer=20, heartbeat=100, shutdown=300,
+                                        initialization=300)
+  assert limits.jax_kwargs() == {'heartbeat_timeout_seconds': 100,
+                                 'shutdown_timeout_seconds': 300, 'initialization_timeout': 300}
+  # A longer peer timeout keeps jax's abort three times further.
+  assert distributed.timeouts({'DISTRIBUTED_PEER_TIMEOUT_SECONDS': '60'}).heartbeat == 180
+  off = distributed.timeouts({'DISTRIBUTED_PEER_TIMEOUT_SECONDS': '0',
+                              'JAX_HEARTBEAT_TIMEOUT_SECONDS': '10',
+                              'JAX_SHUTDOWN_TIMEOUT_SECONDS': '30',
+                              'JAX_INITIALIZATION_TIMEOUT': '600'})
+  assert off == distributed.Timeouts(peer=0, heartbeat=10, shutdown=30, initialization=600)
+
+
+@pytest.mark.parametrize('environ,message', [
+    ({'JAX_HEARTBEAT_TIMEOUT_SECONDS': '20'},
+     'JAX_HEARTBEAT_TIMEOUT_SECONDS=20 must exceed DISTRIBUTED_PEER_TIMEOUT_SECONDS=20'),
+    ({'JAX_SHUTDOWN_TIMEOUT_SECONDS': '5m'}, "JAX_SHUTDOWN_TIMEOUT_SECONDS='5m' is not an"),
+    ({'DISTRIBUTED_PEER_TIMEOUT_SECONDS': '-1'}, 'DISTRIBUTED_PEER_TIMEOUT_SECONDS=-1 must be'),
+    ({'JAX_INITIALIZATION_TIMEOUT': '0'}, 'JAX_INITIALIZATION_TIMEOUT=0 must be >= 1'),
+])
+def test_a_bad_timeout_is_an_error_naming_the_variable(environ, message):
+  with pytest.raises(ValueError) as e:
+    distributed.timeouts(environ)
+  assert message in str(e.value)
+
+
+class _KeyValueStore:
+  """The coordination service's key-value store, as the peer watch uses it."""
+
+  def __init__(self):
+    self.data = {}
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    if key in self.data and not allow_overwrite:
+      raise RuntimeError(f'ALREADY_EXISTS: key {key} already exists.')
+    self.data[key] = value
+
+  def key_value_dir_get(self, prefix):
+    return sorted((k, v) for k, v in self.data.items() if k.startswith(prefix))
+
+
+def test_process_0_names_the_silent_processes_and_not_those_that_finished():
+  # pylint: disable=protected-access
+  store = _KeyValueStore()
+  limits = distributed.Timeouts(peer=20, heartbeat=100, shutdown=300, initialization=300)
+  watches = [distributed._PeerWatch(store, i, 4, limits) for i in range(4)]
+  for w in watches:
+    w._beat()
+  watch = watches[0]
+  assert watch._check() is None
+  # Process 1 finished: its heartbeats stop, after a last one that says so.
+  store.key_value_set('peer_watch/beat/1', json.dumps({'n': 9, 'exited': True}),
+                      allow_overwrite=True)
+  # 25 s later on process 0's clock; process 3 has beaten since, process 2 has not.
+  watch._last = {i: (value, t - 25) for i, (value, t) in watch._last.items()}
+  watches[3]._beat()
+  failure = watch._check()
+  assert failure['lost'] == [2], failure
+  assert failure['message'].startswith(f'process 2 of 4 (pid {os.getpid()} on host '), failure
+  assert 'has not been heard from for 25 s (DISTRIBUTED_PEER_TIMEOUT_SECONDS=20)' in (
+      failure['message'])
+  # Recorded once, for every process to read; a later failure does not replace it.
+  assert watches[2]._recorded_failure() == failure
+  assert watch._record('another', [3]) == failure
 
 
 def test_a_half_described_launch_is_one_error_line_before_any_work(harness, tmp_path):

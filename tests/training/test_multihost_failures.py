@@ -85,3 +85,33 @@ def test_a_second_two_process_run_on_a_live_workdir_is_refused_on_every_process(
   assert f'"pid": {os.getpid()}' in errors[0][0], report  # It names the run that holds it.
   assert not any('Traceback' in t or 'DEADLINE_EXCEEDED' in t for t in texts), report
   assert not (workdir / 'checkpoints').exists() and not (workdir / 'config.json').exists()
+
+
+def test_when_one_process_is_killed_the_other_stops_within_seconds_naming_it(harness,
+                                                                             tmp_path):
+  # Before: the survivor waited in its next collective for jax's 100 s heartbeat timeout, then
+  # aborted (rc -6) with a C++ stack trace. The peer timeout is left at its default (20 s).
+  extra = {'total_steps': 100000, 'checkpoint_every_steps': 100000, 'log_every_steps': 1}
+  procs, logs = _launch(harness, tmp_path / 'run', tmp_path, extra, 'killed')
+  try:
+    deadline = time.monotonic() + 240
+    while 'step 2/' not in logs[0].read_text():  # Both are training.
+      if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+        _kill_all(procs)
+        raise AssertionError('\n'.join(f'--- process {i}:\n{log.read_text()[-3000:]}'
+                                       for i, log in enumerate(logs)))
+      time.sleep(0.05)
+    procs[1].kill()  # SIGKILL: no handler, no atexit, no goodbye.
+    killed = time.monotonic()
+    procs[1].wait()
+    end = _wait_exits(procs[:1], killed, timeout=150)[0]
+  finally:
+    _kill_all(procs)
+  text = logs[0].read_text()
+  report = f'survivor rc {procs[0].returncode}, exit {end} s after the kill:\n{text[-4000:]}'
+  assert end is not None and end < 30, report  # 23 s measured: 20 s peer timeout + polling.
+  assert procs[0].returncode == 1, report
+  errors = _errors(text)
+  assert errors and errors[-1].startswith('error: process 1 of 2 (pid ') and (
+      'has not been heard from' in errors[-1]), report
+  assert 'Check failure' not in text and 'Fatal Python error' not in text, report
