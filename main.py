@@ -83,7 +83,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   import jax
-  from training import distributed, metrics, run_config, train
+  from training import distributed, evaluation, metrics, run_config, train
   metrics.quiet_libraries()
   recipe_file = config_flags.get_config_filename(FLAGS['config'])
   # The workdir's record is the run's config; the command line asks for the --config.KEY
@@ -117,7 +117,7 @@ def main(argv):
       from training import aot
       aot.run(FLAGS.config, workdir, request)
     else:
-      train.evaluate(FLAGS.config, workdir, request)
+      evaluation.evaluate_checkpoint(FLAGS.config, workdir, request)
   except (ValueError, NotImplementedError, PermissionError, FileNotFoundError, FloatingPointError,
           train.checkpoints.CheckpointError, train.workdir_lock.WorkdirBusy) as e:
     logging.error('%s: %s', type(e).__name__, e)

@@ -200,7 +200,7 @@ def va_test(config, workdir: str, seed: int, batches: int, num_values: int) -> d
   """Loss and answer accuracy of a trained run on `batches` x batch_size fresh examples whose
   values are drawn from the first `num_values` values (the trained vocabulary's ids)."""
   from input_pipeline import synthetic
-  from training import assembly, steps, train
+  from training import assembly, evaluation, steps
   setup = assembly.build(config, workdir=workdir)
   setup.data.close()
   step, params = assembly.latest_params(setup, workdir, required='train it first')
@@ -209,7 +209,7 @@ def va_test(config, workdir: str, seed: int, batches: int, num_values: int) -> d
                                       num_assignments=config.data.num_assignments)
   data = [task.batch(seed + TEST_SEED_OFFSET, i, config.batch_size) for i in range(batches)]
   eval_step = steps.jit_eval_step(setup, assembly.specialized_model(setup, params))
-  out = train.run_eval(setup, eval_step, params, batches=data)
+  out = evaluation.score(setup, eval_step, params, batches=data)
   return {'step': step, 'loss': out['loss'], 'accuracy': out['accuracy'],
           'examples': int(out['scored_tokens'])}
 
@@ -295,7 +295,7 @@ def _lm_settings(args) -> dict:
 def sample_loss(config, workdir: str, batches: int) -> float:
   """A trained run's loss on the first `batches` training batches: the sample
   training/pruning.allocate_budgets measures (the same data config gives the same batches)."""
-  from training import assembly, steps, train
+  from training import assembly, evaluation, steps
   setup = assembly.build(config, workdir=workdir)
   try:
     it = setup.data.train_iter(0, None)
@@ -304,7 +304,7 @@ def sample_loss(config, workdir: str, batches: int) -> float:
     setup.data.close()
   _, params = assembly.latest_params(setup, workdir, required='train it first')
   eval_step = steps.jit_eval_step(setup, assembly.specialized_model(setup, params))
-  return train.run_eval(setup, eval_step, params, batches=sample)['loss']
+  return evaluation.score(setup, eval_step, params, batches=sample)['loss']
 
 
 def greedy_from(loss_of, budgets: list[int], layers, step: int, target: float,

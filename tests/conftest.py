@@ -8,7 +8,7 @@ import jax  # noqa: E402
 import pytest
 
 from models.attention import base, registry
-from training import assembly, flops, steps, train
+from training import assembly, evaluation, flops, steps
 
 # The tests compare float32 paths to ~1e-5 (the rounding of exact float32 products). On NVIDIA
 # GPUs JAX runs float32 matmuls in TF32 by default (errors of 5e-4 to 1e-2 on an H100, which
@@ -42,7 +42,7 @@ def no_compute(monkeypatch):
   monkeypatch.setattr(assembly, 'init_state', fail)
   for name in ('jit_train_step', 'jit_eval_step'):
     monkeypatch.setattr(steps, name, fail)
-  monkeypatch.setattr(train, 'run_eval', fail)
+  monkeypatch.setattr(evaluation, 'score', fail)
   monkeypatch.setattr(flops, 'measure_matmul_peak', fail)
 
 

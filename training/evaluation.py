@@ -1,8 +1,11 @@
-"""--mode=eval's options: which split, and sliding-window scoring of whole documents.
+"""Evaluation: scoring parameters on the eval split, and --mode=eval.
 
-`train.evaluate` asks `options(setup)` what to evaluate (checked before any checkpoint is read
-or anything compiled) and, with `eval_window` W > 0, calls `run` instead of the packed rows of
-`train.run_eval`.
+- `score`: loss, perplexity, accuracy (and bits per byte on text) over the eval batches, or
+  any batches given (the training loop's periodic eval, the pruning modes, experiments).
+- `score_windows`: the same over sliding windows of whole documents.
+- `evaluate_checkpoint`: --mode=eval. It asks `options(setup)` what to evaluate (checked
+  before any checkpoint is read or anything compiled) and, with `eval_window` W > 0, scores
+  windows instead of the packed rows.
 
 Sliding windows (for models with absolute positions, whose context ends at the row): each
 document of the eval split is tokenized whole ([BOS] + text + [EOS]: n tokens, n - 1 targets,
@@ -24,14 +27,19 @@ hosts and `eval_steps` (a number of batches, or 0 = the whole split) work as the
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
 from typing import Iterable, Iterator
 
 import jax
+import ml_collections
 import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from input_pipeline import packing, synthetic
+from training import assembly, run_config, sharding, steps
 
 DEFAULT_SPLIT = 'validation'
 
@@ -188,25 +196,115 @@ def batches(documents: Iterable[np.ndarray], window: int, stride: int, rows: int
     done += 1
 
 
-def run(setup, eval_step, params, opts: Options,
-        documents: Iterable[np.ndarray] | None = None) -> dict:
+def score_windows(setup: assembly.Setup, eval_step: steps.EvalStep, params, opts: Options,
+                  documents: Iterable[np.ndarray] | None = None) -> dict:
   """Sliding-window evaluation of `documents` (default: this process's eval split).
 
   Returns:
-    train.run_eval's metrics (loss, perplexity, accuracy, scored_tokens and, for text,
+    score's metrics (loss, perplexity, accuracy, scored_tokens and, for text,
     bits_per_byte and scored_bytes) over the scored targets, with 'documents' and 'windows'.
   """
-  from training import train  # pylint: disable=import-outside-toplevel  (train calls this)
   if documents is None:
     documents = setup.data.eval_documents()
   config = setup.config
   rows = (config.eval_batch_size or config.batch_size) // jax.process_count()
   counts = {}
-  result = train.run_eval(setup, eval_step, params, batches=batches(
+  result = score(setup, eval_step, params, batches=batches(
       documents, opts.window, opts.stride, rows, config.eval_steps, counts))
   if jax.process_count() > 1:
-    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     summed = np.asarray(multihost_utils.process_allgather(
         np.array([counts['documents'], counts['windows']]))).sum(axis=0)
     counts = {'documents': int(summed[0]), 'windows': int(summed[1])}
   return {**result, **counts}
+
+
+def _eval_local_batches(setup: assembly.Setup, batches=None):
+  """This process's eval batches (`batches`, default the data's); with a whole split on
+  several hosts, every host runs the same number of steps, feeding rows that score nothing
+  once its own batches run out."""
+  batches = setup.data.eval_batches() if batches is None else iter(batches)
+  if not (setup.data.eval_whole_split and jax.process_count() > 1):
+    yield from batches
+    return
+  template = None
+  while True:
+    local = next(batches, None)
+    if local is not None and template is None:
+      template = {k: np.zeros_like(v) for k, v in local.items()}
+    if not multihost_utils.process_allgather(np.array(local is not None)).any():
+      return
+    if local is None and template is None:  # This host had no eval data at all.
+      raise ValueError(f'process {jax.process_index()} has no rows of data.eval_split; use '
+                       'a larger split or a fixed config.eval_steps')
+    yield template if local is None else local
+
+
+def score(setup: assembly.Setup, eval_step: steps.EvalStep, params, batches=None) -> dict[str, float]:
+  """Loss, perplexity and accuracy over the validation batches (or this process's
+  `batches`, e.g. training/evaluation.py's sliding windows), and bits per byte on text.
+
+  Segment memory, if the model has it, starts empty and is carried across the eval batches
+  (the eval step's own layout: it may be longer than training's).
+  """
+  totals = {'loss_sum': 0.0, 'correct_sum': 0.0, 'weight_sum': 0.0}
+  text_bytes = 0.0
+  memory = eval_step.fresh_memory(setup, setup.config.eval_batch_size or setup.config.batch_size)
+  with sharding.activate(setup.mesh, setup.rules):
+    for local in _eval_local_batches(setup, batches):
+      out, memory = eval_step(params, assembly.device_batch(setup, local), memory)
+      out = jax.device_get(out)
+      for k in totals:
+        totals[k] += float(out[k])
+      if setup.data.token_bytes is not None:
+        text_bytes += float(np.sum(setup.data.token_bytes[local['targets']] * local['weights']))
+  w = max(totals['weight_sum'], 1.0)
+  loss = totals['loss_sum'] / w
+  result = {'loss': loss, 'perplexity': float(np.exp(min(loss, 80.0))),
+            'accuracy': totals['correct_sum'] / w, 'scored_tokens': totals['weight_sum']}
+  if setup.data.token_bytes is not None:
+    if jax.process_count() > 1:
+      text_bytes = float(multihost_utils.process_allgather(np.array(text_bytes)).sum())
+    result['bits_per_byte'] = float(totals['loss_sum'] / np.log(2.0) / max(text_bytes, 1.0))
+    result['scored_bytes'] = text_bytes
+  return result
+
+
+def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
+                        request: run_config.Request | None = None) -> dict[str, float]:
+  """--mode=eval: restores a checkpoint's parameters onto this machine's mesh and scores them.
+
+  The model is the workdir's recorded one (training/run_config.py); the asked-for keys may
+  change run-time and training settings (e.g. eval_steps, the mesh), not the model unless
+  allowed. What is evaluated: checkpoint `eval_checkpoint_step` (0 = the latest), split
+  `data.eval_split`, `eval_steps` batches or the whole split (0), packed rows or, with
+  `eval_window` > 0, sliding windows over whole documents. Writes
+  `workdir/eval_step_<step>[_<split>][_window<W>_stride<S>].json` with step, the options,
+  loss, perplexity, accuracy, scored tokens (and bytes and bits per byte on text), and the
+  keys that differ from the record, if any ('config_overrides').
+
+  Args:
+    config: the config given.
+    workdir: the training run's workdir.
+    request: what the command line asked for; None: every field of `config`.
+
+  Returns:
+    The metrics written.
+  """
+  chosen = []
+  restored = assembly.restore(config, workdir, request, step_key='eval_checkpoint_step',
+                              check=lambda setup: chosen.append(options(setup)))
+  setup, opts = restored.setup, chosen[0]
+  eval_step = steps.jit_eval_step(setup, restored.model)
+  if opts.window:
+    metrics = score_windows(setup, eval_step, restored.params, opts)
+  else:
+    metrics = score(setup, eval_step, restored.params)
+  result = {'step': restored.step, **opts.describe(), **metrics}
+  if restored.resolved.changes:
+    result['config_overrides'] = {c.key: c.given for c in restored.resolved.changes}
+  if jax.process_index() == 0:
+    path = os.path.join(workdir, opts.filename(restored.step))
+    with open(path, 'w') as f:
+      json.dump(result, f, indent=2)
+    logging.info('eval at step %d: %s -> %s', result['step'], result, path)
+  return result

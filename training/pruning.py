@@ -29,7 +29,7 @@ from absl import logging
 from models import stacks
 from models.attention import selective
 from models.attention import registry
-from training import assembly, losses, run_config, sharding, steps, train
+from training import assembly, evaluation, losses, run_config, sharding, steps
 
 
 def selective_layers(model_config) -> list[int]:
@@ -190,12 +190,12 @@ def evaluate_budgets(config, workdir: str, request: run_config.Request | None = 
     budgets = tuple(int(k) for k in json.load(f)['budgets'])
   setup, step, params = _restore(config, workdir)
   setup.data.close()
-  unpruned = train.run_eval(setup, steps.jit_eval_step(setup), params)
+  unpruned = evaluation.score(setup, steps.jit_eval_step(setup), params)
   pruned_config = copy.deepcopy(config)
   pruned_config.model.attention_options.selective_budgets = budgets
   pruned_setup = assembly.build(pruned_config, workdir=workdir)
   try:
-    pruned = train.run_eval(pruned_setup, steps.jit_eval_step(pruned_setup), params)
+    pruned = evaluation.score(pruned_setup, steps.jit_eval_step(pruned_setup), params)
   finally:
     pruned_setup.data.close()
   context = setup.data.seq_len

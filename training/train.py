@@ -13,61 +13,8 @@ from absl import logging
 
 import input_pipeline
 from models import transformer
-from training import (assembly, checkpoints, flops, metrics as metrics_lib, optimizer, run_config,
-                      settings, sharding, steps, workdir_lock)
-
-
-def _eval_local_batches(setup: assembly.Setup, batches=None):
-  """This process's eval batches (`batches`, default the data's); with a whole split on
-  several hosts, every host runs the same number of steps, feeding rows that score nothing
-  once its own batches run out."""
-  batches = setup.data.eval_batches() if batches is None else iter(batches)
-  if not (setup.data.eval_whole_split and jax.process_count() > 1):
-    yield from batches
-    return
-  from jax.experimental import multihost_utils
-  template = None
-  while True:
-    local = next(batches, None)
-    if local is not None and template is None:
-      template = {k: np.zeros_like(v) for k, v in local.items()}
-    if not multihost_utils.process_allgather(np.array(local is not None)).any():
-      return
-    if local is None and template is None:  # This host had no eval data at all.
-      raise ValueError(f'process {jax.process_index()} has no rows of data.eval_split; use '
-                       'a larger split or a fixed config.eval_steps')
-    yield template if local is None else local
-
-
-def run_eval(setup: assembly.Setup, eval_step: steps.EvalStep, params, batches=None) -> dict[str, float]:
-  """Loss, perplexity and accuracy over the validation batches (or this process's
-  `batches`, e.g. training/evaluation.py's sliding windows), and bits per byte on text.
-
-  Segment memory, if the model has it, starts empty and is carried across the eval batches
-  (the eval step's own layout: it may be longer than training's).
-  """
-  totals = {'loss_sum': 0.0, 'correct_sum': 0.0, 'weight_sum': 0.0}
-  text_bytes = 0.0
-  memory = eval_step.fresh_memory(setup, setup.config.eval_batch_size or setup.config.batch_size)
-  with sharding.activate(setup.mesh, setup.rules):
-    for local in _eval_local_batches(setup, batches):
-      out, memory = eval_step(params, assembly.device_batch(setup, local), memory)
-      out = jax.device_get(out)
-      for k in totals:
-        totals[k] += float(out[k])
-      if setup.data.token_bytes is not None:
-        text_bytes += float(np.sum(setup.data.token_bytes[local['targets']] * local['weights']))
-  w = max(totals['weight_sum'], 1.0)
-  loss = totals['loss_sum'] / w
-  result = {'loss': loss, 'perplexity': float(np.exp(min(loss, 80.0))),
-            'accuracy': totals['correct_sum'] / w, 'scored_tokens': totals['weight_sum']}
-  if setup.data.token_bytes is not None:
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
-      text_bytes = float(multihost_utils.process_allgather(np.array(text_bytes)).sum())
-    result['bits_per_byte'] = float(totals['loss_sum'] / np.log(2.0) / max(text_bytes, 1.0))
-    result['scored_bytes'] = text_bytes
-  return result
+from training import (assembly, checkpoints, evaluation, flops, metrics as metrics_lib,
+                      optimizer, run_config, settings, sharding, steps, workdir_lock)
 
 
 class _Preemption:
@@ -449,7 +396,7 @@ def _train_loop(setup: assembly.Setup, state, data_state, ckpt, logger, peak: fl
         ckpt.save(step, state, _gather_data_state(data_state))
       # After the save: a failing evaluation never costs the step's checkpoint.
       if config.eval_every_steps and (step % config.eval_every_steps == 0 or last):
-        logger.write(step, run_eval(setup, eval_step, state.params), prefix='eval')
+        logger.write(step, evaluation.score(setup, eval_step, state.params), prefix='eval')
         from training import generate as generate_lib  # pylint: disable=import-outside-toplevel
         generate_lib.write_samples(logger, step,
                                    generate_lib.eval_samples(setup, None, state.params, step))
@@ -460,50 +407,3 @@ def _train_loop(setup: assembly.Setup, state, data_state, ckpt, logger, peak: fl
     profile.stop(state)  # A run that ends inside the traced steps.
     ckpt.wait()  # The last save is committed while SIGTERM is still handled.
   return state
-
-
-def evaluate(config: ml_collections.ConfigDict, workdir: str,
-             request: run_config.Request | None = None) -> dict[str, float]:
-  """Restores a checkpoint's parameters onto this machine's mesh and evaluates them.
-
-  The model is the workdir's recorded one (training/run_config.py); the asked-for keys may
-  change run-time and training settings (e.g. eval_steps, the mesh), not the model unless
-  allowed. What is evaluated (training/evaluation.py): checkpoint `eval_checkpoint_step` (0 =
-  the latest), split `data.eval_split`, `eval_steps` batches or the whole split (0), packed
-  rows or, with `eval_window` > 0, sliding windows over whole documents. Writes
-  `workdir/eval_step_<step>[_<split>][_window<W>_stride<S>].json` with step, the options,
-  loss, perplexity, accuracy, scored tokens (and bytes and bits per byte on text), and the
-  keys that differ from the record, if any ('config_overrides').
-
-  Args:
-    config: the config given.
-    workdir: the training run's workdir.
-    request: what the command line asked for; None: every field of `config`.
-
-  Returns:
-    The metrics written.
-  """
-  from training import evaluation  # pylint: disable=import-outside-toplevel
-  assembly.check_workdir(workdir)
-  resolved = run_config.resolve(config, workdir, trains=False, request=request)
-  setup = assembly.build(resolved.config, workdir=workdir)
-  try:
-    options = evaluation.options(setup)  # Before anything is read or compiled.
-    step, params = assembly.latest_params(setup, workdir, required='train a model first',
-                                 step=resolved.config.eval_checkpoint_step)
-  finally:
-    setup.data.close()
-  eval_step = steps.jit_eval_step(setup, assembly.specialized_model(setup, params))
-  if options.window:
-    metrics = evaluation.run(setup, eval_step, params, options)
-  else:
-    metrics = run_eval(setup, eval_step, params)
-  result = {'step': step, **options.describe(), **metrics}
-  if resolved.changes:
-    result['config_overrides'] = {c.key: c.given for c in resolved.changes}
-  if jax.process_index() == 0:
-    path = os.path.join(workdir, options.filename(step))
-    with open(path, 'w') as f:
-      json.dump(result, f, indent=2)
-    logging.info('eval at step %d: %s -> %s', result['step'], result, path)
-  return result

@@ -9,7 +9,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from input_pipeline import tokenizers
-from training import metrics as metrics_lib
+from training import evaluation, metrics as metrics_lib
 from training import train
 
 STEPS = 4
@@ -56,7 +56,7 @@ def c4_run(c4, tmp_path_factory, kit):
     out['logged'], logged = logged, []
     out['spm_calls'], spm_calls = spm_calls, []
     out['vocab_bytes'], out['vocab_mtime'] = vocab.read_bytes(), os.stat(vocab).st_mtime_ns
-    out['eval'] = train.evaluate(config, str(workdir))
+    out['eval'] = evaluation.evaluate_checkpoint(config, str(workdir))
     out['eval_json'] = json.loads((workdir / f'eval_step_{STEPS}.json').read_text())
     rerun = kit.config({'data.data_dir': c4.data_dir, **RUN, 'total_steps': STEPS + 2})
     out['rerun_state'] = train.train_and_evaluate(rerun, str(workdir))

@@ -8,7 +8,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from input_pipeline import local_text
-from training import train
+from training import evaluation, train
 
 
 def _split_bytes(builder) -> dict[str, list[bytes]]:
@@ -132,7 +132,7 @@ def test_local_text_trains_end_to_end_with_bytes(tmp_path, kit):
   state = train.train_and_evaluate(config, str(workdir))
   assert int(state.step) == 3
   assert not (workdir / 'vocab').exists()  # The byte tokenizer needs no vocabulary file.
-  result = train.evaluate(config, str(workdir))
+  result = evaluation.evaluate_checkpoint(config, str(workdir))
   assert result['step'] == 3
   assert np.isfinite(result['loss']) and 0 < result['loss'] < 2 * np.log(400)
   # Whole validation split (eval_steps=0): every byte of it is scored once, plus one EOS

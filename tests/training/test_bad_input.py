@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from training import assembly, train
+from training import assembly, evaluation, train
 
 _BAD_CONFIGS = {
     'unknown_attention': (
@@ -56,7 +56,7 @@ def test_bad_config_fails_in_build(harness, no_compute, tmp_path, case):
   with pytest.raises(ValueError, match=message):
     train.train_and_evaluate(config, str(tmp_path / 'train'))
   with pytest.raises(ValueError, match=message):
-    train.evaluate(config, str(tmp_path / 'eval'))
+    evaluation.evaluate_checkpoint(config, str(tmp_path / 'eval'))
   assert not (tmp_path / 'train' / 'checkpoints').exists()
   assert not (tmp_path / 'train' / 'config.json').exists()
 
@@ -76,7 +76,7 @@ def test_main_reports_unknown_attention_and_exits_nonzero(harness, tmp_path):
 
 def test_eval_without_checkpoint(harness, no_compute, tmp_path):
   with pytest.raises(FileNotFoundError, match='no checkpoint found in'):
-    train.evaluate(harness.config(), str(tmp_path))
+    evaluation.evaluate_checkpoint(harness.config(), str(tmp_path))
 
 
 def _unwritable_workdirs(tmp_path):
@@ -91,7 +91,7 @@ def test_unwritable_workdir(harness, no_compute, tmp_path, kind):
   workdir = str(_unwritable_workdirs(tmp_path)[kind])
   config = harness.config()
   for fn in (assembly.check_workdir, lambda w: train.train_and_evaluate(config, w),
-             lambda w: train.evaluate(config, w)):
+             lambda w: evaluation.evaluate_checkpoint(config, w)):
     with pytest.raises(PermissionError, match='is not writable') as info:
       fn(workdir)
     assert repr(workdir) in str(info.value)

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from training import assembly, checkpoints, train
+from training import assembly, checkpoints, evaluation, train
 
 RUN = {'total_steps': 6, 'checkpoint_every_steps': 2, 'keep_checkpoints': 3}
 # A main.py run that hangs (orbax threads waiting for a folder that never came) fails here.
@@ -214,7 +214,7 @@ def test_no_good_checkpoint_is_an_error_naming_every_bad_step(harness, run6, tmp
   workdir = _damaged_copy(run6, tmp_path, 'flip_a_bit_every_4k', steps=(2, 4, 6))
   before = _files(workdir)
   with pytest.raises(checkpoints.CheckpointError) as info:
-    train.evaluate(harness.config(RUN), str(workdir))
+    evaluation.evaluate_checkpoint(harness.config(RUN), str(workdir))
   message = str(info.value)
   assert 'steps 6, 4, 2' in message and str(workdir / 'checkpoints') in message, message
   # Training does not start over either; nothing is moved or deleted.
@@ -266,7 +266,7 @@ def test_an_asked_for_step_rotated_away_while_read_is_not_found(harness, run6, t
   workdir = _rotating_copy(run6, tmp_path, monkeypatch)
   with pytest.raises(FileNotFoundError, match=r'step 4 .* was deleted while it was read .*'
                                               r'saved steps now: 2, 6'):
-    train.evaluate(harness.config({**RUN, 'eval_checkpoint_step': 4}), str(workdir))
+    evaluation.evaluate_checkpoint(harness.config({**RUN, 'eval_checkpoint_step': 4}), str(workdir))
 
 
 def test_another_model_is_an_error_not_a_fallback(harness, run6, tmp_path):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from training import assembly, checkpoints, train
+from training import assembly, checkpoints, evaluation, train
 
 # SIGKILL test: a run to N steps saving every EVERY steps is killed once a checkpoint at a
 # step >= KILL_AFTER is on disk; N - KILL_AFTER steps are left so the run cannot finish
@@ -219,7 +219,7 @@ def test_corrupt_checkpoint_falls_back_and_keeps_files(harness, short_run, tmp_p
   config = harness.config(SHORT)
 
   # The newest good checkpoint is evaluated; eval only reads, so nothing is moved.
-  assert train.evaluate(config, str(workdir))['step'] == 8
+  assert evaluation.evaluate_checkpoint(config, str(workdir))['step'] == 8
   assert [p.name for p in workdir.glob('eval_step_*.json')] == ['eval_step_8.json']
   assert _files(folder) == {k.removeprefix('checkpoints/'): v for k, v in before.items()
                             if k.startswith('checkpoints/')}
@@ -239,7 +239,7 @@ def test_corrupt_checkpoint_falls_back_and_keeps_files(harness, short_run, tmp_p
   _overwrite_array_files(folder / '8')
   before = _files(workdir)
   with pytest.raises(checkpoints.CheckpointError) as info:
-    train.evaluate(config, str(workdir))
+    evaluation.evaluate_checkpoint(config, str(workdir))
   message = str(info.value)
   assert str(folder) in message and 'step 8' in message, message
   with pytest.raises(checkpoints.CheckpointError):
@@ -258,7 +258,7 @@ def test_checkpoint_of_another_model_raises_checkpoint_error(harness, short_run,
   before = _files(workdir)
   config = harness.config({**SHORT, 'model.d': 1})  # d_model 64 instead of 128.
   with pytest.raises(checkpoints.CheckpointError, match='different model configuration') as info:
-    train.evaluate(config, str(workdir))
+    evaluation.evaluate_checkpoint(config, str(workdir))
   assert str(workdir / 'checkpoints') in str(info.value)
   after = _files(workdir)
   assert {k: after.get(k) for k in before} == before

@@ -14,7 +14,7 @@ import os
 import pytest
 
 from configs import tiny
-from training import aot, assembly, steps, train
+from training import aot, assembly, evaluation, steps, train
 
 TOPOLOGY = 'v5e:2x2'
 
@@ -169,8 +169,8 @@ def test_a_tpu_run_checks_the_fit_before_anything_starts(monkeypatch, tmp_path):
 
   monkeypatch.setattr(assembly, 'init_state', fail)
   monkeypatch.setattr(steps, 'jit_eval_step', fail)
-  for name in ('run_eval', '_train_loop'):
-    monkeypatch.setattr(train, name, fail)
+  monkeypatch.setattr(evaluation, 'score', fail)
+  monkeypatch.setattr(train, '_train_loop', fail)
   monkeypatch.setattr(train.checkpoints, 'Checkpointer', fail)
   config = _config(**{'batch_size': HUGE_BATCH, 'mesh.data': 1, 'mesh.fsdp': 4})
   with pytest.raises(ValueError, match=r'the train step does not fit one TPU v5 lite chip '

@@ -82,7 +82,7 @@ def workdir(corpus, tmp_path_factory):
 
 
 def _evaluate(corpus, workdir, extra=None):
-  return train.evaluate(make_config(corpus, extra), str(workdir))
+  return evaluation.evaluate_checkpoint(make_config(corpus, extra), str(workdir))
 
 
 def _json(workdir, name):
@@ -132,9 +132,9 @@ def test_an_unknown_split_names_the_splits(corpus, no_compute, tmp_path):
 def test_a_synthetic_task_only_has_its_validation_stream(no_compute, harness, tmp_path):
   with pytest.raises(ValueError, match=r"synthetic task 'variable_assignment' has no splits.*"
                                        r"data\.eval_split='validation'"):
-    train.evaluate(harness.config({'data.eval_split': 'test'}), str(tmp_path / 'run'))
+    evaluation.evaluate_checkpoint(harness.config({'data.eval_split': 'test'}), str(tmp_path / 'run'))
   with pytest.raises(ValueError, match='has no finite split'):
-    train.evaluate(harness.config({'eval_steps': 0}), str(tmp_path / 'run'))
+    evaluation.evaluate_checkpoint(harness.config({'eval_steps': 0}), str(tmp_path / 'run'))
 
 
 def test_whole_split_scores_every_token_and_bits_per_byte(corpus, workdir):
@@ -197,7 +197,7 @@ def test_window_losses_equal_a_forward_per_window_by_hand(corpus, workdir):
   assert step == 4
   tokens = np.concatenate([[1], np.random.RandomState(3).randint(3, 259, 39), [2]]).astype(np.int32)
   opts = evaluation.options(setup)
-  result = evaluation.run(setup, steps.jit_eval_step(setup), params, opts, documents=[tokens])
+  result = evaluation.score_windows(setup, steps.jit_eval_step(setup), params, opts, documents=[tokens])
   assert result['scored_tokens'] == 40 and result['windows'] == 6 and result['documents'] == 1
 
   by_hand = [(0, range(1, 17)), (5, range(17, 22)), (10, range(22, 27)), (15, range(27, 32)),
@@ -234,7 +234,7 @@ def test_bad_windows_are_refused_before_any_compute(corpus, no_compute, tmp_path
 def test_a_window_on_a_synthetic_task_is_refused(no_compute, harness, tmp_path):
   with pytest.raises(ValueError, match=r"eval_window needs text documents; "
                                        r"data\.name='variable_assignment'"):
-    train.evaluate(harness.config({'eval_window': 8}), str(tmp_path / 'run'))
+    evaluation.evaluate_checkpoint(harness.config({'eval_window': 8}), str(tmp_path / 'run'))
 
 
 def test_eval_documents_are_whole(corpus, tmp_path):

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 from configs import reformer_duplication
-from training import train
+from training import evaluation, train
 
 
 def _config(total_steps, **model):
@@ -34,10 +34,10 @@ def test_resume_equals_an_uninterrupted_run(straight_and_resumed):
 def test_eval_with_more_hash_rounds_than_training(tmp_path):
   workdir = str(tmp_path / 'run')
   train.train_and_evaluate(_config(4), workdir)
-  one = train.evaluate(_config(4), workdir)
+  one = evaluation.evaluate_checkpoint(_config(4), workdir)
   more = _config(4)
   more.model.attention_options.n_hashes = 4
-  four = train.evaluate(more, workdir)
+  four = evaluation.evaluate_checkpoint(more, workdir)
   assert one['step'] == four['step'] == 4
   assert np.isfinite(four['loss']) and abs(four['loss'] - one['loss']) > 1e-6, (one, four)
   assert four['config_overrides'] == {'model.attention_options.n_hashes': 4}

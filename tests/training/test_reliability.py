@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from training import losses, train, workdir_lock
+from training import evaluation, losses, train, workdir_lock
 
 
 def test_a_second_run_on_a_live_workdir_is_refused(harness, tmp_path):
@@ -50,7 +50,7 @@ def test_checkpoint_is_saved_before_a_failing_evaluation(harness, tmp_path, monk
   def broken_eval(*args, **kwargs):
     raise RuntimeError('eval data broke')
 
-  monkeypatch.setattr(train, 'run_eval', broken_eval)
+  monkeypatch.setattr(evaluation, 'score', broken_eval)
   workdir = tmp_path / 'run'
   config = harness.config({'total_steps': 4, 'checkpoint_every_steps': 2, 'eval_every_steps': 2})
   with pytest.raises(RuntimeError, match='eval data broke'):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from training import assembly, inspect, optimizer, run_config, train
+from training import assembly, evaluation, inspect, optimizer, run_config, train
 
 # A model the default recipe does not describe: evaluating with the recipe's defaults would
 # score dense attention with these parameters (same shapes), silently.
@@ -80,7 +80,7 @@ def test_eval_with_no_flags_scores_the_recorded_model(harness, trained, tmp_path
   result = json.loads((workdir / 'eval_step_4.json').read_text())
   assert 'config_overrides' not in result
   # The same numbers as evaluating the recorded model itself.
-  reference = train.evaluate(harness.config(TRAINED), str(_copy(trained, tmp_path / 'ref')))
+  reference = evaluation.evaluate_checkpoint(harness.config(TRAINED), str(_copy(trained, tmp_path / 'ref')))
   assert result['loss'] == pytest.approx(reference['loss'], rel=1e-5)
 
 
@@ -116,7 +116,7 @@ def test_eval_reads_parameters_only_so_optimizer_settings_never_block_it(harness
   # Without a record (an older run) the config given is used as it is: its optimizer state
   # tree (no clipping) differs from the checkpoint's, and only the parameters are read.
   (workdir / 'config.json').unlink()
-  again = train.evaluate(harness.config({**TRAINED, 'clip_grad_norm': 0.0}), str(workdir))
+  again = evaluation.evaluate_checkpoint(harness.config({**TRAINED, 'clip_grad_norm': 0.0}), str(workdir))
   assert again['loss'] == pytest.approx(result['loss'], rel=1e-5)
 
 

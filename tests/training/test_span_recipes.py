@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from configs import adaptive_span_char
-from training import assembly, inspect, steps, train
+from training import assembly, evaluation, inspect, steps, train
 
 STEPS = 40
 OPTIONS = {'span_limit': 16, 'span_ramp': 4, 'span_init': 0.125, 'span_block': 4,
@@ -114,5 +114,5 @@ def test_segment_memory_is_carried_and_resumes_exactly(tmp_path, straight_and_re
   assert np.all(np.asarray(memory['segment_ids']) > 0)  # Filled with the streams' documents.
   for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
-  result = train.evaluate(_stream_config(tmp_path, 6), str(tmp_path / 'straight'))
+  result = evaluation.evaluate_checkpoint(_stream_config(tmp_path, 6), str(tmp_path / 'straight'))
   assert np.isfinite(result['bits_per_byte'])

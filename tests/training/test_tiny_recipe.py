@@ -26,7 +26,7 @@ import re
 import pytest
 
 from configs import tiny
-from training import assembly, train
+from training import assembly, evaluation, train
 
 # Fast Variable Assignment run: the tiny recipe stopped at half its steps.
 VA_FAST = {'total_steps': 200}
@@ -52,7 +52,7 @@ COPY_MAIN_MIN_ACCURACY = 0.4       # Measured 0.74.
 def _config(overrides):
   config = tiny.get_config()
   config.peak_tflops_per_device = 1.0
-  config.eval_every_steps = 0  # Evaluated once at the end, by train.evaluate.
+  config.eval_every_steps = 0  # Evaluated once at the end, by evaluation.evaluate_checkpoint.
   config.update_from_flattened_dict(overrides)
   return config
 
@@ -60,7 +60,7 @@ def _config(overrides):
 def _train_and_eval(config, workdir):
   state = train.train_and_evaluate(config, str(workdir))
   assert int(state.step) == config.total_steps
-  result = train.evaluate(config, str(workdir))
+  result = evaluation.evaluate_checkpoint(config, str(workdir))
   assert result['step'] == config.total_steps
   chance = assembly.build(config).data.chance_loss
   return result, chance

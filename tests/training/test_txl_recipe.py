@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from configs import transformer_xl_char
-from training import assembly, train
+from training import assembly, evaluation, train
 
 N, MEM = 16, 16
 
@@ -50,8 +50,8 @@ def test_memory_is_carried_checkpointed_and_resumes_exactly(tmp_path, straight_a
 def test_eval_with_a_longer_memory_runs_and_changes_the_loss(tmp_path):
   workdir = str(tmp_path / 'run')
   train.train_and_evaluate(_config(tmp_path, 30), workdir)
-  base = train.evaluate(_config(tmp_path, 30), workdir)
-  longer = train.evaluate(_config(tmp_path, 30, eval_mem_len=4 * MEM), workdir)
+  base = evaluation.evaluate_checkpoint(_config(tmp_path, 30), workdir)
+  longer = evaluation.evaluate_checkpoint(_config(tmp_path, 30, eval_mem_len=4 * MEM), workdir)
   assert np.isfinite(base['bits_per_byte']) and np.isfinite(longer['bits_per_byte'])
   assert base['step'] == longer['step'] == 30
   assert abs(longer['loss'] - base['loss']) > 1e-4, (base, longer)

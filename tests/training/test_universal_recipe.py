@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from configs import default
-from training import assembly, inspect, metrics, train
+from training import assembly, evaluation, inspect, metrics, train
 
 
 def _config(total_steps, **model):
@@ -63,10 +63,10 @@ def test_steps_are_logged_and_counted_in_the_mfu(tmp_path, monkeypatch):
 def test_eval_may_allow_more_steps_than_training(tmp_path):
   workdir = str(tmp_path / 'run')
   train.train_and_evaluate(_config(3), workdir)
-  three = train.evaluate(_config(3), workdir)
+  three = evaluation.evaluate_checkpoint(_config(3), workdir)
   more = _config(3)
   more.model.universal_max_steps = 6
-  six = train.evaluate(more, workdir)
+  six = evaluation.evaluate_checkpoint(more, workdir)
   assert three['step'] == six['step'] == 3
   assert np.isfinite(six['loss'])
   assert six['config_overrides'] == {'model.universal_max_steps': 6}
