@@ -123,6 +123,16 @@ def main(argv):
     logging.error('%s: %s', type(e).__name__, e)
     print(f'error: {e}', file=sys.stderr)
     sys.exit(1)
+  except jax.errors.JaxRuntimeError as e:
+    if jax.process_count() == 1:
+      raise
+    # A collective failed because another process is gone (gloo saw it before the peer
+    # watch did): one line here; at exit the peer watch names the lost process, exits 1.
+    logging.error('JaxRuntimeError: %s', e)
+    print(f'error: a collective with the other processes failed '
+          f'({str(e).strip().splitlines()[0]}); the peer watch names the lost process',
+          file=sys.stderr)
+    sys.exit(1)
 
 
 def parse_flags(argv):
