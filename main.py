@@ -102,8 +102,8 @@ def main(argv):
     if FLAGS.mode == 'train':
       train.train_and_evaluate(FLAGS.config, workdir, request, exits=True)
     elif FLAGS.mode == 'generate':
-      from training import generate
-      generate.generate(FLAGS.config, workdir, request)
+      from training import sampling
+      sampling.sample_checkpoint(FLAGS.config, workdir, request)
     elif FLAGS.mode == 'inspect':
       from training import inspect
       inspect.inspect(FLAGS.config, workdir, request)

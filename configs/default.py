@@ -137,7 +137,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.compile_topology = ''          # TPU topology, e.g. 'v5e:2x2', 'v5e:4x4', 'v4:2x2x4', 'v6e:2x2'.
   config.compile_topology_num_slices = 1  # Slices of that topology joined over DCN.
 
-  # Sampling (--mode=generate; training/generate.py) and the samples written at each eval.
+  # Sampling (--mode=generate; training/sampling.py) and the samples written at each eval.
   config.generate = generate = ml_collections.ConfigDict()
   generate.step = 0                     # Checkpoint step to sample from; 0 = latest.
   generate.prompt = ''                  # One prompt (text, tokenized with the run's tokenizer).

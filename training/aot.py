@@ -37,7 +37,7 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models import decode, transformer
-from training import assembly, generate, run_config, sharding, steps, xla_flags
+from training import assembly, run_config, sampling, sharding, steps, xla_flags
 
 GiB = 1 << 30
 
@@ -406,21 +406,21 @@ def compile_decode(setup: assembly.Setup, where: str = ''):
   """
   model = setup.model  # The parameters' specialization (adaptive spans) needs their values.
   try:
-    generate.check_decodes(model)
+    sampling.check_decodes(model)
   except NotImplementedError as e:
     return None, StepReport(name='decode', skipped=str(e))
   g = setup.config.generate
   dp = setup.mesh.shape['data'] * setup.mesh.shape['fsdp']
-  rows = -(-g.batch_size // dp) * dp  # As generate.sample_ids pads a batch of prompts.
+  rows = -(-g.batch_size // dp) * dp  # As sampling.sample_ids pads a batch of prompts.
   width = model.config.max_len
   new_tokens = max(1, min(g.max_new_tokens, width - 1))
   prompt = width - new_tokens
   prefilled = 1 << (prompt.bit_length() - 1) if decode.can_prefill(model.config) else 0
-  eos_id = generate.EOS if g.stop_at_eos else None
+  eos_id = sampling.EOS if g.stop_at_eos else None
   # The jitted program decode.generate runs (one per shape and setting); private to decode.
   loop = decode._sampling_loop(  # pylint: disable=protected-access
       model, rows, width, prefilled, new_tokens, g.temperature, g.top_k, g.top_p, eos_id,
-      generate.PAD)
+      sampling.PAD)
   replicated = _replicated(setup)
   args = (setup.abstract_state.params,
           jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=replicated),

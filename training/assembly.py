@@ -286,6 +286,7 @@ class Restored:
 def restore(config: ml_collections.ConfigDict, workdir: str,
             request: run_config.Request | None = None, *, step_key: str | None = None,
             required: str = 'train a model first',
+            check_config: Callable[[ml_collections.ConfigDict], None] | None = None,
             check: Callable[[Setup], None] | None = None) -> Restored:
   """Restores the parameters of a checkpoint of `workdir` for a mode that reads them.
 
@@ -297,6 +298,8 @@ def restore(config: ml_collections.ConfigDict, workdir: str,
       (0 = the newest good one), e.g. 'eval_checkpoint_step'; None: the newest.
     required: what to do when there is no checkpoint (the FileNotFoundError's advice); ''
       returns step and params None instead.
+    check_config: the mode's own checks of the resolved config, run before anything is
+      built (e.g. that a prompt file exists).
     check: the mode's own checks of the Setup, run before anything is read or compiled.
 
   Returns:
@@ -304,6 +307,8 @@ def restore(config: ml_collections.ConfigDict, workdir: str,
   """
   check_workdir(workdir)
   resolved = run_config.resolve(config, workdir, trains=False, request=request)
+  if check_config is not None:
+    check_config(resolved.config)
   setup = build(resolved.config, workdir=workdir)
   try:
     if check is not None:

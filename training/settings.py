@@ -10,7 +10,7 @@ Two rules:
   configs/default.py means anything as NaN or infinity);
 - the run-level settings in RANGES must lie in their range (integers where they count
   something). Model, data, sampling and pruning options are range-checked by the modules that
-  use them (models/, input_pipeline/, training/generate.py, training/pruning.py), which know
+  use them (models/, input_pipeline/, training/sampling.py, training/pruning.py), which know
   what each option means.
 """
 

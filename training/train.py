@@ -14,7 +14,7 @@ from absl import logging
 import input_pipeline
 from models import transformer
 from training import (assembly, checkpoints, evaluation, flops, metrics as metrics_lib,
-                      optimizer, run_config, settings, sharding, steps, workdir_lock)
+                      optimizer, run_config, sampling, settings, sharding, steps, workdir_lock)
 
 
 class _Preemption:
@@ -397,9 +397,7 @@ def _train_loop(setup: assembly.Setup, state, data_state, ckpt, logger, peak: fl
       # After the save: a failing evaluation never costs the step's checkpoint.
       if config.eval_every_steps and (step % config.eval_every_steps == 0 or last):
         logger.write(step, evaluation.score(setup, eval_step, state.params), prefix='eval')
-        from training import generate as generate_lib  # pylint: disable=import-outside-toplevel
-        generate_lib.write_samples(logger, step,
-                                   generate_lib.eval_samples(setup, None, state.params, step))
+        sampling.write_samples(logger, step, sampling.eval_samples(setup, None, state.params, step))
       if stop:
         ckpt.wait()  # "saved" only once it is committed.
         logging.warning('preemption requested: saved step %d, exiting', step)

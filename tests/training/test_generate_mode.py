@@ -1,4 +1,4 @@
-"""--mode=generate (training/generate.py): samples of a trained byte-level text run, written to
+"""--mode=generate (training/sampling.py): samples of a trained byte-level text run, written to
 WORKDIR/samples_step_<N>.jsonl; the checkpoint step chosen; the errors a user can make (a
 prompt too long, no prompt for a synthetic task, a missing step, a variant that cannot
 decode: a test-only one, as every registered variant decodes); the eval samples written as
@@ -19,7 +19,7 @@ import pytest
 from configs import local_text
 from input_pipeline import tokenizers
 from models import decode
-from training import assembly, generate, metrics, run_config, train
+from training import assembly, metrics, run_config, sampling, train
 
 SEQ_LEN = 32  # The model's max_len.
 CORPUS = '\n'.join(f'the cat sat on the mat number {i % 7}; the dog ran {i % 3} times.'
@@ -78,7 +78,7 @@ def _prompt_file_config(tmp):
 def greedy_records(text_run):
   """generate's records of the 3 prompts (the sampler compiled once for the module)."""
   tmp, workdir = text_run
-  return generate.generate(_prompt_file_config(tmp), workdir)
+  return sampling.sample_checkpoint(_prompt_file_config(tmp), workdir)
 
 
 def _restore(config, workdir, step=0):
@@ -118,7 +118,7 @@ def test_greedy_samples_of_a_prompt_file_are_written_and_equal_decode_generate(
     assert r['completion'] == tokenizer.decode(r['completion_ids'])
     direct = np.asarray(tokens)[i, ids[i].size:int(ends[i])].tolist()
     assert r['completion_ids'] == direct, (i, r, direct)
-  assert generate.generate(config, workdir) == records  # Greedy: deterministic.
+  assert sampling.sample_checkpoint(config, workdir) == records  # Greedy: deterministic.
 
 
 SAMPLED = {'temperature': 1.0, 'top_k': 5, 'seed': 3}
@@ -127,9 +127,9 @@ SAMPLED = {'temperature': 1.0, 'top_k': 5, 'seed': 3}
 def test_sampling_settings_and_an_empty_prompt_start_from_bos(text_run, capsys):
   tmp, workdir = text_run
   config = _text_config(tmp, **SAMPLED)
-  first = generate.generate(config, workdir)
+  first = sampling.sample_checkpoint(config, workdir)
   assert len(first) == 1 and first[0]['prompt'] == '' and first[0]['prompt_tokens'] == 1
-  assert generate.generate(config, workdir) == first  # The seed fixes the sample.
+  assert sampling.sample_checkpoint(config, workdir) == first  # The seed fixes the sample.
   out = capsys.readouterr().out
   assert '=== sample 0 (step 4; prompt 1 tokens' in out
   assert f'--- continuation\n{first[0]["completion"]}\n' in out
@@ -138,12 +138,12 @@ def test_sampling_settings_and_an_empty_prompt_start_from_bos(text_run, capsys):
 def test_step_chooses_the_checkpoint_and_a_missing_step_names_the_saved_ones(text_run):
   tmp, workdir = text_run
   # The settings of the test above: the sampler is compiled already.
-  latest = generate.generate(_text_config(tmp, **SAMPLED), workdir)
-  records = generate.generate(_text_config(tmp, step=2, **SAMPLED), workdir)
+  latest = sampling.sample_checkpoint(_text_config(tmp, **SAMPLED), workdir)
+  records = sampling.sample_checkpoint(_text_config(tmp, step=2, **SAMPLED), workdir)
   assert records[0]['step'] == 2 and latest[0]['step'] == 4
   assert (pathlib.Path(workdir) / 'samples_step_2.jsonl').exists()
   with pytest.raises(FileNotFoundError, match=r'no checkpoint step 3 .*saved steps: .*2.*4'):
-    generate.generate(_text_config(tmp, prompt='the', step=3), workdir)
+    sampling.sample_checkpoint(_text_config(tmp, prompt='the', step=3), workdir)
 
 
 def test_a_prompt_that_leaves_no_room_is_an_error_naming_it(text_run):
@@ -151,19 +151,19 @@ def test_a_prompt_that_leaves_no_room_is_an_error_naming_it(text_run):
   long = 'a' * 40  # 41 tokens with BOS; max_len 32.
   with pytest.raises(ValueError, match=r"prompt 0 \(generate.prompt\) has 41 tokens and the "
                                        r"model's max_len is 32: no room"):
-    generate.generate(_text_config(tmp, prompt=long), workdir)
+    sampling.sample_checkpoint(_text_config(tmp, prompt=long), workdir)
   (tmp / 'two.txt').write_text('the cat\n' + 'b' * 28 + '\n')  # 29 tokens + 6 new > 32.
   with pytest.raises(ValueError, match=r'prompt 1 \(line 2 of .*two.txt\) has 29 tokens; with '
                                        r'generate.max_new_tokens=6 .* max_len=32. Set '
                                        r'generate.max_new_tokens <= 3'):
-    generate.generate(_text_config(tmp, prompt_file=str(tmp / 'two.txt')), workdir)
+    sampling.sample_checkpoint(_text_config(tmp, prompt_file=str(tmp / 'two.txt')), workdir)
   # max_new_tokens alone fills max_len: shortening the prompt is no advice.
   with pytest.raises(ValueError, match=r'has 8 tokens; .*generate.max_new_tokens <= 24$'):
-    generate.generate(_text_config(tmp, prompt='the cat', max_new_tokens=40), workdir)
+    sampling.sample_checkpoint(_text_config(tmp, prompt='the cat', max_new_tokens=40), workdir)
   with pytest.raises(FileNotFoundError, match='generate.prompt_file .*missing.txt does not exist'):
-    generate.generate(_text_config(tmp, prompt_file=str(tmp / 'missing.txt')), workdir)
+    sampling.sample_checkpoint(_text_config(tmp, prompt_file=str(tmp / 'missing.txt')), workdir)
   with pytest.raises(ValueError, match='generate.top_p must be in'):
-    generate.generate(_text_config(tmp, prompt='the', top_p=0.0), workdir)
+    sampling.sample_checkpoint(_text_config(tmp, prompt='the', top_p=0.0), workdir)
 
 
 def test_the_default_length_is_capped_to_the_context_and_said(text_run, caplog):
@@ -173,14 +173,14 @@ def test_the_default_length_is_capped_to_the_context_and_said(text_run, caplog):
   tmp, workdir = text_run
   default = run_config.Request(keys=frozenset({'generate.prompt'}))
   with caplog.at_level('INFO'):
-    [record] = generate.generate(_text_config(tmp, prompt='b' * 27), workdir, default)
+    [record] = sampling.sample_checkpoint(_text_config(tmp, prompt='b' * 27), workdir, default)
   assert record['max_new_tokens'] == 4 and record['prompt_tokens'] == 28
   assert 1 <= record['new_tokens'] <= 4
   assert ('generate.max_new_tokens=6 (not set on the command line) is more than the model\'s '
           'context leaves after the longest prompt (max_len=32, 28 prompt tokens): generating '
           'up to 4 new tokens') in caplog.text
   with pytest.raises(ValueError, match=r'has 41 tokens and the model\'s max_len is 32: no room'):
-    generate.generate(_text_config(tmp, prompt='a' * 40), workdir, default)
+    sampling.sample_checkpoint(_text_config(tmp, prompt='a' * 40), workdir, default)
 
 
 def _synthetic_config(**model):
@@ -195,13 +195,13 @@ def _synthetic_config(**model):
 def test_a_synthetic_task_takes_token_ids_and_needs_a_prompt(tmp_path):
   with pytest.raises(ValueError, match=r'give a prompt: --config.generate.prompt="1 5 9" .*'
                                        r'synthetic task without a tokenizer.*token ids in \[0, '):
-    generate.generate(_synthetic_config(), str(tmp_path))
-  assert [t.tolist() for t in generate.encode_prompts(
+    sampling.sample_checkpoint(_synthetic_config(), str(tmp_path))
+  assert [t.tolist() for t in sampling.encode_prompts(
       [('1 5  9', 'x'), ('2', 'y')], None, 20)] == [[1, 5, 9], [2]]
   with pytest.raises(ValueError, match=r'prompt 0 \(x\) has token ids \[20\] outside'):
-    generate.encode_prompts([('1 20', 'x')], None, 20)
+    sampling.encode_prompts([('1 20', 'x')], None, 20)
   with pytest.raises(ValueError, match='integer token ids'):
-    generate.encode_prompts([('the cat', 'x')], None, 20)
+    sampling.encode_prompts([('the cat', 'x')], None, 20)
 
 
 def test_a_variant_that_cannot_decode_is_a_clear_error_before_any_restore(tmp_path, no_decode):
@@ -209,12 +209,12 @@ def test_a_variant_that_cannot_decode_is_a_clear_error_before_any_restore(tmp_pa
   config.generate.update(prompt='1 4 5', max_new_tokens=4)
   with pytest.raises(NotImplementedError, match=r"model \(test_no_decode attention.*cannot "
                                                 r'generate: NoDecodeAttention cannot decode'):
-    generate.generate(config, str(tmp_path))  # No checkpoint: it fails before looking.
+    sampling.sample_checkpoint(config, str(tmp_path))  # No checkpoint: it fails before looking.
   lsh = _synthetic_config(attention='lsh')  # Decodes: it gets as far as the checkpoint.
   lsh.model.attention_options.update(chunk_len=4, n_buckets=4)
   lsh.generate.update(prompt='1 4 5', max_new_tokens=4)
   with pytest.raises(FileNotFoundError, match='train a model first'):
-    generate.generate(lsh, str(tmp_path / 'lsh'))
+    sampling.sample_checkpoint(lsh, str(tmp_path / 'lsh'))
 
 
 class _Texts:
@@ -231,7 +231,7 @@ def test_eval_samples_are_written_as_tensorboard_text(text_run, tmp_path, no_dec
   tmp, workdir = text_run
   config = _text_config(tmp)
   setup, step, params = _restore(config, workdir)
-  samples = generate.eval_samples(setup, None, params, step, 0)
+  samples = sampling.eval_samples(setup, None, params, step, 0)
   assert len(samples) == config.generate.eval_samples == 2
   rows = next(iter(setup.data.eval_batches()))['inputs']
   decoded = tokenizers.ByteTokenizer()
@@ -239,10 +239,10 @@ def test_eval_samples_are_written_as_tensorboard_text(text_run, tmp_path, no_dec
     # The start of the eval row (up to half of max_len), then at most max_len - 16 new tokens.
     assert decoded.decode(row).startswith(prompt) and 0 < len(prompt.encode()) <= 16
     assert len(continuation.encode()) <= SEQ_LEN - 16
-  assert generate.eval_samples(setup, None, params, step, 0) == samples  # Same key and step.
+  assert sampling.eval_samples(setup, None, params, step, 0) == samples  # Same key and step.
 
   logger = metrics.MetricLogger(str(tmp_path), total_steps=4)
-  generate.write_samples(logger, step, samples)
+  sampling.write_samples(logger, step, samples)
   logger.close()
   import tensorflow as tf
   texts = {}
@@ -257,16 +257,16 @@ def test_eval_samples_are_written_as_tensorboard_text(text_run, tmp_path, no_dec
     assert prompt.split('\n')[-1] in text and continuation.split('\n')[0] in text
 
   writer = _Texts()
-  generate.write_samples(writer, 4, [])
+  sampling.write_samples(writer, 4, [])
   config.generate.eval_samples = 0
-  assert generate.eval_samples(setup, None, params, step) == []
+  assert sampling.eval_samples(setup, None, params, step) == []
   synthetic = assembly.build(_synthetic_config())
-  assert generate.eval_samples(synthetic, None, None, 4) == []  # No tokenizer.
+  assert sampling.eval_samples(synthetic, None, None, 4) == []  # No tokenizer.
   undecodable = _text_config(tmp)
   undecodable.model.attention = no_decode
   undecodable = assembly.build(undecodable, workdir=str(tmp_path / 'no_decode'))
   undecodable.data.close()
-  assert generate.eval_samples(undecodable, undecodable.model, None, 4) == []  # A warning.
+  assert sampling.eval_samples(undecodable, undecodable.model, None, 4) == []  # A warning.
   assert writer.calls == []
   # LSH decodes (whole buckets): an untrained LSH model writes its samples too.
   lsh = _text_config(tmp)
@@ -274,7 +274,7 @@ def test_eval_samples_are_written_as_tensorboard_text(text_run, tmp_path, no_dec
   lsh.model.attention_options.update(chunk_len=8, n_buckets=4)
   lsh = assembly.build(lsh, workdir=str(tmp_path / 'lsh'))
   lsh.data.close()
-  lsh_samples = generate.eval_samples(lsh, lsh.model, assembly.init_state(lsh, 0).params, 4)
+  lsh_samples = sampling.eval_samples(lsh, lsh.model, assembly.init_state(lsh, 0).params, 4)
   assert len(lsh_samples) == 2
   for (prompt, continuation), row in zip(lsh_samples, rows):
     assert decoded.decode(row).startswith(prompt) and 0 < len(prompt.encode()) <= 16

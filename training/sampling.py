@@ -1,6 +1,6 @@
 """Sampling from a trained run: --mode=generate, and the text samples written at each eval.
 
-`generate(config, workdir)` restores a checkpoint of the workdir's recorded run (the latest,
+`sample_checkpoint(config, workdir)` restores a checkpoint of the workdir's recorded run (the latest,
 or `generate.step`) onto the devices present, continues each prompt with the compiled sampler
 (models/decode.generate) and prints the prompt and its continuation. Process 0 writes
 `WORKDIR/samples_step_<N>.jsonl`, one JSON object per prompt (rewritten by a later run for the
@@ -206,7 +206,7 @@ def _detokenize(tokenizer, ids) -> str:
   return ' '.join(str(int(i)) for i in ids) if tokenizer is None else tokenizer.decode(ids)
 
 
-def generate(config: ml_collections.ConfigDict, workdir: str,
+def sample_checkpoint(config: ml_collections.ConfigDict, workdir: str,
              request: run_config.Request | None = None) -> list[dict]:
   """Samples continuations of the prompts of `config.generate` from a checkpoint of `workdir`.
 
@@ -233,24 +233,26 @@ def generate(config: ml_collections.ConfigDict, workdir: str,
       attention cannot decode token by token (a variant with neither a static pattern nor a
       decode_step of its own; every registered variant decodes).
   """
-  assembly.check_workdir(workdir)
-  resolved = run_config.resolve(config, workdir, trains=False, request=request)
-  config = resolved.config
-  g = config.generate
-  _check_settings(g)
-  prompts = read_prompts(g)  # A missing file fails before anything is built.
-  setup = assembly.build(config, workdir=workdir)
-  setup.data.close()
-  tokenizer = setup.data.tokenizer
-  ids = encode_prompts(prompts, tokenizer, setup.data.vocab_size)
-  max_new_tokens = g.max_new_tokens
-  if not resolved.request.asks('generate.max_new_tokens'):  # The default: up to the context.
-    max_new_tokens = fit_new_tokens(ids, max_new_tokens, setup.model_config.max_len)
-  check_lengths(prompts, ids, max_new_tokens, setup.model_config.max_len)
-  check_decodes(setup.model)
-  step, params = assembly.latest_params(setup, workdir, required='train a model first',
-                                     step=g.step)
-  model = assembly.specialized_model(setup, params)
+  asked_length = request is None or request.asks('generate.max_new_tokens')
+  prompts, ids, lengths = [], [], []
+
+  def check_config(config):
+    _check_settings(config.generate)
+    prompts.extend(read_prompts(config.generate))  # A missing file fails before any build.
+
+  def check(setup):
+    ids.extend(encode_prompts(prompts, setup.data.tokenizer, setup.data.vocab_size))
+    length = setup.config.generate.max_new_tokens
+    if not asked_length:  # The default: up to the model's context.
+      length = fit_new_tokens(ids, length, setup.model_config.max_len)
+    check_lengths(prompts, ids, length, setup.model_config.max_len)
+    check_decodes(setup.model)
+    lengths.append(length)
+
+  restored = assembly.restore(config, workdir, request, step_key='generate.step',
+                              check_config=check_config, check=check)
+  setup, model, params, step = restored.setup, restored.model, restored.params, restored.step
+  g, tokenizer, max_new_tokens = setup.config.generate, setup.data.tokenizer, lengths[0]
   eos_id = EOS if g.stop_at_eos else None
   samples = sample_ids(setup, model, params, ids, max_new_tokens=max_new_tokens,
                        batch_size=g.batch_size, rng=jax.random.key(g.seed),
