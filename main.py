@@ -105,8 +105,8 @@ def main(argv):
       from training import sampling
       sampling.sample_checkpoint(FLAGS.config, workdir, request)
     elif FLAGS.mode == 'inspect':
-      from training import inspect
-      inspect.inspect(FLAGS.config, workdir, request)
+      from training import attention_maps
+      attention_maps.write_maps(FLAGS.config, workdir, request)
     elif FLAGS.mode == 'allocate_budgets':
       from training import pruning
       pruning.allocate_budgets(FLAGS.config, workdir, request)

@@ -15,7 +15,7 @@ into the cached previous ones up to S back), scaled by --layers/--heads/--d_mode
   baseline: the same model, mask and relative positions, all S keys).
 
 After training, each run's spans per layer and head are read by `main.py --mode=inspect`'s
-code (training/inspect.py; the adaptive span's z = S z' from the checkpoint, the dynamic
+code (training/attention_maps.py; the adaptive span's z = S z' from the checkpoint, the dynamic
 span's z_t averaged over the first validation batch), with span_report's attention FLOPs per
 predicted token (q.k and a.v, 4 head_dim per key): 'trimmed' is what the code computes (a
 layer's heads together up to its trimmed span T, the dynamic span always S), 'per_head' each
@@ -51,11 +51,11 @@ def read_spans(argv: list[str], spec: str, workdir: str) -> dict:
   import numpy as np
   from models import transformer
   from models.attention import adaptive_span
-  from training import inspect, run_config
+  from training import attention_maps, run_config
   args = compare.parse_args(argv)
   config = compare.variant_config(compare.base_config(args), spec)
   config = run_config.resolve(config, workdir, trains=False).config
-  layers, _, model_config, source, _ = inspect.sown_per_layer(config, workdir)
+  layers, _, model_config, source, _ = attention_maps.sown_per_layer(config, workdir)
   head_spans = np.stack([np.asarray(layer['head_spans'][0], np.float64) for layer in layers])
   report = adaptive_span.span_report(model_config, head_spans)
   if any(getattr(cls, 'dynamic', False) for cls in transformer.variant_classes(model_config)):

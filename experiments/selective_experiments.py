@@ -201,15 +201,13 @@ def va_test(config, workdir: str, seed: int, batches: int, num_values: int) -> d
   values are drawn from the first `num_values` values (the trained vocabulary's ids)."""
   from input_pipeline import synthetic
   from training import assembly, evaluation, steps
-  setup = assembly.build(config, workdir=workdir)
-  setup.data.close()
-  step, params = assembly.latest_params(setup, workdir, required='train it first')
+  restored = assembly.load(config, workdir, required='train it first')
+  setup, step, params = restored.setup, restored.step, restored.params
   task = synthetic.VariableAssignment(num_variables=config.data.num_variables,
                                       num_values=num_values,
                                       num_assignments=config.data.num_assignments)
   data = [task.batch(seed + TEST_SEED_OFFSET, i, config.batch_size) for i in range(batches)]
-  eval_step = steps.jit_eval_step(setup, assembly.specialized_model(setup, params))
-  out = evaluation.score(setup, eval_step, params, batches=data)
+  out = evaluation.score(setup, steps.jit_eval_step(setup, restored.model), params, batches=data)
   return {'step': step, 'loss': out['loss'], 'accuracy': out['accuracy'],
           'examples': int(out['scored_tokens'])}
 
@@ -296,15 +294,15 @@ def sample_loss(config, workdir: str, batches: int) -> float:
   """A trained run's loss on the first `batches` training batches: the sample
   training/pruning.allocate_budgets measures (the same data config gives the same batches)."""
   from training import assembly, evaluation, steps
-  setup = assembly.build(config, workdir=workdir)
+  restored = assembly.load(config, workdir, required='train it first')
+  setup = restored.setup
   try:
     it = setup.data.train_iter(0, None)
     sample = [next(it)[0] for _ in range(batches)]
   finally:
     setup.data.close()
-  _, params = assembly.latest_params(setup, workdir, required='train it first')
-  eval_step = steps.jit_eval_step(setup, assembly.specialized_model(setup, params))
-  return evaluation.score(setup, eval_step, params, batches=sample)['loss']
+  eval_step = steps.jit_eval_step(setup, restored.model)
+  return evaluation.score(setup, eval_step, restored.params, batches=sample)['loss']
 
 
 def greedy_from(loss_of, budgets: list[int], layers, step: int, target: float,
@@ -320,13 +318,13 @@ def refine(config, workdir: str, budgets: list[int], target: float, step: int):
   import jax
   import jax.numpy as jnp
   from training import assembly, pruning, sharding
-  setup = assembly.build(config, workdir=workdir)
+  restored = assembly.load(config, workdir, required='train it first')
+  setup, params = restored.setup, restored.params
   try:
     it = setup.data.train_iter(0, None)
     sample = [next(it)[0] for _ in range(config.pruning.batches)]
   finally:
     setup.data.close()
-  _, params = assembly.latest_params(setup, workdir, required='train it first')
   loss_fn = pruning.make_loss_fn(setup)
   with sharding.activate(setup.mesh, setup.rules):
     batches = [assembly.device_batch(setup, local) for local in sample]

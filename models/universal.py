@@ -295,7 +295,7 @@ class Universal(stacks.Stack):
 
   @classmethod
   def inspect(cls, config, sown, batch, source):
-    """With ACT: the steps N per position (see training/inspect.py)."""
+    """With ACT: the steps N per position (see training/attention_maps.py)."""
     got = sown.get('universal', {})
     if 'act_steps' not in got:
       return []

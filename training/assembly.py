@@ -269,18 +269,47 @@ class Restored:
   """A checkpoint's parameters on this machine's mesh, and what they were built with.
 
   Attributes:
-    setup: the Setup of the resolved config (its data source closed: a mode that reads
+    setup: the Setup of the run's config (its data source closed: a mode that reads
       batches opens readers again).
-    resolved: how the config came about (the record, the changes asked for).
     step: the checkpoint step read; None when there was none and none was required.
     params: its parameters; None likewise.
     model: the Decoder specialized to the parameters (`specialized_model`), or setup.model.
+    resolved: how the config came about (the record, the changes asked for); None from
+      `load`, which is given the run's config.
   """
   setup: Setup
-  resolved: run_config.Resolved
   step: int | None
   params: Any
   model: transformer.Decoder
+  resolved: run_config.Resolved | None = None
+
+
+def load(config: ml_collections.ConfigDict, workdir: str, *, step: int = 0,
+         required: str = 'train a model first',
+         check: Callable[[Setup], None] | None = None) -> Restored:
+  """Builds the run of `config` (the run's own: the record's, already resolved) and reads
+  the parameters of its checkpoint `step` in `workdir`.
+
+  Args:
+    config: the run's config.
+    workdir: the run's folder.
+    step: the checkpoint step to read; 0 = the newest good one.
+    required: what to do when there is no checkpoint (the FileNotFoundError's advice); ''
+      gives step and params None instead.
+    check: the mode's own checks of the Setup, run before anything is read or compiled.
+
+  Returns:
+    The Restored (resolved None).
+  """
+  setup = build(config, workdir=workdir)
+  try:
+    if check is not None:
+      check(setup)
+    step, params = latest_params(setup, workdir, required=required, step=step)
+  finally:
+    setup.data.close()
+  model = setup.model if params is None else specialized_model(setup, params)
+  return Restored(setup=setup, step=step, params=params, model=model)
 
 
 def restore(config: ml_collections.ConfigDict, workdir: str,
@@ -288,7 +317,8 @@ def restore(config: ml_collections.ConfigDict, workdir: str,
             required: str = 'train a model first',
             check_config: Callable[[ml_collections.ConfigDict], None] | None = None,
             check: Callable[[Setup], None] | None = None) -> Restored:
-  """Restores the parameters of a checkpoint of `workdir` for a mode that reads them.
+  """What every mode that reads a trained model does first: resolves the workdir's record
+  with what the command line asked for, then `load`s the checkpoint.
 
   Args:
     config: the config given; the workdir's record is the run's (run_config.resolve).
@@ -296,11 +326,10 @@ def restore(config: ml_collections.ConfigDict, workdir: str,
     request: what the command line asked for; None: every field of `config`.
     step_key: dotted config key (of the resolved config) naming the checkpoint step to read
       (0 = the newest good one), e.g. 'eval_checkpoint_step'; None: the newest.
-    required: what to do when there is no checkpoint (the FileNotFoundError's advice); ''
-      returns step and params None instead.
+    required: as `load`'s.
     check_config: the mode's own checks of the resolved config, run before anything is
       built (e.g. that a prompt file exists).
-    check: the mode's own checks of the Setup, run before anything is read or compiled.
+    check: as `load`'s.
 
   Returns:
     The Restored.
@@ -309,18 +338,11 @@ def restore(config: ml_collections.ConfigDict, workdir: str,
   resolved = run_config.resolve(config, workdir, trains=False, request=request)
   if check_config is not None:
     check_config(resolved.config)
-  setup = build(resolved.config, workdir=workdir)
-  try:
-    if check is not None:
-      check(setup)
-    step = 0
-    if step_key:
-      node = resolved.config
-      for part in step_key.split('.'):
-        node = node[part]
-      step = node
-    step, params = latest_params(setup, workdir, required=required, step=step)
-  finally:
-    setup.data.close()
-  model = setup.model if params is None else specialized_model(setup, params)
-  return Restored(setup=setup, resolved=resolved, step=step, params=params, model=model)
+  step = 0
+  if step_key:
+    step = resolved.config
+    for part in step_key.split('.'):
+      step = step[part]
+  restored = load(resolved.config, workdir, step=step, required=required, check=check)
+  restored.resolved = resolved
+  return restored

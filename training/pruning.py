@@ -43,13 +43,16 @@ def memory_reduction(budgets, context: int) -> float:
   return len(budgets) * context / sum(min(k, context) for k in budgets)
 
 
-def _restore(config, workdir):
-  """(setup, step, params) of the latest checkpoint; `config` is the resolved one."""
-  setup = assembly.build(config, workdir=workdir)
+def _check_selective(setup) -> None:
   if not selective_layers(setup.model_config):
     raise ValueError('context pruning needs model.attention = \'selective\' (in some layer)')
-  step, params = assembly.latest_params(setup, workdir, required='train a selective model first')
-  return setup, step, params
+
+
+def _restore(config, workdir):
+  """(setup, step, params) of the latest checkpoint; `config` is the resolved one."""
+  restored = assembly.load(config, workdir, required='train a selective model first',
+                           check=_check_selective)
+  return restored.setup, restored.step, restored.params
 
 
 def budget_path(config, workdir: str) -> str:
@@ -189,7 +192,6 @@ def evaluate_budgets(config, workdir: str, request: run_config.Request | None = 
   with open(path) as f:
     budgets = tuple(int(k) for k in json.load(f)['budgets'])
   setup, step, params = _restore(config, workdir)
-  setup.data.close()
   unpruned = evaluation.score(setup, steps.jit_eval_step(setup), params)
   pruned_config = copy.deepcopy(config)
   pruned_config.model.attention_options.selective_budgets = budgets

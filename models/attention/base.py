@@ -166,7 +166,7 @@ class SharedParam:
 
 @dataclasses.dataclass(frozen=True)
 class Figure:
-  """A plot `--mode=inspect` draws from what a variant sows (training/inspect.py renders it).
+  """A plot `--mode=inspect` draws from what a variant sows (training/attention_maps.py renders it).
 
   Attributes:
     name: key of the paths inspect returns (NAME_png, NAME_npz, NAME_json).

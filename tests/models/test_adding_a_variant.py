@@ -10,7 +10,7 @@ import numpy as np
 from configs import tiny
 from models import attention, decode, transformer
 from models.attention import base, patterns
-from training import assembly, inspect, steps, train
+from training import assembly, attention_maps, steps, train
 
 NAME = 'test_dilated_window'
 
@@ -85,7 +85,7 @@ def test_new_variant_decodes_through_its_pattern_and_is_inspected(tmp_path):
   np.testing.assert_allclose(jnp.stack(out, 1), full, atol=2e-5, rtol=2e-5)
   # The cache keeps what the pattern can still reach: (w - 1) r + 1 = 5 keys, not 12.
   assert cache['blocks']['attention']['key'].shape[3] == 5  # (layers, b, h, capacity, d)
-  masks = inspect.connectivity(cfg, 12)
+  masks = attention_maps.connectivity(cfg, 12)
   np.testing.assert_array_equal(masks['layer1_head0'],
                                 patterns.mask(DilatedWindow(3, 2), 12))
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from configs import default
-from training import inspect
+from training import attention_maps
 
 
 def _load_oracle():
@@ -61,7 +61,7 @@ def _config(name, layers, heads, overrides):
 def test_inspect_masks_equal_the_definitions(case, tmp_path):
   _, name, layers, heads, overrides = case
   config = _config(name, layers, heads, overrides)
-  paths = inspect.inspect(config, str(tmp_path))
+  paths = attention_maps.write_maps(config, str(tmp_path))
   masks = np.load(paths['npz'])
   assert sorted(masks) == sorted(f'layer{l}_head{h}' for l in range(layers) for h in range(heads))
   options = dict(config.model.attention_options)
@@ -84,7 +84,7 @@ def test_inspect_masks_differ_where_the_definitions_do(tmp_path):
   # heads of a multihead, distinct-summary model see different keys.
   def masks(case_id):
     _, name, layers, heads, overrides = next(c for c in CASES if c[0] == case_id)
-    return np.load(inspect.inspect(_config(name, layers, heads, overrides),
+    return np.load(attention_maps.write_maps(_config(name, layers, heads, overrides),
                                    str(tmp_path / case_id))['npz'])
 
   strided = masks('strided-interleave')

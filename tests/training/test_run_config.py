@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from training import assembly, evaluation, inspect, optimizer, run_config, train
+from training import assembly, attention_maps, evaluation, optimizer, run_config, train
 
 # A model the default recipe does not describe: evaluating with the recipe's defaults would
 # score dense attention with these parameters (same shapes), silently.
@@ -171,7 +171,7 @@ def test_a_start_that_saved_no_checkpoint_is_replaced(harness, trained, tmp_path
 
 def test_inspect_uses_the_recorded_model(trained, tmp_path):
   workdir = _copy(trained, tmp_path)
-  paths = inspect.inspect(tiny.get_config(), str(workdir), run_config.Request(keys=frozenset()))
+  paths = attention_maps.write_maps(tiny.get_config(), str(workdir), run_config.Request(keys=frozenset()))
   mask = np.load(paths['npz'])['layer0_head0']
   assert mask[5, 4] and mask[5, 5] and not mask[5, 3]  # Window 2, not dense.
 

@@ -13,7 +13,7 @@ import shutil
 import numpy as np
 import pytest
 
-from training import inspect, metrics, pruning, train
+from training import attention_maps, metrics, pruning, train
 
 STEPS = 12
 EXTRA = {'model.attention': 'selective', 'total_steps': STEPS, 'checkpoint_every_steps': STEPS,
@@ -63,7 +63,7 @@ def test_selective_trains_with_l_mem(trained):
 
 def test_inspect_writes_f_like_figure_5(harness, trained):
   workdir = trained[0]
-  paths = inspect.inspect(harness.config(EXTRA), str(workdir))
+  paths = attention_maps.write_maps(harness.config(EXTRA), str(workdir))
   f = np.load(paths['selective_npz'])
   n = 18
   assert sorted(k for k in f if k.startswith('layer')) == ['layer0', 'layer1']

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from configs import adaptive_span_char
-from training import assembly, evaluation, inspect, steps, train
+from training import assembly, attention_maps, evaluation, steps, train
 
 STEPS = 40
 OPTIONS = {'span_limit': 16, 'span_ramp': 4, 'span_init': 0.125, 'span_block': 4,
@@ -56,7 +56,7 @@ def test_adaptive_span_trains_and_recompiles_only_when_a_span_crosses_a_block(
   config = harness.config({'model.attention': 'adaptive_span',
                            'model.position_embedding': 'none',
                            **{f'model.attention_options.{k}': v for k, v in OPTIONS.items()}})
-  paths = inspect.inspect(config, str(tmp_path))
+  paths = attention_maps.write_maps(config, str(tmp_path))
   with open(paths['spans_json']) as f:
     report = json.load(f)
   assert report['head_spans'] == [[0.0, 0.0], [0.0, 0.0]] and report['trimmed_spans'] == [4, 4]

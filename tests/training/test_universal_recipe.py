@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from configs import default
-from training import assembly, evaluation, inspect, metrics, train
+from training import assembly, attention_maps, evaluation, metrics, train
 
 
 def _config(total_steps, **model):
@@ -75,7 +75,7 @@ def test_eval_may_allow_more_steps_than_training(tmp_path):
 def test_inspect_draws_the_steps_per_token(tmp_path):
   workdir = str(tmp_path / 'run')
   train.train_and_evaluate(_config(3), workdir)
-  paths = inspect.inspect(_config(3), workdir)
+  paths = attention_maps.write_maps(_config(3), workdir)
   with open(paths['act_steps_json']) as f:
     report = json.load(f)
   steps = np.load(paths['act_steps_npz'])['act_steps']

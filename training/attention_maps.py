@@ -27,13 +27,14 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import ml_collections
 import numpy as np
 from absl import logging
 
 from models import blocks, stacks, transformer
 from models.attention import base, patterns
-from training import assembly, run_config, steps
+from training import assembly, run_config, sharding, steps
 
 
 def connectivity(model_config: transformer.TransformerConfig, n: int) -> dict[str, np.ndarray]:
@@ -93,14 +94,12 @@ def sown_per_layer(config: ml_collections.ConfigDict, workdir: str):
     config (specialized to the parameters), a description of the parameters' source, the
     whole sown tree).
   """
-  import jax
-  from training import sharding
-  setup = assembly.build(config, workdir=workdir)
-  step, params = assembly.latest_params(setup, workdir)
+  restored = assembly.load(config, workdir, required='')
+  setup, step, params, model = restored.setup, restored.step, restored.params, restored.model
   if params is None:
     params = assembly.init_state(setup, config.seed).params
+    model = assembly.specialized_model(setup, params)
   local = _first_eval_batch(setup)
-  model = assembly.specialized_model(setup, params)
   with sharding.activate(setup.mesh, setup.rules):
     variables = {'params': params}
     mutable = ['intermediates']
@@ -204,8 +203,8 @@ def write_figure(figure, out_dir: str) -> dict[str, str]:
   return paths
 
 
-def inspect(config: ml_collections.ConfigDict, workdir: str,
-            request: run_config.Request | None = None) -> dict[str, str]:
+def write_maps(config: ml_collections.ConfigDict, workdir: str,
+               request: run_config.Request | None = None) -> dict[str, str]:
   """Writes the connectivity masks and their plot, and the figures of each variant in use
   (its `inspect` hook: F of selective attention, spans of adaptive spans); returns the paths
   written.
