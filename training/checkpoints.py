@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from jax.experimental import multihost_utils
 from etils import epath
 
 # Folder (inside `checkpoints/`) where corrupt step folders are moved; orbax ignores it.
@@ -157,7 +158,6 @@ def _agree(code: int) -> tuple[int, str]:
   processes reported it ('' with one process)."""
   if jax.process_count() == 1:
     return code, ''
-  from jax.experimental import multihost_utils
   codes = np.asarray(multihost_utils.process_allgather(np.array(code, np.int32))).reshape(-1)
   worst = int(codes.max())
   return worst, ', '.join(str(i) for i in np.flatnonzero(codes == worst)) if worst else ''
@@ -505,7 +505,6 @@ class Checkpointer:
         logging.warning('checkpoint step %d is corrupt (%s) and could not be moved aside '
                         '(%s); restored step %d instead', step, reason, e, good)
     if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
       multihost_utils.sync_global_devices(f'checkpoint_move_aside_{step}')
     self._manager.reload()
 

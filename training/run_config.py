@@ -49,9 +49,13 @@ import os
 import re
 from typing import Any, Callable, Sequence
 
+import jax
 import ml_collections
 from absl import logging
 from etils import epath
+
+from models.attention import registry
+from training import sharding
 
 RECORD = 'config.json'
 HISTORY = 'config_history.jsonl'
@@ -63,6 +67,8 @@ MODEL = 'model'
 # Dotted config key, or group of keys, -> kind of change (see the module docstring). The
 # longest entry that is the key or a group above it decides; a key no entry covers is a
 # model change, so a field added to configs/default.py is refused until it is listed here.
+# An attention option declares its own kind where the variant declares it
+# (models/attention/base.Option.change), read from the registry by `kind`.
 KINDS = {
     # What the parameters mean.
     'model': MODEL,
@@ -72,12 +78,6 @@ KINDS = {
     'model.ff_chunk_len': RUNTIME,          # Chunked feed-forward: the same values.
     'model.dtype': TRAINING,                # Compute precision: eval may use another one.
     'model.dropout_rate': TRAINING,         # Training only.
-    'model.attention_options.eval_mem_len': RUNTIME,  # Transformer-XL's memory at eval only.
-    # LSH's hashing: the same parameters, other key sets; the paper evaluates a model trained
-    # with one round at more rounds, so eval may change them (a resume may not).
-    'model.attention_options.n_hashes': TRAINING,
-    'model.attention_options.n_buckets': TRAINING,
-    'model.attention_options.chunk_len': TRAINING,
     # The universal stack's depth: the same parameters run for other step counts, so eval
     # may change them (e.g. more steps than trained); ponder weighs a training loss only.
     'model.universal_steps': TRAINING,
@@ -133,8 +133,16 @@ KINDS = {
 ALL = 'all'
 
 
+OPTIONS_GROUP = 'model.attention_options.'
+
+
 def kind(key: str) -> str:
-  """The kind of a change of dotted config `key` (KINDS; MODEL when no entry covers it)."""
+  """The kind of a change of dotted config `key`: an attention option's declared kind (the
+  registry's Option.change), else KINDS' (MODEL when no entry covers it)."""
+  if key.startswith(OPTIONS_GROUP):
+    option = registry.options().get(key[len(OPTIONS_GROUP):].split('.')[0])
+    if option is not None:
+      return option.change
   parts = key.split('.')
   for n in range(len(parts), 0, -1):
     found = KINDS.get('.'.join(parts[:n]))
@@ -404,8 +412,6 @@ def resolve(config: ml_collections.ConfigDict, workdir: str, *, trains: bool,
 def _fit_mesh(config: ml_collections.ConfigDict, devices: Sequence[Any] | None) -> None:
   """Fits `config.mesh` (the record's) to `devices` (default all), in place, if it does not
   fit them."""
-  import jax  # pylint: disable=import-outside-toplevel  (the record needs no JAX)
-  from training import sharding  # pylint: disable=import-outside-toplevel
   devices = jax.devices() if devices is None else devices
   fitted = sharding.fit_mesh(config.mesh, devices)
   if fitted is None:

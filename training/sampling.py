@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from input_pipeline import synthetic
 from models import decode
@@ -161,7 +162,6 @@ def check_decodes(model) -> None:
 def _to_host(x) -> np.ndarray:
   if getattr(x, 'is_fully_addressable', True):
     return np.asarray(x)
-  from jax.experimental import multihost_utils
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
@@ -361,7 +361,6 @@ def _eval_prompts(setup: assembly.Setup, n: int, cap: int) -> list[np.ndarray]:
       prompts[r, :length] = inputs[r, :length]
       lengths[r] = length
   if jax.process_count() > 1:  # The same prompts on every process: process 0's.
-    from jax.experimental import multihost_utils
     prompts, lengths = multihost_utils.broadcast_one_to_all((prompts, lengths))
     prompts, lengths = np.asarray(prompts), np.asarray(lengths)
   return [prompts[r, :lengths[r]] for r in range(n)]

@@ -10,10 +10,11 @@ import jax
 import ml_collections
 import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 import input_pipeline
 from models import transformer
-from training import (assembly, checkpoints, evaluation, flops, metrics as metrics_lib,
+from training import (aot, assembly, checkpoints, evaluation, flops, metrics as metrics_lib,
                       optimizer, run_config, sampling, settings, sharding, steps, workdir_lock)
 
 
@@ -57,7 +58,6 @@ class _Preemption:
 
   def requested(self, step: int) -> bool:
     if jax.process_count() > 1:  # All hosts must agree to stop at the same step.
-      from jax.experimental import multihost_utils
       return bool(multihost_utils.reached_preemption_sync_point(step)) or bool(
           multihost_utils.process_allgather(np.array(self._event.is_set())).any())
     return self._event.is_set()
@@ -113,7 +113,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     # the price of a clear error instead of an out-of-memory crash after the data and the
     # state are loaded. An adaptive-span model is checked at its untrimmed spans: the most
     # memory it can need.
-    from training import aot  # pylint: disable=import-outside-toplevel
     try:
       aot.check_train_step_fits(setup)
     except BaseException:
@@ -179,7 +178,6 @@ def _gather_data_state(state: dict) -> dict:
   """Every process's input-stream position, as saved with a checkpoint."""
   if jax.process_count() == 1:
     return {'process_count': 1, 'processes': [state]}
-  from jax.experimental import multihost_utils
   encoded = json.dumps(state).encode()
   if len(encoded) > 1024:
     raise ValueError(f'input stream state is too large to gather: {state}')

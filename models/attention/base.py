@@ -112,6 +112,10 @@ def constrain_heads(a):
   return nn.with_logical_constraint(a, ('batch', 'length', 'heads', 'kv'))
 
 
+# What a change of an option on a recorded run is (Option.change; training/run_config.py).
+CHANGES = ('model', 'training', 'runtime')
+
+
 @dataclasses.dataclass(frozen=True)
 class Option:
   """One hyper-parameter of a variant: config.model.attention_options.<name>.
@@ -124,10 +128,20 @@ class Option:
       (a float option takes ints; None takes anything).
     doc: one line: what it is, with the paper's symbol.
     internal: set by the training loop, not by users (kept out of configs/default.py).
+    change: what a change of it on a recorded run is (training/run_config.py): 'model' (the
+      parameters mean something else: refused in every mode unless allowed), 'training'
+      (the same parameters, other training: eval may change it, a resume may not) or
+      'runtime' (the same values computed otherwise, or an eval-time setting: always
+      allowed).
   """
   default: Any
   doc: str
   internal: bool = False
+  change: str = 'model'
+
+  def __post_init__(self):
+    if self.change not in CHANGES:
+      raise ValueError(f'Option.change must be one of {CHANGES}, got {self.change!r}')
 
   def check(self, name: str, value) -> None:
     """Raises ValueError if `value` does not have the default's type."""

@@ -202,10 +202,14 @@ class LSHAttention(base.MultiHeadAttention):
   chunk_len."""
 
   OPTIONS = {
-      'n_buckets': base.Option(8, 'b: hash buckets per round, even (1: one bucket, no hashing)'),
-      'n_hashes': base.Option(1, 'rounds of hashing; a query sees the union of its rounds'),
+      # The same parameters, other key sets: the paper evaluates a model trained with one
+      # round at more rounds, so eval may change them (a resume may not).
+      'n_buckets': base.Option(8, 'b: hash buckets per round, even (1: one bucket, no hashing)',
+                               change='training'),
+      'n_hashes': base.Option(1, 'rounds of hashing; a query sees the union of its rounds',
+                              change='training'),
       'chunk_len': base.Option(64, 'm: sorted positions per chunk; a chunk attends to itself '
-                                   'and the previous one'),
+                                   'and the previous one', change='training'),
   }
 
   @classmethod

@@ -142,7 +142,8 @@ class TransformerXLAttention(base.MultiHeadAttention):
       'mem_len': base.Option(128, "M: previous-segment inputs each layer attends into (0: "
                                   "none; needs data.packing='stream')"),
       'eval_mem_len': base.Option(0, 'M at evaluation (0: mem_len); the paper evaluates with '
-                                     'a longer memory than it trains with'),
+                                     'a longer memory than it trains with',
+                                  change='runtime'),
       'clamp_len': base.Option(0, 'distances beyond this share its encoding r (0: no clamp)'),
       'same_length': base.Option(False, 'every query sees the same number of keys: those '
                                         'fewer than M back'),

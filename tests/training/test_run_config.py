@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
+from models.attention import base, registry
 from training import assembly, attention_maps, evaluation, optimizer, run_config, train
 
 # A model the default recipe does not describe: evaluating with the recipe's defaults would
@@ -53,6 +54,14 @@ def test_the_classification_table():
   for key in ('total_steps', 'eval_steps', 'mesh.tensor', 'keep_checkpoints', 'pruning.step'):
     assert run_config.kind(key) == run_config.RUNTIME, key
   assert run_config.kind('a_field_added_later') == run_config.MODEL  # Safe by default.
+  # An attention option's kind is declared with it (Option.change), not listed in training/.
+  assert run_config.kind('model.attention_options.eval_mem_len') == run_config.RUNTIME
+  assert run_config.kind('model.attention_options.n_hashes') == run_config.TRAINING
+  for name, option in registry.options().items():
+    assert run_config.kind(f'model.attention_options.{name}') == option.change, name
+  assert not [k for k in run_config.KINDS if k.startswith(run_config.OPTIONS_GROUP)]
+  with pytest.raises(ValueError, match="Option.change must be one of"):
+    base.Option(0, 'a typo', change='eval')
   # Every field of the base recipe is classified by an entry, not by the fallback.
   fields = run_config.as_flat_json(tiny.get_config())
   unlisted = [k for k in fields if not any(
