@@ -22,21 +22,11 @@ from training import xla_flags
 xla_flags.set_cpu_defaults()
 xla_flags.skip_absent_tpu()
 
+from training import modes  # noqa: E402  (after the flags above: it imports JAX)
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Checkpoints, TensorBoard events and eval results go here.')
-flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'generate', 'inspect', 'allocate_budgets',
-                                    'eval_budgets', 'compile'],
-                  'train: train (resuming from the latest checkpoint); eval: evaluate the latest '
-                  'checkpoint and write JSON; generate: continue config.generate.prompt (or each '
-                  'line of generate.prompt_file: text, or token ids for a synthetic task) from '
-                  'the latest checkpoint (or generate.step), print the samples and write '
-                  'WORKDIR/samples_step_<N>.jsonl; inspect: write what each layer and head '
-                  'attends to (WORKDIR/inspect/); allocate_budgets: greedy per-layer context '
-                  'budgets of a selective model (WORKDIR/budgets.json); eval_budgets: loss and '
-                  'KV-cache reduction with those budgets; compile: build the train, eval and '
-                  'decoding programs for the TPU slice config.compile_topology from this host '
-                  '(no data read) and report per-chip memory, FLOPs and collectives '
-                  '(WORKDIR/compile_<topology>.json; exits 1 if the train step does not fit).')
+flags.DEFINE_enum('mode', 'train', modes.names(), modes.help_text())
 flags.DEFINE_string('coordinator_address', None,
                     'Multi-host: host:port of process 0 (default: env JAX_COORDINATOR_ADDRESS; '
                     'srun, mpirun and Cloud TPU pods are detected without it).')
@@ -83,7 +73,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   import jax
-  from training import distributed, evaluation, metrics, run_config, train
+  from training import checkpoints, distributed, metrics, run_config, workdir_lock
   metrics.quiet_libraries()
   recipe_file = config_flags.get_config_filename(FLAGS['config'])
   # The workdir's record is the run's config; the command line asks for the --config.KEY
@@ -99,27 +89,9 @@ def main(argv):
     logging.info('JAX %s, %d devices (%s), process %d/%d; workdir %s', jax.__version__,
                  jax.device_count(), jax.devices()[0].device_kind, jax.process_index(),
                  jax.process_count(), workdir)
-    if FLAGS.mode == 'train':
-      train.train_and_evaluate(FLAGS.config, workdir, request, exits=True)
-    elif FLAGS.mode == 'generate':
-      from training import sampling
-      sampling.sample_checkpoint(FLAGS.config, workdir, request)
-    elif FLAGS.mode == 'inspect':
-      from training import attention_maps
-      attention_maps.write_maps(FLAGS.config, workdir, request)
-    elif FLAGS.mode == 'allocate_budgets':
-      from training import pruning
-      pruning.allocate_budgets(FLAGS.config, workdir, request)
-    elif FLAGS.mode == 'eval_budgets':
-      from training import pruning
-      pruning.evaluate_budgets(FLAGS.config, workdir, request)
-    elif FLAGS.mode == 'compile':
-      from training import aot
-      aot.run(FLAGS.config, workdir, request)
-    else:
-      evaluation.evaluate_checkpoint(FLAGS.config, workdir, request)
+    modes.get(FLAGS.mode)(FLAGS.config, workdir, request)
   except (ValueError, NotImplementedError, PermissionError, FileNotFoundError, FloatingPointError,
-          train.checkpoints.CheckpointError, train.workdir_lock.WorkdirBusy) as e:
+          checkpoints.CheckpointError, workdir_lock.WorkdirBusy) as e:
     logging.error('%s: %s', type(e).__name__, e)
     print(f'error: {e}', file=sys.stderr)
     sys.exit(1)

@@ -254,6 +254,10 @@ class MultiHeadAttention(nn.Module):
 
   # The variant's own hyper-parameters (name -> Option); subclasses inherit their parents'.
   OPTIONS: ClassVar[dict[str, Option]] = {}
+  # Modes of main.py the variant offers (training/modes.py): --mode name -> ('module:function',
+  # one line of help). The function takes (config, workdir, run_config.Request) and is
+  # imported only when it runs, so a model module names training code without importing it.
+  MODES: ClassVar[dict[str, tuple[str, str]]] = {}
   # True for a variant that encodes positions itself, relative to each query, and is meant
   # to run without absolute position embeddings (model.position_embedding='none').
   RELATIVE_POSITIONS: ClassVar[bool] = False

@@ -475,6 +475,15 @@ _blocks.defvjp(_blocks_fwd, _blocks_bwd)
 class SelectiveAttention(base.MultiHeadAttention):
   """Selective attention; options `selective_*` (OPTIONS above)."""
   OPTIONS = OPTIONS
+  # Context pruning (section 5 of the paper), training/pruning.py: a trained model's per-layer
+  # budgets K_l, and what they cost in loss and save in KV-cache memory.
+  MODES = {
+      'allocate_budgets': ('training.pruning:allocate_budgets',
+                           'greedy per-layer context budgets of a selective model '
+                           '(WORKDIR/budgets.json)'),
+      'eval_budgets': ('training.pruning:evaluate_budgets',
+                       'loss and KV-cache reduction with those budgets'),
+  }
 
   @classmethod
   def layer_period(cls, options, n_layers):
