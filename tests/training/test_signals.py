@@ -19,14 +19,24 @@ TERM_AFTER = 3
 GAP = 0.1
 
 
-
-
-def test_second_sigterm_keeps_the_checkpoint_and_exits_zero(harness, tmp_path, caplog):
+def _preempt(harness, tmp_path, notices):
+  """Runs main.py to step TERM_AFTER, then `notices(proc, log)` (the SIGTERMs); returns the
+  exit status and the log once the process has exited."""
   workdir, log = tmp_path / 'run', tmp_path / 'term.log'
   proc = harness.start_main(workdir, log, RUN)
   try:
     harness.wait_for(lambda: f'step {TERM_AFTER}/{RUN["total_steps"]}' in log.read_text(), proc,
                      log, timeout=300, what=f'step {TERM_AFTER}')
+    notices(proc, log)
+    rc = proc.wait(timeout=120)
+  finally:
+    proc.kill()
+    proc.wait()
+  return rc, pathlib.Path(log).read_text()
+
+
+def test_second_sigterm_keeps_the_checkpoint_and_exits_zero(harness, tmp_path, caplog):
+  def notices(proc, log):
     proc.send_signal(signal.SIGTERM)
     time.sleep(GAP)  # A second notice while the run stops and saves.
     proc.send_signal(signal.SIGTERM)
@@ -36,11 +46,9 @@ def test_second_sigterm_keeps_the_checkpoint_and_exits_zero(harness, tmp_path, c
     harness.wait_for(lambda: 'preemption requested' in log.read_text(), proc, log, timeout=120,
                      what='the preemption save')
     proc.send_signal(signal.SIGTERM)
-    rc = proc.wait(timeout=120)
-  finally:
-    proc.kill()
-    proc.wait()
-  text = pathlib.Path(log).read_text()
+
+  workdir = tmp_path / 'run'
+  rc, text = _preempt(harness, tmp_path, notices)
   assert rc == 0, f'rc {rc}:\n{text[-5000:]}'
   saved = harness.step_dirs(workdir)
   assert len(saved) == 1 and TERM_AFTER <= saved[0] < RUN['total_steps'], (saved, text[-3000:])
@@ -61,22 +69,16 @@ def test_second_sigterm_keeps_the_checkpoint_and_exits_zero(harness, tmp_path, c
 def test_sigterms_every_50ms_until_exit_end_in_a_clean_exit(harness, tmp_path):
   # Issue 35: the preemption save was committed, yet the process died of a later SIGTERM
   # (rc -15, 7 tries in 7): the interpreter restores the default action while it exits.
-  workdir, log = tmp_path / 'run', tmp_path / 'term.log'
-  proc = harness.start_main(workdir, log, RUN)
-  try:
-    harness.wait_for(lambda: f'step {TERM_AFTER}/{RUN["total_steps"]}' in log.read_text(), proc,
-                     log, timeout=300, what=f'step {TERM_AFTER}')
+  def notices(proc, log):
+    del log
     deadline = time.monotonic() + 120
     while proc.poll() is None and time.monotonic() < deadline:
       proc.send_signal(signal.SIGTERM)
       time.sleep(0.05)
-    rc = proc.wait(timeout=5)
-  finally:
-    proc.kill()
-    proc.wait()
-  text = pathlib.Path(log).read_text()
+
+  rc, text = _preempt(harness, tmp_path, notices)
   assert rc == 0, f'rc {rc}:\n{text[-3000:]}'
-  [saved] = harness.step_dirs(workdir)
+  [saved] = harness.step_dirs(tmp_path / 'run')
   assert f'preemption requested: saved step {saved}, exiting' in text
   assert 'further SIGTERMs are ignored until the process exits' in text
 
