@@ -144,6 +144,8 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
   fixed-span baseline with the same machinery), span_memory (segment cache), span_trim
   (per-layer T, set by the training loop).
   """
+  TEST_CONFIG = {'position_embedding': 'none',
+                 'attention_options': {'span_limit': 16, 'span_ramp': 4, 'span_block': 4}}
   dynamic: ClassVar[bool] = False
   OPTIONS = {
       'span_limit': base.Option(1024, 'S: the longest span a head may learn'),

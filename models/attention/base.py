@@ -254,6 +254,11 @@ class MultiHeadAttention(nn.Module):
 
   # The variant's own hyper-parameters (name -> Option); subclasses inherit their parents'.
   OPTIONS: ClassVar[dict[str, Option]] = {}
+  # A small model of this variant for the tests that cover every registered variant (e.g.
+  # tests/models/test_generate.py): model config overrides, 'attention_options' among them,
+  # for d_model 32, 4 heads, 2 layers and sequences of 24 tokens. A new variant is covered
+  # by them without a line of test code; its own file keeps its paper-formula tests.
+  TEST_CONFIG: ClassVar[dict[str, Any]] = {}
   # Modes of main.py the variant offers (training/modes.py): --mode name -> ('module:function',
   # one line of help). The function takes (config, workdir, run_config.Request) and is
   # imported only when it runs, so a model module names training code without importing it.

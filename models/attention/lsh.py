@@ -200,6 +200,9 @@ def lsh_attention(q, v, segment_ids, buckets, *, chunk_len: int, scale: float, d
 class LSHAttention(base.MultiHeadAttention):
   """Reformer LSH attention with shared-QK (module docstring). Options n_buckets, n_hashes,
   chunk_len."""
+  # One chunk (chunk_len >= the tests' 24 tokens): the forward pass attends to the whole
+  # bucket, as decoding does (tests/models/test_lsh_decode.py).
+  TEST_CONFIG = {'attention_options': {'chunk_len': 32, 'n_buckets': 4, 'n_hashes': 2}}
 
   OPTIONS = {
       # The same parameters, other key sets: the paper evaluates a model trained with one

@@ -79,6 +79,7 @@ def _factorized_period(options: dict) -> int:
 @register('strided')
 class StridedAttention(PatternAttention):
   """Sparse Transformer strided attention: A1 the previous l positions, A2 every l-th one."""
+  TEST_CONFIG = {'attention_options': {'stride': 8, 'key_block': 4, 'factorization': 'merged'}}
   OPTIONS = FACTORIZED
 
   @classmethod
@@ -111,6 +112,8 @@ class StridedAttention(PatternAttention):
 @register('fixed')
 class FixedAttention(PatternAttention):
   """Sparse Transformer fixed attention: A1 the same block of l, A2 the c summary cells."""
+  TEST_CONFIG = {'attention_options': {'stride': 8, 'summary': 3, 'key_block': 4,
+                                       'factorization': 'multihead'}}
   OPTIONS = {
       **FACTORIZED,
       'summary': Option(16, 'fixed: summary cells c per block (paper: 8, 16, 32)'),
@@ -137,6 +140,7 @@ class FixedAttention(PatternAttention):
 @register('local')
 class LocalAttention(PatternAttention):
   """Sliding window: each query sees the `window` most recent positions."""
+  TEST_CONFIG = {'attention_options': {'window': 6, 'key_block': 4}}
   OPTIONS = WINDOW
 
   def head_pattern(self, head):
@@ -151,6 +155,7 @@ class LocalAttention(PatternAttention):
 @register('block_local')
 class BlockLocalAttention(PatternAttention):
   """Image Transformer 1D local attention: query blocks plus `block_memory` earlier positions."""
+  TEST_CONFIG = {'attention_options': {'local_block': 8, 'block_memory': 5, 'key_block': 4}}
   OPTIONS = {
       'local_block': Option(128, 'block_local: query block length b'),
       'block_memory': Option(128, 'block_local: earlier positions m each query block sees'),
@@ -176,6 +181,7 @@ class LocalGlobalAttention(PatternAttention):
   The local-global baseline of the selective-attention paper's appendix A.8; layers
   global_every - 1, 2 global_every - 1, ... are the global ones.
   """
+  TEST_CONFIG = {'attention_options': {'window': 6, 'global_every': 2, 'key_block': 4}}
   OPTIONS = {**WINDOW, 'global_every': Option(2, 'local_global: every k-th layer is global')}
 
   @classmethod

@@ -136,6 +136,7 @@ def relative_attention(q, k, v, q_segments, k_segments, pos_keys, u, v_bias, *, 
 class TransformerXLAttention(base.MultiHeadAttention):
   """Transformer-XL: attention into the previous segment's layer inputs with the four-term
   relative score. Options mem_len, eval_mem_len, clamp_len, same_length, attn_window."""
+  TEST_CONFIG = {'position_embedding': 'none', 'attention_options': {'mem_len': 0}}
 
   RELATIVE_POSITIONS = True
   OPTIONS = {

@@ -12,17 +12,22 @@ from models import attention, decode, transformer
 
 VOCAB = 50
 MAX_LEN = 24
-OPTIONS = dict(stride=8, summary=3, window=6, local_block=8, block_memory=5, key_block=4,
-               span_limit=16, span_ramp=4, span_block=4, mem_len=0)
+
+
+def _config(name, **extra) -> transformer.TransformerConfig:
+  """A small model of variant `name` (its TEST_CONFIG), with `extra` ('options': attention
+  options) on top."""
+  declared = dict(attention.get(name).TEST_CONFIG) if name in attention.known() else {}
+  options = {**declared.pop('attention_options', {}), **extra.pop('options', {})}
+  m = dict(d=0, d_model=32, n_heads=4, n_layers=2, vocab_size=VOCAB, max_len=MAX_LEN,
+           attention=name, attention_options=options, stack='unrolled', dtype='float32')
+  m.update(declared)
+  m.update(extra)
+  return transformer.TransformerConfig.from_config(m)
 
 
 def _model(name, **extra):
-  m = dict(d=0, d_model=32, n_heads=4, n_layers=2, vocab_size=VOCAB, max_len=MAX_LEN,
-           attention=name, attention_options={**OPTIONS, **extra.pop('options', {})},
-           stack='unrolled', dtype='float32')
-  m.update(extra)
-  cfg = transformer.TransformerConfig.from_config(m)
-  model = transformer.Decoder(cfg)
+  model = transformer.Decoder(_config(name, **extra))
   params = model.init(jax.random.key(0), jnp.zeros((1, MAX_LEN), jnp.int32))['params']
   return model, params
 
@@ -31,19 +36,14 @@ def _prompts(batch=2, length=5, seed=0):
   return jnp.asarray(np.random.default_rng(seed).integers(3, VOCAB, (batch, length)), jnp.int32)
 
 
-VARIANTS = [
-    ('dense', {}), ('local', {}), ('fixed', {'options': {'factorization': 'multihead'}}),
-    ('strided', {'options': {'factorization': 'merged'}}), ('block_local', {}),
-    ('local_global', {'options': {'global_every': 2}}),
-    ('adaptive_span', {'position_embedding': 'none'}), ('selective', {}),
-    ('txl', {'position_embedding': 'none'}),
-    # One chunk (chunk_len >= max_len): the forward pass attends to the whole bucket, as
-    # decoding does (tests/models/test_lsh_decode.py).
-    ('lsh', {'options': {'chunk_len': 32, 'n_buckets': 4, 'n_hashes': 2}}),
+# Every registered variant at the small size it declares (MultiHeadAttention.TEST_CONFIG):
+# a new variant is covered without a line here. Then the stacks that decode otherwise.
+VARIANTS = [(name, {}) for name in attention.known()] + [
     ('dense', {'stack': 'universal', 'n_layers': 1, 'universal_act': True,
                'position_embedding': 'none'}),
     ('dense', {'stack': 'scan'}),          # Decoded unrolled (decode.unrolled).
-    ('strided', {'stack': 'scan_cycle'}),  # Interleaved A1/A2: a cycle of 2.
+    ('strided', {'stack': 'scan_cycle',  # Interleaved A1/A2: a cycle of 2.
+                 'options': {'factorization': 'interleave'}}),
 ]
 
 
@@ -96,12 +96,7 @@ def test_variants_with_their_own_cache_say_they_cannot_prefill():
 def test_every_registered_variant_makes_its_caches():
   """No registered variant refuses decoding (the caches' shapes only, no compute)."""
   for name in attention.known():
-    extra = {'position_embedding': 'none'} if name in ('txl', 'adaptive_span',
-                                                       'dynamic_span') else {}
-    m = dict(d=0, d_model=32, n_heads=4, n_layers=2, vocab_size=VOCAB, max_len=MAX_LEN,
-             attention=name, attention_options=OPTIONS, stack='unrolled', dtype='float32',
-             **extra)
-    model = transformer.Decoder(transformer.TransformerConfig.from_config(m))
+    model = transformer.Decoder(_config(name))
     cache = jax.eval_shape(lambda: decode.init_cache(model, None, 1))
     assert decode.cache_bytes(cache) > 0, name
 
