@@ -78,9 +78,10 @@ def test_new_variant_decodes_through_its_pattern_and_is_inspected(tmp_path):
   params = model.init(jax.random.key(0), tokens)['params']
   full = model.apply({'params': params}, tokens)
   cache = decode.init_cache(model, params, 2)
+  step = jax.jit(lambda c, token, t: decode.step(model, params, c, token, t))
   out = []
   for t in range(12):
-    logits, cache = decode.step(model, params, cache, tokens[:, t], t)
+    logits, cache = step(cache, tokens[:, t], t)
     out.append(logits)
   np.testing.assert_allclose(jnp.stack(out, 1), full, atol=2e-5, rtol=2e-5)
   # The cache keeps what the pattern can still reach: (w - 1) r + 1 = 5 keys, not 12.

@@ -82,10 +82,11 @@ def test_greedy_generate_equals_the_forward_argmax(block, stack):
   tokens, lengths = decode.generate(model, params, prompts, [6, 3], new, jax.random.key(0),
                                     temperature=0.0)
   assert list(np.asarray(lengths)) == [6 + new, 3 + new]
+  forward = jax.jit(model.apply)
   for r, p in enumerate([6, 3]):
     row = tokens[r:r + 1, :p + new]
     np.testing.assert_array_equal(row[0, :p], prompts[r, :p])
-    logits = model.apply({'params': params}, row[:, :-1])
+    logits = forward({'params': params}, row[:, :-1])
     np.testing.assert_array_equal(row[0, p:], jnp.argmax(logits[0, p - 1:], -1))
   stepwise = decode.sample(model, params, prompts, new, jax.random.key(0), temperature=0.0)
   np.testing.assert_array_equal(tokens[0], stepwise[0])
