@@ -24,7 +24,7 @@ timeout 60 python3 - > "$OUT/dispatch.txt" 2>&1 <<'EOF'
 import jax
 from configs import tiny
 from models import attention, transformer
-from training import train
+from training import assembly
 for dtype in ('float32', 'bfloat16'):
   for name in [n for n in attention.known() if attention.get(n).__module__.startswith('models.')]:
     config = tiny.get_config()
@@ -33,7 +33,7 @@ for dtype in ('float32', 'bfloat16'):
     config.model.position_embedding = 'none' if attention.get(name).RELATIVE_POSITIONS else 'learned'
     config.model.attention_options.mem_len = 0  # Transformer-XL without a stream.
     try:
-      setup = train.build(config)
+      setup = assembly.build(config)
       print(dtype, name, setup.model_config.target, transformer.implementations(setup.model_config))
     except Exception as e:  # pylint: disable=broad-except
       print(dtype, name, 'ERROR', type(e).__name__, e)
