@@ -178,12 +178,12 @@ def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None =
   if config.batch_size % config.grad_accum_steps:
     raise ValueError(f'batch_size={config.batch_size} is not divisible by '
                      f'grad_accum_steps={config.grad_accum_steps}')
-  for name, rows in (('batch_size / grad_accum_steps', config.batch_size // config.grad_accum_steps),
+  per_step = config.batch_size // config.grad_accum_steps
+  for name, rows in (('batch_size / grad_accum_steps', per_step),
                      ('eval batch size', config.eval_batch_size or config.batch_size)):
     if rows % data_parallel:
       raise ValueError(f'{name}={rows} is not divisible by the {data_parallel} data-parallel '
                        f'devices of the mesh {dict(mesh.shape)}')
-  settings.check_profile(config)
 
   rules = sharding.rules_from_config(config.logical_axis_rules)
   model = transformer.Decoder(model_config)

@@ -239,9 +239,10 @@ def _eval_local_batches(setup: assembly.Setup, batches=None):
     yield template if local is None else local
 
 
-def score(setup: assembly.Setup, eval_step: steps.EvalStep, params, batches=None) -> dict[str, float]:
+def score(setup: assembly.Setup, eval_step: steps.EvalStep, params,
+          batches=None) -> dict[str, float]:
   """Loss, perplexity and accuracy over the validation batches (or this process's
-  `batches`, e.g. training/evaluation.py's sliding windows), and bits per byte on text.
+  `batches`, e.g. score_windows' windows), and bits per byte on text.
 
   Segment memory, if the model has it, starts empty and is carried across the eval batches
   (the eval step's own layout: it may be longer than training's).

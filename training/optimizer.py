@@ -104,9 +104,6 @@ def make_optimizer(config, param_bounds: dict[str, tuple[float, float]] | None =
     turned on or off (--allow_config_change=clip_grad_norm), and every model's checkpoint
     names its Adam moments opt_state.1.*.
   """
-  for name in ('learning_rate', 'weight_decay', 'clip_grad_norm'):
-    if getattr(config, name) < 0:
-      raise ValueError(f'{name} must be >= 0, got {getattr(config, name)}')
   chain = [optax.clip_by_global_norm(config.clip_grad_norm) if config.clip_grad_norm > 0
            else optax.identity()]
   chain.append(optax.adamw(make_schedule(config), b1=config.adam_b1, b2=config.adam_b2,

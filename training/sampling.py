@@ -1,8 +1,8 @@
 """Sampling from a trained run: --mode=generate, and the text samples written at each eval.
 
-`sample_checkpoint(config, workdir)` restores a checkpoint of the workdir's recorded run (the latest,
-or `generate.step`) onto the devices present, continues each prompt with the compiled sampler
-(models/decode.generate) and prints the prompt and its continuation. Process 0 writes
+`sample_checkpoint(config, workdir)` restores a checkpoint of the workdir's recorded run (the
+latest, or `generate.step`) onto the devices present, continues each prompt with the compiled
+sampler (models/decode.generate) and prints the prompt and its continuation. Process 0 writes
 `WORKDIR/samples_step_<N>.jsonl`, one JSON object per prompt (rewritten by a later run for the
 same step).
 
@@ -169,9 +169,9 @@ def _data_parallel(setup: assembly.Setup) -> int:
   return setup.mesh.shape['data'] * setup.mesh.shape['fsdp']
 
 
-def sample_ids(setup: assembly.Setup, model, params, ids: list[np.ndarray], *, max_new_tokens: int,
-               batch_size: int, rng, temperature: float, top_k: int, top_p: float,
-               eos_id: int | None) -> list[tuple[np.ndarray, bool]]:
+def sample_ids(setup: assembly.Setup, model, params, ids: list[np.ndarray], *,
+               max_new_tokens: int, batch_size: int, rng, temperature: float, top_k: int,
+               top_p: float, eos_id: int | None) -> list[tuple[np.ndarray, bool]]:
   """(new token ids, stopped at EOS) for each prompt of `ids`, decoded `batch_size` at a time.
 
   Every batch has the same shape (rows: batch_size, or fewer prompts, rounded up to a multiple
@@ -207,7 +207,7 @@ def _detokenize(tokenizer, ids) -> str:
 
 
 def sample_checkpoint(config: ml_collections.ConfigDict, workdir: str,
-             request: run_config.Request | None = None) -> list[dict]:
+                      request: run_config.Request | None = None) -> list[dict]:
   """Samples continuations of the prompts of `config.generate` from a checkpoint of `workdir`.
 
   The model is the workdir's recorded one (training/run_config.py); the `generate.*` settings

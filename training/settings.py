@@ -15,41 +15,51 @@ Two rules:
 """
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_collections
 import numpy as np
 
 from training import run_config
 
-# key -> (integer, low, high, low inclusive, high inclusive). None: unbounded on that side.
+
+class Range(NamedTuple):
+  """Values a setting may take: `lo` <= value (< `hi`, or <= with `hi_inclusive`)."""
+  integer: bool
+  lo: float
+  hi: float | None = None
+  hi_inclusive: bool = False
+
+
 INTEGER, REAL = True, False
-RANGES: dict[str, tuple[bool, float | None, float | None, bool, bool]] = {
+RANGES: dict[str, Range] = {
     # The optimizer and its schedule.
-    'learning_rate': (REAL, 0, None, True, False),
-    'warmup_steps': (INTEGER, 0, None, True, False),
-    'end_learning_rate_fraction': (REAL, 0, 1, True, True),
-    'adam_b1': (REAL, 0, 1, True, False),
-    'adam_b2': (REAL, 0, 1, True, False),
-    'adam_eps': (REAL, 0, None, True, False),
-    'weight_decay': (REAL, 0, None, True, False),
-    'clip_grad_norm': (REAL, 0, None, True, False),
-    'batch_size': (INTEGER, 1, None, True, False),
-    'grad_accum_steps': (INTEGER, 1, None, True, False),
-    'seq_len': (INTEGER, 1, None, True, False),
-    'model.dropout_rate': (REAL, 0, 1, True, False),
+    'learning_rate': Range(REAL, 0),
+    'warmup_steps': Range(INTEGER, 0),
+    'end_learning_rate_fraction': Range(REAL, 0, 1, hi_inclusive=True),
+    'adam_b1': Range(REAL, 0, 1),
+    'adam_b2': Range(REAL, 0, 1),
+    'adam_eps': Range(REAL, 0),
+    'weight_decay': Range(REAL, 0),
+    'clip_grad_norm': Range(REAL, 0),
+    'batch_size': Range(INTEGER, 1),
+    'grad_accum_steps': Range(INTEGER, 1),
+    'seq_len': Range(INTEGER, 1),
+    'model.dropout_rate': Range(REAL, 0, 1),
     # How the run is executed.
-    'total_steps': (INTEGER, 1, None, True, False),
-    'loss_chunk_len': (INTEGER, 0, None, True, False),
-    'log_every_steps': (INTEGER, 1, None, True, False),
-    'eval_every_steps': (INTEGER, 0, None, True, False),
-    'eval_steps': (INTEGER, 0, None, True, False),
-    'eval_batch_size': (INTEGER, 0, None, True, False),
-    'checkpoint_every_steps': (INTEGER, 1, None, True, False),
-    'keep_checkpoints': (INTEGER, 1, None, True, False),
-    'eval_checkpoint_step': (INTEGER, 0, None, True, False),
-    'inspect_len': (INTEGER, 0, None, True, False),
-    'peak_tflops_per_device': (REAL, 0, None, True, False),
+    'total_steps': Range(INTEGER, 1),
+    'loss_chunk_len': Range(INTEGER, 0),
+    'log_every_steps': Range(INTEGER, 1),
+    'eval_every_steps': Range(INTEGER, 0),
+    'eval_steps': Range(INTEGER, 0),
+    'eval_batch_size': Range(INTEGER, 0),
+    'checkpoint_every_steps': Range(INTEGER, 1),
+    'keep_checkpoints': Range(INTEGER, 1),
+    'eval_checkpoint_step': Range(INTEGER, 0),
+    'inspect_len': Range(INTEGER, 0),
+    'peak_tflops_per_device': Range(REAL, 0),
+    'profile_start_step': Range(INTEGER, 0),
+    'profile_steps': Range(INTEGER, 0),
 }
 
 # What each key's 0 means, where it means something other than zero of it.
@@ -64,24 +74,21 @@ ZERO_MEANS = {
 }
 
 
-def _describe(integer: bool, lo, hi, lo_in: bool, hi_in: bool) -> str:
-  kind = 'an integer' if integer else 'a finite number'
-  if lo is not None and hi is not None:
-    interval = f'{"[" if lo_in else "("}{lo}, {hi}{"]" if hi_in else ")"}'
-    return f'{kind} in {interval}'
-  if lo is not None:
-    return f'{kind} {">=" if lo_in else ">"} {lo}'
-  return f'{kind} {"<=" if hi_in else "<"} {hi}'
-
-
-def _in_range(value, lo, hi, lo_in: bool, hi_in: bool) -> bool:
-  if lo is not None and (value < lo if lo_in else value <= lo):
-    return False
-  return not (hi is not None and (value > hi if hi_in else value >= hi))
-
-
-def _is_number(value: Any) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _check(key: str, value: Any, allowed: Range) -> None:
+  """Raises ValueError naming `key` unless `value` is a number in `allowed`."""
+  ok = (isinstance(value, (int, float, np.integer)) and not isinstance(value, bool)
+        and (not allowed.integer or float(value).is_integer()) and value >= allowed.lo
+        and (allowed.hi is None or value < allowed.hi
+             or (allowed.hi_inclusive and value == allowed.hi)))
+  if ok:
+    return
+  what = 'an integer' if allowed.integer else 'a finite number'
+  if allowed.hi is None:
+    what += f' >= {allowed.lo}'
+  else:
+    what += f' in [{allowed.lo}, {allowed.hi}{"]" if allowed.hi_inclusive else ")"}'
+  zero = f' (0 = {ZERO_MEANS[key]})' if key in ZERO_MEANS else ''
+  raise ValueError(f'{key} must be {what}{zero}, got {value!r}')
 
 
 def check(config: ml_collections.ConfigDict) -> None:
@@ -94,16 +101,9 @@ def check(config: ml_collections.ConfigDict) -> None:
   for key, value in flat.items():
     if isinstance(value, float) and not math.isfinite(value):
       raise ValueError(f'{key} must be a finite number, got {value!r}')
-  for key, (integer, lo, hi, lo_in, hi_in) in RANGES.items():
-    if key not in flat:
-      continue
-    value = flat[key]
-    ok = (_is_number(value) and (not integer or float(value).is_integer())
-          and _in_range(value, lo, hi, lo_in, hi_in))
-    if not ok:
-      zero = f' (0 = {ZERO_MEANS[key]})' if key in ZERO_MEANS else ''
-      raise ValueError(f'{key} must be {_describe(integer, lo, hi, lo_in, hi_in)}{zero}, '
-                       f'got {value!r}')
+  for key, allowed in RANGES.items():
+    if key in flat:
+      _check(key, flat[key], allowed)
 
 
 def check_profile(config: ml_collections.ConfigDict) -> tuple[int, int]:
@@ -118,10 +118,8 @@ def check_profile(config: ml_collections.ConfigDict) -> tuple[int, int]:
   Raises:
     ValueError: either is not an integer >= 0.
   """
-  values = []
-  for name, default in (('profile_start_step', 2), ('profile_steps', 0)):
-    value = config.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-      raise ValueError(f'{name} must be an integer >= 0, got {value!r}')
-    values.append(int(value))
-  return values[0], values[1]
+  values = {name: config.get(name, default)
+            for name, default in (('profile_start_step', 2), ('profile_steps', 0))}
+  for name, value in values.items():
+    _check(name, value, RANGES[name])
+  return int(values['profile_start_step']), int(values['profile_steps'])

@@ -1,4 +1,5 @@
-"""The training loop, the eval step and preemption; a run is assembled in training/assembly.py."""
+"""The training loop: resume, steps, checkpoints, periodic eval, preemption (a run is
+assembled in training/assembly.py, its steps jitted in training/steps.py)."""
 
 import json
 import os
@@ -251,7 +252,8 @@ class _SpecializedSteps:
         changed = {k: v for k, v in key if dict(self._current).get(k) != v}
         logging.info('specialized attention options changed to %s; compiling their step',
                      changed)
-      self._steps[key] = (steps.jit_train_step(self._setup, model), steps.jit_eval_step(self._setup, model))
+      self._steps[key] = (steps.jit_train_step(self._setup, model),
+                          steps.jit_eval_step(self._setup, model))
     self._current = key
     return self._steps[key]
 

@@ -25,6 +25,7 @@ import time
 import jax
 import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 LOCK_FILE = '.run.lock'
 
@@ -93,7 +94,6 @@ def hold(workdir: str):
 
 def _share_verdict(error: Exception | None) -> tuple[int, str]:
   """Broadcasts process 0's verdict on the lock, (status, message), to every process."""
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   buf = np.zeros(_VERDICT_BYTES, np.uint8)
   if error is not None:
     status = _BUSY if isinstance(error, WorkdirBusy) else _FAILED

@@ -132,7 +132,8 @@ def test_an_unknown_split_names_the_splits(corpus, no_compute, tmp_path):
 def test_a_synthetic_task_only_has_its_validation_stream(no_compute, harness, tmp_path):
   with pytest.raises(ValueError, match=r"synthetic task 'variable_assignment' has no splits.*"
                                        r"data\.eval_split='validation'"):
-    evaluation.evaluate_checkpoint(harness.config({'data.eval_split': 'test'}), str(tmp_path / 'run'))
+    evaluation.evaluate_checkpoint(harness.config({'data.eval_split': 'test'}),
+                                   str(tmp_path / 'run'))
   with pytest.raises(ValueError, match='has no finite split'):
     evaluation.evaluate_checkpoint(harness.config({'eval_steps': 0}), str(tmp_path / 'run'))
 
@@ -197,7 +198,8 @@ def test_window_losses_equal_a_forward_per_window_by_hand(corpus, workdir):
   assert step == 4
   tokens = np.concatenate([[1], np.random.RandomState(3).randint(3, 259, 39), [2]]).astype(np.int32)
   opts = evaluation.options(setup)
-  result = evaluation.score_windows(setup, steps.jit_eval_step(setup), params, opts, documents=[tokens])
+  result = evaluation.score_windows(setup, steps.jit_eval_step(setup), params, opts,
+                                    documents=[tokens])
   assert result['scored_tokens'] == 40 and result['windows'] == 6 and result['documents'] == 1
 
   by_hand = [(0, range(1, 17)), (5, range(17, 22)), (10, range(22, 27)), (15, range(27, 32)),

@@ -89,7 +89,8 @@ def test_eval_with_no_flags_scores_the_recorded_model(harness, trained, tmp_path
   result = json.loads((workdir / 'eval_step_4.json').read_text())
   assert 'config_overrides' not in result
   # The same numbers as evaluating the recorded model itself.
-  reference = evaluation.evaluate_checkpoint(harness.config(TRAINED), str(_copy(trained, tmp_path / 'ref')))
+  reference = evaluation.evaluate_checkpoint(harness.config(TRAINED),
+                                             str(_copy(trained, tmp_path / 'ref')))
   assert result['loss'] == pytest.approx(reference['loss'], rel=1e-5)
 
 
@@ -125,7 +126,8 @@ def test_eval_reads_parameters_only_so_optimizer_settings_never_block_it(harness
   # Without a record (an older run) the config given is used as it is: its optimizer state
   # tree (no clipping) differs from the checkpoint's, and only the parameters are read.
   (workdir / 'config.json').unlink()
-  again = evaluation.evaluate_checkpoint(harness.config({**TRAINED, 'clip_grad_norm': 0.0}), str(workdir))
+  again = evaluation.evaluate_checkpoint(harness.config({**TRAINED, 'clip_grad_norm': 0.0}),
+                                         str(workdir))
   assert again['loss'] == pytest.approx(result['loss'], rel=1e-5)
 
 
@@ -180,7 +182,8 @@ def test_a_start_that_saved_no_checkpoint_is_replaced(harness, trained, tmp_path
 
 def test_inspect_uses_the_recorded_model(trained, tmp_path):
   workdir = _copy(trained, tmp_path)
-  paths = attention_maps.write_maps(tiny.get_config(), str(workdir), run_config.Request(keys=frozenset()))
+  paths = attention_maps.write_maps(tiny.get_config(), str(workdir),
+                                    run_config.Request(keys=frozenset()))
   mask = np.load(paths['npz'])['layer0_head0']
   assert mask[5, 4] and mask[5, 5] and not mask[5, 3]  # Window 2, not dense.
 
