@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from models import attention, layers
 from models.registry import Registry
 
-BLOCKS = Registry('block')
+BLOCKS = Registry('block', 'model.block_options')
 register = BLOCKS.register
 known = BLOCKS.known
 get = BLOCKS.get

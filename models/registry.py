@@ -3,23 +3,50 @@
 Each switch (`model.attention`, `model.block`, `model.stack`) is one `Registry`; an entry
 registers itself on import with the registry's decorator, and an unknown name is an error that
 lists the known ones.
+
+A registry also knows its entries' declared options (models/options.py: a class attribute
+`OPTIONS`, name -> Option). They share one flat config group per registry
+(model.attention_options, model.block_options, model.stack_options), so a name that two
+entries declare separately is refused at registration; `resolve_options` fills in the defaults
+and checks the types of the options of the entries in use.
 """
 
 from typing import Callable
 
+from models import options as options_lib
+
 
 class Registry:
-  """Names of one kind of component (e.g. 'attention variant') and their classes."""
+  """Names of one kind of component (e.g. 'attention variant'), their classes and options.
 
-  def __init__(self, kind: str):
+  Attributes:
+    kind: what an entry is, for messages ('attention variant', 'block', 'stack').
+    group: the config group of the entries' options (e.g. 'model.stack_options').
+  """
+
+  def __init__(self, kind: str, group: str):
     self.kind = kind
+    self.group = group
     self._entries: dict[str, type] = {}
 
   def register(self, name: str) -> Callable[[type], type]:
-    """Class decorator: makes the class available under `name` in configs."""
+    """Class decorator: makes the class available under `name` in configs.
+
+    Raises:
+      ValueError: `name` is taken, or the class declares an option under a name another
+        entry declares separately (the group is one flat namespace).
+    """
     def wrap(cls):
       if name in self._entries:
         raise ValueError(f'{self.kind} {name!r} registered twice')
+      taken = self.options()
+      for option, spec in options_lib.declared(cls).items():
+        if option in taken and taken[option] is not spec:
+          owner = next(n for n, c in self.items()
+                       if options_lib.declared(c).get(option) is taken[option])
+          raise ValueError(f'{self.kind} {name!r} declares option {option!r}, which {owner!r} '
+                           f'declares too: options share {self.group}, so give it a name of '
+                           f'its own (e.g. with a {self.kind.split()[-1]} prefix)')
       self._entries[name] = cls
       return cls
     return wrap
@@ -39,3 +66,33 @@ class Registry:
   def items(self) -> list[tuple[str, type]]:
     """(name, class) pairs, sorted by name."""
     return sorted(self._entries.items())
+
+  def options(self) -> dict[str, options_lib.Option]:
+    """Every registered entry's declared options, name -> Option."""
+    out = {}
+    for _, cls in self.items():
+      out.update(options_lib.declared(cls))
+    return out
+
+  def default_options(self) -> dict:
+    """name -> default of every user-facing option (what configs/default.py starts from)."""
+    return {k: o.default for k, o in sorted(self.options().items()) if not o.internal}
+
+  def resolve_options(self, given: dict, names) -> dict:
+    """`given` with every declared option's default filled in, type-checked for the entries
+    `names` in use (their own checks of the values run in TransformerConfig).
+
+    Raises:
+      ValueError: an option no registered entry declares (the message lists the declared
+        ones), or a value of the wrong type.
+    """
+    declared = self.options()
+    unknown = sorted(set(given) - set(declared))
+    if unknown:
+      raise ValueError(f'unknown {self.group} {", ".join(unknown)}; the registered '
+                       f'{self.kind}s declare: {", ".join(sorted(declared)) or "none"}')
+    full = {**{k: o.default for k, o in declared.items()}, **given}
+    for name in sorted(set(names)):
+      for option, spec in options_lib.declared(self.get(name)).items():
+        spec.check(option, full[option], self.group)
+    return full

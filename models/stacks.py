@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from models import attention, blocks
 from models.registry import Registry
 
-STACKS = Registry('stack')
+STACKS = Registry('stack', 'model.stack_options')
 register = STACKS.register
 known = STACKS.known
 get = STACKS.get

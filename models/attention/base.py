@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import layers
+from models import options as options_lib
 from models.attention import blockloop, blocksparse, cpu_kernel, dispatch, memory, patterns
 # The shared math, under the names the variants use (base.reference_attention, ...).
 from models.attention.reference import (NEG_INF, causal_segment_mask,  # noqa: F401
@@ -112,55 +113,10 @@ def constrain_heads(a):
   return nn.with_logical_constraint(a, ('batch', 'length', 'heads', 'kv'))
 
 
-# What a change of an option on a recorded run is (Option.change; training/run_config.py).
-CHANGES = ('model', 'training', 'runtime')
-
-
-@dataclasses.dataclass(frozen=True)
-class Option:
-  """One hyper-parameter of a variant: config.model.attention_options.<name>.
-
-  Options share one flat namespace; a variant declares its own in `OPTIONS` (the registry
-  refuses a name two variants declare separately) and checks them together in `validate`.
-
-  Attributes:
-    default: the value configs start from; its type is the type the option must have
-      (a float option takes ints; None takes anything).
-    doc: one line: what it is, with the paper's symbol.
-    internal: set by the training loop, not by users (kept out of configs/default.py).
-    change: what a change of it on a recorded run is (training/run_config.py): 'model' (the
-      parameters mean something else: refused in every mode unless allowed), 'training'
-      (the same parameters, other training: eval may change it, a resume may not) or
-      'runtime' (the same values computed otherwise, or an eval-time setting: always
-      allowed).
-  """
-  default: Any
-  doc: str
-  internal: bool = False
-  change: str = 'model'
-
-  def __post_init__(self):
-    if self.change not in CHANGES:
-      raise ValueError(f'Option.change must be one of {CHANGES}, got {self.change!r}')
-
-  def check(self, name: str, value) -> None:
-    """Raises ValueError if `value` does not have the default's type."""
-    d = self.default
-    if d is None:
-      return
-    if isinstance(d, bool):
-      ok, kind = isinstance(value, bool), 'True or False'
-    elif isinstance(d, int):
-      ok, kind = isinstance(value, int) and not isinstance(value, bool), 'an integer'
-    elif isinstance(d, float):
-      ok, kind = isinstance(value, (int, float)) and not isinstance(value, bool), 'a number'
-    elif isinstance(d, (tuple, list)):
-      ok, kind = isinstance(value, (tuple, list)), 'a tuple'
-    else:
-      ok, kind = isinstance(value, type(d)), f'a {type(d).__name__}'
-    if not ok:
-      raise ValueError(f'model.attention_options.{name} ({self.doc}) must be {kind}, got '
-                       f'{value!r}')
+# Option and CHANGES live in models/options.py (blocks and stacks declare options too); the
+# variants use them under these names (base.Option).
+Option = options_lib.Option
+CHANGES = options_lib.CHANGES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,10 +229,7 @@ class MultiHeadAttention(nn.Module):
   @classmethod
   def declared_options(cls) -> dict[str, Option]:
     """Every option the variant reads: its own OPTIONS and those of its parent classes."""
-    out = {}
-    for klass in reversed(cls.__mro__):
-      out.update(vars(klass).get('OPTIONS', {}))
-    return out
+    return options_lib.declared(cls)
 
   @classmethod
   def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:

@@ -2,44 +2,20 @@
 
 The registry also knows every variant's declared options (MultiHeadAttention.OPTIONS): they
 share the flat namespace config.model.attention_options, so a name two variants declare
-separately is refused at registration.
+separately is refused at registration (models/registry.py, shared with blocks and stacks).
 """
-
-from typing import Callable
 
 from models.registry import Registry
 
-VARIANTS = Registry('attention variant')
+VARIANTS = Registry('attention variant', 'model.attention_options')
 known = VARIANTS.known
 get = VARIANTS.get
-
-
-def register(name: str) -> Callable[[type], type]:
-  """Class decorator: makes an attention module available under `name` in configs."""
-  def wrap(cls):
-    taken = options()
-    for option, spec in cls.declared_options().items():
-      if option in taken and taken[option] is not spec:
-        owner = next(n for n, c in VARIANTS.items() if c.declared_options().get(option) is
-                     taken[option])
-        raise ValueError(f'attention variant {name!r} declares option {option!r}, which '
-                         f'{owner!r} declares too: options share model.attention_options, '
-                         'so give it a name of its own (e.g. with a variant prefix)')
-    return VARIANTS.register(name)(cls)
-  return wrap
-
-
-def options() -> dict:
-  """Every registered variant's declared options, name -> Option."""
-  out = {}
-  for _, cls in VARIANTS.items():
-    out.update(cls.declared_options())
-  return out
-
-
-def default_options() -> dict:
-  """name -> default of every user-facing option (what configs/default.py starts from)."""
-  return {k: o.default for k, o in sorted(options().items()) if not o.internal}
+# Class decorator: makes an attention module available under a name in configs.
+register = VARIANTS.register
+# Every registered variant's declared options, name -> Option.
+options = VARIANTS.options
+# name -> default of every user-facing option (what configs/default.py starts from).
+default_options = VARIANTS.default_options
 
 
 def resolve_options(given: dict, variants) -> dict:
@@ -49,13 +25,4 @@ def resolve_options(given: dict, variants) -> dict:
   Raises:
     ValueError: an option no registered variant declares, or a value of the wrong type.
   """
-  declared = options()
-  unknown = sorted(set(given) - set(declared))
-  if unknown:
-    raise ValueError(f'unknown model.attention_options {", ".join(unknown)}; the registered '
-                     f'variants declare: {", ".join(sorted(declared))}')
-  full = {**{k: o.default for k, o in declared.items()}, **given}
-  for name in sorted(set(variants)):
-    for option, spec in get(name).declared_options().items():
-      spec.check(option, full[option])
-  return full
+  return VARIANTS.resolve_options(given, variants)
