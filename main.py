@@ -54,6 +54,14 @@ def _bad_command_line(error: Exception, argv) -> None:
   if isinstance(error, flags.IllegalFlagValueError) and str(error).startswith('flag --'):
     what = str(error)
   overrides = [a for a in argv[1:] if a.startswith('--config.')]
+  from training import run_config  # pylint: disable=g-import-not-at-top
+  renamed = [k for k in (a[len('--config.'):].partition('=')[0] for a in overrides)
+             if k in run_config.RENAMED]
+  if renamed:  # A key that was renamed: name the new one (run_config.RENAMED).
+    print('error: bad command line: ' + '; '.join(
+        f'--config.{k} was renamed --config.{run_config.RENAMED[k]}' for k in renamed),
+          file=sys.stderr)
+    sys.exit(1)
   print(f'error: bad command line ({what}); config overrides given: '
         f'{" ".join(overrides) or "none"}. Fields and their types are in the recipe and '
         'configs/default.py', file=sys.stderr)

@@ -14,8 +14,9 @@ budget; each differs only by its variant's own keys (listed per row in the JSON)
 Variants (--variants, a comma list):
   NAME                 a registered attention variant (models/attention/registry.py)
   NAME:KEY=V[:KEY=V]   with options: KEY is an attention option (window, stride, mem_len, ...),
-                       a model field (block, stack, universal_act, ...) or a dotted config key;
-                       e.g. local:window=64, dense:block=gtrxl, lsh:n_hashes=2:chunk_len=32
+                       a stack or block option (act, steps, gate_bias, ...), a model field
+                       (block, stack, ...) or a dotted config key; e.g. local:window=64,
+                       dense:block=gtrxl, lsh:n_hashes=2:chunk_len=32, universal:act=true
   PRESET[:KEY=V...]    a block or stack preset: gtrxl (txl attention + GTrXL gated blocks),
                        reformer (lsh attention + reversible blocks), universal (one shared
                        dense block applied n_layers times, the universal stack's coordinates)
@@ -84,7 +85,7 @@ def _universal(config) -> dict:
   # As deep as the layered models: the same FLOPs per token with one block's parameters.
   return {'model.attention': 'dense', 'model.stack': 'universal', 'model.n_layers': 0,
           'model.position_embedding': 'none',
-          'model.universal_steps': config.model.n_layers or config.model.d}
+          'model.stack_options.steps': config.model.n_layers or config.model.d}
 
 
 # name -> config -> overrides (dotted keys); what each preset stands for is in the docstring.
@@ -178,15 +179,17 @@ def apply_text(config, assignments: list[str]) -> None:
 
 
 def option_key(config, key: str) -> str:
-  """The dotted config key a spec option names: an attention option, a model field, or a
-  dotted (or top-level) config key."""
-  if key in attention.options():
-    return f'model.attention_options.{key}'
+  """The dotted config key a spec option names: an attention, stack or block option, a model
+  field, or a dotted (or top-level) config key."""
+  for group, registry in transformer.OPTION_GROUPS.items():
+    if key in registry.options():
+      return f'model.{group}.{key}'
   if key in config.model and not isinstance(config.model[key], ml_collections.ConfigDict):
     return f'model.{key}'
   if key in flatten(config):
     return key
-  raise ValueError(f'{key!r} is neither an attention option, a model field nor a config key')
+  raise ValueError(f'{key!r} is neither an attention option, a stack or block option, a '
+                   'model field nor a config key')
 
 
 def parse_spec(spec: str) -> tuple[str, list[tuple[str, str]]]:
@@ -405,7 +408,7 @@ def run_variant(spec: str, config, workdir: str) -> dict:
   seq_len = setup.data.seq_len
   tags = ['eval/loss', 'eval/bits_per_byte', 'eval/scored_tokens', 'train/loss',
           'train/tokens_per_sec']
-  act = mc.stack_name == 'universal' and mc.universal_act
+  act = mc.stack_name == 'universal' and mc.stack_option('act')
   if act:
     tags.append('train/act_steps/universal')
   curves = read_scalars(workdir, tags)

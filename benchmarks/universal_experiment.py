@@ -50,8 +50,8 @@ LAYERED = {'model.stack': 'auto', 'model.position_embedding': 'sinusoidal'}
 RUNS = {
     'pre_ln_1': {**LAYERED, 'model.n_layers': 1},
     f'pre_ln_{T}': {**LAYERED, 'model.n_layers': T},
-    'ut_fixed': {'model.universal_act': False, 'model.universal_steps': T},
-    'ut_act': {'model.universal_act': True, 'model.universal_max_steps': M},
+    'ut_fixed': {'model.stack_options.act': False, 'model.stack_options.steps': T},
+    'ut_act': {'model.stack_options.act': True, 'model.stack_options.max_steps': M},
 }
 TASKS = {
     'copy': {'data.name': 'copy', 'data.max_length': COPY_TRAIN},
@@ -254,7 +254,7 @@ def main():
       all_overrides = {**common, **TASKS[task_name], **overrides}
       workdir, seconds = train(name, all_overrides, out=os.path.join(args.out, task_name),
                                steps=args.steps)
-      act = overrides.get('model.universal_act', False) and overrides.get(
+      act = overrides.get('model.stack_options.act', False) and overrides.get(
           'model.stack') is None
       ev = evaluate(workdir, task_name, act)
       loss = scalar_curve(workdir, 'train/loss')

@@ -35,11 +35,10 @@ from models import transformer  # noqa: E402
 M = 8
 
 
-def _config(args, **overrides):
+def _config(args, **stack_options):
   m = dict(vocab_size=512, d_model=args.d_model, n_heads=4, max_len=args.seq,
            attention='dense', attention_impl='xla', stack='universal', dtype='float32',
-           position_embedding='none', universal_max_steps=M)
-  m.update(overrides)
+           position_embedding='none', stack_options={'max_steps': M, **stack_options})
   return transformer.TransformerConfig.from_config(m)
 
 
@@ -64,7 +63,7 @@ def main():
   batch = random_lm_batch(512, args.batch, args.seq)
   x = jnp.asarray(batch['inputs'])
 
-  act = _config(args, universal_act=True)
+  act = _config(args, act=True)
   model = transformer.Decoder(act)
   params = nn.unbox(model.init(jax.random.key(0), x[:1])['params'])
   early = jax.jit(lambda p: model.apply({'params': p}, x))
@@ -88,7 +87,7 @@ def main():
 
   train_rows = []
   targets = jnp.asarray(batch['targets'])
-  for name, cfg in [*[(f'fixed T={t}', _config(args, universal_steps=t)) for t in (1, 2, 4, 8)],
+  for name, cfg in [*[(f'fixed T={t}', _config(args, steps=t)) for t in (1, 2, 4, 8)],
                     (f'ACT M={M}', act)]:
     m = transformer.Decoder(cfg)
     p = nn.unbox(m.init(jax.random.key(0), x[:1])['params'])

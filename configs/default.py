@@ -6,7 +6,7 @@ single knob d: d_model = 64 d, n_heads = n_layers = d. A field set to 0 is deriv
 
 import ml_collections
 
-from models import attention
+from models import attention, transformer
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -53,12 +53,13 @@ def get_config() -> ml_collections.ConfigDict:
                                         # where it applies, else unrolled.
   model.ff_chunk_len = 0                # Positions per chunk of the SwiGLU feed-forward (its
                                         # hidden activation is never whole); 0 = no chunking.
-  # Universal Transformer (model.stack='universal', models/universal.py): one weight-shared
-  # block (model.n_layers=1, the default there) applied for several steps.
-  model.universal_steps = 4             # Recurrent steps T without ACT.
-  model.universal_act = False           # Halt per position with ACT (Graves 2016).
-  model.universal_max_steps = 8         # ACT's cap M on the steps.
-  model.universal_ponder = 0.01         # ACT's ponder cost weight τ (loss += τ mean(N + R)).
+  # Every stack's hyper-parameters, with the defaults each stack declares next to its code
+  # (OPTIONS in models/stacks.py and models/universal.py). Override them as
+  # --config.model.stack_options.<name>=<value>. The Universal Transformer's
+  # (model.stack='universal': one weight-shared block, model.n_layers=1 there, applied for
+  # several steps): steps (T without ACT), act (halt per position with ACT, Graves 2016),
+  # max_steps (ACT's cap M), ponder (ACT's ponder cost weight τ: loss += τ mean(N + R)).
+  model.stack_options = ml_collections.ConfigDict(transformer.default_options('stack_options'))
 
   # Data.
   config.data = data = ml_collections.ConfigDict()

@@ -7,7 +7,7 @@ Graves 2016), scaled down for a CPU. docs/universal_transformer.md has the exper
       --config.data.name=parity
   # UT with T = 4 fixed steps (no halting):
   python main.py --config=configs/universal_algorithmic.py --workdir=/tmp/ut_fixed \
-      --config.model.universal_act=False --config.model.universal_steps=4
+      --config.model.stack_options.act=False --config.model.stack_options.steps=4
   # The fixed-depth Pre-LN baseline of 4 distinct layers (equal compute to T = 4):
   python main.py --config=configs/universal_algorithmic.py --workdir=/tmp/pre_ln_4 \
       --config.model.stack=auto --config.model.n_layers=4 \
@@ -40,10 +40,10 @@ def get_config():
   config.model.dtype = 'float32'        # bf16 matmuls are slow on most CPUs.
   config.model.position_embedding = 'none'  # The universal stack's coordinates carry positions.
   config.model.stack = 'universal'
-  config.model.universal_act = True
-  config.model.universal_steps = 4
-  config.model.universal_max_steps = 8
-  config.model.universal_ponder = 0.01
+  config.model.stack_options.act = True
+  config.model.stack_options.steps = 4
+  config.model.stack_options.max_steps = 8
+  config.model.stack_options.ponder = 0.01
 
   config.data.name = 'copy'
   config.data.num_symbols = 16

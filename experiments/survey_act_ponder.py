@@ -5,7 +5,7 @@ number of steps down" needs (experiments/claims_survey.py).
   python experiments/survey_act_ponder.py --tasks copy,parity --out OUT/act_ponder.json
 
 Trains benchmarks/universal_experiment.py's `ut_act` run (configs/universal_algorithmic.py:
-one shared block of width 64, ACT with at most M = 8 steps) with model.universal_ponder = τ
+one shared block of width 64, ACT with at most M = 8 steps) with model.stack_options.ponder = τ
 for each τ of --taus (default 0: no ponder cost; the recipe's τ = 0.01 run is
 universal_experiment.json's ut_act, same seed, data and steps), then evaluates it on the same
 longer rows with the same code (universal_experiment.evaluate). Each entry has the same
@@ -48,7 +48,7 @@ def main(argv=None):
     for tau in (float(t) for t in args.taus.split(',')):
       name = f'ut_act_tau{tau:g}'
       overrides = {**common, **ue.TASKS[task], **ue.RUNS['ut_act'],
-                   'model.universal_ponder': tau}
+                   'model.stack_options.ponder': tau}
       t = time.time()
       workdir, _ = ue.train(name, overrides, out=os.path.join(args.workdir, task),
                             steps=args.steps)

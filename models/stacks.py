@@ -83,6 +83,11 @@ class Stack:
   # Whether models/reversible.py can train this stack's reversible blocks (it replays the
   # layers through `cycle`); a stack without it runs reversible blocks as plain modules.
   REVERSIBLE_TRAINING = True
+  # The stack's own hyper-parameters, config.model.stack_options.<name>: name -> Option
+  # (models/options.py), each with its default, doc and change kind. Options of all stacks
+  # share that one group (the registry refuses a name two stacks declare separately); `check`
+  # validates their values.
+  OPTIONS = {}
 
   @classmethod
   def check(cls, config) -> None:

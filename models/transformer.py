@@ -12,12 +12,26 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import attention, blocks, layers, reversible, stacks
+from models import attention, blocks, layers, options, reversible, stacks
 from models import universal  # noqa: F401  (registers model.stack='universal')
 
 Dtype = Any
 POSITION_EMBEDDINGS = ('learned', 'sinusoidal', 'none')
 REMAT_POLICIES = stacks.REMAT_POLICIES
+
+# The option groups of config.model: field -> the registry whose entries declare them
+# (models/options.py). Each is one flat namespace; TransformerConfig holds it resolved.
+OPTION_GROUPS = {
+    'attention_options': attention.registry.VARIANTS,
+    'block_options': blocks.BLOCKS,
+    'stack_options': stacks.STACKS,
+}
+
+
+def default_options(group: str) -> dict:
+  """name -> default of every user-facing option of `group` (a key of OPTION_GROUPS): what
+  configs/default.py starts from."""
+  return OPTION_GROUPS[group].default_options()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +65,9 @@ class TransformerConfig:
     ff_chunk_len: positions per chunk of the SwiGLU feed-forward (layers.chunked_swiglu_mlp:
       its (tokens, mlp_dim) hidden activation is never whole); 0 = all positions at once. A
       length that does not divide the sequence is padded.
-    universal_steps: recurrent steps T of the universal stack without ACT.
-    universal_act: the universal stack halts per position with ACT (models/universal.py).
-    universal_max_steps: ACT's cap M on the steps.
-    universal_ponder: ACT's ponder cost weight τ.
+    stack_options: the stacks' hyper-parameters (config.model.stack_options, e.g. the
+      universal stack's steps, act, max_steps, ponder), sorted (name, value) pairs; every
+      option a registered stack declares, defaults filled in. Read one with `stack_option`.
     target_platform: platform of the devices the program is compiled for ('cpu', 'gpu',
       'tpu'), read from the mesh by training/train.py's setup; '' = this process's
       jax.default_backend(). Kernels are chosen for it (models/attention/dispatch.py): a CPU
@@ -82,10 +95,7 @@ class TransformerConfig:
   block: str = 'pre_ln'
   stack: str = 'auto'
   ff_chunk_len: int = 0
-  universal_steps: int = 4
-  universal_act: bool = False
-  universal_max_steps: int = 8
-  universal_ponder: float = 0.01
+  stack_options: tuple = ()
   target_platform: str = ''
   target_devices: int = 0
 
@@ -123,9 +133,16 @@ class TransformerConfig:
         self.ff_chunk_len < 0):
       raise ValueError(f'model.ff_chunk_len must be an integer >= 0 (0 = no chunking), got '
                        f'{self.ff_chunk_len!r}')
+    stack = [self.stack] if self.stack != 'auto' else []  # 'auto' runs a stack with no options.
+    resolved = stacks.STACKS.resolve_options(dict(self.stack_options), stack)
+    object.__setattr__(self, 'stack_options', tuple(sorted(resolved.items())))
     blocks.get(self.block).check(self)
     if self.stack != 'auto':
       stacks.get(self.stack).check(self)
+
+  def stack_option(self, name: str):
+    """The stack option `name` (config.model.stack_options; its default when not given)."""
+    return options.lookup(self.stack_options, name, 'model.stack_options')
 
   @property
   def target(self) -> tuple[str, int]:
@@ -195,9 +212,7 @@ class TransformerConfig:
         dtype=jnp.dtype(m.get('dtype', 'float32')), param_dtype=jnp.dtype(m.get('param_dtype', 'float32')),
         remat=m.get('remat', 'none'), block=m.get('block', 'pre_ln'), stack=m.get('stack', 'auto'),
         ff_chunk_len=m.get('ff_chunk_len', 0),
-        universal_steps=m.get('universal_steps', 4), universal_act=m.get('universal_act', False),
-        universal_max_steps=m.get('universal_max_steps', 8),
-        universal_ponder=m.get('universal_ponder', 0.01),
+        stack_options=tuple(sorted(dict(m.get('stack_options') or {}).items())),
         target_platform=m.get('target_platform', ''), target_devices=m.get('target_devices', 0))
 
   def num_params(self) -> int:

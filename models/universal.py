@@ -19,17 +19,21 @@ tokens 50 to 1 at the first step (at initialization every position then halted a
 number of steps, whatever its token), and be outweighed by the stream later. With the scale,
 the block's first norm sees RMSNorm(s) + P up to a factor: the paper's input at every step.
 
-Fixed steps (model.universal_act=False): T = model.universal_steps applications; the output is
-s^T. With shared weights this is an unrolled stack of T layers holding identical weights.
+The stack's settings are its options, config.model.stack_options (Universal.OPTIONS): steps
+(T), act, max_steps (M) and ponder (τ).
 
-ACT (model.universal_act=True), for each position i:
+Fixed steps (model.stack_options.act=False): T = model.stack_options.steps applications; the
+output is s^T. With shared weights this is an unrolled stack of T layers holding identical
+weights.
+
+ACT (model.stack_options.act=True), for each position i:
 
   h^n = σ(w · rms(s^n) + b)               the halting unit: w (d,), b starting at 1; rms(.) is
                                           a parameter-free RMS normalization of the state
-  N   = min(min{n : h^1 + ... + h^n >= 1 - ε}, M)       ε = ACT_EPSILON, M = universal_max_steps
+  N   = min(min{n : h^1 + ... + h^n >= 1 - ε}, M)       ε = ACT_EPSILON, M = max_steps
   p^n = h^n for n < N,  R = 1 - (h^1 + ... + h^{N-1}) for n = N
   out = Σ_n p^n s^n                       (the p^n sum to 1)
-  ponder cost τ mean(N + R) over real tokens, τ = universal_ponder, into 'losses'
+  ponder cost τ mean(N + R) over real tokens, τ = ponder, into 'losses'
 
 A halted position's state stops changing (s^n = s^{n-1} after its N-th step), but it stays a
 key for the positions still computing: every step's attention reads every position's state
@@ -64,6 +68,7 @@ import numpy as np
 
 from models import attention, blocks, layers, stacks
 from models.attention import base
+from models.options import Option
 
 ACT_EPSILON = 0.01  # A position halts once its cumulative halting probability reaches 1 - ε.
 HALTING_BIAS_INIT = 1.0  # b_h starts at 1 (Graves 2016; the issue's spec): p ≈ 0.73 at first.
@@ -144,13 +149,13 @@ class UniversalStep(nn.Module):
         cfg, cfg.attention[0], layer_index=0, name='block')
     new = block(add_coordinates(state, ctx.positions, n, with_positions=not _relative(cfg)),
                 ctx.replace(step=carry['n']))
-    if not cfg.universal_act:
+    if not cfg.stack_option('act'):
       return {'state': new, 'n': n}
     running = ~carry['halted']
     state = _where(running, new, state)  # A halted position's state stops changing.
     h = HaltingUnit(param_dtype=cfg.param_dtype, name='halting')(block_cls.merge(state))
     cum = carry['cum']
-    reached = running & ((cum + h >= 1.0 - ACT_EPSILON) | (n >= cfg.universal_max_steps))
+    reached = running & ((cum + h >= 1.0 - ACT_EPSILON) | (n >= cfg.stack_option('max_steps')))
     p = jnp.where(reached, 1.0 - cum, jnp.where(running, h, 0.0))
     self.sow('intermediates', 'halting_weight', p)  # p^n: zero once halted, sums to 1.
     return {
@@ -188,7 +193,7 @@ class UniversalLoop(nn.Module):
     """True where the loop may stop once every position has halted: a deterministic ACT
     forward that keeps no per-step state (no decoding cache, segment memory, init or
     collected intermediates)."""
-    return (self.config.universal_act and ctx.deterministic and not ctx.decode
+    return (self.config.stack_option('act') and ctx.deterministic and not ctx.decode
             and not self.is_initializing() and not self.config.uses_memory
             and not self.is_mutable_collection('intermediates'))
 
@@ -198,8 +203,8 @@ class UniversalLoop(nn.Module):
     init = {'state': carry, 'n': jnp.zeros((), jnp.int32)}
     broadcast = ['params'] + [c for c in self.variables
                               if c != 'params' and not self.is_mutable_collection(c)]
-    if not cfg.universal_act:
-      final, _ = _scan(cfg.universal_steps, broadcast)(cfg, name='step')(init, ctx)
+    if not cfg.stack_option('act'):
+      final, _ = _scan(cfg.stack_option('steps'), broadcast)(cfg, name='step')(init, ctx)
       return final['state']
     shape = ctx.segment_ids.shape
     init.update(out=jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), carry),
@@ -211,7 +216,7 @@ class UniversalLoop(nn.Module):
           lambda mdl, c: UniversalStep(cfg, name='step')(c, ctx),
           self, init, broadcast_variables='params', carry_variables=False, split_rngs={})
     else:
-      final, _ = _scan(cfg.universal_max_steps, broadcast)(cfg, name='step')(init, ctx)
+      final, _ = _scan(cfg.stack_option('max_steps'), broadcast)(cfg, name='step')(init, ctx)
     self.report(final['steps'], final['remainder'], ctx.segment_ids)
     return jax.tree.map(lambda o, s: o.astype(s.dtype), final['out'], carry)
 
@@ -224,10 +229,10 @@ class UniversalLoop(nn.Module):
     count = jnp.maximum(jnp.sum(real), 1.0)
     mean = lambda a: jnp.sum(a * real) / count
     ponder = mean(steps + remainder)
-    self.sow('losses', 'ponder_cost', cfg.universal_ponder * ponder)
+    self.sow('losses', 'ponder_cost', cfg.stack_option('ponder') * ponder)
     self.sow('metrics', 'act_steps', mean(steps.astype(jnp.float32)))
     self.sow('metrics', 'ponder', ponder)
-    for k in range(1, cfg.universal_max_steps + 1):
+    for k in range(1, cfg.stack_option('max_steps') + 1):
       self.sow('metrics', f'halted_at_{k}', mean((steps == k).astype(jnp.float32)))
     self.sow('intermediates', 'act_steps', steps)
     self.sow('intermediates', 'act_remainder', remainder)
@@ -235,19 +240,30 @@ class UniversalLoop(nn.Module):
 
 @stacks.register('universal')
 class Universal(stacks.Stack):
-  """One weight-shared block applied for model.universal_steps steps, or with ACT for up to
-  model.universal_max_steps: parameters 'universal/step/block' (and 'universal/step/halting'
-  with ACT)."""
+  """One weight-shared block applied for model.stack_options.steps steps, or with ACT for up
+  to model.stack_options.max_steps: parameters 'universal/step/block' (and
+  'universal/step/halting' with ACT)."""
 
   REVERSIBLE_TRAINING = False
+  # config.model.stack_options. The same parameters run for other step counts, so evaluation
+  # may change steps and max_steps (e.g. more steps than trained); ponder weighs a training
+  # loss only; act adds the halting unit's parameters.
+  OPTIONS = {
+      'steps': Option(4, 'T: recurrent steps without ACT', change='training'),
+      'act': Option(False, 'halt per position with ACT (Graves 2016): adds the halting unit',
+                    change='model'),
+      'max_steps': Option(8, "M: ACT's cap on the steps", change='training'),
+      'ponder': Option(0.01, "τ: ACT's ponder cost weight (loss += τ mean(N + R))",
+                       change='training'),
+  }
 
   @classmethod
   def check(cls, config):
     if config.n_layers != 1:
       raise ValueError(
           f"model.stack='universal' applies one weight-shared block: set model.n_layers=1 "
-          f"(got {config.n_layers}); its depth is model.universal_steps, or "
-          f"model.universal_max_steps with model.universal_act=True")
+          f"(got {config.n_layers}); its depth is model.stack_options.steps, or "
+          f"model.stack_options.max_steps with model.stack_options.act=True")
     period = stacks.layer_periods(config)[0]
     if period not in (1, None):
       raise ValueError(
@@ -256,16 +272,15 @@ class Universal(stacks.Stack):
           f"at every step, which would only ever use the first pattern. Use a factorization "
           f"that does not depend on the layer (model.attention_options.factorization="
           f"'merged' or 'multihead'), or a layered stack")
-    for name in ('universal_steps', 'universal_max_steps'):
-      value = getattr(config, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f'model.{name} must be an integer >= 1, got {value!r}')
-    if not isinstance(config.universal_act, bool):
-      raise ValueError(f'model.universal_act must be True or False, got '
-                       f'{config.universal_act!r}')
-    if not config.universal_ponder >= 0:
-      raise ValueError(f'model.universal_ponder (the ponder cost weight τ) must be >= 0, got '
-                       f'{config.universal_ponder!r}')
+    # Their types are checked where they are resolved (Option.check): the ranges here.
+    for name in ('steps', 'max_steps'):
+      value = config.stack_option(name)
+      if value < 1:
+        raise ValueError(f'model.stack_options.{name} must be an integer >= 1, got {value!r}')
+    ponder = config.stack_option('ponder')
+    if not ponder >= 0:
+      raise ValueError(f'model.stack_options.ponder (the ponder cost weight τ) must be >= 0, '
+                       f'got {ponder!r}')
 
   @classmethod
   def apply(cls, config, x, ctx):
@@ -275,15 +290,15 @@ class Universal(stacks.Stack):
   def applications(cls, config, metrics=None) -> float:
     """Block applications per token: T, or with ACT the mean N of `metrics` (the logged
     'act_steps/universal') when given, else the cap M."""
-    if not config.universal_act:
-      return float(config.universal_steps)
+    if not config.stack_option('act'):
+      return float(config.stack_option('steps'))
     if metrics and 'act_steps/universal' in metrics:
       return float(metrics['act_steps/universal'])
-    return float(config.universal_max_steps)
+    return float(config.stack_option('max_steps'))
 
   @classmethod
   def extra_matmul_weights(cls, config) -> int:
-    return config.d_model if config.universal_act else 0  # The halting unit, per step.
+    return config.d_model if config.stack_option('act') else 0  # The halting unit, per step.
 
   @classmethod
   def sown_layers(cls, config, tree):
@@ -302,7 +317,7 @@ class Universal(stacks.Stack):
     steps = np.asarray(got['act_steps'][0])
     real = np.asarray(batch['segment_ids']) > 0
     scored = real & (np.asarray(batch['weights']) > 0)
-    m = config.universal_max_steps
+    m = config.stack_option('max_steps')
     ks = np.arange(1, m + 1)
     hist = lambda mask: [float(np.mean(steps[mask] == k)) if mask.any() else 0.0 for k in ks]
     by_position = [float(steps[:, i][real[:, i]].mean()) if real[:, i].any() else 0.0

@@ -37,6 +37,11 @@ recorded, given, kind). A workdir without config.json (a run older than this rec
 the config given, with a warning. A start of training in a workdir whose record has no
 checkpoint yet (the first start died before saving) is a new start: the given config
 replaces the record, and the old record is kept in the history line.
+
+A config key renamed since a run was recorded (RENAMED) is read under its new name wherever a
+record is read: config.json and the history lines (their changes, overrides and replaced
+records); `migrate` does the same for any other flat mapping of an older file, such as an eval
+result's `config_overrides`. The old name given now is refused with the new one.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ import ml_collections
 from absl import logging
 from etils import epath
 
-from models.attention import registry
+from models import transformer
 from training import sharding
 
 RECORD = 'config.json'
@@ -67,8 +72,9 @@ MODEL = 'model'
 # Dotted config key, or group of keys, -> kind of change (see the module docstring). The
 # longest entry that is the key or a group above it decides; a key no entry covers is a
 # model change, so a field added to configs/default.py is refused until it is listed here.
-# An attention option declares its own kind where the variant declares it
-# (models/attention/base.Option.change), read from the registry by `kind`.
+# An option of model.attention_options, model.block_options or model.stack_options declares
+# its own kind where its variant, block or stack declares it (models/options.Option.change),
+# read from the registry by `kind`.
 KINDS = {
     # What the parameters mean.
     'model': MODEL,
@@ -78,11 +84,6 @@ KINDS = {
     'model.ff_chunk_len': RUNTIME,          # Chunked feed-forward: the same values.
     'model.dtype': TRAINING,                # Compute precision: eval may use another one.
     'model.dropout_rate': TRAINING,         # Training only.
-    # The universal stack's depth: the same parameters run for other step counts, so eval
-    # may change them (e.g. more steps than trained); ponder weighs a training loss only.
-    'model.universal_steps': TRAINING,
-    'model.universal_max_steps': TRAINING,
-    'model.universal_ponder': TRAINING,
     'seq_len': MODEL,
     'data': MODEL,                          # Dataset, tokenizer, vocabulary, task sizes.
     'data.data_dir': RUNTIME,               # Where the prepared data lives.
@@ -132,17 +133,34 @@ KINDS = {
 
 ALL = 'all'
 
+# Config keys renamed since runs were recorded: old dotted key -> new one. A record written
+# before the rename is read with the new keys (read_record, read_history; `migrate` for other
+# flat mappings such as an eval result's config_overrides), so its runs still resume and
+# evaluate; the old key given now (on the command line: main.py; in a config:
+# settings.check) is refused with the new name (`check_renamed`). Add a line here when a
+# recorded key is renamed.
+RENAMED = {
+    # The universal stack's settings became its options (models/universal.py OPTIONS).
+    'model.universal_steps': 'model.stack_options.steps',
+    'model.universal_act': 'model.stack_options.act',
+    'model.universal_max_steps': 'model.stack_options.max_steps',
+    'model.universal_ponder': 'model.stack_options.ponder',
+}
 
+# Prefix of the attention options' keys.
 OPTIONS_GROUP = 'model.attention_options.'
+# Prefix of each option group's keys -> the registry that declares its options.
+OPTION_GROUPS = {f'model.{group}.': reg for group, reg in transformer.OPTION_GROUPS.items()}
 
 
 def kind(key: str) -> str:
-  """The kind of a change of dotted config `key`: an attention option's declared kind (the
-  registry's Option.change), else KINDS' (MODEL when no entry covers it)."""
-  if key.startswith(OPTIONS_GROUP):
-    option = registry.options().get(key[len(OPTIONS_GROUP):].split('.')[0])
-    if option is not None:
-      return option.change
+  """The kind of a change of dotted config `key`: the declared kind of an attention, block or
+  stack option (the registry's Option.change), else KINDS' (MODEL when no entry covers it)."""
+  for prefix, reg in OPTION_GROUPS.items():
+    if key.startswith(prefix):
+      option = reg.options().get(key[len(prefix):].split('.')[0])
+      if option is not None:
+        return option.change
   parts = key.split('.')
   for n in range(len(parts), 0, -1):
     found = KINDS.get('.'.join(parts[:n]))
@@ -216,6 +234,46 @@ class Resolved:
   request: Request
 
 
+def migrate(flat: dict[str, Any]) -> dict[str, Any]:
+  """`flat` (dotted key -> value, e.g. a record's changes, overrides or an eval result's
+  config_overrides) with every RENAMED key under its new name (a new key present wins)."""
+  out = {}
+  for key, value in flat.items():
+    new = RENAMED.get(key)
+    if new is None:
+      out[key] = value
+    elif new not in flat:
+      out[new] = value
+  return out
+
+
+def _migrate_tree(tree: dict) -> dict:
+  """A nested record (config.json) with every RENAMED key moved to its new place."""
+  tree = copy.deepcopy(tree)
+  for old, new in RENAMED.items():
+    *parents, leaf = old.split('.')
+    node = tree
+    for p in parents:
+      node = node.get(p) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or leaf not in node:
+      continue
+    value = node.pop(leaf)
+    *parents, leaf = new.split('.')
+    node = tree
+    for p in parents:
+      node = node.setdefault(p, {})
+    node.setdefault(leaf, value)
+  return tree
+
+
+def check_renamed(keys) -> None:
+  """Raises ValueError naming the new key of each RENAMED key among dotted `keys` (a config
+  given now, or the --config overrides of a command line)."""
+  old = sorted(k for k in keys if k in RENAMED)
+  if old:
+    raise ValueError('; '.join(f'config key {k} was renamed {RENAMED[k]}' for k in old))
+
+
 def flatten(tree: dict, prefix: str = '') -> dict[str, Any]:
   """Nested dicts -> {'a.b': leaf}; lists and other values are leaves."""
   out = {}
@@ -247,14 +305,15 @@ def read_record(workdir: str) -> dict | None:
   if not path.exists():
     return None
   try:
-    return json.loads(path.read_text())
+    return _migrate_tree(json.loads(path.read_text()))
   except (ValueError, OSError) as e:
     raise ValueError(f'the run\'s config record {path} cannot be read ({e}); restore it from a '
                      'copy, or move it aside to use the config given') from e
 
 
 def read_history(workdir: str) -> list[dict]:
-  """The lines of WORKDIR/config_history.jsonl (an unreadable line is skipped with a warning)."""
+  """The lines of WORKDIR/config_history.jsonl (an unreadable line is skipped with a warning),
+  with RENAMED keys under their new names."""
   path = _path(workdir, HISTORY)
   if not path.exists():
     return []
@@ -263,9 +322,17 @@ def read_history(workdir: str) -> list[dict]:
     if not line.strip():
       continue
     try:
-      lines.append(json.loads(line))
+      entry = json.loads(line)
     except ValueError:
       logging.warning('%s line %d is not JSON; skipped', path, n)
+      continue
+    for change in entry.get('changes') or []:
+      change['key'] = RENAMED.get(change.get('key'), change.get('key'))
+    if isinstance(entry.get('overrides'), dict):
+      entry['overrides'] = migrate(entry['overrides'])
+    if isinstance(entry.get('replaced_record'), dict):
+      entry['replaced_record'] = _migrate_tree(entry['replaced_record'])
+    lines.append(entry)
   return lines
 
 

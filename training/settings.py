@@ -94,10 +94,13 @@ def _check(key: str, value: Any, allowed: Range) -> None:
 def check(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the first setting that is not finite or not in its range.
 
+  A key renamed since (run_config.RENAMED) is refused with its new name.
+
   Args:
     config: the run config (a run record may lack keys added since: they are skipped).
   """
   flat = run_config.as_flat_json(config)
+  run_config.check_renamed(flat)  # An old key would be ignored silently.
   for key, value in flat.items():
     if isinstance(value, float) and not math.isfinite(value):
       raise ValueError(f'{key} must be a finite number, got {value!r}')

@@ -38,9 +38,10 @@ def test_variant_config_adds_only_the_variant_and_what_it_needs():
   assert compare.own_keys(base, compare.variant_config(base, 'reformer:n_hashes=2')) == {
       'model.attention': 'lsh', 'model.block': 'reversible',
       'model.attention_options.n_hashes': 2}
-  universal = compare.variant_config(base, 'universal:universal_act=true')
-  assert (universal.model.stack, universal.model.universal_steps,
-          universal.model.universal_act) == ('universal', 1, True)
+  # A stack option (model.stack_options).
+  universal = compare.variant_config(base, 'universal:act=true')
+  assert (universal.model.stack, universal.model.stack_options.steps,
+          universal.model.stack_options.act) == ('universal', 1, True)
   # A model field and a dotted key.
   assert compare.variant_config(base, 'dense:block=gtrxl').model.block == 'gtrxl'
   assert compare.variant_config(base, 'dense:data.packing=packed').data.packing == 'packed'

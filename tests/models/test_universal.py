@@ -34,9 +34,14 @@ def _coordinated_block(monkeypatch):
 
 
 def _config(**overrides):
+  """A universal model; the universal stack's options (steps, act, max_steps, ponder) among
+  `overrides` go to model.stack_options."""
+  stack_options = {'steps': 3, 'max_steps': 4}
+  stack_options.update({k: overrides.pop(k) for k in list(overrides)
+                        if k in universal.Universal.OPTIONS})
   m = dict(vocab_size=VOCAB, d_model=D, n_heads=2, max_len=N, attention='dense',
-           stack='universal', dtype='float32', position_embedding='none', universal_steps=3,
-           universal_max_steps=4)
+           stack='universal', dtype='float32', position_embedding='none',
+           stack_options=stack_options)
   m.update(overrides)
   return transformer.TransformerConfig.from_config(m)
 
@@ -86,7 +91,7 @@ def _unrolled_equivalent(config, params, steps):
 
 
 def test_fixed_steps_equal_an_unrolled_stack_with_identical_weights():
-  config = _config(universal_steps=3)
+  config = _config(steps=3)
   params = _params(config)
   positions, segments = _packed()
   x = _tokens()
@@ -104,7 +109,7 @@ def test_fixed_steps_equal_an_unrolled_stack_with_identical_weights():
 
 
 def test_forced_halting_at_step_one_equals_one_application_of_the_block():
-  config = _config(universal_act=True)
+  config = _config(act=True)
   params = _with_halting(_params(config), bias=50.0)  # h ≈ 1 at the first step.
   x = _tokens()
   logits, sown = _sown(config, params, x)
@@ -117,7 +122,7 @@ def test_forced_halting_at_step_one_equals_one_application_of_the_block():
 
 def _varied():
   """An ACT model whose positions halt after different numbers of steps, some at the cap."""
-  config = _config(universal_act=True, universal_max_steps=4)
+  config = _config(act=True, max_steps=4)
   params = _with_halting(_params(config, seed=1), kernel_scale=3.0, bias=-0.5)
   return config, params
 
@@ -144,7 +149,7 @@ def test_ponder_cost_and_output_on_fixed_halting_probabilities(max_steps, n, r):
   R = 1 - 0.9; a cap M = 3 stops at N = 3 with R = 1 - 0.6. The output is the p-weighted
   mean of the fixed-step states s^1 .. s^N."""
   tau = 0.05
-  config = _config(universal_act=True, universal_max_steps=max_steps, universal_ponder=tau)
+  config = _config(act=True, max_steps=max_steps, ponder=tau)
   params = _params(config)
   halting = {'kernel': jnp.zeros((D,)), 'bias': jnp.asarray(math.log(0.3 / 0.7))}
   ut = {'step': {'block': params['universal']['step']['block'], 'halting': halting}}
@@ -160,7 +165,7 @@ def test_ponder_cost_and_output_on_fixed_halting_probabilities(max_steps, n, r):
   weights = [0.3] * (n - 1) + [r]
   want = 0
   for t, w in enumerate(weights, start=1):
-    fixed = _config(universal_steps=t)
+    fixed = _config(steps=t)
     state = universal.UniversalLoop(fixed).apply(
         {'params': {'step': {'block': ut['step']['block']}}}, x, ctx)
     want = want + w * state
@@ -168,7 +173,7 @@ def test_ponder_cost_and_output_on_fixed_halting_probabilities(max_steps, n, r):
 
 
 def test_max_steps_caps_the_steps():
-  config = _config(universal_act=True, universal_max_steps=3)
+  config = _config(act=True, max_steps=3)
   params = _with_halting(_params(config), kernel_scale=0.0, bias=-50.0)  # h ≈ 0: never halts.
   _, sown = _sown(config, params, _tokens())
   np.testing.assert_array_equal(sown['intermediates']['universal']['act_steps'][0], 3)
@@ -191,11 +196,11 @@ def test_padding_is_left_out_of_the_step_statistics():
 
 def test_parameter_count_is_one_block_plus_the_halting_unit():
   fixed = _config()
-  act = _config(universal_act=True)
+  act = _config(act=True)
   one_layer = _config(stack='unrolled', n_layers=1)
   assert fixed.num_params() == one_layer.num_params()
   assert act.num_params() == one_layer.num_params() + D + 1
-  assert _config(universal_steps=7).num_params() == fixed.num_params()
+  assert _config(steps=7).num_params() == fixed.num_params()
 
 
 def test_inference_stops_early_with_the_training_scans_outputs():
@@ -219,7 +224,7 @@ def test_inference_stops_early_with_the_training_scans_outputs():
 def test_decoding_equals_the_forward_pass(act, attention, block):
   """Token by token through one cache per step: a token that halted early still writes its
   frozen state into the later steps' caches, where longer-running tokens read it."""
-  config = _config(universal_act=act, attention=attention, block=block,
+  config = _config(act=act, attention=attention, block=block,
                    attention_options={'window': 5} if attention == 'local' else {})
   params = _params(config, seed=1)
   if act:
@@ -254,17 +259,17 @@ def test_act_gradients_reach_the_halting_unit_and_the_block():
 
 def test_flops_count_the_steps_taken():
   seq = 64
-  fixed = _config(universal_steps=2)
-  act = _config(universal_act=True, universal_max_steps=8)
+  fixed = _config(steps=2)
+  act = _config(act=True, max_steps=8)
   layered = _config(stack='unrolled', n_layers=2)
   assert fixed.train_flops_per_token(seq) == layered.train_flops_per_token(seq)
   halting = 6.0 * D  # w · s per step: d matmul weights.
   assert act.train_flops_per_token(seq, {'act_steps/universal': 2.0}) == (
       fixed.train_flops_per_token(seq) + 2 * halting)
-  four = _config(universal_steps=4).train_flops_per_token(seq)
+  four = _config(steps=4).train_flops_per_token(seq)
   assert act.train_flops_per_token(seq, {'act_steps/universal': 4.0}) == four + 4 * halting
   # Without measured steps: the cap.
-  assert act.train_flops_per_token(seq) == _config(universal_steps=8).train_flops_per_token(
+  assert act.train_flops_per_token(seq) == _config(steps=8).train_flops_per_token(
       seq) + 8 * halting
 
 
@@ -304,11 +309,13 @@ def test_relative_position_attention_gets_only_the_step_signal():
 
 @pytest.mark.parametrize('overrides, message', [
     ({'n_layers': 2}, r"applies one weight-shared block: set model.n_layers=1"),
-    ({'universal_steps': 0}, r'model.universal_steps must be an integer >= 1'),
-    ({'universal_max_steps': 0, 'universal_act': True},
-     r'model.universal_max_steps must be an integer >= 1'),
-    ({'universal_ponder': -0.1}, r'universal_ponder .* must be >= 0'),
-    ({'universal_act': 'yes'}, r'model.universal_act must be True or False'),
+    ({'steps': 0}, r'model.stack_options.steps must be an integer >= 1, got 0'),
+    ({'max_steps': 0, 'act': True}, r'model.stack_options.max_steps must be an integer >= 1'),
+    ({'steps': 2.5}, r'model.stack_options.steps \(T: .*\) must be an integer, got 2.5'),
+    ({'ponder': -0.1}, r'model.stack_options.ponder .* must be >= 0'),
+    ({'act': 'yes'}, r'model.stack_options.act \(.*\) must be True or False'),
+    ({'stack_options': {'stepz': 2}},
+     r'unknown model.stack_options stepz; the registered stacks declare: act, max_steps'),
     ({'attention': 'strided'}, r"strided attention alternates its pattern .* \(period 2\)"),
     ({'attention': 'local_global'}, r"local_global attention alternates its pattern"),
 ])
@@ -326,7 +333,7 @@ def test_universal_stack_defaults_to_one_layer():
 def test_segment_memory_is_kept_per_step():
   """Transformer-XL's memory under the universal stack: one memory per step (step t's memory
   holds the previous segment's inputs to step t), carried into the next segment."""
-  config = _config(attention='txl', universal_act=True, attention_options={'mem_len': N})
+  config = _config(attention='txl', act=True, attention_options={'mem_len': N})
   model = transformer.Decoder(config)
   variables = model.init(jax.random.key(0), _tokens())
   params = nn.unbox(variables['params'])
@@ -345,7 +352,7 @@ def test_segment_memory_is_kept_per_step():
 def test_read_only_collections_are_shared_by_the_steps():
   """Selective attention's pruning budgets (a read-only input laid out like the parameters:
   stacked_tree) reach the one block at every step."""
-  config = _config(attention='selective', universal_steps=2)
+  config = _config(attention='selective', steps=2)
   params = _params(config)
   model = transformer.Decoder(config)
   x = _tokens()

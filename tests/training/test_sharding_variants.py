@@ -122,11 +122,11 @@ CASE_CONFIG = {
     # One shared block for 3 steps; with ACT for at most 3 (the ponder cost is the auxiliary
     # loss), with dropout so the per-step masks are compared too.
     'universal_fixed': {'model.attention': 'dense', 'model.stack': 'universal',
-                        'model.n_layers': 1, 'model.universal_steps': 3,
+                        'model.n_layers': 1, 'model.stack_options.steps': 3,
                         'model.position_embedding': 'none'},
     'universal_act': {'model.attention': 'dense', 'model.stack': 'universal',
-                      'model.n_layers': 1, 'model.universal_act': True,
-                      'model.universal_max_steps': 3, 'model.universal_ponder': 0.05,
+                      'model.n_layers': 1, 'model.stack_options.act': True,
+                      'model.stack_options.max_steps': 3, 'model.stack_options.ponder': 0.05,
                       'model.position_embedding': 'none', 'model.dropout_rate': 0.1},
 }
 

@@ -46,7 +46,7 @@ CASES = {
     'universal_stack': {'model.stack': 'universal', 'model.n_layers': 1,
                         'model.position_embedding': 'none'},
     'universal_act_stack': {'model.stack': 'universal', 'model.n_layers': 1,
-                            'model.universal_act': True, 'model.position_embedding': 'none'},
+                            'model.stack_options.act': True, 'model.position_embedding': 'none'},
 }
 # Cases whose attention is a static pattern: their programs must hold the TPU kernel.
 SPLASH_CASES = [c for c, keys in CASES.items()

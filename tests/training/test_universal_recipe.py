@@ -15,8 +15,8 @@ from training import assembly, attention_maps, evaluation, metrics, train
 def _config(total_steps, **model):
   config = default.get_config()
   config.model.update(d=0, d_model=32, n_heads=2, vocab_size=0, max_len=0, dtype='float32',
-                      position_embedding='none', stack='universal', universal_act=True,
-                      universal_max_steps=3, universal_ponder=0.05, dropout_rate=0.1, **model)
+                      position_embedding='none', stack='universal', dropout_rate=0.1, **model)
+  config.model.stack_options.update(act=True, max_steps=3, ponder=0.05)
   config.data.name = 'parity'
   config.data.num_bits = 8
   config.update(batch_size=8, total_steps=total_steps, warmup_steps=2, log_every_steps=2,
@@ -65,11 +65,11 @@ def test_eval_may_allow_more_steps_than_training(tmp_path):
   train.train_and_evaluate(_config(3), workdir)
   three = evaluation.evaluate_checkpoint(_config(3), workdir)
   more = _config(3)
-  more.model.universal_max_steps = 6
+  more.model.stack_options.max_steps = 6
   six = evaluation.evaluate_checkpoint(more, workdir)
   assert three['step'] == six['step'] == 3
   assert np.isfinite(six['loss'])
-  assert six['config_overrides'] == {'model.universal_max_steps': 6}
+  assert six['config_overrides'] == {'model.stack_options.max_steps': 6}
 
 
 def test_inspect_draws_the_steps_per_token(tmp_path):

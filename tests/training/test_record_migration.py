@@ -1,0 +1,136 @@
+"""Runs recorded before a config key was renamed still evaluate and resume (run_config.RENAMED):
+the universal stack's settings were the top-level model.universal_* keys and are now its
+options, model.stack_options.*; an option's change kind is read from its declaration."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from configs import default
+from models import transformer
+from training import evaluation, run_config, settings, train
+
+OLD_TO_NEW = {
+    'model.universal_steps': 'model.stack_options.steps',
+    'model.universal_act': 'model.stack_options.act',
+    'model.universal_max_steps': 'model.stack_options.max_steps',
+    'model.universal_ponder': 'model.stack_options.ponder',
+}
+
+
+def _config(total_steps):
+  """A tiny universal run with ACT on running parity (as test_universal_recipe.py)."""
+  config = default.get_config()
+  config.model.update(d=0, d_model=32, n_heads=2, vocab_size=0, max_len=0, dtype='float32',
+                      position_embedding='none', stack='universal')
+  config.model.stack_options.update(act=True, max_steps=3, ponder=0.05)
+  config.data.name = 'parity'
+  config.data.num_bits = 8
+  config.update(batch_size=8, total_steps=total_steps, warmup_steps=2, log_every_steps=2,
+                eval_every_steps=0, eval_steps=2, checkpoint_every_steps=2,
+                peak_tflops_per_device=1.0, async_checkpointing=False)
+  return config
+
+
+def _write_old_record(workdir) -> None:
+  """Rewrites WORKDIR/config.json as a run recorded before the rename wrote it."""
+  path = workdir / 'config.json'
+  record = json.loads(path.read_text())
+  for name, value in record['model'].pop('stack_options').items():
+    record['model'][f'universal_{name}'] = value
+  path.write_text(json.dumps(record, indent=2))
+
+
+def test_the_migration_table():
+  assert run_config.RENAMED == OLD_TO_NEW
+  assert run_config.migrate({'model.universal_max_steps': 6, 'seed': 1}) == {
+      'model.stack_options.max_steps': 6, 'seed': 1}
+  # A new key present wins over its old name.
+  assert run_config.migrate({'model.universal_steps': 2, 'model.stack_options.steps': 5}) == {
+      'model.stack_options.steps': 5}
+
+
+def test_stack_options_declare_their_change_kind():
+  assert run_config.kind('model.stack_options.steps') == run_config.TRAINING
+  assert run_config.kind('model.stack_options.max_steps') == run_config.TRAINING
+  assert run_config.kind('model.stack_options.ponder') == run_config.TRAINING
+  assert run_config.kind('model.stack_options.act') == run_config.MODEL  # The halting unit.
+  for group, registry in transformer.OPTION_GROUPS.items():
+    for name, option in registry.options().items():
+      assert run_config.kind(f'model.{group}.{name}') == option.change, (group, name)
+  # Nothing about them is listed by hand in training/.
+  assert not [k for k in run_config.KINDS
+              if k.startswith('model.universal_') or k.startswith('model.stack_options')
+              or k.startswith('model.block_options')]
+  assert run_config.kind('model.stack_options.an_option_added_later') == run_config.MODEL
+
+
+def test_history_lines_and_records_are_read_with_the_new_keys(tmp_path):
+  record = default.get_config().to_dict()
+  record['model'].pop('stack_options')
+  record['model'].update(universal_steps=4, universal_act=True, universal_max_steps=3,
+                         universal_ponder=0.05)
+  (tmp_path / 'config.json').write_text(json.dumps(record))
+  lines = [{'start': 'new', 'step': 0, 'recipe': 'r.py', 'overrides': None, 'changes': []},
+           {'start': 'resume', 'step': 2, 'recipe': 'r.py',
+            'overrides': {'model.universal_max_steps': 5},
+            'changes': [{'key': 'model.universal_max_steps', 'recorded': 3, 'given': 5,
+                         'kind': 'training'}]}]
+  (tmp_path / 'config_history.jsonl').write_text(''.join(json.dumps(x) + '\n' for x in lines))
+  flat, recipe = run_config.current_record(str(tmp_path))
+  assert recipe == 'r.py'
+  assert {k: flat[k] for k in OLD_TO_NEW.values()} == {
+      'model.stack_options.steps': 4, 'model.stack_options.act': True,
+      'model.stack_options.max_steps': 5, 'model.stack_options.ponder': 0.05}
+  assert not [k for k in flat if k.startswith('model.universal_')]
+  history = run_config.read_history(str(tmp_path))
+  assert history[1]['overrides'] == {'model.stack_options.max_steps': 5}
+  assert history[1]['changes'][0]['key'] == 'model.stack_options.max_steps'
+  assert run_config.read_record(str(tmp_path))['model']['stack_options']['act'] is True
+
+
+def test_an_old_key_given_now_is_refused_with_the_new_name(harness, tmp_path):
+  config = _config(2)
+  config.model.universal_steps = 3  # An unlocked config takes any field: refused, not ignored.
+  with pytest.raises(ValueError, match=r'config key model.universal_steps was renamed '
+                                       r'model.stack_options.steps'):
+    settings.check(config)
+  proc = harness.run_main(tmp_path / 'run', {'model.universal_steps': 3})
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  errors = [line for line in proc.stderr.splitlines() if line.startswith('error: ')]
+  assert errors == ['error: bad command line: --config.model.universal_steps was renamed '
+                    '--config.model.stack_options.steps'], proc.stderr[-3000:]
+
+
+def test_a_run_recorded_with_the_old_keys_evaluates_and_resumes_the_same(tmp_path):
+  new, old = tmp_path / 'new', tmp_path / 'old'
+  train.train_and_evaluate(_config(2), str(new))
+  shutil.copytree(new, old)
+  _write_old_record(old)
+  assert 'universal_act' in json.loads((old / 'config.json').read_text())['model']
+
+  # Eval from the record alone (the recipe given is the default dense model, nothing asked
+  # for): the old record's ACT model, scored exactly as the new record's.
+  nothing = run_config.Request(keys=frozenset())
+  scores = [evaluation.evaluate_checkpoint(default.get_config(), str(w), nothing)
+            for w in (new, old)]
+  assert scores[0]['loss'] == scores[1]['loss'] and np.isfinite(scores[0]['loss'])
+  # Every field asked for: the same values under the new keys are no change.
+  given = evaluation.evaluate_checkpoint(_config(2), str(old))
+  assert 'config_overrides' not in given and given['loss'] == scores[1]['loss']
+
+  # Resume to step 4 from each record: the same parameters (tree and values).
+  more = default.get_config()
+  more.total_steps = 4
+  total = run_config.Request(keys=frozenset({'total_steps'}))
+  states = [train.train_and_evaluate(more, str(w), total) for w in (new, old)]
+  assert int(states[0].step) == int(states[1].step) == 4
+  assert 'halting' in states[1].params['universal']['step']
+  assert jax.tree.structure(states[0].params) == jax.tree.structure(states[1].params)
+  for a, b in zip(jax.tree.leaves(states[0].params), jax.tree.leaves(states[1].params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # config.json is never rewritten: the old record keeps its keys and is read as before.
+  assert 'universal_act' in json.loads((old / 'config.json').read_text())['model']
