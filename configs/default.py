@@ -46,6 +46,10 @@ def get_config() -> ml_collections.ConfigDict:
   model.remat = 'none'                  # 'none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable'.
   model.block = 'pre_ln'                # Residual wiring of a layer: pre_ln | gtrxl | reversible
                                         # (models/blocks.py).
+  # Every block's hyper-parameters, with the defaults each block declares next to its code
+  # (OPTIONS in models/blocks.py), as --config.model.block_options.<name>=<value>: gate_bias
+  # (GTrXL's gate bias b_g at init).
+  model.block_options = ml_collections.ConfigDict(transformer.default_options('block_options'))
   model.stack = 'auto'                  # How blocks are applied (models/stacks.py): 'unrolled',
                                         # 'scan' (identical layers), 'scan_cycle' (a repeating
                                         # cycle, e.g. interleaved strided A1/A2), 'universal'

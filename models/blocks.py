@@ -14,7 +14,9 @@ it applies:
 The carry is what the block threads through the stack: the residual stream x for pre_ln and
 gtrxl, the pair (x1, x2) for reversible. The Decoder makes it from the embedding with the
 block's `split` and turns the stack's output back into one stream with `merge`. A block whose
-wiring adds matmul weights declares them (`extra_matmul_weights`) for the FLOPs count.
+wiring adds matmul weights declares them (`extra_matmul_weights`) for the FLOPs count. A block's
+own hyper-parameters are its `OPTIONS` (config.model.block_options; models/options.py), e.g.
+GTrXL's gate_bias.
 """
 
 from typing import Any, ClassVar
@@ -26,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from models import attention, layers
+from models.options import Option
 from models.registry import Registry
 
 BLOCKS = Registry('block', 'model.block_options')
@@ -90,6 +93,11 @@ class BlockBase(nn.Module):
   # True for a block whose input is a function of its output: the Decoder then trains the
   # stack through models/reversible.py, which stores no layer's activations.
   REVERSIBLE: ClassVar[bool] = False
+  # The block's own hyper-parameters, config.model.block_options.<name>: name -> Option
+  # (models/options.py), each with its default, doc and change kind. Options of all blocks
+  # share that one group (the registry refuses a name two blocks declare separately); read
+  # one with config.block_option(name).
+  OPTIONS: ClassVar[dict[str, Option]] = {}
 
   @classmethod
   def check(cls, config) -> None:
@@ -148,6 +156,14 @@ class PreLN(BlockBase):
     return nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
 
 
+# GTrXL's options (config.model.block_options). The gate bias only sets b_g's initializer,
+# so a recorded run may be evaluated with another value: a 'training' change.
+GTRXL_OPTIONS = {
+    'gate_bias': Option(2.0, "b_g at init: GTrXL's gate bias (z starts near σ(-b_g))",
+                        change='training'),
+}
+
+
 class GRUGate(nn.Module):
   """GTrXL's gate g(x, y) in place of the residual sum x + y (Parisotto et al. 2019, eq. 4-7):
 
@@ -162,11 +178,11 @@ class GRUGate(nn.Module):
   σ(-2) ≈ 0.12 and the block near the identity.
 
   Attributes:
-    gate_bias: initial value of b_g.
+    gate_bias: initial value of b_g (GTrXL's model.block_options.gate_bias).
     dtype: computation dtype of the matmuls and of the output.
     param_dtype: parameter dtype.
   """
-  gate_bias: float = 2.0
+  gate_bias: float = GTRXL_OPTIONS['gate_bias'].default
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
 
@@ -200,15 +216,19 @@ class GTrXL(BlockBase):
     x = g_attn(x, ReLU(Attn(RMSNorm(x)))),  x = g_mlp(x, ReLU(SwiGLU(RMSNorm(x))))
 
   Works with any attention variant. Residual dropout applies to the sublayer output before
-  the gate. The decoder's final RMSNorm still normalizes the stack's output.
+  the gate. The decoder's final RMSNorm still normalizes the stack's output. Option:
+  gate_bias, b_g's initial value (model.block_options.gate_bias; 2 as in the paper).
   """
+
+  OPTIONS = GTRXL_OPTIONS
 
   @classmethod
   def extra_matmul_weights(cls, d_model: int) -> int:
     return 2 * 6 * d_model * d_model  # Two gates, six d x d matrices each.
 
   def gate(self, name: str) -> nn.Module:
-    return GRUGate(dtype=self.config.dtype, param_dtype=self.config.param_dtype, name=name)
+    return GRUGate(gate_bias=self.config.block_option('gate_bias'), dtype=self.config.dtype,
+                   param_dtype=self.config.param_dtype, name=name)
 
   @nn.compact
   def __call__(self, x, ctx: LayerContext):

@@ -65,6 +65,9 @@ class TransformerConfig:
     ff_chunk_len: positions per chunk of the SwiGLU feed-forward (layers.chunked_swiglu_mlp:
       its (tokens, mlp_dim) hidden activation is never whole); 0 = all positions at once. A
       length that does not divide the sequence is padded.
+    block_options: the blocks' hyper-parameters (config.model.block_options, e.g. GTrXL's
+      gate_bias), sorted (name, value) pairs; every option a registered block declares,
+      defaults filled in. Read one with `block_option`.
     stack_options: the stacks' hyper-parameters (config.model.stack_options, e.g. the
       universal stack's steps, act, max_steps, ponder), sorted (name, value) pairs; every
       option a registered stack declares, defaults filled in. Read one with `stack_option`.
@@ -95,6 +98,7 @@ class TransformerConfig:
   block: str = 'pre_ln'
   stack: str = 'auto'
   ff_chunk_len: int = 0
+  block_options: tuple = ()
   stack_options: tuple = ()
   target_platform: str = ''
   target_devices: int = 0
@@ -133,12 +137,18 @@ class TransformerConfig:
         self.ff_chunk_len < 0):
       raise ValueError(f'model.ff_chunk_len must be an integer >= 0 (0 = no chunking), got '
                        f'{self.ff_chunk_len!r}')
+    resolved = blocks.BLOCKS.resolve_options(dict(self.block_options), [self.block])
+    object.__setattr__(self, 'block_options', tuple(sorted(resolved.items())))
     stack = [self.stack] if self.stack != 'auto' else []  # 'auto' runs a stack with no options.
     resolved = stacks.STACKS.resolve_options(dict(self.stack_options), stack)
     object.__setattr__(self, 'stack_options', tuple(sorted(resolved.items())))
     blocks.get(self.block).check(self)
     if self.stack != 'auto':
       stacks.get(self.stack).check(self)
+
+  def block_option(self, name: str):
+    """The block option `name` (config.model.block_options; its default when not given)."""
+    return options.lookup(self.block_options, name, 'model.block_options')
 
   def stack_option(self, name: str):
     """The stack option `name` (config.model.stack_options; its default when not given)."""
@@ -212,6 +222,7 @@ class TransformerConfig:
         dtype=jnp.dtype(m.get('dtype', 'float32')), param_dtype=jnp.dtype(m.get('param_dtype', 'float32')),
         remat=m.get('remat', 'none'), block=m.get('block', 'pre_ln'), stack=m.get('stack', 'auto'),
         ff_chunk_len=m.get('ff_chunk_len', 0),
+        block_options=tuple(sorted(dict(m.get('block_options') or {}).items())),
         stack_options=tuple(sorted(dict(m.get('stack_options') or {}).items())),
         target_platform=m.get('target_platform', ''), target_devices=m.get('target_devices', 0))
 

@@ -38,10 +38,13 @@ def test_variant_config_adds_only_the_variant_and_what_it_needs():
   assert compare.own_keys(base, compare.variant_config(base, 'reformer:n_hashes=2')) == {
       'model.attention': 'lsh', 'model.block': 'reversible',
       'model.attention_options.n_hashes': 2}
-  # A stack option (model.stack_options).
+  # A stack option (model.stack_options) and a block option (model.block_options).
   universal = compare.variant_config(base, 'universal:act=true')
   assert (universal.model.stack, universal.model.stack_options.steps,
           universal.model.stack_options.act) == ('universal', 1, True)
+  gated = compare.variant_config(base, 'dense:block=gtrxl:gate_bias=1')
+  assert compare.own_keys(base, gated) == {'model.block': 'gtrxl',
+                                           'model.block_options.gate_bias': 1.0}
   # A model field and a dotted key.
   assert compare.variant_config(base, 'dense:block=gtrxl').model.block == 'gtrxl'
   assert compare.variant_config(base, 'dense:data.packing=packed').data.packing == 'packed'

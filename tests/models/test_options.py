@@ -1,9 +1,14 @@
 """The option mechanism every registry shares (models/options.py, models/registry.py):
-declared options, their defaults, resolution with type checks, one flat namespace."""
+declared options, their defaults, resolution with type checks, one flat namespace; and the
+model's block and stack option groups (model.block_options, model.stack_options)."""
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from models import options
+from models import options, transformer
 from models.attention import base
 from models.registry import Registry
 
@@ -82,3 +87,41 @@ def test_lookup_names_the_group():
 def test_a_change_kind_outside_the_three_is_refused():
   with pytest.raises(ValueError, match='Option.change must be one of'):
     options.Option(0, 'a typo', change='eval')
+
+
+def _model(**model):
+  return transformer.TransformerConfig.from_config(dict(
+      vocab_size=16, d_model=16, n_heads=2, n_layers=1, max_len=8, **model))
+
+
+def test_every_model_carries_each_groups_options_with_defaults():
+  config = _model()
+  assert dict(config.block_options) == {'gate_bias': 2.0}
+  assert dict(config.stack_options) == {'act': False, 'max_steps': 8, 'ponder': 0.01,
+                                        'steps': 4}
+  assert config.block_option('gate_bias') == 2.0 and config.stack_option('steps') == 4
+  with pytest.raises(ValueError, match='unknown model.block_options gate; the registered '
+                                       'blocks declare: gate_bias'):
+    _model(block_options={'gate': 1.0})
+  # Types are checked for the block and stack in use only (as attention options are).
+  _model(block_options={'gate_bias': 'high'})
+  with pytest.raises(ValueError, match=r'model.block_options.gate_bias \(.*\) must be a number'):
+    _model(block='gtrxl', block_options={'gate_bias': 'high'})
+
+
+def test_gtrxl_gate_bias_sets_the_initial_bias_only():
+  x = jnp.zeros((1, 8), jnp.int32)
+
+  def params(**block_options):
+    model = transformer.Decoder(_model(block='gtrxl', dtype='float32',
+                                       block_options=block_options))
+    return nn.unbox(model.init(jax.random.key(0), x)['params'])
+
+  default, other = params(), params(gate_bias=0.5)
+  gates = lambda p: [p[k][g]['gate_bias'] for k in p if k.startswith('block') or k == 'blocks'
+                     for g in ('attention_gate', 'mlp_gate')]
+  assert len(gates(default)) == 2  # One layer's two gates.
+  assert all(np.all(np.asarray(b) == 2.0) for b in gates(default))
+  assert all(np.all(np.asarray(b) == 0.5) for b in gates(other))
+  # The same tree: only the initial value differs.
+  assert jax.tree.structure(default) == jax.tree.structure(other)

@@ -1,6 +1,7 @@
 """Runs recorded before a config key was renamed still evaluate and resume (run_config.RENAMED):
 the universal stack's settings were the top-level model.universal_* keys and are now its
-options, model.stack_options.*; an option's change kind is read from its declaration."""
+options, model.stack_options.*; a stack or block option's change kind is read from its
+declaration."""
 
 import json
 import shutil
@@ -53,11 +54,13 @@ def test_the_migration_table():
       'model.stack_options.steps': 5}
 
 
-def test_stack_options_declare_their_change_kind():
+def test_stack_and_block_options_declare_their_change_kind():
   assert run_config.kind('model.stack_options.steps') == run_config.TRAINING
   assert run_config.kind('model.stack_options.max_steps') == run_config.TRAINING
   assert run_config.kind('model.stack_options.ponder') == run_config.TRAINING
   assert run_config.kind('model.stack_options.act') == run_config.MODEL  # The halting unit.
+  # GTrXL's gate bias only sets an initializer.
+  assert run_config.kind('model.block_options.gate_bias') == run_config.TRAINING
   for group, registry in transformer.OPTION_GROUPS.items():
     for name, option in registry.options().items():
       assert run_config.kind(f'model.{group}.{name}') == option.change, (group, name)
