@@ -30,6 +30,34 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(skip)
 
 
+@pytest.fixture(scope='session')
+def compile_cache_dir(tmp_path_factory) -> str:
+  """The session's JAX persistent compilation cache: main.py subprocesses (the training
+  Harness) and the in-process tests that ask for `compile_cache` share it, so a program
+  compiled once (the same HLO) is loaded, not compiled again, by the next run that builds it."""
+  return str(tmp_path_factory.mktemp('jax_compilation_cache'))
+
+
+@pytest.fixture(scope='module')
+def compile_cache(compile_cache_dir):
+  """Turns the session's persistent compilation cache on for a module, then restores the
+  settings. Worth it where a module builds the same programs again (a resumed training run
+  compiles what the first run compiled); elsewhere writing every program costs more than it
+  saves."""
+  from jax._src import compilation_cache  # pylint: disable=import-outside-toplevel
+  settings = {'jax_compilation_cache_dir': compile_cache_dir,
+              'jax_persistent_cache_min_compile_time_secs': 0.0,
+              'jax_persistent_cache_min_entry_size_bytes': 0}
+  previous = {k: getattr(jax.config, k) for k in settings}
+  for k, v in settings.items():
+    jax.config.update(k, v)
+  compilation_cache.reset_cache()
+  yield
+  for k, v in previous.items():
+    jax.config.update(k, v)
+  compilation_cache.reset_cache()
+
+
 @pytest.fixture
 def no_compute(monkeypatch):
   """Makes any compiled compute (or the matmul peak measurement) fail the test: bad input must

@@ -217,25 +217,10 @@ def kit() -> type[Kit]:
   return Kit
 
 
-@pytest.fixture(scope='session')
-def _compile_cache_dir(tmp_path_factory) -> str:
-  return str(tmp_path_factory.mktemp('jax_compilation_cache'))
-
-
 @pytest.fixture(scope='module', autouse=True)
-def _compile_cache(_compile_cache_dir):
-  """Turns on the session's persistent compilation cache for this module, then restores."""
-  from jax._src import compilation_cache  # pylint: disable=import-outside-toplevel
-  settings = {'jax_compilation_cache_dir': _compile_cache_dir,
-              'jax_persistent_cache_min_compile_time_secs': 0.0,
-              'jax_persistent_cache_min_entry_size_bytes': 0}
-  previous = {k: getattr(jax.config, k) for k in settings}
-  for k, v in settings.items():
-    jax.config.update(k, v)
-  compilation_cache.reset_cache()
-  yield
-  for k, v in previous.items():
-    jax.config.update(k, v)
-  compilation_cache.reset_cache()
+def _compile_cache(compile_cache):
+  """Every module here runs with the session's persistent compilation cache (tests/conftest.py):
+  the pipelines' runs build the same small programs again and again."""
+  del compile_cache
 
 

@@ -166,5 +166,5 @@ class Harness:
 
 
 @pytest.fixture(scope='session')
-def harness(tmp_path_factory) -> Harness:
-  return Harness(tmp_path_factory.mktemp('jax_compilation_cache'))
+def harness(compile_cache_dir) -> Harness:
+  return Harness(compile_cache_dir)
