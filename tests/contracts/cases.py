@@ -1,0 +1,133 @@
+"""The contract suite's cases, read from the registries: a new attention variant, block or
+stack is covered without a line of test code.
+
+A case is (attention variant, block, stack setting): the variant at the small size it declares
+(MultiHeadAttention.TEST_CONFIG), on a block wiring of models/blocks.py, in a stack of
+models/stacks.py (with the stack's own test settings, Stack.TEST_CONFIG, and each of its
+boolean options both ways: the universal stack with and without ACT). A combination the
+config refuses (TransformerConfig raises ValueError: reversible blocks with segment memory, a
+scan over layers that differ) is no case.
+
+Every valid combination (about 110) times every property would take most of CI's time, so the
+suite runs a pairwise covering set (all-pairs testing): every (variant, block), (variant,
+stack) and (block, stack) pair that some valid case has is in at least one chosen case, and
+every variant's baseline (pre_ln, unrolled) is. A fault of one component, or of two that
+interact, shows in some case; a fault that needs three at once is what the per-variant files
+and the paper tests are for. `ALL` keeps the full product for `-m slow` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from models import attention, blocks, stacks, transformer
+
+VOCAB = 50
+MAX_LEN = 24
+BASELINE = ('pre_ln', 'unrolled')
+# Until the stacks declare their own: the universal stack applies one block.
+_STACK_TEST_CONFIG = {'universal': {'n_layers': 1, 'position_embedding': 'none'}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One (variant, block, stack setting) combination and its model config."""
+  variant: str
+  block: str
+  stack: str          # Stack name, with its option settings: 'universal+act'.
+  config: transformer.TransformerConfig
+
+  @property
+  def id(self) -> str:
+    return f'{self.variant}-{self.block}-{self.stack}'
+
+
+def product_variants() -> list[str]:
+  """The product's variants: those a fresh process registers (test modules may register toy
+  variants of their own)."""
+  return [n for n in attention.known() if attention.get(n).__module__.startswith('models.')]
+
+
+def stack_settings() -> dict[str, tuple[str, dict]]:
+  """label -> (stack name, stack options): every stack with its defaults, and each boolean
+  option of it set to the other value ('universal+act')."""
+  out = {}
+  for name in stacks.known():
+    out[name] = (name, {})
+    for option, spec in sorted(getattr(stacks.get(name), 'OPTIONS', {}).items()):
+      if isinstance(spec.default, bool):
+        out[f'{name}+{option}' if not spec.default else f'{name}-{option}'] = (
+            name, {option: not spec.default})
+  return out
+
+
+def model_settings(variant: str, block: str, stack: str) -> dict:
+  """The config.model keys of a case: width 32, 4 heads, 2 layers (the stack's TEST_CONFIG
+  may change that), float32, with the variant's TEST_CONFIG on top."""
+  stack_name, stack_options = stack_settings()[stack]
+  declared = dict(attention.get(variant).TEST_CONFIG)
+  m = dict(d=0, d_model=32, n_heads=4, n_layers=2, attention=variant,
+           attention_options=declared.pop('attention_options', {}), block=block,
+           stack=stack_name, dtype='float32')
+  m.update(declared)
+  m.update(getattr(stacks.get(stack_name), 'TEST_CONFIG', _STACK_TEST_CONFIG.get(stack_name, {})))
+  if stack_options:
+    m['stack_options'] = {**m.get('stack_options', {}), **stack_options}
+  return m
+
+
+def model_config(variant: str, block: str, stack: str) -> transformer.TransformerConfig:
+  """The case's model at VOCAB tokens and MAX_LEN positions.
+
+  Raises:
+    ValueError: the config refuses the combination.
+  """
+  return transformer.TransformerConfig.from_config(
+      {**model_settings(variant, block, stack), 'vocab_size': VOCAB, 'max_len': MAX_LEN})
+
+
+def _valid() -> list[Case]:
+  out = []
+  for variant, block, stack in itertools.product(product_variants(), blocks.known(),
+                                                 stack_settings()):
+    try:
+      out.append(Case(variant, block, stack, model_config(variant, block, stack)))
+    except ValueError:
+      continue
+  return out
+
+
+def _pairs(case: Case) -> set:
+  return {('vb', case.variant, case.block), ('vs', case.variant, case.stack),
+          ('bs', case.block, case.stack)}
+
+
+def pairwise(cases: list[Case]) -> list[Case]:
+  """A small subset of `cases` with every pair of components that `cases` has: each
+  variant's baseline first, then greedily the case that covers most pairs not yet covered
+  (ties: the first in registry order, so the choice is deterministic)."""
+  chosen = [c for c in cases if (c.block, c.stack) == BASELINE]
+  covered = set().union(*map(_pairs, chosen)) if chosen else set()
+  needed = set().union(*map(_pairs, cases))
+  while covered != needed:
+    best = max(cases, key=lambda c: len(_pairs(c) - covered))
+    chosen.append(best)
+    covered |= _pairs(best)
+  return chosen
+
+
+def one_each(cases: list[Case]) -> list[Case]:
+  """Each variant's baseline, then for each other block and stack setting the first of
+  `cases` that has it: every component once, for the properties that cost a training run."""
+  chosen = [c for c in cases if (c.block, c.stack) == BASELINE]
+  for component in ('block', 'stack'):
+    for value in dict.fromkeys(getattr(c, component) for c in cases):
+      if not any(getattr(c, component) == value for c in chosen):
+        chosen.append(next(c for c in cases if getattr(c, component) == value))
+  return chosen
+
+
+ALL = _valid()
+COVERING = pairwise(ALL)
+ONE_EACH = one_each(COVERING)
