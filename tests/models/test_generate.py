@@ -1,7 +1,7 @@
-"""The compiled sampler (models/decode.generate): greedy output equals the full forward's
-argmax and the step-by-step path for every variant that decodes (every registered one);
-top-k, top-p, EOS and prompts of different lengths in one batch; a variant that cannot decode
-(a test-only one) is refused."""
+"""The compiled sampler (models/decode.generate): top-k, top-p, EOS, prompts of different
+lengths in one batch, long caches read a chunk at a time, and a variant that cannot decode (a
+test-only one) is refused. Greedy output = the forward's argmax, and prefill = steps, for
+every variant, block and stack: tests/contracts/test_model.py."""
 
 import jax
 import jax.numpy as jnp
@@ -36,61 +36,10 @@ def _prompts(batch=2, length=5, seed=0):
   return jnp.asarray(np.random.default_rng(seed).integers(3, VOCAB, (batch, length)), jnp.int32)
 
 
-# Every registered variant at the small size it declares (MultiHeadAttention.TEST_CONFIG):
-# a new variant is covered without a line here. Then the stacks that decode otherwise.
-VARIANTS = [(name, {}) for name in attention.known()] + [
-    ('dense', {'stack': 'universal', 'n_layers': 1, 'universal_act': True,
-               'position_embedding': 'none'}),
-    ('dense', {'stack': 'scan'}),          # Decoded unrolled (decode.unrolled).
-    ('strided', {'stack': 'scan_cycle',  # Interleaved A1/A2: a cycle of 2.
-                 'options': {'factorization': 'interleave'}}),
-]
-
-
-@pytest.mark.parametrize('name, extra', VARIANTS,
-                         ids=[f'{n}-{e.get("stack", "layers")}' for n, e in VARIANTS])
-def test_greedy_equals_the_forward_argmax_and_the_step_path(name, extra):
-  model, params = _model(name, **extra)
-  prompts = _prompts()
-  new = 8
-  tokens, lengths = decode.generate(model, params, prompts, [5, 5], new, jax.random.key(0),
-                                    temperature=0.0)
-  assert tokens.shape == (2, 5 + new) and list(np.asarray(lengths)) == [5 + new] * 2
-  np.testing.assert_array_equal(tokens[:, :5], prompts)
-  # One jitted causal forward over the sampled text: position t - 1 sees tokens[:, :t] only,
-  # so its argmax is what greedy decoding must have chosen at t (a forward per prefix length,
-  # run eagerly, took most of this file's time).
-  logits = jax.jit(model.apply)({'params': params}, tokens[:, :-1])
-  np.testing.assert_array_equal(tokens[:, 5:], jnp.argmax(logits[:, 4:], -1))
-  stepwise = decode.sample(model, params, prompts, new, jax.random.key(0), temperature=0.0)
-  np.testing.assert_array_equal(tokens, stepwise)
-
-
-PREFILLING = [v for v in VARIANTS if v[0] not in ('selective', 'txl', 'lsh')]
-
-
-@pytest.mark.parametrize('name, extra', PREFILLING,
-                         ids=[f'{n}-{e.get("stack", "layers")}' for n, e in PREFILLING])
-def test_prefill_leaves_the_caches_of_the_step_path(name, extra):
-  """One forward over the prompt writes every cache as p one-token steps do (slots,
-  positions, index), and gives the same next-token logits."""
-  model, params = _model(name, **extra)
-  model, params = decode.unrolled(model, params)
-  assert decode.can_prefill(model.config)
-  prompts = _prompts(length=11)  # Past local's window and fixed's first block.
-  stepped = decode.init_cache(model, params, 2)
-  for i in range(11):
-    logits, stepped = decode.step(model, params, stepped, prompts[:, i], i)
-  filled, cache = decode.prefill(model, params, decode.init_cache(model, params, 2), prompts)
-  np.testing.assert_allclose(filled, logits, rtol=1e-5, atol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
-               cache, stepped)
-
-
 def test_variants_with_their_own_cache_say_they_cannot_prefill():
   for name, extra in [('selective', {}), ('txl', {'position_embedding': 'none'}),
                       ('lsh', {'options': {'chunk_len': 8, 'n_buckets': 4}})]:
-    assert not decode.can_prefill(_model(name, **extra)[0].config)
+    assert not decode.can_prefill(_config(name, **extra))
 
 
 def test_every_registered_variant_makes_its_caches():

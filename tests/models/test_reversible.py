@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 
-from models import blocks, decode, layers, reversible, transformer
+from models import blocks, layers, reversible, transformer
 from training import steps
 
 VOCAB = 40
@@ -262,17 +262,6 @@ def test_chunked_feed_forward_never_holds_the_whole_hidden_activation():
   whole = temp(layers.swiglu_mlp)
   chunked = temp(lambda *a: layers.chunked_swiglu_mlp(*a, chunk_len=64))
   assert whole > hidden and chunked < hidden / 4, (whole, chunked, hidden)
-
-
-def test_decoding_equals_the_forward_pass():
-  """Decoding runs the two-stream blocks as modules with their caches (a sliding window of 5
-  here); the forward pass runs the training path: the same logits."""
-  cfg = _config('local', stack='scan', attention_options={'window': 5}, ff_chunk_len=4)
-  model = transformer.Decoder(cfg)
-  tokens = _batch()['inputs'][:, :12]
-  params = _params(cfg)
-  full = model.apply({'params': params}, tokens)
-  np.testing.assert_allclose(decode.score(model, params, tokens), full, atol=3e-5)
 
 
 def test_flops_and_parameters_are_those_of_pre_ln():
