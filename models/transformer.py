@@ -192,6 +192,11 @@ class TransformerConfig:
       The validated TransformerConfig.
     """
     m = dict(model_cfg)
+    known = {f.name for f in dataclasses.fields(cls)} | {'d'}
+    unknown = sorted(set(m) - known)
+    if unknown:  # A misspelt or renamed key would otherwise be ignored: its default runs.
+      raise ValueError(f'unknown model setting(s) {", ".join(unknown)}; known: '
+                       f'{", ".join(sorted(known))}')
     d = m.get('d') or 0
     d_model = m.get('d_model') or 64 * d
     n_heads = m.get('n_heads') or d

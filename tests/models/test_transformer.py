@@ -135,6 +135,12 @@ def test_d_model_not_divisible_by_heads():
   assert cfg.head_dim == 32
 
 
+def test_unknown_keys_are_refused_not_ignored():
+  with pytest.raises(ValueError, match=r'unknown model setting\(s\) universal_act; known: '):
+    transformer.TransformerConfig.from_config(dict(d=1, vocab_size=8, max_len=8,
+                                                   universal_act=True))
+
+
 def test_missing_sizes_error():
   with pytest.raises(ValueError, match='model.d'):
     transformer.TransformerConfig.from_config({'vocab_size': VOCAB, 'max_len': MAX_LEN})
