@@ -88,6 +88,9 @@ class Stack:
   # share that one group (the registry refuses a name two stacks declare separately); `check`
   # validates their values.
   OPTIONS = {}
+  # config.model keys the contract suite's small models need to run this stack
+  # (tests/contracts/cases.py), like MultiHeadAttention.TEST_CONFIG.
+  TEST_CONFIG = {}
 
   @classmethod
   def check(cls, config) -> None:

@@ -245,6 +245,7 @@ class Universal(stacks.Stack):
   'universal/step/halting' with ACT)."""
 
   REVERSIBLE_TRAINING = False
+  TEST_CONFIG = {'n_layers': 1, 'position_embedding': 'none'}  # One block; its coordinates.
   # config.model.stack_options. The same parameters run for other step counts, so evaluation
   # may change steps and max_steps (e.g. more steps than trained); ponder weighs a training
   # loss only; act adds the halting unit's parameters.

@@ -26,8 +26,6 @@ from models import attention, blocks, stacks, transformer
 VOCAB = 50
 MAX_LEN = 24
 BASELINE = ('pre_ln', 'unrolled')
-# Until the stacks declare their own: the universal stack applies one block.
-_STACK_TEST_CONFIG = {'universal': {'n_layers': 1, 'position_embedding': 'none'}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +53,7 @@ def stack_settings() -> dict[str, tuple[str, dict]]:
   out = {}
   for name in stacks.known():
     out[name] = (name, {})
-    for option, spec in sorted(getattr(stacks.get(name), 'OPTIONS', {}).items()):
+    for option, spec in sorted(stacks.get(name).OPTIONS.items()):
       if isinstance(spec.default, bool):
         out[f'{name}+{option}' if not spec.default else f'{name}-{option}'] = (
             name, {option: not spec.default})
@@ -71,7 +69,7 @@ def model_settings(variant: str, block: str, stack: str) -> dict:
            attention_options=declared.pop('attention_options', {}), block=block,
            stack=stack_name, dtype='float32')
   m.update(declared)
-  m.update(getattr(stacks.get(stack_name), 'TEST_CONFIG', _STACK_TEST_CONFIG.get(stack_name, {})))
+  m.update(stacks.get(stack_name).TEST_CONFIG)
   if stack_options:
     m['stack_options'] = {**m.get('stack_options', {}), **stack_options}
   return m
