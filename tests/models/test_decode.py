@@ -1,6 +1,6 @@
 """Token-by-token decoding with each variant's pattern-sized cache equals the full forward,
 for the pattern settings that the variants' TEST_CONFIG (the contract suite's cases,
-tests/contracts/test_model.py) does not use: the fixed pattern with distinct summary heads,
+tests/contracts/test_model_contract.py) does not use: the fixed pattern with distinct summary heads,
 interleaved and in one head set."""
 
 import jax

@@ -1,7 +1,7 @@
 """The compiled sampler (models/decode.generate): top-k, top-p, EOS, prompts of different
 lengths in one batch, long caches read a chunk at a time, and a variant that cannot decode (a
 test-only one) is refused. Greedy output = the forward's argmax, and prefill = steps, for
-every variant, block and stack: tests/contracts/test_model.py."""
+every variant, block and stack: tests/contracts/test_model_contract.py."""
 
 import jax
 import jax.numpy as jnp

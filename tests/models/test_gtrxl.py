@@ -3,7 +3,7 @@
 The gate is checked against the paper's four equations written here in float64 from the
 module's parameters; the block against the same wiring composed by hand from its norm,
 attention and MLP; and the model with every variant (decoding and gradients with each
-variant and stack: tests/contracts/test_model.py).
+variant and stack: tests/contracts/test_model_contract.py).
 """
 
 import flax.linen as nn

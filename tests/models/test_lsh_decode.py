@@ -2,7 +2,7 @@
 
 - One chunk (chunk_len >= the length): the forward pass attends to exactly the bucket-mates,
   so decoding (decode.score) equals it, for 1 and 2 rounds and 1 and 4 buckets (greedy
-  generation, the reversible block and the stacks: tests/contracts/test_model.py).
+  generation, the reversible block and the stacks: tests/contracts/test_model_contract.py).
 - Shorter chunks: decoding attends to the whole bucket, checked against a reference written
   here (dense causal shared-QK attention restricted to the union of the rounds' buckets, with
   the self rule), which differs from plain causal attention and from the chunked forward.
@@ -57,7 +57,7 @@ def _forward_buckets(model, params, tokens):
 
 
 # The reversible block and the scanned stacks decode LSH in the contract suite
-# (tests/contracts/test_model.py); here, the rounds and buckets on Pre-LN.
+# (tests/contracts/test_model_contract.py); here, the rounds and buckets on Pre-LN.
 CASES = [(h, b, 'pre_ln', 'unrolled') for h in (1, 2) for b in (1, 4)]
 
 
