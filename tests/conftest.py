@@ -17,10 +17,41 @@ from training import assembly, evaluation, flops, steps
 jax.config.update('jax_default_matmul_precision', 'highest')
 
 
+# The kind of each test (pytest.ini: unit, model, system), by folder unless its file is listed
+# in KINDS_BY_FILE or its module sets pytestmark: `-m unit` is the seconds-long loop while
+# editing, `-m "not system"` everything that runs in the test process.
+KINDS_BY_FOLDER = {'models': 'model', 'contracts': 'model', 'training': 'system',
+                   'input_pipeline': 'unit', 'experiments': 'unit', 'benchmarks': 'system'}
+KINDS_BY_FILE = {
+    'models/test_patterns.py': 'unit',            # Pattern sets and plans, no model.
+    'training/test_losses.py': 'model',
+    'training/test_optimizer.py': 'model',
+    'training/test_modes.py': 'unit',
+    'training/test_multislice.py': 'unit',        # Meshes of an absent TPU slice.
+    'training/test_inspect.py': 'unit',           # Masks from the pattern definitions.
+    'input_pipeline/test_packing.py': 'model',
+    'input_pipeline/test_c4.py': 'system',        # Trains on a local C4 build.
+    'input_pipeline/test_local_text.py': 'system',
+    'input_pipeline/test_resume.py': 'system',
+    'input_pipeline/test_shards.py': 'system',    # Several processes.
+    'input_pipeline/test_text_errors.py': 'system',
+}
+KINDS = ('unit', 'model', 'system')
+
+
+def _kind(path) -> str:
+  rel = path.relative_to(path.parents[1]).as_posix()  # 'models/test_x.py'
+  return KINDS_BY_FILE.get(rel, KINDS_BY_FOLDER.get(rel.split('/')[0], 'system'))
+
+
 def pytest_collection_modifyitems(config, items):
-  """Tests marked cpu_only (the CPU tile kernel, Pallas interpret mode, what 'auto' picks on
-  one CPU device) are skipped on another backend, with the reason."""
+  """Every test gets its kind marker (unit, model or system) unless it has one. Tests marked
+  cpu_only (the CPU tile kernel, Pallas interpret mode, what 'auto' picks on one CPU device)
+  are skipped on another backend, with the reason."""
   del config
+  for item in items:
+    if not any(item.get_closest_marker(k) for k in KINDS):
+      item.add_marker(getattr(pytest.mark, _kind(item.path)))
   backend = jax.default_backend()
   if backend == 'cpu':
     return
