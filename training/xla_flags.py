@@ -16,6 +16,11 @@ import re
 # THREADS_PER_FAKE_DEVICE threads per device in the pools (PJRT_NPROC, which XLA reads instead
 # of the core count), so that blocked collectives cannot take every thread. Real accelerators
 # and a single CPU device are unaffected.
+# XLA:CPU without LLVM's optimization passes: compiles small programs several times faster
+# and runs them slower, with the same results. For programs that are compiled once and run for
+# milliseconds (the test suite uses it on CPU-only machines: tests/conftest.py).
+FAST_COMPILE = '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true'
+
 FAKE_DEVICES_SAFE_SCHEDULER = '--xla_cpu_enable_concurrency_optimized_scheduler=false'
 THREADS_PER_FAKE_DEVICE = 8
 

@@ -83,6 +83,8 @@ class Harness:
     env['JAX_PLATFORMS'] = 'cpu'
     env.pop('PJRT_NPROC', None)
     env.update(xla_flags.fake_cpu_env(devices))  # Collectives that cannot starve each other.
+    if xla_flags.FAST_COMPILE in os.environ.get('XLA_FLAGS', ''):  # tests/conftest.py
+      env['XLA_FLAGS'] += ' ' + xla_flags.FAST_COMPILE
     env['PYTHONPATH'] = os.pathsep.join([str(REPO)] + (
         [env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
     env['TF_CPP_MIN_LOG_LEVEL'] = '2'
