@@ -20,7 +20,8 @@ import jax  # noqa: E402
 import pytest
 
 from models.attention import base, registry
-from training import assembly, evaluation, flops, steps
+from tests.harness import Harness
+from training import assembly, evaluation, flops, steps, train
 
 # The tests compare float32 paths to ~1e-5 (the rounding of exact float32 products). On NVIDIA
 # GPUs JAX runs float32 matmuls in TF32 by default (errors of 5e-4 to 1e-2 on an H100, which
@@ -99,6 +100,27 @@ def compile_cache(compile_cache_dir):
   for k, v in previous.items():
     jax.config.update(k, v)
   compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope='session')
+def harness(compile_cache_dir) -> Harness:
+  """main.py runs and scripts in subprocesses, small configs, checkpoints (tests/harness.py)."""
+  return Harness(compile_cache_dir)
+
+
+@pytest.fixture
+def straight_and_resumed(tmp_path):
+  """run(make_config, stop=3, total=6) -> (state of a run straight to `total` steps, state of
+  a run stopped at `stop` and resumed to `total`), in tmp_path/straight and tmp_path/resumed;
+  make_config(steps) builds the config."""
+
+  def run(make_config, stop: int = 3, total: int = 6):
+    straight = train.train_and_evaluate(make_config(total), str(tmp_path / 'straight'))
+    train.train_and_evaluate(make_config(stop), str(tmp_path / 'resumed'))
+    resumed = train.train_and_evaluate(make_config(total), str(tmp_path / 'resumed'))
+    return straight, resumed
+
+  return run
 
 
 @pytest.fixture

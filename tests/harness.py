@@ -1,4 +1,5 @@
-"""Shared helpers for the training tests: small configs, main.py subprocesses, checkpoints.
+"""The system tests' harness: small configs, main.py subprocesses, checkpoints (the fixtures
+`harness` and `straight_and_resumed` in tests/conftest.py give it to every folder).
 
 Everything here is sized for a 2-core CPU: the tiny recipe with a small batch and short
 sequences, no matmul peak measurement and no periodic evaluation unless a test asks.
@@ -18,9 +19,9 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from training import assembly, checkpoints, train, xla_flags
+from training import assembly, checkpoints, xla_flags
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # Overrides (dotted config keys) applied on top of configs/tiny.py by every helper below.
 FAST = {
@@ -33,21 +34,6 @@ FAST = {
 }
 
 _STEP_DIR = re.compile(r'^\d+$')
-
-
-@pytest.fixture
-def straight_and_resumed(tmp_path):
-  """run(make_config, stop=3, total=6) -> (state of a run straight to `total` steps, state of
-  a run stopped at `stop` and resumed to `total`), in tmp_path/straight and tmp_path/resumed;
-  make_config(steps) builds the config."""
-
-  def run(make_config, stop: int = 3, total: int = 6):
-    straight = train.train_and_evaluate(make_config(total), str(tmp_path / 'straight'))
-    train.train_and_evaluate(make_config(stop), str(tmp_path / 'resumed'))
-    resumed = train.train_and_evaluate(make_config(total), str(tmp_path / 'resumed'))
-    return straight, resumed
-
-  return run
 
 
 class Harness:
@@ -165,8 +151,3 @@ class Harness:
     assert jax.tree.structure(a) == jax.tree.structure(b)
     return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
-@pytest.fixture(scope='session')
-def harness(compile_cache_dir) -> Harness:
-  return Harness(compile_cache_dir)
