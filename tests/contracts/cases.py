@@ -126,6 +126,31 @@ def one_each(cases: list[Case]) -> list[Case]:
   return chosen
 
 
+def component_cases(variants=('dense',)) -> dict[str, dict]:
+  """'<block>_block' and '<stack setting>_stack' -> dotted config keys, for each block other
+  than pre_ln and each stack setting other than unrolled, on the first of `variants` that the
+  block or stack accepts: the cases of the contract tests that build a run per case (a train
+  step on several devices, the TPU programs), where one case per component is affordable."""
+  out = {}
+  for label, block, stack in ([(f'{b}_block', b, BASELINE[1]) for b in blocks.known()
+                               if b != BASELINE[0]]
+                              + [(f'{s}_stack', BASELINE[0], s) for s in stack_settings()
+                                 if s != BASELINE[1]]):
+    for variant in variants:
+      try:
+        model_config(variant, block, stack)
+      except ValueError:
+        continue
+      settings = model_settings(variant, block, stack)
+      keys = {'model.attention': variant, 'model.block': block, 'model.stack': settings['stack']}
+      keys.update({f'model.{k}': v for k, v in stacks.get(settings['stack']).TEST_CONFIG.items()})
+      keys.update({f'model.stack_options.{k}': v
+                   for k, v in settings.get('stack_options', {}).items()})
+      out[label] = keys
+      break
+  return out
+
+
 ALL = _valid()
 COVERING = pairwise(ALL)
 ONE_EACH = one_each(COVERING)

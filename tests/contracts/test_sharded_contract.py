@@ -1,7 +1,7 @@
 """Every attention variant: one train step on 8 fake CPU devices equals the one-device step.
 
-(And every block wiring other than pre_ln, and the universal stack with fixed steps and with
-ACT, on dense attention: EXTRA_CASES.)
+(And every block wiring other than pre_ln and every stack setting other than unrolled, on
+dense attention, read from the registries: cases.component_cases.)
 
 For each registered variant (`models.attention.known()`, so a new one is covered when it
 registers) and each mesh of a run in RUNS, the same small model, initial parameters and batch
@@ -48,6 +48,9 @@ import numpy as np
 import pytest
 
 from models import attention
+from tests.contracts import cases
+
+pytestmark = pytest.mark.system
 
 # The product's variants: those a fresh process registers (test modules register their own
 # toy variants in this process, which the 8-device subprocess does not import).
@@ -106,29 +109,24 @@ CONFIG = {
     **{f'model.attention_options.{k}': v for k, v in OPTIONS.items()},
 }
 
-# Cases beyond one per variant: block wirings and the universal stack, on dense attention.
-EXTRA_CASES = ['gtrxl_block', 'reversible_block', 'universal_fixed', 'universal_act']
+# Cases beyond one per variant: each block wiring and stack setting, on dense attention, with
+# dropout so that the masks a block or stack replays (the reversible block's backward pass,
+# the universal stack's per-step masks) are compared too.
+EXTRA_CASES = list(cases.component_cases())
 CASES = VARIANTS + EXTRA_CASES
 # Per-case keys on top of CONFIG and model.attention=<case>: Transformer-XL encodes positions
 # itself, and the Copy task is not a stream, so its layers attend within the segment (the
-# relative score alone); GTrXL's gates replace the residual sums; the reversible block trains
-# through its own backward pass (models/reversible.py), with dropout so its replayed masks are
-# compared too.
+# relative score alone).
 CASE_CONFIG = {
     'txl': {'model.position_embedding': 'none', 'model.attention_options.mem_len': 0},
-    'gtrxl_block': {'model.attention': 'dense', 'model.block': 'gtrxl'},
-    'reversible_block': {'model.attention': 'dense', 'model.block': 'reversible',
-                         'model.dropout_rate': 0.1},
-    # One shared block for 3 steps; with ACT for at most 3 (the ponder cost is the auxiliary
-    # loss), with dropout so the per-step masks are compared too.
-    'universal_fixed': {'model.attention': 'dense', 'model.stack': 'universal',
-                        'model.n_layers': 1, 'model.stack_options.steps': 3,
-                        'model.position_embedding': 'none'},
-    'universal_act': {'model.attention': 'dense', 'model.stack': 'universal',
-                      'model.n_layers': 1, 'model.stack_options.act': True,
-                      'model.stack_options.max_steps': 3, 'model.stack_options.ponder': 0.05,
-                      'model.position_embedding': 'none', 'model.dropout_rate': 0.1},
+    **{label: {**keys, 'model.dropout_rate': 0.1}
+       for label, keys in cases.component_cases().items()},
 }
+# The universal stack at 3 steps (ACT: at most 3, the ponder cost a visible auxiliary loss).
+for _label in EXTRA_CASES:
+  if CASE_CONFIG[_label]['model.stack'] == 'universal':
+    CASE_CONFIG[_label].update({'model.stack_options.steps': 3, 'model.stack_options.max_steps': 3,
+                                'model.stack_options.ponder': 0.05})
 
 _SCRIPT = textwrap.dedent('''\
     """One train step of every variant on 1 device and on 8-device meshes; saves the results."""

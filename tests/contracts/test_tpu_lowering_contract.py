@@ -27,34 +27,36 @@ import pytest
 
 from configs import default
 from models import attention
+from tests.contracts import cases
 from training import aot, assembly
+
+pytestmark = pytest.mark.system
 
 TOPOLOGY = 'v5e:2x2'
 MESHES = {'fsdp4': {'fsdp': 4}, 'fsdp2_tensor2': {'fsdp': 2, 'tensor': 2}}
 
 VARIANTS = [n for n in attention.known() if attention.get(n).__module__.startswith('models.')]
 STATIC = [n for n in VARIANTS if attention.get(n).has_static_pattern()]
-# Keys on top of the base config per case (besides model.attention=<variant>).
+# Keys on top of the base config per case: each variant; each block wiring and stack setting
+# (read from the registries: cases.component_cases) on local attention (a static pattern: its
+# program must call the splash kernel inside the block or stack); the unrolled stack (the
+# default recipe scans) and a scan_cycle of a real cycle (strided's interleaved A1/A2).
 CASES = {
     **{name: {'model.attention': name} for name in VARIANTS},
     'txl': {'model.attention': 'txl', 'model.position_embedding': 'none',
             'data.packing': 'stream'},
-    'gtrxl_block': {'model.block': 'gtrxl'},
-    'reversible_block': {'model.block': 'reversible'},
+    **cases.component_cases(('local', 'dense')),
     'unrolled_stack': {'model.stack': 'unrolled', 'model.attention': 'local'},
     'scan_cycle_stack': {'model.stack': 'scan_cycle', 'model.attention': 'strided'},
-    'universal_stack': {'model.stack': 'universal', 'model.n_layers': 1,
-                        'model.position_embedding': 'none'},
-    'universal_act_stack': {'model.stack': 'universal', 'model.n_layers': 1,
-                            'model.stack_options.act': True, 'model.position_embedding': 'none'},
 }
 # Cases whose attention is a static pattern: their programs must hold the TPU kernel.
 SPLASH_CASES = [c for c, keys in CASES.items()
                 if keys.get('model.attention', 'dense') in STATIC]
 # Cases compiled in full (the others are lowered): the default recipe, a factorized pattern,
-# every block wiring and every stack.
+# every block wiring and the stacks that apply blocks otherwise than the default scan.
 COMPILED = ['dense', 'strided', 'block_local', 'gtrxl_block', 'reversible_block',
-            'unrolled_stack', 'scan_cycle_stack', 'universal_act_stack']
+            'unrolled_stack', 'scan_cycle_stack', 'universal+act_stack']
+assert set(COMPILED) <= set(CASES), sorted(set(COMPILED) - set(CASES))
 
 
 def _config(case: str, mesh: dict, **extra):
