@@ -139,7 +139,7 @@ def _env(cache_dir):
 
 
 def test_read_error_in_training_saves_the_last_step_and_names_the_file(
-    damaged, spm_path, kit, tmp_path, _compile_cache_dir):
+    damaged, spm_path, kit, tmp_path, compile_cache_dir):
   data_dir, files = damaged
   builder = tfds.builder('c4/en:3.0.1', data_dir=str(data_dir))
   # The shard the training stream reads last in its first epoch (seed 0): damaged. Documents
@@ -154,7 +154,7 @@ def test_read_error_in_training_saves_the_last_step_and_names_the_file(
   flags_ = [f'--config.{k}={v}' for k, v in overrides.items()]
   proc = subprocess.run(
       [sys.executable, str(REPO / 'main.py'), f'--config={REPO / "configs" / "default.py"}',
-       f'--workdir={workdir}', *flags_], env=_env(_compile_cache_dir), cwd=REPO,
+       f'--workdir={workdir}', *flags_], env=_env(compile_cache_dir), cwd=REPO,
       capture_output=True, text=True, timeout=300)
   assert proc.returncode == 1, proc.stderr[-3000:]
   error = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
