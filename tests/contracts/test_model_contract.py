@@ -80,19 +80,21 @@ def built_one_each(request) -> Built:
   return _built(request.param)
 
 
+def _steps(model, params, tokens):
+  """(cache, logits (length, batch, vocab)) after decoding `tokens` one position at a time
+  (a traced scan: one compiled program, whatever the length)."""
+  def body(cache, inputs):
+    token, position = inputs
+    logits, cache = decode.step(model, params, cache, token, position)
+    return cache, logits
+  cache = decode.init_cache(model, params, tokens.shape[0])
+  return jax.lax.scan(body, cache, (tokens.T, jnp.arange(tokens.shape[1])))
+
+
 def test_decoding_equals_the_forward_pass(built):
-  model, params, tokens = built.model, built.params, built.tokens
-
-  def stepped(params, tokens):
-    def body(cache, inputs):
-      token, position = inputs
-      logits, cache = decode.step(model, params, cache, token, position)
-      return cache, logits
-    cache = decode.init_cache(model, params, tokens.shape[0])
-    _, logits = jax.lax.scan(body, cache, (tokens.T, jnp.arange(tokens.shape[1])))
-    return jnp.swapaxes(logits, 0, 1)
-
-  np.testing.assert_allclose(_jit(stepped)(params, tokens), built.forward(tokens),
+  model = built.model
+  stepped = _jit(lambda p, t: jnp.swapaxes(_steps(model, p, t)[1], 0, 1))
+  np.testing.assert_allclose(stepped(built.params, built.tokens), built.forward(built.tokens),
                              atol=ATOL, rtol=RTOL)
 
 
@@ -104,13 +106,9 @@ def test_prefill_leaves_the_caches_of_the_step_path(built_one_each):
   prompts = built.tokens[:, :11]  # Past local's window and fixed's first block.
 
   def both(params, prompts):
-    cache = decode.init_cache(model, params, prompts.shape[0])
-    def body(cache, inputs):
-      token, position = inputs
-      logits, cache = decode.step(model, params, cache, token, position)
-      return cache, logits
-    stepped, logits = jax.lax.scan(body, cache, (prompts.T, jnp.arange(prompts.shape[1])))
-    filled, prefilled = decode.prefill(model, params, cache, prompts)
+    stepped, logits = _steps(model, params, prompts)
+    filled, prefilled = decode.prefill(
+        model, params, decode.init_cache(model, params, prompts.shape[0]), prompts)
     return (logits[-1], stepped), (filled, prefilled)
 
   (logits, stepped), (filled, prefilled) = _jit(both)(params, prompts)
