@@ -12,6 +12,7 @@ import pytest
 
 from configs import default
 from models import transformer
+from tests.training.test_universal_recipe import _config as universal_recipe_config
 from training import evaluation, run_config, settings, train
 
 OLD_TO_NEW = {
@@ -23,16 +24,11 @@ OLD_TO_NEW = {
 
 
 def _config(total_steps):
-  """A tiny universal run with ACT on running parity (as test_universal_recipe.py)."""
-  config = default.get_config()
-  config.model.update(d=0, d_model=32, n_heads=2, vocab_size=0, max_len=0, dtype='float32',
-                      position_embedding='none', stack='universal')
-  config.model.stack_options.update(act=True, max_steps=3, ponder=0.05)
-  config.data.name = 'parity'
-  config.data.num_bits = 8
-  config.update(batch_size=8, total_steps=total_steps, warmup_steps=2, log_every_steps=2,
-                eval_every_steps=0, eval_steps=2, checkpoint_every_steps=2,
-                peak_tflops_per_device=1.0, async_checkpointing=False)
+  """The universal recipe test's tiny ACT run on running parity, without dropout and with a
+  checkpoint every 2 steps."""
+  config = universal_recipe_config(total_steps)
+  config.model.dropout_rate = 0.0
+  config.checkpoint_every_steps = 2
   return config
 
 
