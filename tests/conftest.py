@@ -9,7 +9,7 @@ xla_flags.skip_absent_tpu()  # Before jax starts a backend: no TPU here (see its
 # On a CPU-only machine the suite compiles with XLA:CPU's fast-compile settings (no LLVM
 # optimization passes): most of a test's time is compiling small programs that then run for
 # milliseconds, and these settings cut a model test's time by about a quarter. They change how
-# the code is generated, not what it computes. Subprocesses get them too (tests/training's
+# the code is generated, not what it computes. Subprocesses get them too (tests/harness.py's
 # Harness). ZOO_TEST_OPTIMIZED=1 keeps XLA's defaults.
 TEST_XLA_FLAGS = (xla_flags.FAST_COMPILE if os.environ.get('JAX_PLATFORMS') == 'cpu'
                   and not os.environ.get('ZOO_TEST_OPTIMIZED') else '')
@@ -31,7 +31,7 @@ jax.config.update('jax_default_matmul_precision', 'highest')
 
 
 # The kind of each test (pytest.ini: unit, model, system), by folder unless its file is listed
-# in KINDS_BY_FILE or its module sets pytestmark: `-m unit` is the seconds-long loop while
+# in KINDS_BY_FILE or its module sets pytestmark: `-m unit` is the quick loop while
 # editing, `-m "not system"` everything that runs in the test process.
 KINDS_BY_FOLDER = {'models': 'model', 'contracts': 'model', 'training': 'system',
                    'input_pipeline': 'unit', 'experiments': 'unit', 'benchmarks': 'system'}
