@@ -1,27 +1,32 @@
 #!/usr/bin/env bash
-# One prepared run on a lent GPU machine (about 9 minutes), from the repository root:
+# One prepared run on a lent GPU machine (at most 8 minutes; each part has its own time limit),
+# from the repository root:
 #   1. what attention_impl='auto' picks for each variant there, and one training run of the tiny
 #      recipe in bf16 through main.py (the dispatch reads the mesh's platform: 'gpu');
-#   2. the models tests (pytest-xdist; cpu_only tests skip themselves);
-#   3. benchmarks/train_step.py (bf16, auto and cudnn), benchmarks/decode.py and
-#      benchmarks/attention_scaling.py at 4K-16K with compile times, each under a time limit;
-#   4. long contexts on the blocked paths (loops: the program does not grow with n): the first
-#      train step (compile included) and the step time of a d=2 model at 4K and 16K tokens.
-# Results go to $OUT (default /tmp/gpu_check). benchmarks/gpu_env.sh prepares clu (carry .whl/).
+#   2. benchmarks/train_step.py (bf16, auto and cudnn), benchmarks/decode.py and
+#      benchmarks/attention_scaling.py at 4K-16K with compile times;
+#   3. the model contract (every variant x block x stack setting: decode = forward, finite
+#      gradients, prefill = steps) and tests/models, until the time limit (SIGINT: pytest still
+#      prints what failed so far); cpu_only tests skip themselves.
+# Logs and JSON go to $WORK (default /tmp/gpu_check); after each part they are packed into
+# $OUT/gpu_check.tgz, so a run cut off keeps what it finished (the device tool returns at most 8
+# files). benchmarks/gpu_env.sh prepares clu (carry .whl/). benchmarks/gpu_long_context.sh has
+# the long-context runs of the blocked paths.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
-mkdir -p "$OUT"
+WORK=${WORK:-/tmp/gpu_check_work}
+mkdir -p "$OUT" "$WORK"
+pack() { tar -czf "$OUT/gpu_check.tgz" -C "$WORK" . ; }
 source benchmarks/gpu_env.sh || exit 1
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+  python3 -c "import jax, flax, optax, orbax.checkpoint as o; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
   git log -1 --format='commit %h %s' 2>/dev/null || true
-} > "$OUT/device.txt" 2>&1
-cat "$OUT/device.txt"
+} > "$WORK/device.txt" 2>&1
+cat "$WORK/device.txt"
 
 echo '== 1. dispatch'
-timeout 60 python3 - > "$OUT/dispatch.txt" 2>&1 <<'EOF'
-import jax
+timeout 40 python3 - > "$WORK/dispatch.txt" 2>&1 <<'EOF'
 from configs import tiny
 from models import attention, transformer
 from training import assembly
@@ -38,31 +43,33 @@ for dtype in ('float32', 'bfloat16'):
     except Exception as e:  # pylint: disable=broad-except
       print(dtype, name, 'ERROR', type(e).__name__, e)
 EOF
-cat "$OUT/dispatch.txt"
-timeout 90 python3 main.py --workdir=/tmp/gpu_tiny --config.total_steps=20 \
+grep -v -i 'warning\|tpu' "$WORK/dispatch.txt" | tail -24
+timeout 50 python3 main.py --workdir=/tmp/gpu_tiny --config.total_steps=20 \
   --config.eval_every_steps=20 --config.checkpoint_every_steps=20 --config.model.dtype=bfloat16 \
-  > "$OUT/main_tiny.txt" 2>&1
-grep -E 'implementation per layer|first train step|step 20|error' "$OUT/main_tiny.txt"
+  > "$WORK/main_tiny.txt" 2>&1
+echo "main.py rc $?"
+grep -E 'implementation per layer|first train step|step 20|rror' "$WORK/main_tiny.txt" | tail -8
+pack
 
-echo '== 2. tests/models'
-timeout 130 python3 -m pytest -q -n 16 -p no:cacheprovider tests/models > "$OUT/pytest_models.txt" 2>&1
-tail -15 "$OUT/pytest_models.txt"
-
-echo '== 3. benchmarks'
+echo '== 2. benchmarks'
 for impl in auto cudnn; do
-  timeout 60 python3 benchmarks/train_step.py --dtype bfloat16 --impl $impl --batch 16 \
-    --out "$OUT/train_step_gpu_bf16_$impl.json" > "$OUT/train_step_$impl.txt" 2>&1
-  tail -5 "$OUT/train_step_$impl.txt"
+  timeout 50 python3 benchmarks/train_step.py --dtype bfloat16 --impl $impl --batch 16 \
+    --out "$WORK/train_step_gpu_bf16_$impl.json" > "$WORK/train_step_$impl.txt" 2>&1
+  echo "train_step $impl rc $?"; tail -4 "$WORK/train_step_$impl.txt"
 done
-timeout 60 python3 benchmarks/decode.py --variants dense,strided,local --new 128 \
-  --out "$OUT/decode_gpu.json" > "$OUT/decode.txt" 2>&1
-tail -12 "$OUT/decode.txt"
-for n in 4096 8192 16384; do
-  timeout 45 python3 benchmarks/attention_scaling.py --impls jax --iters 3 --n $n \
-    --patterns strided fixed local --out "$OUT/attention_scaling_gpu_$n.json" \
-    > "$OUT/scaling_$n.txt" 2>&1
-  echo "rc $? at n=$n"; tail -6 "$OUT/scaling_$n.txt"
-done
+pack
+timeout 45 python3 benchmarks/decode.py --depths 4 --batches 1,8 --variants dense,strided,local \
+  --new 128 --out "$WORK/decode_gpu.json" > "$WORK/decode.txt" 2>&1
+echo "decode rc $?"; tail -9 "$WORK/decode.txt"
+pack
+timeout 100 python3 benchmarks/attention_scaling.py --impls jax --iters 3 --n 4096 8192 16384 \
+  --patterns strided fixed local --out "$WORK/attention_scaling_gpu.json" \
+  > "$WORK/scaling.txt" 2>&1
+echo "attention_scaling rc $?"; grep -A20 '^pattern' "$WORK/scaling.txt" | tail -14
+pack
 
-echo '== 4. long contexts, blocked paths'
-bash benchmarks/gpu_long_context.sh
+echo '== 3. tests'
+timeout -s INT -k 20 ${TEST_SECONDS:-150} python3 -m pytest -q -n 16 --dist load -p no:cacheprovider \
+  -rf tests/contracts/test_model_contract.py tests/models > "$WORK/pytest.txt" 2>&1
+echo "pytest rc $?"; grep -E '^(FAILED|ERROR)|passed|failed' "$WORK/pytest.txt" | tail -25
+pack
