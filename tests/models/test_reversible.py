@@ -231,7 +231,10 @@ def test_train_step_memory_does_not_grow_with_depth():
 @pytest.mark.parametrize('block,chunk', [('pre_ln', 5), ('reversible', 8)])
 def test_chunked_feed_forward_equals_the_whole(block, chunk):
   """model.ff_chunk_len: the same logits and gradients, with chunks that divide the length
-  (8 of 16) and that do not (5: the last chunk padded)."""
+  (8 of 16) and that do not (5: the last chunk padded). The reversible backward pass rebuilds
+  each layer's input by subtraction, so a change of summation order (a chunk is another matmul
+  shape: on a GPU, another kernel) reaches its gradients amplified, as in the custom-VJP test
+  above: 3e-4 of the largest entry there (2.2e-5 seen on an H200), 1e-5 for pre_ln."""
   cfg = _config(block=block, stack='scan')
   chunked = _config(block=block, stack='scan', ff_chunk_len=chunk)
   params, tokens = _params(cfg), _batch()['inputs']
@@ -244,7 +247,7 @@ def test_chunked_feed_forward_equals_the_whole(block, chunk):
   value, grads = run(chunked)
   ref_value, ref_grads = run(cfg)
   np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-  _close(grads, ref_grads, 1e-5)
+  _close(grads, ref_grads, 3e-4 if block == 'reversible' else 1e-5)
 
 
 def test_chunked_feed_forward_never_holds_the_whole_hidden_activation():
