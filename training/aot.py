@@ -37,7 +37,7 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models import decode, transformer
-from training import assembly, run_config, sampling, sharding, steps, xla_flags
+from training import assembly, flops, run_config, sampling, sharding, steps, xla_flags
 
 GiB = 1 << 30
 
@@ -58,6 +58,10 @@ MEGACORE_PREFIXES = ('v4', 'v5p', 'v5:')
 COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all', 'collective-permute')
 
 STEPS = ('train', 'eval', 'decode')
+
+# The model FLOPs utilization the report's time estimate assumes (nothing runs here, so no
+# speed is measured): about what a dense decoder of this size reaches on TPU with XLA.
+ASSUMED_MFU = 0.4
 
 NOTE = ('Memory and FLOPs are the TPU compiler\'s estimates for the compiled programs; speed '
         'is not measured (nothing ran). XLA counts a loop body (the layer scan, gradient '
@@ -107,6 +111,16 @@ def topology_devices(topology: str, num_slices: int = 1) -> list[jax.Device]:
                      'GENERATION:SHAPE as Cloud TPU names the chip layout, e.g. v5e:2x2, '
                      'v5e:4x4, v4:2x2x4, v5p:2x2x2, v6e:2x2') from e
   return list(desc.devices)
+
+
+def slice_name(topology: str) -> str:
+  """Cloud TPU's name of the slice of `topology`: v5e counts chips (v5e:2x4 is v5e-8), v4 and
+  v5p count TensorCores, two per chip (v4:2x2x1 is v4-8)."""
+  generation, _, shape = topology.partition(':')
+  chips = 1
+  for n in shape.split('x'):
+    chips *= int(n)
+  return f'{generation}-{chips * 2 if generation in ("v4", "v5p", "v5") else chips}'
 
 
 def report_filename(topology: str, num_slices: int = 1) -> str:
@@ -452,6 +466,7 @@ class Report:
       (TransformerConfig.train_flops_per_token x tokens per step / chips).
     steps: StepReport per compiled program, in order.
     model: a summary of the model (attention per layer and implementation, parameters).
+    total_steps: the run's optimizer steps (config.total_steps), for the time estimate.
   """
   topology: str
   num_slices: int
@@ -464,6 +479,7 @@ class Report:
   model_flops: float
   steps: dict[str, StepReport]
   model: dict[str, Any]
+  total_steps: int = 0
 
   def fits(self, step: str = 'train') -> bool | None:
     """Whether `step`'s total fits one chip's HBM (None: HBM or the step unknown)."""
@@ -473,6 +489,18 @@ class Report:
     if self.hbm_bytes is None or report is None or report.skipped or not report.memory:
       return None
     return report.total_bytes <= self.hbm_bytes
+
+  def estimate(self, mfu: float = ASSUMED_MFU) -> dict | None:
+    """Steps per day and days to total_steps at `mfu` of the chips' bf16 peak, from the
+    model FLOPs per step and chip (6 N + the full causal attention term, PaLM's
+    convention); an estimate, not a measurement. None when the chip's peak is unknown."""
+    peak = flops.table_peak_flops(self.device_kind)
+    if not peak or not self.model_flops:
+      return None
+    per_day = 86400.0 * mfu * peak / self.model_flops
+    return {'assumed_mfu': mfu, 'peak_flops_per_chip': peak, 'steps_per_day': per_day,
+            'total_steps': self.total_steps,
+            'days': self.total_steps / per_day if self.total_steps else None}
 
   def to_json(self) -> dict:
     steps = {}
@@ -495,6 +523,7 @@ class Report:
             'xla_train_flops_per_step': train_step.xla_flops if train_step else None,
         },
         'fits': self.fits('train'),
+        'estimate': self.estimate(),
         'steps': steps,
         'note': NOTE,
     }
@@ -534,6 +563,14 @@ class Report:
       ratio = train_step.xla_flops / self.model_flops if self.model_flops else float('nan')
       lines.append(f'train FLOPs per step per chip: XLA {train_step.xla_flops:.4g}, model '
                    f'{self.model_flops:.4g} (6N + attention; XLA / model = {ratio:.2f})')
+    estimate = self.estimate()
+    if estimate:
+      days = (f', {estimate["total_steps"]:,} steps in {estimate["days"]:.2g} days'
+              if estimate['days'] else '')
+      per_day = float(f'{estimate["steps_per_day"]:.3g}')
+      lines.append(f'estimate (not measured): {per_day:,.0f} steps/day at '
+                   f'{estimate["assumed_mfu"]:.0%} MFU of {estimate["peak_flops_per_chip"] / 1e12:.0f} '
+                   f'TFLOP/s per chip{days}')
     lines.append('note: ' + NOTE)
     return '\n'.join(lines)
 
@@ -578,7 +615,7 @@ def report_for(setup: assembly.Setup, steps=STEPS, *, topology: str = '',
       param_bytes=per_device_bytes(setup.abstract_state.params),
       opt_state_bytes=per_device_bytes(setup.abstract_state.opt_state),
       model_flops=mc.train_flops_per_token(setup.seq_len) * tokens / chips, steps=reports,
-      model=_model_summary(setup))
+      model=_model_summary(setup), total_steps=int(setup.config.total_steps))
   return report, compiled
 
 

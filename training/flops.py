@@ -11,6 +11,7 @@ _PEAK_TFLOPS = {
     'TPU v5 lite': 197.0,
     'TPU v5e': 197.0,
     'TPU v5p': 459.0,
+    'TPU v5': 459.0,          # v5p's device_kind.
     'TPU v6 lite': 918.0,
     'TPU v6e': 918.0,
     'NVIDIA H100 80GB HBM3': 989.0,
@@ -46,6 +47,13 @@ def measure_matmul_peak(n: int = 1024, dtype=jnp.float32, repeats: int = 10,
   return 2.0 * n ** 3 / best
 
 
+def table_peak_flops(device_kind: str) -> float | None:
+  """The vendor's dense bf16 peak FLOP/s of one device of this jax device_kind; None when
+  the table does not know it."""
+  tflops = _PEAK_TFLOPS.get(device_kind)
+  return None if tflops is None else tflops * 1e12
+
+
 def peak_flops_per_device(config_tflops: float = 0.0, dtype=jnp.float32) -> tuple[float, str]:
   """Peak FLOP/s of one device and where the number came from.
 
@@ -58,7 +66,7 @@ def peak_flops_per_device(config_tflops: float = 0.0, dtype=jnp.float32) -> tupl
   """
   if config_tflops > 0:
     return config_tflops * 1e12, 'config'
-  kind = jax.devices()[0].device_kind
-  if kind in _PEAK_TFLOPS:
-    return _PEAK_TFLOPS[kind] * 1e12, 'table'
+  peak = table_peak_flops(jax.devices()[0].device_kind)
+  if peak:
+    return peak, 'table'
   return measure_matmul_peak(dtype=dtype), 'measured'
