@@ -3,6 +3,8 @@
   python benchmarks/tpu_compile.py                          # the full matrix (below)
   python benchmarks/tpu_compile.py --variants dense selective --topologies v5e:2x2 --impl xla
   python benchmarks/tpu_compile.py --mesh fsdp=-1 --steps train eval decode
+  python benchmarks/tpu_compile.py --recipes                # the paper recipes, each on its slice
+  python benchmarks/tpu_compile.py --recipes reformer_enwik8
 
 The selective-attention paper's C4 model (configs/default.py at d=12: 12 layers x 12 heads,
 d_model 768, 8K vocabulary, rows of 512 tokens, batch 256, bfloat16) with each registered
@@ -20,10 +22,18 @@ layer: XLA counts a loop body once, in its FLOPs and in its collectives, so a sc
 next to an unrolled one (e.g. a variant whose layers differ). `--stack auto` compiles the
 recipe's own program (its memory and compile time; its FLOPs column is then not comparable
 across stacks). Results go to benchmarks/results/tpu_compile.json.
+
+`--recipes` compiles the paper recipes instead (configs.PAPER_RECIPES, each as its file sets
+it, on its own config.compile_topology): the train, eval and decoding programs, as
+`--mode=compile` does, with the time estimate at aot.ASSUMED_MFU and each recipe's
+fingerprint (configs.fingerprint), into benchmarks/results/tpu_compile_recipes.json. The
+recipes' headers quote these numbers; tests/contracts/test_paper_recipes.py checks that they
+agree with the file and that the file is of the recipes as they are now.
 """
 
 import argparse
 import ast
+import json
 import os
 import sys
 import time
@@ -36,6 +46,7 @@ xla_flags.set_cpu_defaults()  # As main.py does, before JAX starts its backend.
 xla_flags.skip_absent_tpu()
 
 from benchmarks import common  # noqa: E402
+import configs  # noqa: E402
 from configs import default  # noqa: E402
 from models import attention  # noqa: E402
 from training import aot  # noqa: E402,I100
@@ -104,6 +115,59 @@ def bench(args, variant: str, topology: str) -> dict:
   return row
 
 
+RECIPE_COLUMNS = ('recipe', 'topology', 'mesh', 'remat', 'fits', 'gib_per_chip', 'params_m',
+                  'steps_per_day', 'days', 'compile_s', 'error')
+
+
+def bench_recipe(name: str) -> dict:
+  """One row: the recipe's train, eval and decoding programs compiled for its own slice."""
+  config = configs.load(name)
+  row = {'recipe': name, 'topology': config.compile_topology,
+         'fingerprint': configs.fingerprint(config), 'remat': config.model.remat}
+  start = time.perf_counter()
+  try:
+    report = aot.compile_config(config, aot.STEPS)
+  except (ValueError, NotImplementedError) as e:
+    row.update(error=str(e)[:300], wall_s=time.perf_counter() - start)
+    return row
+  train = report.steps['train']
+  estimate = report.estimate() or {}
+  row.update(
+      fits=report.fits('train'), hbm_gib=(report.hbm_bytes or 0) / aot.GiB,
+      gib_per_chip=train.total_bytes / aot.GiB if train.memory else None,
+      params_m=report.model['params'] / 1e6, mesh=report.mesh, chips=report.chips,
+      implementation=report.model['implementation'], stack=report.model['stack'],
+      steps_per_day=estimate.get('steps_per_day'), days=estimate.get('days'),
+      total_steps=estimate.get('total_steps'), assumed_mfu=estimate.get('assumed_mfu'),
+      peak_tflops_per_chip=(estimate.get('peak_flops_per_chip') or 0) / 1e12,
+      compile_s=sum(s.compile_seconds for s in report.steps.values()),
+      report=report.to_json(), wall_s=time.perf_counter() - start)
+  return row
+
+
+def recipes_main(names: list[str], out: str) -> None:
+  """--recipes: each paper recipe on its slice; rows merged into `out` by recipe name (a run
+  of some recipes keeps the others' committed rows)."""
+  unknown = sorted(set(names) - set(configs.PAPER_RECIPES))
+  if unknown:
+    raise SystemExit(f'unknown recipes {unknown}; known: {", ".join(configs.PAPER_RECIPES)}')
+  rows = {}
+  if os.path.exists(out):
+    with open(out) as f:
+      rows = {r['recipe']: r for r in json.load(f).get('rows', [])}
+  for name in names:
+    row = bench_recipe(name)
+    rows[name] = row
+    print(f'{name} on {row["topology"]}: ' + (f'error: {row["error"]}' if 'error' in row else
+          f'{row["gib_per_chip"] or 0:.2f} GiB per chip, ~{row["steps_per_day"] or 0:,.0f} '
+          f'steps/day, compiled in {row["compile_s"]:.1f} s'), flush=True)
+    ordered = [rows[n] for n in configs.PAPER_RECIPES if n in rows]
+    common.write_json(out, {'note': aot.NOTE, 'rows': ordered})
+  common.print_table([rows[n] for n in names], RECIPE_COLUMNS)
+  done = [rows[n] for n in configs.PAPER_RECIPES if n in rows and not rows[n].get('error')]
+  print('\ndocs/tpu.md\'s table:\n' + configs.recipes_markdown(done))
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -127,9 +191,19 @@ def main():
                       help='other config overrides KEY=VALUE (dotted keys of configs/default.py)')
   parser.add_argument('--steps', nargs='+', default=['train'], choices=aot.STEPS,
                       help='programs to compile (the columns describe the train step)')
-  parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
-                                                    'tpu_compile.json'))
+  parser.add_argument('--recipes', nargs='*', default=None,
+                      help='compile these paper recipes on their own slices instead (no names: '
+                      'all of configs.PAPER_RECIPES)')
+  parser.add_argument('--out', default=None,
+                      help='JSON path (default: results/tpu_compile.json, with --recipes '
+                      'results/tpu_compile_recipes.json)')
   args = parser.parse_args()
+  results = os.path.join(os.path.dirname(__file__), 'results')
+  if args.recipes is not None:
+    recipes_main(args.recipes or list(configs.PAPER_RECIPES),
+                 args.out or os.path.join(results, 'tpu_compile_recipes.json'))
+    return
+  args.out = args.out or os.path.join(results, 'tpu_compile.json')
   variants = args.variants or attention.known()
   unknown = sorted(set(variants) - set(attention.known()))
   if unknown:

@@ -1,0 +1,81 @@
+"""Recipes: `python main.py --config=configs/<name>.py`.
+
+PAPER_RECIPES are the source papers' headline experiments at the papers' own scale, one file
+each, named after the paper and the dataset. Each sets config.compile_topology to the smallest
+TPU slice it fits, so `python main.py --config=configs/<name>.py --mode=compile --workdir=DIR`
+checks it with no data; its docstring names that slice, the mesh and remat, the per-chip memory
+and the estimated speed (from `python benchmarks/tpu_compile.py --recipes`, committed in
+benchmarks/results/tpu_compile_recipes.json) and the one line that runs it tiny on a CPU.
+docs/tpu.md has them in one table.
+"""
+
+import hashlib
+import importlib
+import json
+
+import ml_collections
+
+# Recipe name: the paper and its experiment.
+PAPER_RECIPES = {
+    'selective_c4': 'Selective attention (Leviathan et al., 2024): C4, d=12',
+    'selective_variable_assignment':
+        'Selective attention (Leviathan et al., 2024): Variable Assignment, d=3',
+    'sparse_transformer_enwik8':
+        'Sparse Transformer (Child et al., 2019): enwik8, context 12,288, 30 layers, fixed',
+    'adaptive_span_enwik8': 'Adaptive span (Sukhbaatar et al., 2019): enwik8, 12 layers, S=8192',
+    'adaptive_span_text8': 'Adaptive span (Sukhbaatar et al., 2019): text8, 12 layers, S=8192',
+    'transformer_xl_enwik8': 'Transformer-XL (Dai et al., 2019): enwik8, 12 layers, M=512',
+    'reformer_enwik8': 'Reformer (Kitaev et al., 2020): enwik8-64K, LSH + reversible, 12 layers',
+    'universal_transformer_algorithmic':
+        'Universal Transformer + ACT (Dehghani et al., 2019): copy, length 40',
+}
+
+
+def load(name: str) -> ml_collections.ConfigDict:
+  """configs/<name>.py's config."""
+  return importlib.import_module(f'configs.{name}').get_config()
+
+
+def fingerprint(config: ml_collections.ConfigDict) -> str:
+  """A short hash of every setting of `config`: a committed compile result is of this recipe
+  as it is now only if the fingerprints agree."""
+  text = json.dumps(config.to_dict(), sort_keys=True, default=str)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _three_digits(x: float) -> float:
+  return float(f'{x:.3g}')
+
+
+def header_lines(row: dict) -> str:
+  """The 'slice:', 'memory:' and 'speed:' lines of a recipe's docstring, from its row of
+  benchmarks/results/tpu_compile_recipes.json (benchmarks/tpu_compile.py --recipes)."""
+  from training.aot import slice_name  # pylint: disable=import-outside-toplevel
+  mesh = ','.join(f'{k}={v}' for k, v in row['mesh'].items() if v > 1)
+  per_day = _three_digits(row['steps_per_day'])
+  return (
+      f"  slice:    {slice_name(row['topology'])} (compile_topology '{row['topology']}'), "
+      f"mesh {mesh}, remat '{row['remat']}'\n"
+      f"  memory:   {row['gib_per_chip']:.2f} GiB per chip of {row['hbm_gib']:.0f} GiB (the "
+      f"train step, by the TPU compiler's estimate)\n"
+      f"  speed:    ~{per_day:,.0f} steps/day at {100 * row['assumed_mfu']:.0f}% "
+      f"MFU, estimated from the model FLOPs and\n"
+      f"            {row['peak_tflops_per_chip']:.0f} TFLOP/s bf16 per chip (not measured): "
+      f"{row['total_steps']:,} steps in ~{row['days']:.2g} days")
+
+
+def recipes_markdown(rows: list[dict]) -> str:
+  """The table of docs/tpu.md ("The papers at their own scale") from the committed rows."""
+  from training.aot import slice_name  # pylint: disable=import-outside-toplevel
+  lines = ['| paper: experiment | recipe | slice | mesh, remat | GiB per chip (HBM) | '
+           'steps/day (est.) | days to the paper\'s steps (est.) |',
+           '|---|---|---|---|---|---|---|']
+  for row in rows:
+    mesh = ','.join(f'{k}={v}' for k, v in row['mesh'].items() if v > 1)
+    lines.append(
+        f'| {PAPER_RECIPES[row["recipe"]]} | `configs/{row["recipe"]}.py` | '
+        f'{slice_name(row["topology"])} | {mesh}, {row["remat"]} | '
+        f'{row["gib_per_chip"]:.2f} ({row["hbm_gib"]:.0f}) | '
+        f'{_three_digits(row["steps_per_day"]):,.0f} | '
+        f'{row["total_steps"]:,} steps: {row["days"]:.2g} |')
+  return '\n'.join(lines)
