@@ -40,7 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
   model.attention_options = ml_collections.ConfigDict(attention.default_options())
   model.qk_norm = True                  # RMS-normalize queries and keys.
   model.tied_embeddings = False         # Share input embedding and output projection.
-  model.dropout_rate = 0.0              # Residual dropout (the paper uses none).
+  model.dropout_rate = 0.0              # Residual dropout (the paper states none).
   model.dtype = 'bfloat16'              # Compute dtype.
   model.param_dtype = 'float32'         # Parameter (and optimizer state) dtype.
   model.remat = 'none'                  # 'none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable'.

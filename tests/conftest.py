@@ -42,12 +42,14 @@ KINDS_BY_FILE = {
     'training/test_modes.py': 'unit',
     'training/test_multislice.py': 'unit',        # Meshes of an absent TPU slice.
     'training/test_inspect.py': 'unit',           # Masks from the pattern definitions.
+    'training/test_aot_estimate.py': 'unit',      # The compile report's arithmetic.
     'input_pipeline/test_packing.py': 'model',
     'input_pipeline/test_c4.py': 'system',        # Trains on a local C4 build.
     'input_pipeline/test_local_text.py': 'system',
     'input_pipeline/test_resume.py': 'system',
     'input_pipeline/test_shards.py': 'system',    # Several processes.
     'input_pipeline/test_text_errors.py': 'system',
+    'input_pipeline/test_paper_recipes_tiny.py': 'system',  # main.py per paper recipe.
 }
 KINDS = ('unit', 'model', 'system')
 

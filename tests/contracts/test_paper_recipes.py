@@ -1,0 +1,91 @@
+"""Every paper recipe (configs.PAPER_RECIPES) is set up for the TPU slice its header names.
+
+* Each recipe's train step lowers for its own config.compile_topology with no data read (the
+  first half of `python main.py --config=configs/<recipe>.py --mode=compile`; seconds each).
+* The full compile, too slow for this suite (20-200 s a program here), is
+  `python benchmarks/tpu_compile.py --recipes`, committed in
+  benchmarks/results/tpu_compile_recipes.json. The committed row must be of the recipe as it
+  is now (the config's fingerprint), must fit, and the header must quote its numbers: a
+  recipe changed without recompiling it, or one that no longer fits, fails here.
+
+tests/input_pipeline/test_paper_recipes_tiny.py runs each recipe's tiny line on this CPU.
+"""
+
+import json
+import re
+
+import pytest
+
+import configs
+from tests.harness import REPO
+from training import aot, assembly
+
+pytestmark = pytest.mark.system
+
+RESULTS = REPO / 'benchmarks' / 'results' / 'tpu_compile_recipes.json'
+RECOMPILE = 'python benchmarks/tpu_compile.py --recipes {name}'
+
+
+def _doc(name: str) -> str:
+  return __import__(f'configs.{name}', fromlist=['get_config']).__doc__ or ''
+
+
+def _rows() -> dict:
+  with open(RESULTS) as f:
+    return {r['recipe']: r for r in json.load(f)['rows']}
+
+
+@pytest.mark.parametrize('name', configs.PAPER_RECIPES)
+def test_the_train_step_lowers_for_the_recipes_slice(name):
+  config = configs.load(name)
+  assert config.compile_topology, f'{name} sets no config.compile_topology'
+  devices = aot.topology_devices(config.compile_topology, config.compile_topology_num_slices)
+  setup = assembly.build(config, devices=devices, data=False)
+  lowered = aot.lower_train_step(setup)
+  text = lowered.as_text()
+  assert 'zoo_' not in text, 'a CPU kernel entered a TPU program'
+
+
+@pytest.mark.parametrize('name', configs.PAPER_RECIPES)
+def test_the_committed_full_compile_is_of_this_recipe_and_fits(name):
+  rows = _rows()
+  assert name in rows, f'no committed compile of {name}: run {RECOMPILE.format(name=name)}'
+  row, config = rows[name], configs.load(name)
+  assert row['fingerprint'] == configs.fingerprint(config), (
+      f'configs/{name}.py changed since its compile was committed: run '
+      f'{RECOMPILE.format(name=name)} and update its header')
+  assert not row.get('error'), row.get('error')
+  assert row['topology'] == config.compile_topology
+  assert row['fits'] is True, f'{name} does not fit {row["topology"]}: {row["gib_per_chip"]} GiB'
+  for step, report in row['report']['steps'].items():
+    assert not report['out_of_memory'], (step, report['out_of_memory'])
+    assert report['skipped'] or report['fits'] is not False, (step, report)
+
+
+@pytest.mark.parametrize('name', configs.PAPER_RECIPES)
+def test_the_header_quotes_the_committed_numbers(name):
+  """The docstring's 'slice:', 'memory:' and 'speed:' lines agree with the committed row."""
+  doc, row, config = _doc(name), _rows()[name], configs.load(name)
+  slice_line = re.search(r"^\s*slice:\s+(\S+) \(compile_topology '([^']+)'\), mesh (\S+), "
+                         r"remat '([^']+)'", doc, re.M)
+  assert slice_line, f'configs/{name}.py: no "slice:" line in the header'
+  assert slice_line.group(2) == config.compile_topology
+  assert slice_line.group(1) == aot.slice_name(config.compile_topology)
+  assert slice_line.group(3) == ','.join(f'{k}={v}' for k, v in row['mesh'].items() if v > 1)
+  assert slice_line.group(4) == config.model.remat
+  memory = re.search(r'^\s*memory:\s+([\d.]+) GiB per chip of (\d+) GiB', doc, re.M)
+  assert memory, f'configs/{name}.py: no "memory:" line in the header'
+  assert float(memory.group(1)) == pytest.approx(row['gib_per_chip'], abs=0.006)
+  assert int(memory.group(2)) == round(row['hbm_gib'])
+  speed = re.search(r'^\s*speed:\s+~([\d,]+) steps/day at (\d+)% MFU', doc, re.M)
+  assert speed, f'configs/{name}.py: no "speed:" line in the header'
+  assert float(speed.group(1).replace(',', '')) == pytest.approx(row['steps_per_day'], rel=0.01)
+  assert int(speed.group(2)) == round(100 * row['assumed_mfu'])
+
+
+def test_docs_tpu_md_has_the_committed_table():
+  rows = _rows()
+  table = configs.recipes_markdown([rows[n] for n in configs.PAPER_RECIPES])
+  assert table in (REPO / 'docs' / 'tpu.md').read_text(), (
+      'docs/tpu.md\'s recipe table differs from benchmarks/results/tpu_compile_recipes.json; '
+      'paste the table `python benchmarks/tpu_compile.py --recipes` prints')
