@@ -199,6 +199,7 @@ def _mib(x):
 
 
 SECTION = Section(
+    paper_scale=('adaptive_span_enwik8', 'adaptive_span_text8'),
     title='Adaptive attention span (Sukhbaatar et al., 2019)',
     source='adaptive-attention-span.md',
     intro=('The paper: text8 and enwik8, 12 layers x 8 heads, S up to 8192, 600K Adagrad '

@@ -498,6 +498,7 @@ def kv_keep(results):
 
 
 SECTION = Section(
+    paper_scale=('selective_c4', 'selective_variable_assignment'),
     title='Selective attention (Leviathan et al., 2024)',
     source='selective-attention.md',
     intro=('The paper: C4 with an 8K SentencePiece vocabulary, d=12 (12 layers x 12 heads of '

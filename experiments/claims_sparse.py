@@ -97,6 +97,7 @@ def _memory(results):
 
 
 SECTION = Section(
+    paper_scale=('sparse_transformer_enwik8',),
     title='Sparse Transformer: fixed and strided factorized attention',
     source='fixed-factorized-attention.md (Child et al., 2019)',
     intro=('The paper\'s numbers are from its Table 2 (enwik8, 12,288-byte contexts, 30 '

@@ -46,6 +46,31 @@ def cell(text: str) -> str:
   return text.replace('|', '\\|').replace('\n', ' ')
 
 
+def paper_scale(folders: list[str], recipes: tuple[str, ...]) -> str:
+  """The section's 'at the paper's scale' commands, with each recipe's slice, per-chip
+  memory and estimated days from tpu_compile_recipes.json (benchmarks/tpu_compile.py
+  --recipes) when that file is there."""
+  from training.aot import slice_name  # pylint: disable=import-outside-toplevel
+  rows = {r['recipe']: r
+          for r in (load(folders, 'tpu_compile_recipes.json') or {}).get('rows', [])}
+  items = []
+  for name in recipes:
+    text = f'`python main.py --config=configs/{name}.py`'
+    row = rows.get(name)
+    if row and row.get('gib_per_chip') and row.get('days'):
+      days = row['days']
+      amount, unit = ((days, 'day') if days >= 1 else (24 * days, 'hour') if days >= 1 / 24
+                      else (1440 * days, 'minute'))
+      time = f'{amount:.2g} {unit}' + ('' if f'{amount:.2g}' == '1' else 's')
+      text += (f' ({slice_name(row["topology"])}, {row["gib_per_chip"]:.1f} GiB per chip, '
+               f'about {time} to the paper\'s steps at {100 * row["assumed_mfu"]:.0f}% MFU by '
+               'estimate)')
+    items.append(text)
+  return ('At the paper\'s scale, on a TPU slice (each recipe cites the paper for every '
+          'value; [docs/tpu.md](docs/tpu.md#the-papers-at-their-own-scale) has the table): '
+          + '; '.join(items) + '.')
+
+
 def render(folders: list[str]) -> str:
   lines = ['# Results: the source papers\' claims, re-run here',
            '',
@@ -64,6 +89,8 @@ def render(folders: list[str]) -> str:
     lines += [f'## {section.title}', '', f'Source: `../shared/papers/{section.source}`.', '']
     if section.intro:
       lines += [section.intro, '']
+    if section.paper_scale:
+      lines += [paper_scale(folders, section.paper_scale), '']
     lines += ['| claim | paper | ours | verdict | command |', '|---|---|---|---|---|']
     for row in section.rows:
       results = {name: load(folders, name) for name in row.sources}

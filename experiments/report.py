@@ -33,6 +33,9 @@ class Section:
   source: str  # The paper, as in ../shared/papers/.
   rows: tuple[Row, ...]
   intro: str = ''
+  # The paper recipes of this section's experiments (configs.PAPER_RECIPES names): the
+  # commands that run them at the paper's scale on a TPU slice.
+  paper_scale: tuple[str, ...] = ()
 
 
 # ------------------------------------------------------------------------------ helpers
