@@ -8,10 +8,9 @@ from __future__ import annotations
 from experiments.report import Row, Section, near, pm
 
 LM = 'adaptive_span_lm.json'
-LM_COMMAND = ('python experiments/adaptive_span_lm.py --text TEXT '
-              '--out OUT/adaptive_span_lm.json')
+LM_COMMAND = ('adaptive_span_lm',)  # experiments/registry.py
 BENCH = 'adaptive_span.json'
-BENCH_COMMAND = 'python benchmarks/adaptive_span.py --out OUT/adaptive_span.json'
+BENCH_COMMAND = ('adaptive_span',)
 # "Equal bits per byte": within 2% of the other's, or within twice the seeds' spread.
 NEAR = 0.02
 # Figure 4: the upper half of the layers' mean span more than this times the lower half's.

@@ -16,13 +16,12 @@ VA = 'selective_va.json'
 LM = 'selective_lm.json'
 ABLATIONS = 'selective_ablations.json'
 KV = 'selective_kv.json'
-_RUN = 'python experiments/selective_experiments.py'
-VA_COMMAND = f'{_RUN} --part va --out OUT/{VA}'
-LM_COMMAND = f'{_RUN} --part lm --text TEXT --out OUT/{LM}'
-ABLATIONS_COMMAND = f'{_RUN} --part ablations --text TEXT --out OUT/{ABLATIONS}'
+# The experiments (experiments/registry.py) that write them.
+VA_COMMAND = ('selective_va',)
+LM_COMMAND = ('selective_lm',)
+ABLATIONS_COMMAND = ('selective_ablations',)
 KV_PLOT = 'experiments/results/selective_kv.png'  # Written next to the JSON (figure 6).
-KV_COMMAND = (f'{_RUN} --part kv --contexts 128,256 --text TEXT --out OUT/{KV} && '
-              f'{_RUN} --part kv --contexts 512 --text TEXT --out OUT/{KV}')
+KV_COMMAND = ('selective_kv',)
 
 # Variable Assignment: "solved" = at least this answer accuracy (the paper: 100%) ...
 SOLVED = 0.99

@@ -7,8 +7,7 @@ from typing import Callable
 
 from experiments.report import Row, Section, near, pm
 
-SPARSE_COMMAND = ('python experiments/sparse_transformer.py --text TEXT '
-                  '--out OUT/sparse_transformer.json')
+SPARSE_COMMAND = ('sparse_transformer',)  # experiments/registry.py
 # "At or near dense": within 2% of dense's bits per byte, or within twice the seeds' spread.
 NEAR = 0.02
 
@@ -55,7 +54,7 @@ def _worse(prefix: str, key: str) -> Callable:
   return measure
 
 
-SCALING_COMMAND = 'python benchmarks/attention_scaling.py --out OUT/attention_scaling.json'
+SCALING_COMMAND = ('attention_scaling',)
 # benchmarks/attention_scaling.py's own target: at 8K the achieved speedup over dense is at
 # least 70% of the FLOP ratio.
 IDEAL_SHARE = 0.7

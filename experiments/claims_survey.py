@@ -26,21 +26,15 @@ TXL_DOC = ('docs/transformer_xl.md',)
 REFORMER_DOC = ('docs/reformer.md',)
 UT_DOC = ('docs/universal_transformer.md',)
 
-TXL_COMMAND = ('python benchmarks/txl_experiment.py --text TEXT --steps 600 --out OUT/txl_exp '
-               '--json OUT/txl_experiment.json --plot OUT/txl_curves.png')
-DUP_COMMAND = ('python benchmarks/reformer_experiment.py --part dup --out OUT/reformer_exp '
-               '--json OUT/reformer_experiment.json --plot OUT/reformer_curves.png')
-BYTES_COMMAND = ('python benchmarks/reformer_experiment.py --part bytes --text TEXT '
-                 '--out OUT/reformer_exp --json OUT/reformer_experiment.json '
-                 '--plot OUT/reformer_curves.png')
-REVERSIBLE_COMMAND = ('python benchmarks/reversible_memory.py --ff_chunk_len 0 128 '
-                      '--out OUT/reversible_memory.json')
-LSH_COMMAND = 'python benchmarks/lsh_scaling.py --out OUT/lsh_scaling.json'
-UT_COMMAND = ('python benchmarks/universal_experiment.py --steps 2000 --out OUT/universal_exp '
-              '--json OUT/universal_experiment.json --img OUT')
-UT_STEPS_COMMAND = 'python benchmarks/universal_steps.py --out OUT/universal_steps.json'
-ACT_PONDER_COMMAND = (UT_COMMAND + '; python experiments/survey_act_ponder.py --tasks copy '
-                      '--workdir OUT/act_ponder_runs --out OUT/act_ponder.json')
+# The experiments (experiments/registry.py) that write each row's files.
+TXL_COMMAND = ('txl',)
+DUP_COMMAND = ('reformer_dup',)
+BYTES_COMMAND = ('reformer_bytes',)
+REVERSIBLE_COMMAND = ('reversible_memory',)
+LSH_COMMAND = ('lsh_scaling',)
+UT_COMMAND = ('universal',)
+UT_STEPS_COMMAND = ('universal_steps',)
+ACT_PONDER_COMMAND = ('universal', 'act_ponder')
 
 # Kitaev et al. (2020), table 2, as quoted in docs/reformer.md (the survey describes LSH
 # attention but not this experiment): accuracy on the duplication task, trained with (key)

@@ -2,7 +2,7 @@
 row a claim, the paper's number, ours, the command that reproduces it and a verdict.
 
   python experiments/render.py                               # the committed results
-  python experiments/render.py --results OUT --out OUT/RESULTS.md   # after experiments/all.sh OUT
+  python experiments/render.py --results OUT --out OUT/RESULTS.md   # as experiments `all` does
 
 No number in RESULTS.md is typed by hand: every "ours" cell and every verdict is computed
 here from a results file, by the criterion its row states. A row whose file is missing says
@@ -76,9 +76,10 @@ def render(folders: list[str]) -> str:
            '',
            'Every number below is computed by `experiments/render.py` from the JSON the '
            'experiments write; none is typed by hand. Rerun everything with '
-           '`bash experiments/all.sh OUT` (a few hours on 2 CPU cores), then '
-           '`python experiments/render.py --results OUT --out OUT/RESULTS.md`. Each row\'s '
-           'command reruns that row alone. TEXT is a byte-level text file (here '
+           '`python -m experiments all --out OUT --text TEXT` (a few hours on 2 CPU cores; it '
+           'renders OUT/RESULTS.md: `python experiments/render.py --results OUT --out '
+           'OUT/RESULTS.md`). Each row\'s command reruns that row\'s experiments alone '
+           '(experiments/README.md). TEXT is a byte-level text file (here '
            '`../shared/data/tinyshakespeare.txt`).',
            '',
            'Verdicts: **reproduces** (the claim holds by the row\'s criterion), **direction '

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from experiments import registry
+
 VERDICTS = ('reproduces', 'direction holds', 'does not hold at this scale',
             'not testable here')
 
@@ -15,16 +17,22 @@ VERDICTS = ('reproduces', 'direction holds', 'does not hold at this scale',
 class Row:
   """One claim of a paper.
 
-  measure(results) -> (ours, verdict, why): `results` maps each of `sources` to its loaded
-  JSON; `ours` is the cell text, `verdict` one of VERDICTS and `why` the reason in a few words
+  measure(results) -> (ours, verdict, why): `results` maps each of `sources` (written by the
+  named `experiments`) to its loaded JSON; `ours` is the cell text, `verdict` one of
+  VERDICTS and `why` the reason in a few words
   (with the numbers the criterion compared).
   """
   claim: str
   paper: str
   sources: tuple[str, ...]
-  command: str
+  experiments: tuple[str, ...]  # experiments/registry.py names that write `sources`.
   measure: Callable[[dict], tuple[str, str, str]]
   links: tuple[str, ...] = ()
+
+  @property
+  def command(self) -> str:
+    """The command that reruns this row's experiments."""
+    return registry.command(*self.experiments)
 
 
 @dataclasses.dataclass(frozen=True)

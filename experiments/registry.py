@@ -1,0 +1,140 @@
+"""Every experiment behind RESULTS.md, as data: what runs, with which arguments, what it writes.
+
+`python -m experiments` (experiments/__main__.py) runs them; the claims (experiments/claims_*.py)
+name the experiments their rows read, and RESULTS.md shows the command derived here, so a
+command is written once. In `args`, {out} is the results folder and {text} the byte-level text
+file; `quick` is appended by --quick: the same code at a tiny size, to check that every
+experiment still runs (its numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+  """One experiment: `python -m MODULE ARGS` writes `writes` into the results folder.
+
+  Attributes:
+    name: what `python -m experiments run NAME` and the claims call it.
+    module: the module run with `python -m`.
+    args: its arguments ({out}: the results folder, {text}: the text file).
+    writes: the files under the results folder that the claims read.
+    quick: arguments appended by --quick (a tiny size).
+    text: whether it needs --text.
+  """
+  name: str
+  module: str
+  args: tuple[str, ...]
+  writes: tuple[str, ...]
+  quick: tuple[str, ...] = ()
+  text: bool = False
+
+
+_SELECTIVE = 'experiments.selective_experiments'
+_SELECTIVE_QUICK = ('--seeds', '0', '--evals', '1', '--steps', '4', '--va_steps', '4',
+                    '--va_batch', '16', '--test_batches', '1', '--d', '1', '--seq_len', '32',
+                    '--batch_size', '2', '--eval_steps', '1', '--prune_batches', '1')
+
+# In the order they run (`all`): the selective-attention language models first, since the
+# ablations and the kv runs reuse their dense and selective runs.
+EXPERIMENTS = (
+    Experiment('adaptive_span_lm', 'experiments.adaptive_span_lm',
+               ('--text', '{text}', '--workdir', '{out}/adaptive_span_lm_runs',
+                '--out', '{out}/adaptive_span_lm.json'),
+               ('adaptive_span_lm.json',),
+               quick=('--seeds', '0', '--steps', '4', '--evals', '1', '--layers', '1',
+                      '--heads', '2', '--d_model', '32', '--seq_len', '32', '--batch_size', '2',
+                      '--span_limit', '32', '--eval_steps', '1', '--time_rounds', '1'),
+               text=True),
+    Experiment('adaptive_span', 'benchmarks.adaptive_span', ('--out', '{out}/adaptive_span.json'),
+               ('adaptive_span.json',),
+               quick=('--limit', '64', '--seq', '32', '--batch', '1', '--heads', '2',
+                      '--head_dim', '16', '--block', '16', '--trims', '32', '64',
+                      '--iters', '1')),
+    Experiment('selective_va', _SELECTIVE,
+               ('--part', 'va', '--workdir', '{out}/selective_runs',
+                '--out', '{out}/selective_va.json'),
+               ('selective_va.json',), quick=_SELECTIVE_QUICK),
+    Experiment('selective_lm', _SELECTIVE,
+               ('--part', 'lm', '--text', '{text}', '--workdir', '{out}/selective_runs',
+                '--out', '{out}/selective_lm.json'),
+               ('selective_lm.json',), quick=_SELECTIVE_QUICK, text=True),
+    Experiment('selective_ablations', _SELECTIVE,
+               ('--part', 'ablations', '--text', '{text}', '--workdir', '{out}/selective_runs',
+                '--out', '{out}/selective_ablations.json'),
+               ('selective_ablations.json',), quick=_SELECTIVE_QUICK, text=True),
+    Experiment('selective_kv', _SELECTIVE,
+               ('--part', 'kv', '--contexts', '128,256,512', '--text', '{text}',
+                '--workdir', '{out}/selective_runs', '--out', '{out}/selective_kv.json'),
+               ('selective_kv.json',), quick=_SELECTIVE_QUICK + ('--contexts', '32'),
+               text=True),
+    Experiment('sparse_transformer', 'experiments.sparse_transformer',
+               ('--text', '{text}', '--workdir', '{out}/sparse_transformer_runs',
+                '--out', '{out}/sparse_transformer.json'),
+               ('sparse_transformer.json',),
+               quick=('--seeds', '0', '--steps', '4', '--evals', '1', '--d', '1',
+                      '--seq_len', '64', '--batch_size', '2'),
+               text=True),
+    Experiment('attention_scaling', 'benchmarks.attention_scaling',
+               ('--out', '{out}/attention_scaling.json'), ('attention_scaling.json',),
+               quick=('--n', '256', '--iters', '1', '--impls', 'jax')),
+    Experiment('txl', 'benchmarks.txl_experiment',
+               ('--text', '{text}', '--steps', '600', '--out', '{out}/txl_exp',
+                '--json', '{out}/txl_experiment.json', '--plot', '{out}/txl_curves.png'),
+               ('txl_experiment.json',), quick=('--steps', '4'), text=True),
+    Experiment('reformer_dup', 'benchmarks.reformer_experiment',
+               ('--part', 'dup', '--out', '{out}/reformer_exp',
+                '--json', '{out}/reformer_experiment.json',
+                '--plot', '{out}/reformer_curves.png'),
+               ('reformer_experiment.json',), quick=('--dup_steps', '4')),
+    Experiment('reformer_bytes', 'benchmarks.reformer_experiment',
+               ('--part', 'bytes', '--text', '{text}', '--out', '{out}/reformer_exp',
+                '--json', '{out}/reformer_experiment.json',
+                '--plot', '{out}/reformer_curves.png'),
+               ('reformer_experiment.json',), quick=('--byte_steps', '4'), text=True),
+    Experiment('lsh_scaling', 'benchmarks.lsh_scaling', ('--out', '{out}/lsh_scaling.json'),
+               ('lsh_scaling.json',),
+               quick=('--n', '256', '--hashes', '1', '--iters', '1')),
+    Experiment('reversible_memory', 'benchmarks.reversible_memory',
+               ('--ff_chunk_len', '0', '128', '--out', '{out}/reversible_memory.json'),
+               ('reversible_memory.json',),
+               quick=('--layers', '2', '4', '--d_model', '32', '--seq_len', '64',
+                      '--iters', '1')),
+    Experiment('universal', 'benchmarks.universal_experiment',
+               ('--steps', '2000', '--out', '{out}/universal_exp',
+                '--json', '{out}/universal_experiment.json', '--img', '{out}'),
+               ('universal_experiment.json',), quick=('--steps', '4', '--tasks', 'copy')),
+    Experiment('act_ponder', 'experiments.survey_act_ponder',
+               ('--tasks', 'copy', '--workdir', '{out}/act_ponder_runs',
+                '--out', '{out}/act_ponder.json'),
+               ('act_ponder.json',), quick=('--steps', '4')),
+    Experiment('universal_steps', 'benchmarks.universal_steps',
+               ('--out', '{out}/universal_steps.json'), ('universal_steps.json',),
+               quick=('--d_model', '32', '--seq', '32', '--batch', '1', '--iters', '1')),
+)
+BY_NAME = {e.name: e for e in EXPERIMENTS}
+assert len(BY_NAME) == len(EXPERIMENTS), 'experiment names must be unique'
+
+
+def get(name: str) -> Experiment:
+  """The experiment called `name`; a clear error for an unknown one."""
+  if name not in BY_NAME:
+    raise KeyError(f'unknown experiment {name!r}; known: {", ".join(BY_NAME)}')
+  return BY_NAME[name]
+
+
+def argv(experiment: Experiment, out: str, text: str = '', quick: bool = False) -> list[str]:
+  """The arguments after `python -m MODULE` for a run into `out`."""
+  if experiment.text and not text:
+    raise ValueError(f'experiment {experiment.name!r} needs --text (a byte-level text file)')
+  args = [a.format(out=out, text=text) for a in experiment.args]
+  return args + list(experiment.quick if quick else ())
+
+
+def command(*names: str) -> str:
+  """The command that reruns `names` (as RESULTS.md shows it: OUT and TEXT are placeholders)."""
+  text = any(get(n).text for n in names)
+  return (f'python -m experiments run {" ".join(names)} --out OUT'
+          + (' --text TEXT' if text else ''))

@@ -1,0 +1,61 @@
+"""experiments/registry.py and the runner (python -m experiments): every RESULTS.md row names
+experiments that exist and write what the row reads; the runner refuses bad input before it
+runs anything, runs a named experiment as `python -m MODULE ARGS` into OUT, and stops at a
+failure with the log's tail."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from experiments import __main__ as runner
+from experiments import registry, render
+
+
+def test_every_row_names_experiments_that_write_its_files():
+  for section in render.SECTIONS:
+    for row in section.rows:
+      writes = {w for e in row.experiments for w in registry.get(e).writes}
+      assert set(row.sources) <= writes, (row.claim, row.sources, row.experiments)
+      assert row.command.startswith('python -m experiments run ')
+
+
+def test_every_experiment_is_a_module_and_read_by_a_row():
+  read = {e for section in render.SECTIONS for row in section.rows for e in row.experiments}
+  for e in registry.EXPERIMENTS:
+    assert importlib.util.find_spec(e.module) is not None, e.module
+    assert e.name in read, f'{e.name} feeds no RESULTS.md row'
+    argv = registry.argv(e, '/o', '/t.txt', quick=True)
+    assert all('{' not in a for a in argv), argv
+    assert any(a.startswith('/o/') for a in argv), f'{e.name} writes outside OUT'
+
+
+def test_the_runner_refuses_bad_input_before_running_anything(tmp_path):
+  with pytest.raises(KeyError, match="unknown experiment 'nope'"):
+    runner.run(['nope'], str(tmp_path))
+  with pytest.raises(ValueError, match='needs --text'):
+    runner.run(['adaptive_span', 'txl'], str(tmp_path))
+  with pytest.raises(SystemExit, match='no such file'):
+    runner.run(['txl'], str(tmp_path), text=str(tmp_path / 'missing.txt'))
+  assert not (tmp_path / 'logs').exists()
+
+
+def test_run_writes_the_experiments_file_and_a_failure_names_its_log(tmp_path, monkeypatch):
+  ok = registry.Experiment('ok', 'json.tool', ('{out}/in.json', '{out}/w.json'), ('w.json',))
+  bad = registry.Experiment('bad', 'json.tool', ('{out}/missing.json',), ('x.json',))
+  monkeypatch.setattr(registry, 'BY_NAME', {'ok': ok, 'bad': bad})
+  (tmp_path / 'in.json').write_text(json.dumps({'a': 1}))
+  runner.run(['ok'], str(tmp_path))
+  assert json.loads((tmp_path / 'w.json').read_text()) == {'a': 1}
+  failure = r'(?s)bad failed \(exit 2\); its log: .*bad\.log.*missing\.json'  # Its tail.
+  with pytest.raises(SystemExit, match=failure):
+    runner.run(['bad'], str(tmp_path))
+
+
+def test_list_names_every_experiment():
+  out = subprocess.run([sys.executable, '-m', 'experiments', 'list'], capture_output=True,
+                       text=True, cwd=render.REPO, check=True).stdout
+  assert [line.split()[0] for line in out.splitlines()] == [
+      e.name for e in registry.EXPERIMENTS]
