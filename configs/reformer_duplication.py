@@ -10,9 +10,10 @@
 Rows are `0 w 0 w` (after BOS), w of L random symbols; only the second copy is scored, and
 each of its tokens is the token L + 1 back, so a model must attend there. The paper: L = 511
 (sequences of 1024), N = 127 symbols, a 1-layer model of d_model = d_ff = 256 with 4 heads,
-150K steps (section 2.1; its chunk length for this task is not given). Here: L = 127 (sequences of 256), 32 symbols, a 1-layer model of d_model 128
-with 4 heads of 32, LSH chunks of 32 with 8 buckets (n / chunk_len, as in the paper: a bucket
-holds about one chunk), learned absolute positions, float32.
+150K steps (section 2.1; its chunk length for this task is not given). Here: L = 127
+(sequences of 256), 32 symbols, a 1-layer model of d_model 128 with 4 heads of 32, LSH
+chunks of 32 with 8 buckets (n / chunk_len, as in the paper: a bucket holds about one
+chunk), learned absolute positions, float32.
 """
 
 from configs import default

@@ -13,7 +13,8 @@ benchmarks/results/tpu_compile_recipes.json; `--mode=compile` prints the same re
   speed:    ~94,700,000 steps/day at 40% MFU, estimated from the model FLOPs and
             197 TFLOP/s bf16 per chip (not measured): 100,000 steps in ~0.0011 days
 
-  python main.py --config=configs/universal_transformer_algorithmic.py --mode=compile --workdir=/tmp/ut
+  python main.py --config=configs/universal_transformer_algorithmic.py --mode=compile \
+      --workdir=/tmp/ut
   python main.py --config=configs/universal_transformer_algorithmic.py --workdir=gs://BUCKET/runs/ut
   # The paper's test: strings of up to 400 symbols (the universal stack's coordinates are
   # sinusoids, so any length evaluates):

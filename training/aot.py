@@ -569,7 +569,8 @@ class Report:
               if estimate['days'] else '')
       per_day = float(f'{estimate["steps_per_day"]:.3g}')
       lines.append(f'estimate (not measured): {per_day:,.0f} steps/day at '
-                   f'{estimate["assumed_mfu"]:.0%} MFU of {estimate["peak_flops_per_chip"] / 1e12:.0f} '
+                   f'{estimate["assumed_mfu"]:.0%} MFU of '
+                   f'{estimate["peak_flops_per_chip"] / 1e12:.0f} '
                    f'TFLOP/s per chip{days}')
     lines.append('note: ' + NOTE)
     return '\n'.join(lines)
