@@ -64,7 +64,7 @@ def make_builder(data_cfg, *, process_index: int = 0):
         f'{_present_versions(data_cfg)}. This code never downloads: prepare it once (tfds '
         'build, or copy the prepared files; for C4 3.0.1, which TFDS >= 4.9.7 no longer builds, '
         'copy the prepared files of gs://allennlp-tensorflow-datasets/c4/en/3.0.1, a '
-        'requester-pays bucket; see README, Data) and point data.data_dir at the folder or gs:// '
+        'requester-pays bucket; see docs/data.md) and point data.data_dir at the folder or gs:// '
         f'bucket holding {data_cfg.tfds_name.replace(":", "/")}/')
   return builder
 

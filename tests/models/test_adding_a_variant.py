@@ -1,5 +1,5 @@
-"""README's 'Adding a variant': a variant defined in one file (here, this test) trains, decodes
-and is inspected through the production code with no other edit."""
+"""docs/adding_a_variant.md's 'Adding a variant': a variant defined in one file (here, this
+test) trains, decodes and is inspected through the production code with no other edit."""
 
 import dataclasses
 
