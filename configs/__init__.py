@@ -38,8 +38,20 @@ def load(name: str) -> ml_collections.ConfigDict:
 
 def fingerprint(config: ml_collections.ConfigDict) -> str:
   """A short hash of every setting of `config`: a committed compile result is of this recipe
-  as it is now only if the fingerprints agree."""
-  text = json.dumps(config.to_dict(), sort_keys=True, default=str)
+  as it is now only if the fingerprints agree.
+
+  The option groups (model.attention_options, ...) hold every registered variant's options;
+  only those the project's own modules declare count, so that a variant registered at run
+  time (a user's, or a test's) does not change the recipes' fingerprints.
+  """
+  from models import options as options_lib  # pylint: disable=import-outside-toplevel
+  from models import transformer  # pylint: disable=import-outside-toplevel
+  settings = config.to_dict()
+  for group, registry in transformer.OPTION_GROUPS.items():
+    own = {o for _, cls in registry.items() if cls.__module__.startswith('models.')
+           for o in options_lib.declared(cls)}
+    settings['model'][group] = {k: v for k, v in settings['model'][group].items() if k in own}
+  text = json.dumps(settings, sort_keys=True, default=str)
   return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
