@@ -99,11 +99,10 @@ def _find(tree, key):
 def restore(workdir):
   """(config, setup, step, params) of a finished run, from its record and latest checkpoint."""
   import ml_collections  # pylint: disable=g-import-not-at-top
-  from training import run_config, train as train_lib  # pylint: disable=g-import-not-at-top
+  from training import assembly, run_config  # pylint: disable=g-import-not-at-top
   config = ml_collections.ConfigDict(run_config.read_record(workdir))
-  setup = train_lib.build(config, workdir=workdir)
-  step, params = train_lib.latest_params(setup, workdir, required='train it first')
-  return config, setup, step, params
+  restored = assembly.load(config, workdir, required='train it first')
+  return config, restored.setup, restored.step, restored.params
 
 
 def evaluate(workdir, task_name, act):

@@ -44,7 +44,7 @@ EXPERIMENTS = (
                ('--text', '{text}', '--workdir', '{out}/adaptive_span_lm_runs',
                 '--out', '{out}/adaptive_span_lm.json'),
                ('adaptive_span_lm.json',),
-               quick=('--seeds', '0', '--steps', '4', '--evals', '1', '--layers', '1',
+               quick=('--seeds', '0', '--steps', '4', '--evals', '1', '--layers', '2',
                       '--heads', '2', '--d_model', '32', '--seq_len', '32', '--batch_size', '2',
                       '--span_limit', '32', '--eval_steps', '1', '--time_rounds', '1'),
                text=True),

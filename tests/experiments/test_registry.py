@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from experiments import __main__ as runner
@@ -59,3 +60,23 @@ def test_list_names_every_experiment():
                        text=True, cwd=render.REPO, check=True).stdout
   assert [line.split()[0] for line in out.splitlines()] == [
       e.name for e in registry.EXPERIMENTS]
+
+
+@pytest.mark.slow
+@pytest.mark.system
+def test_all_quick_runs_every_experiment_and_renders(tmp_path):
+  """`python -m experiments all --quick`: every experiment's code end to end at a tiny size
+  (about 15 minutes on 2 cores), then OUT/RESULTS.md with a row for every claim."""
+  rs = np.random.RandomState(0)
+  words = [''.join(rs.choice(list('etaoinshrdlu'), rs.randint(1, 8))) for _ in range(300)]
+  text = tmp_path / 'text.txt'
+  text.write_text('\n'.join(' '.join(rs.choice(words, 12)) for _ in range(2000)))
+  out = tmp_path / 'out'
+  proc = subprocess.run([sys.executable, '-m', 'experiments', 'all', '--out', str(out),
+                         '--text', str(text), '--quick'], cwd=render.REPO, capture_output=True,
+                        text=True, timeout=3600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  for e in registry.EXPERIMENTS:
+    assert all((out / w).is_file() for w in e.writes), e.name
+  rendered = (out / 'RESULTS.md').read_text()
+  assert 'not run' not in rendered
