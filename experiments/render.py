@@ -7,8 +7,8 @@ row a claim, the paper's number, ours, the command that reproduces it and a verd
 No number in RESULTS.md is typed by hand: every "ours" cell and every verdict is computed
 here from a results file, by the criterion its row states. A row whose file is missing says
 so ("not run") instead of a number. Results are looked up by file name in the --results
-folders, first match wins (default: experiments/results, then benchmarks/results, where the
-older experiments write theirs).
+folders, first match wins (default: experiments/results, the experiments' own, then
+benchmarks/results, the component timings some rows read).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ number of steps down" needs (experiments/claims_survey.py).
   python experiments/survey_act_ponder.py --out experiments/results/act_ponder.json
   python experiments/survey_act_ponder.py --tasks copy,parity --out OUT/act_ponder.json
 
-Trains benchmarks/universal_experiment.py's `ut_act` run (configs/universal_algorithmic.py:
+Trains experiments/universal_experiment.py's `ut_act` run (configs/universal_algorithmic.py:
 one shared block of width 64, ACT with at most M = 8 steps) with model.stack_options.ponder = τ
 for each τ of --taus (default 0: no ponder cost; the recipe's τ = 0.01 run is
 universal_experiment.json's ut_act, same seed, data and steps), then evaluates it on the same
@@ -23,7 +23,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks import universal_experiment as ue  # noqa: E402
+from experiments import universal_experiment as ue  # noqa: E402
 from benchmarks.common import scalar_curve, write_json  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def main(argv=None):
   args = p.parse_args(argv)
   results = {'settings': {'steps': args.steps, 'M': ue.M,
                           'recipe': 'configs/universal_algorithmic.py',
-                          'base_run': 'ut_act of benchmarks/universal_experiment.py',
+                          'base_run': 'ut_act of experiments/universal_experiment.py',
                           'code': ue._code_version(),  # pylint: disable=protected-access
                           'command': 'python experiments/survey_act_ponder.py ' + ' '.join(
                               sys.argv[1:] if argv is None else argv)}}

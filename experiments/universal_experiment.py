@@ -2,9 +2,9 @@
 Universal Transformer with fixed steps and with ACT, on the embedded copy and running-parity
 tasks, trained on short rows and evaluated on rows up to twice as long.
 
-  python benchmarks/universal_experiment.py                  # both tasks, 4 runs each
-  python benchmarks/universal_experiment.py --steps 3000     # longer (new workdirs)
-  python benchmarks/universal_experiment.py --tasks copy --runs ut_act,ut_fixed
+  python -m experiments.universal_experiment                  # both tasks, 4 runs each
+  python -m experiments.universal_experiment --steps 3000     # longer (new workdirs)
+  python -m experiments.universal_experiment --tasks copy --runs ut_act,ut_fixed
 
 Runs (configs/universal_algorithmic.py: width 64, 4 heads, float32):
   pre_ln_1   1 Pre-LN layer, sinusoid positions: the UT's parameters (one block)
@@ -23,7 +23,7 @@ For ACT it reads the per-position steps N (intermediates 'universal'/'act_steps'
 their histogram against the position and against the token's role (copy: the string, SEP,
 the copy; parity: bit tokens, whose target is scored, and parity tokens).
 
-Writes benchmarks/results/universal_experiment.json, docs/img/universal_steps.png (ACT's
+Writes experiments/results/universal_experiment.json, docs/img/universal_steps.png (ACT's
 steps against position) and docs/img/universal_accuracy.png (accuracy against length).
 """
 
@@ -227,7 +227,7 @@ def main():
   p.add_argument('--steps', type=int, default=1000, help='training steps of every run')
   p.add_argument('--tasks', default='copy,parity')
   p.add_argument('--runs', default='all', help="comma-separated subset of the runs, or 'all'")
-  p.add_argument('--json', default=os.path.join(REPO, 'benchmarks', 'results',
+  p.add_argument('--json', default=os.path.join(REPO, 'experiments', 'results',
                                                 'universal_experiment.json'))
   p.add_argument('--img', default=os.path.join(REPO, 'docs', 'img'))
   p.add_argument('--code', default='', help='what code the runs used, for the JSON (default: '

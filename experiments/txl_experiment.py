@@ -1,7 +1,7 @@
 """The experiment of docs/transformer_xl.md: Transformer-XL and GTrXL on bytes of a text.
 
-  python benchmarks/txl_experiment.py --text ../shared/data/tinyshakespeare.txt
-  python benchmarks/txl_experiment.py --text FILE --steps 2000 --out /tmp/txl_exp   # longer
+  python -m experiments.txl_experiment --text ../shared/data/tinyshakespeare.txt
+  python -m experiments.txl_experiment --text FILE --steps 2000 --out /tmp/txl_exp   # longer
 
 Trains, one after another with `main.py` (configs/transformer_xl_char.py: 4 layers x 128,
 segments of 128 bytes, batch 16), each run in its own workdir under --out (a finished run is
@@ -16,7 +16,7 @@ not trained again; an interrupted one resumes):
 
 then evaluates each on the whole validation split (`--mode=eval --config.eval_steps=0`,
 bits per byte), reads the training loss curves from TensorBoard, prints a table, and writes
-benchmarks/results/txl_experiment.json and docs/img/txl_curves.png.
+experiments/results/txl_experiment.json and docs/img/txl_curves.png.
 """
 
 import argparse
@@ -61,7 +61,7 @@ def main():
   p.add_argument('--high_lrs', default='0.02,0.06,0.15',
                  help='learning rates of the Pre-LN / GTrXL comparison')
   p.add_argument('--runs', default='all', help="comma-separated subset of the runs, or 'all'")
-  p.add_argument('--json', default=os.path.join(REPO, 'benchmarks', 'results',
+  p.add_argument('--json', default=os.path.join(REPO, 'experiments', 'results',
                                                 'txl_experiment.json'))
   p.add_argument('--plot', default=os.path.join(REPO, 'docs', 'img', 'txl_curves.png'))
   args = p.parse_args()

@@ -1,8 +1,8 @@
 """The experiments of docs/reformer.md: LSH attention on the duplication task, reversible
 layers on bytes.
 
-  python benchmarks/reformer_experiment.py --text ../shared/data/tinyshakespeare.txt
-  python benchmarks/reformer_experiment.py --part dup --dup_steps 2000     # longer
+  python -m experiments.reformer_experiment --text ../shared/data/tinyshakespeare.txt
+  python -m experiments.reformer_experiment --part dup --dup_steps 2000     # longer
 
 Part 'dup' (configs/reformer_duplication.py: rows `0 w 0 w` of 256 tokens, 1 layer of 128,
 4 heads): trains
@@ -18,7 +18,7 @@ trains pre_ln and reversible blocks (dense attention) for the same steps, and re
 validation bits per byte and the training curves.
 
 Each run has its own workdir under --out (a finished run is not trained again). Writes
-benchmarks/results/reformer_experiment.json and docs/img/reformer_curves.png.
+experiments/results/reformer_experiment.json and docs/img/reformer_curves.png.
 """
 
 import argparse
@@ -77,7 +77,7 @@ def main():
   p.add_argument('--dup_steps', type=int, default=1000)
   p.add_argument('--byte_steps', type=int, default=1500)
   p.add_argument('--runs', default='all', help="comma-separated subset of the runs, or 'all'")
-  p.add_argument('--json', default=os.path.join(REPO, 'benchmarks', 'results',
+  p.add_argument('--json', default=os.path.join(REPO, 'experiments', 'results',
                                                 'reformer_experiment.json'))
   p.add_argument('--plot', default=os.path.join(REPO, 'docs', 'img', 'reformer_curves.png'))
   args = p.parse_args()
