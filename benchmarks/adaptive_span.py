@@ -1,7 +1,7 @@
 """What trimming buys: one adaptive-span attention layer at several trimmed spans T.
 
-  python benchmarks/adaptive_span.py                       # S = 1024, segment 256, T = 64..S
-  python benchmarks/adaptive_span.py --limit 4096 --seq 512
+  python -m benchmarks.adaptive_span                       # S = 1024, segment 256, T = 64..S
+  python -m benchmarks.adaptive_span --limit 4096 --seq 512
 
 Forward + backward of `adaptive_span.span_attention` (soft mask, relative positions) for a
 segment of `--seq` queries attending into the previous segments' cache, when every head's span
@@ -12,9 +12,7 @@ identical across T (checked here too); only the work changes.
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from training import xla_flags  # noqa: E402
 

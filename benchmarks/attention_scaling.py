@@ -1,7 +1,7 @@
 """Time and memory of one attention layer (forward + backward) as the sequence grows.
 
-  python benchmarks/attention_scaling.py                          # n = 1K .. 16K on CPU
-  python benchmarks/attention_scaling.py --n 1024 2048 --heads 8
+  python -m benchmarks.attention_scaling                          # n = 1K .. 16K on CPU
+  python -m benchmarks.attention_scaling --n 1024 2048 --heads 8
 
 Dense causal attention against each sparse pattern computed block-sparse (l = 128, c = 16,
 w = 128; strided and fixed with factorization='merged', one head over A1 | A2), each row the
@@ -24,10 +24,8 @@ memory grows linearly in n.
 
 import argparse
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from training import xla_flags  # noqa: E402
 

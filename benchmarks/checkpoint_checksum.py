@@ -1,7 +1,7 @@
 """Cost of checkpoint checksums (training/checkpoints.py) on save and on restore.
 
-  python benchmarks/checkpoint_checksum.py                  # 10M and 100M parameters
-  python benchmarks/checkpoint_checksum.py --params 1e7 --repeats 5
+  python -m benchmarks.checkpoint_checksum                  # 10M and 100M parameters
+  python -m benchmarks.checkpoint_checksum --params 1e7 --repeats 5
 
 For each size, a TrainState of float32 parameter matrices (1024 x 1024, plus one remainder)
 is saved synchronously to a scratch folder and restored onto the same devices, with
@@ -16,11 +16,9 @@ import argparse
 import functools
 import os
 import shutil
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from training import xla_flags  # noqa: E402
 

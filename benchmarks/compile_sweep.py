@@ -1,8 +1,8 @@
 """Compile time and per-chip memory of the blocked attention paths as the sequence grows,
 for a TPU slice, this checkout against an earlier commit in the same run.
 
-  python benchmarks/compile_sweep.py                        # this checkout only
-  python benchmarks/compile_sweep.py --before b39f426       # and the commit before the loops
+  python -m benchmarks.compile_sweep                        # this checkout only
+  python -m benchmarks.compile_sweep --before b39f426       # and the commit before the loops
 
 Each row is one child process of benchmarks/tpu_compile.py (the --mode=compile code path:
 the run's train step compiled by libtpu for the topology, from this host, nothing run) for
@@ -26,7 +26,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common  # noqa: E402
 

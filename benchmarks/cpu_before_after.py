@@ -1,8 +1,8 @@
 """CPU time and memory of the blocked attention paths: this checkout against an earlier commit,
 in the same run (issue 39: the loops must keep the unrolled code's CPU speed).
 
-  python benchmarks/cpu_before_after.py --before b39f426
-  python benchmarks/cpu_before_after.py --before b39f426 --n 1024 2048 --skip txl span
+  python -m benchmarks.cpu_before_after --before b39f426
+  python -m benchmarks.cpu_before_after --before b39f426 --n 1024 2048 --skip txl span
 
 For each length n, benchmarks/attention_scaling.py --impls jax (one attention layer's jitted
 forward + backward: dense's causal blocks and the static patterns' block-sparse path) runs in
@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common  # noqa: E402
 

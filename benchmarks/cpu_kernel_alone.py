@@ -1,8 +1,8 @@
 """The fused CPU kernel timed alone, without the XLA ops and buffers around the call.
 
-  python benchmarks/cpu_kernel_alone.py                 # n = 8K, 1 x 4 heads of 64, 2 threads
-  python benchmarks/cpu_kernel_alone.py --n 4096 --threads 1
-  python benchmarks/cpu_kernel_alone.py --batch 4 --heads 1  # every row's heads contiguous
+  python -m benchmarks.cpu_kernel_alone                 # n = 8K, 1 x 4 heads of 64, 2 threads
+  python -m benchmarks.cpu_kernel_alone --n 4096 --threads 1
+  python -m benchmarks.cpu_kernel_alone --batch 4 --heads 1  # every row's heads contiguous
 
 Builds benchmarks/cpu_kernel_alone.cc (which includes the kernel source) with the kernel's own
 flags and times forward and backward for dense causal attention, a sliding window of w = 128,
@@ -18,10 +18,8 @@ much of a pattern's time is spent outside the kernel.
 import argparse
 import os
 import subprocess
-import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 

@@ -3,8 +3,8 @@ the decoding cache's bytes per variant, and, when torch and x-transformers are i
 (benchmarks/requirements-peer.txt), the same architecture's cached `generate` timed in the
 same run.
 
-  python benchmarks/decode.py                       # d = 4, 8; batch 1, 8; prompt 16 + 256 new
-  python benchmarks/decode.py --depths 4 --batches 8 --iters 1   # quicker
+  python -m benchmarks.decode                       # d = 4, 8; batch 1, 8; prompt 16 + 256 new
+  python -m benchmarks.decode --depths 4 --batches 8 --iters 1   # quicker
 
 The model is the zoo's d-knob shape (d_model 64 d, d heads of 64, d layers, SwiGLU 8/3
 d_model rounded up to 64, vocabulary 8192, max_len 512, float32, dense causal attention),
@@ -30,10 +30,8 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402

@@ -2,7 +2,7 @@
 own process (JAX's CPU runtime and torch's thread pool, in one process, slow each other
 down) and printed as one JSON line.
 
-  python benchmarks/decode_peer.py --d_model 256 --depth 4 --heads 4 --head_dim 64 \
+  python -m benchmarks.decode_peer --d_model 256 --depth 4 --heads 4 --head_dim 64 \
       --mlp_dim 704 --vocab 8192 --max_len 512 --batch 8 --prompt 16 --new 256 --iters 3
 
 Needs torch and x-transformers (benchmarks/requirements-peer.txt); prints

@@ -53,16 +53,16 @@ pack
 
 echo '== 2. benchmarks'
 for impl in auto cudnn; do
-  timeout 50 python3 benchmarks/train_step.py --dtype bfloat16 --impl $impl --batch 16 \
+  timeout 50 python3 -m benchmarks.train_step --dtype bfloat16 --impl $impl --batch 16 \
     --out "$WORK/train_step_gpu_bf16_$impl.json" > "$WORK/train_step_$impl.txt" 2>&1
   echo "train_step $impl rc $?"; tail -4 "$WORK/train_step_$impl.txt"
 done
 pack
-timeout 45 python3 benchmarks/decode.py --depths 4 --batches 1,8 --variants dense,strided,local \
+timeout 45 python3 -m benchmarks.decode --depths 4 --batches 1,8 --variants dense,strided,local \
   --new 128 --out "$WORK/decode_gpu.json" > "$WORK/decode.txt" 2>&1
 echo "decode rc $?"; tail -9 "$WORK/decode.txt"
 pack
-timeout 100 python3 benchmarks/attention_scaling.py --impls jax --iters 3 --n 4096 8192 16384 \
+timeout 100 python3 -m benchmarks.attention_scaling --impls jax --iters 3 --n 4096 8192 16384 \
   --patterns strided fixed local --out "$WORK/attention_scaling_gpu.json" \
   > "$WORK/scaling.txt" 2>&1
 echo "attention_scaling rc $?"; grep -A20 '^pattern' "$WORK/scaling.txt" | tail -14

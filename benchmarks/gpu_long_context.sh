@@ -12,12 +12,12 @@ OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 source benchmarks/gpu_env.sh || exit 1
 for n in 4096 16384; do
-  timeout 80 python3 benchmarks/train_step.py --d 2 --seq_len $n --batch 1 --dtype bfloat16 \
+  timeout 80 python3 -m benchmarks.train_step --d 2 --seq_len $n --batch 1 --dtype bfloat16 \
     --impl blocksparse --iters 3 --attention dense strided selective adaptive_span \
     --out "$OUT/train_step_gpu_long_$n.json" > "$OUT/train_step_long_$n.txt" 2>&1
   echo "rc $? at n=$n"; tail -6 "$OUT/train_step_long_$n.txt"
 done
-timeout 45 python3 benchmarks/attention_scaling.py --impls jax --iters 3 --n 16384 \
+timeout 45 python3 -m benchmarks.attention_scaling --impls jax --iters 3 --n 16384 \
   --patterns strided fixed local --out "$OUT/attention_scaling_gpu_16384.json" \
   > "$OUT/scaling_16384.txt" 2>&1
 echo "rc $? at n=16384"; tail -6 "$OUT/scaling_16384.txt"

@@ -1,7 +1,7 @@
 """Input-pipeline throughput against what the train step consumes, on this machine.
 
-  python benchmarks/input_pipeline.py                       # ../shared tinyshakespeare
-  python benchmarks/input_pipeline.py --files='/data/*.txt' --vocab_size=8000
+  python -m benchmarks.input_pipeline                       # ../shared tinyshakespeare
+  python -m benchmarks.input_pipeline --files='/data/*.txt' --vocab_size=8000
 
 Prepares a local text corpus as a TFDS dataset (local_text, ~2 KB documents like C4's), then
 times the production iterator (tf.data reading + tokenizing + packing + background prefetch,
@@ -10,7 +10,7 @@ exactly what the training loop calls) in tokens/s for SentencePiece (packed) and
 Next to it: tokens/s the train step consumes for the tiny model (d=2) and the C4 recipe's
 d=8 model at sequence 512, batch 8, timed here. Target: pipeline >= 5x the step.
 
-  python benchmarks/input_pipeline.py --sections=resume    # resume cost only (~2 min)
+  python -m benchmarks.input_pipeline --sections=resume    # resume cost only (~2 min)
 
 The resume section prepares a C4-shaped TFDS dataset (c4/en:3.0.1, 8 shards of 16,384
 ~2.2 KB documents) and times the first batch after resuming at documents 10^6, 10^7, 10^8 and
@@ -27,7 +27,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from training import xla_flags  # noqa: E402
 

@@ -1,7 +1,7 @@
 """LSH attention against dense: one attention layer, forward + backward, as n grows.
 
-  python benchmarks/lsh_scaling.py                      # n = 1K .. 16K, 1 / 2 / 4 rounds
-  python benchmarks/lsh_scaling.py --n 1024 2048 --hashes 1 --dense_impls blocksparse
+  python -m benchmarks.lsh_scaling                      # n = 1K .. 16K, 1 / 2 / 4 rounds
+  python -m benchmarks.lsh_scaling --n 1024 2048 --hashes 1 --dense_impls blocksparse
 
 A whole attention layer (projections, attention, output projection; gradients w.r.t. the
 parameters and the input) over n positions, batch 1, 4 heads of 64: dense causal attention
@@ -16,9 +16,7 @@ the time relative to the fastest dense row of the same n. A row whose memory wou
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from training import xla_flags  # noqa: E402
 

@@ -1,7 +1,7 @@
 """What the reversible block saves: a train step's compiled memory and time against depth.
 
-  python benchmarks/reversible_memory.py                      # 2, 4, 8, 16 layers
-  python benchmarks/reversible_memory.py --layers 2 8 --iters 2 --ff_chunk_len 0 128
+  python -m benchmarks.reversible_memory                      # 2, 4, 8, 16 layers
+  python -m benchmarks.reversible_memory --layers 2 8 --iters 2 --ff_chunk_len 0 128
 
 The real sharded train step of training/train.py (AdamW, fused loss, donated state) of a
 dense-attention model at fixed width (d_model 256, 4 heads, seq 512, batch 4, float32 by
@@ -16,9 +16,7 @@ forward once in the backward pass.
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from training import xla_flags  # noqa: E402
 

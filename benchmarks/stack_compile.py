@@ -1,7 +1,7 @@
 """Compile time and step time of the train step per stack (models/stacks.py).
 
-  python benchmarks/stack_compile.py                      # strided, 4/8/16 layers
-  python benchmarks/stack_compile.py --attention local_global --layers 6 12
+  python -m benchmarks.stack_compile                      # strided, 4/8/16 layers
+  python -m benchmarks.stack_compile --attention local_global --layers 6 12
 
 Builds the real train step of training/train.py (configs/tiny.py's d=2 width, Variable
 Assignment shapes) for each `model.stack` and measures, separately: tracing + lowering to
@@ -12,10 +12,8 @@ scans it. Results go to benchmarks/results/stack_compile.json.
 
 import argparse
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from training import xla_flags  # noqa: E402
 

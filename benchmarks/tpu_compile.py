@@ -1,10 +1,10 @@
 """Every attention variant's train step compiled for TPU slices ahead of time: fit and cost.
 
-  python benchmarks/tpu_compile.py                          # the full matrix (below)
-  python benchmarks/tpu_compile.py --variants dense selective --topologies v5e:2x2 --impl xla
-  python benchmarks/tpu_compile.py --mesh fsdp=-1 --steps train eval decode
-  python benchmarks/tpu_compile.py --recipes                # the paper recipes, each on its slice
-  python benchmarks/tpu_compile.py --recipes reformer_enwik8
+  python -m benchmarks.tpu_compile                          # the full matrix (below)
+  python -m benchmarks.tpu_compile --variants dense selective --topologies v5e:2x2 --impl xla
+  python -m benchmarks.tpu_compile --mesh fsdp=-1 --steps train eval decode
+  python -m benchmarks.tpu_compile --recipes                # the paper recipes, each on its slice
+  python -m benchmarks.tpu_compile --recipes reformer_enwik8
 
 The selective-attention paper's C4 model (configs/default.py at d=12: 12 layers x 12 heads,
 d_model 768, 8K vocabulary, rows of 512 tokens, batch 256, bfloat16) with each registered
@@ -35,10 +35,8 @@ import argparse
 import ast
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from training import xla_flags  # noqa: E402
 

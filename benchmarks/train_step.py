@@ -1,8 +1,8 @@
 """Train-step throughput and MFU against a matmul peak measured on the same machine.
 
-  python benchmarks/train_step.py                       # d=4 and d=8, seq 512, batch 8
-  python benchmarks/train_step.py --d=8 --batch=16 --dtype=bfloat16
-  python benchmarks/train_step.py --d 2 --seq_len 16384 --batch 1 --impl blocksparse \
+  python -m benchmarks.train_step                       # d=4 and d=8, seq 512, batch 8
+  python -m benchmarks.train_step --d=8 --batch=16 --dtype=bfloat16
+  python -m benchmarks.train_step --d 2 --seq_len 16384 --batch 1 --impl blocksparse \
       --attention dense strided selective adaptive_span      # long contexts, blocked paths
 
 Builds the real sharded train step of training/train.py for the C4 recipe's architecture
@@ -13,10 +13,8 @@ is the best of jitted square float matmuls of several sizes on the same device.
 
 import argparse
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from training import xla_flags  # noqa: E402
 

@@ -1,7 +1,7 @@
 """What Transformer-XL's memory costs: one attention layer, forward + backward, against dense.
 
-  python benchmarks/txl_layer.py                  # n = 512, M = 0, n, 2n, 4n, plus a window
-  python benchmarks/txl_layer.py --seq 256 --batch 4 --impl xla
+  python -m benchmarks.txl_layer                  # n = 512, M = 0, n, 2n, 4n, plus a window
+  python -m benchmarks.txl_layer --seq 256 --batch 4 --impl xla
 
 A whole attention layer (projections, attention, output projection; gradients w.r.t. the
 parameters and the input) over a segment of n queries: dense causal attention over the n
@@ -14,9 +14,7 @@ temporaries) and the time relative to dense.
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from training import xla_flags  # noqa: E402
 

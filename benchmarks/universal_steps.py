@@ -1,8 +1,8 @@
 """What the universal stack's steps cost: evaluation that stops once every position has
 halted, and training, which computes every step.
 
-  python benchmarks/universal_steps.py                      # d_model 256, seq 512, batch 8
-  python benchmarks/universal_steps.py --seq 256 --iters 3  # quicker
+  python -m benchmarks.universal_steps                      # d_model 256, seq 512, batch 8
+  python -m benchmarks.universal_steps --seq 256 --iters 3  # quicker
 
 One weight-shared pre_ln block of dense attention (float32, 4 heads), M = 8.
 
@@ -19,10 +19,8 @@ Writes benchmarks/results/universal_steps.json.
 
 import argparse
 import os
-import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402

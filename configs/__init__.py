@@ -4,7 +4,7 @@ PAPER_RECIPES are the source papers' headline experiments at the papers' own sca
 each, named after the paper and the dataset. Each sets config.compile_topology to the smallest
 TPU slice it fits, so `python main.py --config=configs/<name>.py --mode=compile --workdir=DIR`
 checks it with no data; its docstring names that slice, the mesh and remat, the per-chip memory
-and the estimated speed (from `python benchmarks/tpu_compile.py --recipes`, committed in
+and the estimated speed (from `python -m benchmarks.tpu_compile --recipes`, committed in
 benchmarks/results/tpu_compile_recipes.json) and the one line that runs it tiny on a CPU.
 docs/tpu.md has them in one table.
 """

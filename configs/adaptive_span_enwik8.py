@@ -5,7 +5,7 @@ model on text8 (table 1); configs/adaptive_span_char.py is this model scaled dow
 The fixed-span baseline: --config.model.attention_options.span_learned=False.
 
 At the paper's scale, on a TPU slice (compiled ahead of time from a CPU host by
-`python benchmarks/tpu_compile.py --recipes adaptive_span_enwik8`, committed in
+`python -m benchmarks.tpu_compile --recipes adaptive_span_enwik8`, committed in
 benchmarks/results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
   slice:    v5e-8 (compile_topology 'v5e:2x4'), mesh data=8, remat 'full'
   memory:   14.47 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)

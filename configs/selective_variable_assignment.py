@@ -3,7 +3,7 @@
 same model with --config.model.attention=dense; configs/tiny.py is this task scaled down.
 
 At the paper's scale, on a TPU slice (compiled ahead of time from a CPU host by
-`python benchmarks/tpu_compile.py --recipes selective_variable_assignment`, committed in
+`python -m benchmarks.tpu_compile --recipes selective_variable_assignment`, committed in
 benchmarks/results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
   slice:    v5e-4 (compile_topology 'v5e:2x2'), mesh data=4, remat 'none'
   memory:   7.69 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)

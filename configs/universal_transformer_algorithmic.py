@@ -6,7 +6,7 @@ recipe scaled down for a CPU and says how to run the baselines; docs/universal_t
 has the experiment. Running parity instead of copy: --config.data.name=parity.
 
 At the paper's scale, on a TPU slice (compiled ahead of time from a CPU host by
-`python benchmarks/tpu_compile.py --recipes universal_transformer_algorithmic`, committed in
+`python -m benchmarks.tpu_compile --recipes universal_transformer_algorithmic`, committed in
 benchmarks/results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
   slice:    v5e-4 (compile_topology 'v5e:2x2'), mesh data=4, remat 'none'
   memory:   1.18 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)

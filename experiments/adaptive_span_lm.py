@@ -1,7 +1,7 @@
 """Adaptive attention span (Sukhbaatar et al., 2019): learned spans, dynamic spans and the
 same model with every span fixed at the limit S, on byte-level text, over seeds.
 
-  python experiments/adaptive_span_lm.py --text ../shared/data/tinyshakespeare.txt \
+  python -m experiments.adaptive_span_lm --text ../shared/data/tinyshakespeare.txt \
       --out OUT/adaptive_span_lm.json
 
 Each (variant, seed) is a real training run of benchmarks/compare.py with the recipe
@@ -35,7 +35,6 @@ import statistics
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 from benchmarks import common, compare  # noqa: E402
 
@@ -209,7 +208,7 @@ def main(argv=None) -> dict:
         f'{e["steps_per_sec"]:.2f} |')
   table = '\n'.join(lines)
   print('\n' + table + '\n')
-  command = 'python experiments/adaptive_span_lm.py ' + shlex.join(
+  command = 'python -m experiments.adaptive_span_lm ' + shlex.join(
       sys.argv[1:] if argv is None else argv)
   payload = {'command': command, 'settings': {
       'text': os.path.basename(args.text), 'seeds': seeds, 'steps': args.steps,

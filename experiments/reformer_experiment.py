@@ -27,7 +27,6 @@ import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 from benchmarks.common import flags, pyplot, run_logged, scalar_curve, write_json  # noqa: E402
 

@@ -1,8 +1,8 @@
 """Renders RESULTS.md from the JSON the experiments write: one table per source paper, each
 row a claim, the paper's number, ours, the command that reproduces it and a verdict.
 
-  python experiments/render.py                               # the committed results
-  python experiments/render.py --results OUT --out OUT/RESULTS.md   # as experiments `all` does
+  python -m experiments.render                               # the committed results
+  python -m experiments.render --results OUT --out OUT/RESULTS.md   # as experiments `all` does
 
 No number in RESULTS.md is typed by hand: every "ours" cell and every verdict is computed
 here from a results file, by the criterion its row states. A row whose file is missing says
@@ -19,7 +19,6 @@ import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 from experiments import (claims_adaptive_span, claims_selective, claims_sparse,  # noqa: E402
                          claims_survey)
@@ -77,7 +76,7 @@ def render(folders: list[str]) -> str:
            'Every number below is computed by `experiments/render.py` from the JSON the '
            'experiments write; none is typed by hand. Rerun everything with '
            '`python -m experiments all --out OUT --text TEXT` (a few hours on 2 CPU cores; it '
-           'renders OUT/RESULTS.md: `python experiments/render.py --results OUT --out '
+           'renders OUT/RESULTS.md: `python -m experiments.render --results OUT --out '
            'OUT/RESULTS.md`). Each row\'s command reruns that row\'s experiments alone '
            '(experiments/README.md). TEXT is a byte-level text file (here '
            '`../shared/data/tinyshakespeare.txt`).',

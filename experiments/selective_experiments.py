@@ -1,13 +1,13 @@
 """Selective attention (Leviathan et al., 2024): the runs behind RESULTS.md's selective rows,
 over seeds, each a real training run of benchmarks/compare.py.
 
-  python experiments/selective_experiments.py --part va --out OUT/selective_va.json
-  python experiments/selective_experiments.py --part lm --text TEXT --out OUT/selective_lm.json
-  python experiments/selective_experiments.py --part ablations --text TEXT \
+  python -m experiments.selective_experiments --part va --out OUT/selective_va.json
+  python -m experiments.selective_experiments --part lm --text TEXT --out OUT/selective_lm.json
+  python -m experiments.selective_experiments --part ablations --text TEXT \
       --out OUT/selective_ablations.json
-  python experiments/selective_experiments.py --part kv --contexts 128,256 --text TEXT \
+  python -m experiments.selective_experiments --part kv --contexts 128,256 --text TEXT \
       --out OUT/selective_kv.json
-  python experiments/selective_experiments.py --part kv --contexts 512 --text TEXT \
+  python -m experiments.selective_experiments --part kv --contexts 512 --text TEXT \
       --out OUT/selective_kv.json   # adds context 512 to the same file
 
 Parts (every (variant, seed) trains in --workdir/<part folder>/seed<S>/<variant>, so a rerun
@@ -60,7 +60,6 @@ import sys
 from absl import logging
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 from benchmarks import common, compare  # noqa: E402
 
@@ -146,7 +145,7 @@ def floor_budget(context: int, step: int, fine_step: int) -> int:
 
 
 def _command(argv) -> str:
-  return 'python experiments/selective_experiments.py ' + shlex.join(
+  return 'python -m experiments.selective_experiments ' + shlex.join(
       sys.argv[1:] if argv is None else argv)
 
 

@@ -1,7 +1,7 @@
 """Sparse Transformer (Child et al., 2019): strided and fixed factorized attention against
 dense attention on byte-level text, at equal steps and at equal wall-clock, over seeds.
 
-  python experiments/sparse_transformer.py --text ../shared/data/tinyshakespeare.txt \
+  python -m experiments.sparse_transformer --text ../shared/data/tinyshakespeare.txt \
       --out OUT/sparse_transformer.json
 
 Each (variant, seed) is a real training run of benchmarks/compare.py (same recipe, data and
@@ -26,7 +26,6 @@ import statistics
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 from benchmarks import common, compare  # noqa: E402
 
@@ -130,7 +129,7 @@ def main(argv=None) -> dict:
                  f'{e["steps_per_sec"]:.2f} |')
   table = '\n'.join(lines)
   print('\n' + table + '\n')
-  command = 'python experiments/sparse_transformer.py ' + shlex.join(
+  command = 'python -m experiments.sparse_transformer ' + shlex.join(
       sys.argv[1:] if argv is None else argv)
   payload = {'command': command, 'settings': {
       'text': os.path.basename(args.text), 'seeds': seeds, 'steps': args.steps, 'd': args.d,

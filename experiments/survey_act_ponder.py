@@ -1,8 +1,8 @@
 """ACT without its ponder cost: the ablation that RESULTS.md's row "the ponder cost keeps the
 number of steps down" needs (experiments/claims_survey.py).
 
-  python experiments/survey_act_ponder.py --out experiments/results/act_ponder.json
-  python experiments/survey_act_ponder.py --tasks copy,parity --out OUT/act_ponder.json
+  python -m experiments.survey_act_ponder --out experiments/results/act_ponder.json
+  python -m experiments.survey_act_ponder --tasks copy,parity --out OUT/act_ponder.json
 
 Trains experiments/universal_experiment.py's `ut_act` run (configs/universal_algorithmic.py:
 one shared block of width 64, ACT with at most M = 8 steps) with model.stack_options.ponder = τ
@@ -21,7 +21,6 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 from experiments import universal_experiment as ue  # noqa: E402
 from benchmarks.common import scalar_curve, write_json  # noqa: E402
@@ -40,7 +39,7 @@ def main(argv=None):
                           'recipe': 'configs/universal_algorithmic.py',
                           'base_run': 'ut_act of experiments/universal_experiment.py',
                           'code': ue._code_version(),  # pylint: disable=protected-access
-                          'command': 'python experiments/survey_act_ponder.py ' + ' '.join(
+                          'command': 'python -m experiments.survey_act_ponder ' + ' '.join(
                               sys.argv[1:] if argv is None else argv)}}
   common = {'total_steps': args.steps, 'checkpoint_every_steps': args.steps,
             'eval_every_steps': 0, 'log_every_steps': 25}

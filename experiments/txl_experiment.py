@@ -25,7 +25,6 @@ import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 from benchmarks.common import flags, pyplot, run_logged, write_json  # noqa: E402
 from benchmarks.common import scalar_curve as curve  # noqa: E402

@@ -34,7 +34,6 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 from benchmarks.common import flags, pyplot, run_logged, scalar_curve, write_json  # noqa: E402
 

@@ -3,7 +3,7 @@
 * Each recipe's train step lowers for its own config.compile_topology with no data read (the
   first half of `python main.py --config=configs/<recipe>.py --mode=compile`; seconds each).
 * The full compile, too slow for this suite (20-200 s a program here), is
-  `python benchmarks/tpu_compile.py --recipes`, committed in
+  `python -m benchmarks.tpu_compile --recipes`, committed in
   benchmarks/results/tpu_compile_recipes.json. The committed row must be of the recipe as it
   is now (the config's fingerprint), must fit, and the header must quote its numbers: a
   recipe changed without recompiling it, or one that no longer fits, fails here.
@@ -23,7 +23,7 @@ from training import aot, assembly
 pytestmark = pytest.mark.system
 
 RESULTS = REPO / 'benchmarks' / 'results' / 'tpu_compile_recipes.json'
-RECOMPILE = 'python benchmarks/tpu_compile.py --recipes {name}'
+RECOMPILE = 'python -m benchmarks.tpu_compile --recipes {name}'
 
 
 def _doc(name: str) -> str:
@@ -88,7 +88,7 @@ def test_docs_tpu_md_has_the_committed_table():
   table = configs.recipes_markdown([rows[n] for n in configs.PAPER_RECIPES])
   assert table in (REPO / 'docs' / 'tpu.md').read_text(), (
       'docs/tpu.md\'s recipe table differs from benchmarks/results/tpu_compile_recipes.json; '
-      'paste the table `python benchmarks/tpu_compile.py --recipes` prints')
+      'paste the table `python -m benchmarks.tpu_compile --recipes` prints')
 
 
 def test_the_fingerprint_sees_the_recipes_settings_and_not_run_time_variants():

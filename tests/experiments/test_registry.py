@@ -4,6 +4,8 @@ runs anything, runs a named experiment as `python -m MODULE ARGS` into OUT, and 
 failure with the log's tail."""
 
 import importlib.util
+import pathlib
+import re
 import json
 import subprocess
 import sys
@@ -80,3 +82,19 @@ def test_all_quick_runs_every_experiment_and_renders(tmp_path):
     assert all((out / w).is_file() for w in e.writes), e.name
   rendered = (out / 'RESULTS.md').read_text()
   assert 'not run' not in rendered
+
+
+def test_scripts_run_as_modules_with_no_path_hacks():
+  """Every experiment and benchmark runs as `python -m PACKAGE.MODULE` from the repository
+  root, so none edits sys.path, and no page or docstring shows the `python DIR/FILE.py` form
+  (it would fail to import the project)."""
+  repo = pathlib.Path(render.REPO)
+  hacks = [str(p) for d in ('benchmarks', 'experiments') for p in (repo / d).glob('*.py')
+           if 'sys.path.insert' in p.read_text()]
+  assert not hacks, hacks
+  pattern = re.compile(r'python3? (?:benchmarks|experiments)/\w+\.py')
+  pages = [p for p in (*repo.glob('*.md'), *repo.glob('docs/*.md'), *repo.glob('*/README.md'),
+                       *repo.glob('benchmarks/*.py'), *repo.glob('experiments/*.py'),
+                       *repo.glob('benchmarks/*.sh'), *repo.glob('configs/*.py'))]
+  found = [f'{p.name}: {m}' for p in pages for m in pattern.findall(p.read_text())]
+  assert not found, found
