@@ -162,6 +162,9 @@ def recipes_main(names: list[str], out: str) -> None:
     ordered = [rows[n] for n in configs.PAPER_RECIPES if n in rows]
     common.write_json(out, {'note': aot.NOTE, 'rows': ordered})
   common.print_table([rows[n] for n in names], RECIPE_COLUMNS)
+  for name in names:  # What each recompiled recipe's header must say.
+    if not rows[name].get('error'):
+      print(f'\nconfigs/{name}.py\'s header:\n' + configs.header_lines(rows[name]))
   done = [rows[n] for n in configs.PAPER_RECIPES if n in rows and not rows[n].get('error')]
   print('\ndocs/tpu.md\'s table:\n' + configs.recipes_markdown(done))
 

@@ -59,15 +59,19 @@ def _three_digits(x: float) -> float:
   return float(f'{x:.3g}')
 
 
+def _mesh(row: dict) -> str:
+  """The mesh axes of more than one device, e.g. 'data=2,tensor=2'."""
+  return ','.join(f'{k}={v}' for k, v in row['mesh'].items() if v > 1)
+
+
 def header_lines(row: dict) -> str:
   """The 'slice:', 'memory:' and 'speed:' lines of a recipe's docstring, from its row of
   benchmarks/results/tpu_compile_recipes.json (benchmarks/tpu_compile.py --recipes)."""
   from training.aot import slice_name  # pylint: disable=import-outside-toplevel
-  mesh = ','.join(f'{k}={v}' for k, v in row['mesh'].items() if v > 1)
   per_day = _three_digits(row['steps_per_day'])
   return (
       f"  slice:    {slice_name(row['topology'])} (compile_topology '{row['topology']}'), "
-      f"mesh {mesh}, remat '{row['remat']}'\n"
+      f"mesh {_mesh(row)}, remat '{row['remat']}'\n"
       f"  memory:   {row['gib_per_chip']:.2f} GiB per chip of {row['hbm_gib']:.0f} GiB (the "
       f"train step, by the TPU compiler's estimate)\n"
       f"  speed:    ~{per_day:,.0f} steps/day at {100 * row['assumed_mfu']:.0f}% "
@@ -83,10 +87,9 @@ def recipes_markdown(rows: list[dict]) -> str:
            'steps/day (est.) | days to the paper\'s steps (est.) |',
            '|---|---|---|---|---|---|---|']
   for row in rows:
-    mesh = ','.join(f'{k}={v}' for k, v in row['mesh'].items() if v > 1)
     lines.append(
         f'| {PAPER_RECIPES[row["recipe"]]} | `configs/{row["recipe"]}.py` | '
-        f'{slice_name(row["topology"])} | {mesh}, {row["remat"]} | '
+        f'{slice_name(row["topology"])} | {_mesh(row)}, {row["remat"]} | '
         f'{row["gib_per_chip"]:.2f} ({row["hbm_gib"]:.0f}) | '
         f'{_three_digits(row["steps_per_day"]):,.0f} | '
         f'{row["total_steps"]:,} steps: {row["days"]:.2g} |')

@@ -12,7 +12,6 @@ tests/input_pipeline/test_paper_recipes_tiny.py runs each recipe's tiny line on 
 """
 
 import json
-import re
 
 import pytest
 
@@ -64,23 +63,14 @@ def test_the_committed_full_compile_is_of_this_recipe_and_fits(name):
 
 @pytest.mark.parametrize('name', configs.PAPER_RECIPES)
 def test_the_header_quotes_the_committed_numbers(name):
-  """The docstring's 'slice:', 'memory:' and 'speed:' lines agree with the committed row."""
+  """The docstring's 'slice:', 'memory:' and 'speed:' lines are the committed row's, as
+  configs.header_lines writes them (the benchmark prints them after a recompile)."""
   doc, row, config = _doc(name), _rows()[name], configs.load(name)
-  slice_line = re.search(r"^\s*slice:\s+(\S+) \(compile_topology '([^']+)'\), mesh (\S+), "
-                         r"remat '([^']+)'", doc, re.M)
-  assert slice_line, f'configs/{name}.py: no "slice:" line in the header'
-  assert slice_line.group(2) == config.compile_topology
-  assert slice_line.group(1) == aot.slice_name(config.compile_topology)
-  assert slice_line.group(3) == ','.join(f'{k}={v}' for k, v in row['mesh'].items() if v > 1)
-  assert slice_line.group(4) == config.model.remat
-  memory = re.search(r'^\s*memory:\s+([\d.]+) GiB per chip of (\d+) GiB', doc, re.M)
-  assert memory, f'configs/{name}.py: no "memory:" line in the header'
-  assert float(memory.group(1)) == pytest.approx(row['gib_per_chip'], abs=0.006)
-  assert int(memory.group(2)) == round(row['hbm_gib'])
-  speed = re.search(r'^\s*speed:\s+~([\d,]+) steps/day at (\d+)% MFU', doc, re.M)
-  assert speed, f'configs/{name}.py: no "speed:" line in the header'
-  assert float(speed.group(1).replace(',', '')) == pytest.approx(row['steps_per_day'], rel=0.01)
-  assert int(speed.group(2)) == round(100 * row['assumed_mfu'])
+  assert row['remat'] == config.model.remat
+  assert aot.slice_name(config.compile_topology) in configs.header_lines(row)
+  assert configs.header_lines(row) in doc, (
+      f'configs/{name}.py\'s header differs from the committed compile; it should read:\n'
+      + configs.header_lines(row))
 
 
 def test_docs_tpu_md_has_the_committed_table():
