@@ -40,9 +40,6 @@ def run(names: list[str], out: str, text: str = '', quick: bool = False) -> None
   if text and not os.path.isfile(text):
     raise SystemExit(f'--text {text}: no such file')
   os.makedirs(os.path.join(out, 'logs'), exist_ok=True)
-  env = dict(os.environ)
-  env['PYTHONPATH'] = os.pathsep.join([REPO] + ([env['PYTHONPATH']] if env.get('PYTHONPATH')
-                                                else []))
   for i, e in enumerate(experiments, 1):
     cmd = [sys.executable, '-m', e.module, *registry.argv(e, out, text, quick)]
     log = os.path.join(out, 'logs', f'{e.name}.log')
@@ -50,7 +47,8 @@ def run(names: list[str], out: str, text: str = '', quick: bool = False) -> None
           f'{" ".join(cmd[3:])}', flush=True)
     start = time.perf_counter()
     with open(log, 'w') as f:
-      code = subprocess.call(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+      # `python -m` from the repository root imports the project from there.
+      code = subprocess.call(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
     if code:
       with open(log) as f:
         tail = ''.join(f.readlines()[-15:])
