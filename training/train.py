@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import jax
 import ml_collections
@@ -77,7 +78,8 @@ def _check_finite(step: int, host_metrics: dict[str, float], ckpt: checkpoints.C
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        request: run_config.Request | None = None, *,
-                       exits: bool = False) -> steps.TrainState:
+                       exits: bool = False,
+                       on_step: Callable[[int], None] | None = None) -> steps.TrainState:
   """Trains to config.total_steps, resuming from the latest checkpoint in `workdir`.
 
   SIGTERM (a preemption notice) saves a checkpoint and returns early.
@@ -90,17 +92,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     exits: the process exits when this returns (main.py): after a preemption, later
       SIGTERMs are ignored so that they cannot turn the clean exit into a kill. False (a
       test, a notebook): the caller's SIGTERM handler is put back.
+    on_step: called with the step count after each dispatched train step, and once with the
+      starting step (0, or the restored one): a progress bar (experiments/harness.py).
 
   Returns:
     The final TrainState.
   """
   assembly.check_workdir(workdir)
   with workdir_lock.hold(workdir):  # One run per workdir.
-    return _train_and_evaluate(config, workdir, request, exits)
+    return _train_and_evaluate(config, workdir, request, exits, on_step)
 
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                        request: run_config.Request | None, exits: bool) -> steps.TrainState:
+                        request: run_config.Request | None, exits: bool,
+                        on_step: Callable[[int], None] | None) -> steps.TrainState:
   resolved = run_config.resolve(config, workdir, trains=True, request=request)
   config = resolved.config
   setup = assembly.build(config, workdir=workdir)
@@ -144,7 +149,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       state = assembly.init_state(setup, config.seed)
     if jax.process_index() == 0:  # Only once the state matches: a failed restore keeps it.
       run_config.record_start(workdir, resolved, int(state.step))
-    return _train_loop(setup, state, data_state, ckpt, logger, peak, exits)
+    return _train_loop(setup, state, data_state, ckpt, logger, peak, exits, on_step)
   finally:  # Also on errors: pending checkpoint writes finish, event files are flushed.
     setup.data.close()
     ckpt.close()
@@ -343,7 +348,8 @@ class _Profile:
       logging.error('could not write the profiler trace: %s: %s', type(e).__name__, e)
 
 
-def _train_loop(setup: assembly.Setup, state, data_state, ckpt, logger, peak: float, exits: bool):
+def _train_loop(setup: assembly.Setup, state, data_state, ckpt, logger, peak: float, exits: bool,
+                on_step: Callable[[int], None] | None = None):
   config = setup.config
   profile_start, profile_steps = settings.check_profile(config)  # Before the train step compiles.
   # The workdir is the checkpoint folder's parent (checkpoints.Checkpointer).
@@ -357,6 +363,8 @@ def _train_loop(setup: assembly.Setup, state, data_state, ckpt, logger, peak: fl
   step = int(state.step)
   batches = setup.data.train_iter(step, data_state)
   compiling = True
+  on_step = on_step or (lambda step: None)
+  on_step(step)
   with sharding.activate(setup.mesh, setup.rules), _Preemption(exits) as preemption, profile:
     while step < config.total_steps:
       try:
@@ -375,6 +383,7 @@ def _train_loop(setup: assembly.Setup, state, data_state, ckpt, logger, peak: fl
         compiling = False
       train_step, eval_step = specialized.update(state.params)
       step += 1
+      on_step(step)
       profile.after_step(step, state)
       window.add(step, step_metrics)
       stop = preemption.requested(step)
