@@ -4,8 +4,8 @@ same model with every span fixed at the limit S, on byte-level text, over seeds.
   python -m experiments.adaptive_span_lm --text ../shared/data/tinyshakespeare.txt \
       --out OUT/adaptive_span_lm.json
 
-Each (variant, seed) is a real training run of benchmarks/compare.py with the recipe
-configs/adaptive_span_char.py (relative positions, R = 32, lambda = 2e-6, segments attending
+The runs are data (RUNS): each (variant, seed) is a real training run of experiments/harness.py
+with the recipe configs/adaptive_span_char.py (relative positions, R = 32, lambda = 2e-6, segments attending
 into the cached previous ones up to S back), scaled by --layers/--heads/--d_model, kept in
 --workdir/seed<S>/<variant> so that a rerun resumes or reuses it. The variants:
 
@@ -19,7 +19,7 @@ code (training/attention_maps.py; the adaptive span's z = S z' from the checkpoi
 span's z_t averaged over the first validation batch), with span_report's attention FLOPs per
 predicted token (q.k and a.v, 4 head_dim per key): 'trimmed' is what the code computes (a
 layer's heads together up to its trimmed span T, the dynamic span always S), 'per_head' each
-head stopping at z + R. compare.py gives the validation bits per byte (the whole split), the
+head stopping at z + R. The harness gives the validation bits per byte (the whole split), the
 compiled peak memory of one attention layer's forward + backward at the run's trimmed spans
 and the timed train step (round-robin).
 
@@ -36,23 +36,24 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks import common, compare  # noqa: E402
+from experiments import harness  # noqa: E402  (sets the XLA flags before JAX starts)
+
+from benchmarks import common  # noqa: E402
 
 RECIPE = os.path.join(REPO, 'configs', 'adaptive_span_char.py')
-# name in the JSON -> compare.py variant spec.
-VARIANTS = {'adaptive': 'adaptive_span', 'dynamic': 'dynamic_span',
-            'fixed': 'adaptive_span:span_learned=False'}
+# name in the JSON -> the harness's variant spec.
+RUNS = {'adaptive': 'adaptive_span', 'dynamic': 'dynamic_span',
+        'fixed': 'adaptive_span:span_learned=False'}
+TIME_STEPS = 3  # Steps per run per round of the round-robin timing (--time_rounds rounds).
 
 
-def read_spans(argv: list[str], spec: str, workdir: str) -> dict:
+def read_spans(config, workdir: str) -> dict:
   """span_report (models/attention/adaptive_span.py) of a trained run: the spans per layer and
   head as --mode=inspect reads them, the average span, trimmed spans and attention FLOPs."""
   import numpy as np
   from models import transformer
   from models.attention import adaptive_span
   from training import attention_maps, run_config
-  args = compare.parse_args(argv)
-  config = compare.variant_config(compare.base_config(args), spec)
   config = run_config.resolve(config, workdir, trains=False).config
   layers, _, model_config, source, _ = attention_maps.sown_per_layer(config, workdir)
   head_spans = np.stack([np.asarray(layer['head_spans'][0], np.float64) for layer in layers])
@@ -144,59 +145,43 @@ def parse_args(argv):
   p.add_argument('--eval_steps', type=int, default=0,
                  help='validation batches per evaluation (0: the whole split)')
   p.add_argument('--time_rounds', type=int, default=2)
-  p.add_argument('--variants', default=','.join(VARIANTS))
+  p.add_argument('--variants', default=','.join(RUNS))
   return p.parse_args(argv)
 
 
-def main(argv=None) -> dict:
-  args = parse_args(argv)
-  if not os.path.isfile(args.text):
-    raise SystemExit(f'--text {args.text}: no such file')
-  seeds = [int(s) for s in args.seeds.split(',')]
-  names = [n.strip() for n in args.variants.split(',') if n.strip()]
-  unknown = [n for n in names if n not in VARIANTS]
-  if unknown:
-    raise SystemExit(f'--variants: unknown {unknown}; known: {", ".join(VARIANTS)}')
-  per_seed, settings = {}, None
-  for seed in seeds:
-    work = os.path.join(args.workdir, f'seed{seed}')
-    compare_argv = [
-        '--config', RECIPE, '--variants', ','.join(VARIANTS[n] for n in names),
-        '--steps', str(args.steps), '--evals', str(args.evals), '--workdir', work,
-        '--time_rounds', str(args.time_rounds), '--time_steps', '3',
-        '--out', os.path.join(work, 'compare.json'), '--png', os.path.join(work, 'compare.png'),
-        '--set', f'data.files={os.path.abspath(args.text)}',
-        '--set', f'seq_len={args.seq_len}', '--set', f'batch_size={args.batch_size}',
-        '--set', f'seed={seed}', '--set', f'eval_steps={args.eval_steps}',
-        '--set', f'learning_rate={args.learning_rate}',
-        '--set', 'data.chunk_bytes=16384',
-        '--set', f'model.n_layers={args.layers}', '--set', f'model.n_heads={args.heads}',
-        '--set', f'model.d_model={args.d_model}',
-        '--set', f'model.attention_options.span_limit={args.span_limit}']
-    result = compare.main(compare_argv)
-    settings = result['settings']
-    by_spec = {r['variant']: r for r in result['rows']}
-    rows = {}
-    for name in names:
-      r = by_spec[VARIANTS[name]]
-      spans = read_spans(compare_argv, VARIANTS[name], r['workdir'])
-      bottom, top = layer_halves(spans['head_spans'])
-      flops = spans['attention_flops_per_token']
-      rows[name] = {
-          'variant': VARIANTS[name], 'step': r['step'], 'bits_per_byte': r['bits_per_byte'],
-          'eval_loss': r['eval_loss'], 'params': r['params'],
-          'head_spans': spans['head_spans'], 'average_span': spans['average_span'],
-          'max_span': spans['max_span'], 'trimmed_spans': spans['trimmed_spans'],
-          'bottom_half_span': bottom, 'top_half_span': top,
-          'attn_flops_trimmed': flops['trimmed'], 'attn_flops_per_head': flops['per_head'],
-          'attn_flops_full_span': flops['full_span'],
-          'attn_peak_bytes': r['attn_peak_bytes'],
-          'decode_cache_bytes': r['decode_cache_bytes'],
-          'train_flops_per_token': r['train_flops_per_token'],
-          'steps_per_sec': r['tokens_per_sec'] / (args.batch_size * args.seq_len),
-          'run_seconds': r['run_seconds'], 'spans_source': spans['source'],
-          'curves': r['curves']}
-    per_seed[seed] = rows
+def base_config(args):
+  """The recipe scaled by --layers/--heads/--d_model on --text, at --span_limit S."""
+  return harness.base_config(
+      RECIPE, steps=args.steps, evals=args.evals, workdir=args.workdir, overrides={
+          'data.files': os.path.abspath(args.text), 'seq_len': args.seq_len,
+          'batch_size': args.batch_size, 'eval_steps': args.eval_steps,
+          'learning_rate': args.learning_rate, 'data.chunk_bytes': 16384,
+          'model.n_layers': args.layers, 'model.n_heads': args.heads,
+          'model.d_model': args.d_model, 'model.attention_options.span_limit': args.span_limit})
+
+
+def row(r: dict, spans: dict, tokens_per_step: int) -> dict:
+  """One (variant, seed) of the JSON: the harness row with the run's spans."""
+  bottom, top = layer_halves(spans['head_spans'])
+  flops = spans['attention_flops_per_token']
+  return {
+      'variant': r['variant'], 'step': r['step'], 'bits_per_byte': r['bits_per_byte'],
+      'eval_loss': r['eval_loss'], 'params': r['params'],
+      'head_spans': spans['head_spans'], 'average_span': spans['average_span'],
+      'max_span': spans['max_span'], 'trimmed_spans': spans['trimmed_spans'],
+      'bottom_half_span': bottom, 'top_half_span': top,
+      'attn_flops_trimmed': flops['trimmed'], 'attn_flops_per_head': flops['per_head'],
+      'attn_flops_full_span': flops['full_span'],
+      'attn_peak_bytes': r['attn_peak_bytes'],
+      'decode_cache_bytes': r['decode_cache_bytes'],
+      'train_flops_per_token': r['train_flops_per_token'],
+      'steps_per_sec': r['tokens_per_sec'] / tokens_per_step,
+      'run_seconds': r['run_seconds'], 'spans_source': spans['source'],
+      'curves': r['curves']}
+
+
+def analyze(per_seed: dict[int, dict[str, dict]], settings: dict) -> dict:
+  """The JSON payload (without the command) from every (variant, seed)'s row."""
   summary = summarize(per_seed)
   lines = ['| variant | bits/byte | average span | top / bottom half span | attention FLOPs/token '
            '(as computed) | attn peak (MiB) | steps/s |', '|---|---:|---:|---:|---:|---:|---:|']
@@ -206,18 +191,44 @@ def main(argv=None) -> dict:
         f'{e["average_span"]:.1f} | {e["top_half_span"]:.1f} / {e["bottom_half_span"]:.1f} | '
         f'{e["attn_flops_trimmed"]:,.0f} | {e["attn_peak_bytes"] / 2**20:.2f} | '
         f'{e["steps_per_sec"]:.2f} |')
-  table = '\n'.join(lines)
-  print('\n' + table + '\n')
-  command = 'python -m experiments.adaptive_span_lm ' + shlex.join(
-      sys.argv[1:] if argv is None else argv)
-  payload = {'command': command, 'settings': {
+  return {'settings': settings, 'variants': summary, 'table': '\n'.join(lines)}
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  if not os.path.isfile(args.text):
+    raise SystemExit(f'--text {args.text}: no such file')
+  seeds = [int(s) for s in args.seeds.split(',')]
+  names = [n.strip() for n in args.variants.split(',') if n.strip()]
+  unknown = [n for n in names if n not in RUNS]
+  if unknown:
+    raise SystemExit(f'--variants: unknown {unknown}; known: {", ".join(RUNS)}')
+  base = base_config(args)
+  runs = [harness.Run(RUNS[n], RUNS[n]) for n in names]
+  rows = harness.run(runs, base, seeds, args.workdir, time_rounds=args.time_rounds,
+                     time_steps=TIME_STEPS)
+  by_run = {(r['seed'], r['variant']): r for r in rows}
+  per_seed = {}
+  for seed in seeds:
+    per_seed[seed] = {}
+    for name in names:
+      r = by_run[seed, RUNS[name]]
+      config = harness.override(harness.variant_config(base, RUNS[name]), {'seed': seed})
+      per_seed[seed][name] = row(r, read_spans(config, r['workdir']),
+                                 args.batch_size * args.seq_len)
+  settings = {
       'text': os.path.basename(args.text), 'seeds': seeds, 'steps': args.steps,
       'layers': args.layers, 'heads': args.heads, 'd_model': args.d_model,
       'seq_len': args.seq_len, 'batch_size': args.batch_size, 'span_limit': args.span_limit,
-      'span_ramp': compare.load_recipe(RECIPE).model.attention_options.span_ramp,
+      'span_ramp': base.model.attention_options.span_ramp,
       'learning_rate': args.learning_rate, 'eval_steps': args.eval_steps,
-      'variants': {n: VARIANTS[n] for n in names}, 'compare': settings},
-      'variants': summary, 'table': table}
+      'variants': {n: RUNS[n] for n in names},
+      'harness': {'recipe': os.path.relpath(RECIPE, REPO), **harness.describe(base),
+                  'time_rounds': args.time_rounds, 'time_steps': TIME_STEPS}}
+  payload = analyze(per_seed, settings)
+  print('\n' + payload['table'] + '\n')
+  payload = {'command': 'python -m experiments.adaptive_span_lm ' + shlex.join(
+      sys.argv[1:] if argv is None else argv), **payload}
   common.write_json(args.out, payload)
   png = args.png or os.path.splitext(args.out)[0] + '.png'
   plot(per_seed, args.span_limit, png,

@@ -173,6 +173,16 @@ def base_config(recipe: str | ml_collections.ConfigDict, *, steps: int, evals: i
   return config
 
 
+def describe(base: ml_collections.ConfigDict) -> dict:
+  """The settings every run of a base config shares, for a results file."""
+  data = base.data
+  return {'seed': base.seed, 'total_steps': base.total_steps, 'seq_len': base.seq_len,
+          'batch_size': base.batch_size, 'learning_rate': base.learning_rate,
+          'warmup_steps': base.warmup_steps, 'eval_every_steps': base.eval_every_steps,
+          'eval_steps': base.eval_steps, 'dtype': base.model.dtype, 'data': data.name,
+          'files': [os.path.basename(f) for f in data.get('files', '').split(',') if f]}
+
+
 def option_key(config, key: str) -> str:
   """The dotted config key a spec option names: an attention, stack or block option, a model
   field, or a dotted (or top-level) config key."""

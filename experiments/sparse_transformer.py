@@ -4,10 +4,11 @@ dense attention on byte-level text, at equal steps and at equal wall-clock, over
   python -m experiments.sparse_transformer --text ../shared/data/tinyshakespeare.txt \
       --out OUT/sparse_transformer.json
 
-Each (variant, seed) is a real training run of benchmarks/compare.py (same recipe, data and
-step budget per seed; the seed sets the initialisation and the data order), kept in
---workdir/seed<S>/<variant> so that a rerun resumes or reuses it. Per seed, compare times
-every variant's train step round-robin after training, which gives its steps/s.
+The runs are data (RUNS, on configs/local_text.py): each (variant, seed) is a real training
+run of experiments/harness.py (same recipe, data and step budget per seed; the seed sets the
+initialisation and the data order), kept in --workdir/seed<S>/<variant> so that a rerun
+resumes or reuses it. Per seed, the harness times every variant's train step round-robin
+after training, which gives its steps/s; analyze() turns the rows into the numbers below.
 
 - equal steps: each variant's validation bits per byte after --steps steps;
 - equal wall-clock: T = the time the fastest variant of the seed takes for --steps steps;
@@ -27,11 +28,15 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks import common, compare  # noqa: E402
+from experiments import harness  # noqa: E402  (sets the XLA flags before JAX starts)
 
+from benchmarks import common  # noqa: E402
+
+RECIPE = os.path.join(REPO, 'configs', 'local_text.py')
 # The patterns at this length: stride l near sqrt(seq_len), as the paper sets it, and c = l/8
 # summary cells per block (the paper: c in {8, 16, 32} for l in {128, 256}).
-VARIANTS = ('dense', 'strided:stride=32', 'fixed:stride=32:summary=4')
+RUNS = ('dense', 'strided:stride=32', 'fixed:stride=32:summary=4')
+TIME_ROUNDS, TIME_STEPS = 5, 5  # The round-robin timing of each seed's train steps.
 
 
 def interpolate(curve, step: float) -> float:
@@ -101,8 +106,34 @@ def parse_args(argv):
   p.add_argument('--d', type=int, default=2)
   p.add_argument('--seq_len', type=int, default=512)
   p.add_argument('--batch_size', type=int, default=8)
-  p.add_argument('--variants', default=','.join(VARIANTS))
+  p.add_argument('--variants', default=','.join(RUNS))
   return p.parse_args(argv)
+
+
+def base_config(args):
+  """configs/local_text.py at --d on --text: --seq_len bytes per row, 4 KiB documents, bits
+  per byte over the whole validation split."""
+  return harness.base_config(
+      RECIPE, steps=args.steps, evals=args.evals, d=args.d, workdir=args.workdir,
+      overrides={'data.files': os.path.abspath(args.text), 'seq_len': args.seq_len,
+                 'batch_size': args.batch_size, 'eval_steps': 0, 'data.chunk_bytes': 4096})
+
+
+def analyze(rows: list[dict], settings: dict) -> dict:
+  """The JSON payload (without the command) from the harness rows of every (variant, seed)."""
+  per_seed = {}
+  for r in rows:
+    per_seed.setdefault(r['seed'], []).append(r)
+  summary = summarize(per_seed, settings['steps'], settings['batch_size'], settings['seq_len'])
+  lines = ['| variant | bits/byte at equal steps | bits/byte at equal wall-clock | steps/s |',
+           '|---|---:|---:|---:|']
+  for variant, e in summary.items():
+    lines.append(f'| {variant} | {e["bits_per_byte"]:.3f} ± {e["bits_per_byte_std"]:.3f} | '
+                 f'{e["bits_per_byte_at_budget"]:.3f} ± {e["bits_per_byte_at_budget_std"]:.3f} | '
+                 f'{e["steps_per_sec"]:.2f} |')
+  return {'settings': settings, 'variants': summary, 'table': '\n'.join(lines),
+          'runs': {str(s): [{k: v for k, v in r.items() if k != 'workdir'} for r in seed_rows]
+                   for s, seed_rows in per_seed.items()}}
 
 
 def main(argv=None) -> dict:
@@ -110,36 +141,20 @@ def main(argv=None) -> dict:
   if not os.path.isfile(args.text):
     raise SystemExit(f'--text {args.text}: no such file')
   seeds = [int(s) for s in args.seeds.split(',')]
-  per_seed = {}
-  for seed in seeds:
-    work = os.path.join(args.workdir, f'seed{seed}')
-    per_seed[seed] = compare.main([
-        '--variants', args.variants, '--d', str(args.d), '--steps', str(args.steps),
-        '--evals', str(args.evals), '--workdir', work,
-        '--out', os.path.join(work, 'compare.json'), '--png', os.path.join(work, 'compare.png'),
-        '--set', f'data.files={os.path.abspath(args.text)}', '--set', f'seq_len={args.seq_len}',
-        '--set', f'batch_size={args.batch_size}', '--set', f'seed={seed}',
-        '--set', 'eval_steps=0', '--set', 'data.chunk_bytes=4096'])['rows']
-  summary = summarize(per_seed, args.steps, args.batch_size, args.seq_len)
-  lines = ['| variant | bits/byte at equal steps | bits/byte at equal wall-clock | steps/s |',
-           '|---|---:|---:|---:|']
-  for variant, e in summary.items():
-    lines.append(f'| {variant} | {e["bits_per_byte"]:.3f} ± {e["bits_per_byte_std"]:.3f} | '
-                 f'{e["bits_per_byte_at_budget"]:.3f} ± {e["bits_per_byte_at_budget_std"]:.3f} | '
-                 f'{e["steps_per_sec"]:.2f} |')
-  table = '\n'.join(lines)
-  print('\n' + table + '\n')
-  command = 'python -m experiments.sparse_transformer ' + shlex.join(
-      sys.argv[1:] if argv is None else argv)
-  payload = {'command': command, 'settings': {
-      'text': os.path.basename(args.text), 'seeds': seeds, 'steps': args.steps, 'd': args.d,
-      'seq_len': args.seq_len, 'batch_size': args.batch_size, 'variants': args.variants},
-      'variants': summary, 'table': table,
-      'runs': {str(s): [{k: v for k, v in r.items() if k != 'workdir'} for r in rows]
-               for s, rows in per_seed.items()}}
+  runs = [v.strip() for v in args.variants.split(',') if v.strip()]
+  rows = harness.run(runs, base_config(args), seeds, args.workdir, time_rounds=TIME_ROUNDS,
+                     time_steps=TIME_STEPS)
+  settings = {'text': os.path.basename(args.text), 'seeds': seeds, 'steps': args.steps,
+              'd': args.d, 'seq_len': args.seq_len, 'batch_size': args.batch_size,
+              'variants': args.variants}
+  payload = analyze(rows, settings)
+  print('\n' + payload['table'] + '\n')
+  payload = {'command': 'python -m experiments.sparse_transformer ' + shlex.join(
+      sys.argv[1:] if argv is None else argv), **payload}
   common.write_json(args.out, payload)
   png = args.png or os.path.splitext(args.out)[0] + '.png'
-  plot(per_seed[seeds[0]], args.batch_size, args.seq_len, png,
+  first = [r for r in rows if r['seed'] == seeds[0]]
+  plot(first, args.batch_size, args.seq_len, png,
        f'{os.path.basename(args.text)}, d={args.d}, batch {args.batch_size} x {args.seq_len}, '
        f'seed {seeds[0]}')
   return payload
