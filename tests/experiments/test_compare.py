@@ -1,4 +1,5 @@
-"""benchmarks/compare.py: variant specs, and a short comparison end to end on generated text.
+"""experiments/compare.py and the harness under it (experiments/harness.py): variant specs,
+config overrides, and a short comparison end to end on generated text.
 
 The end-to-end run trains two variants (dense, and the reformer preset with LSH options) for
 2 steps each on a d=1 model over 24-byte rows of a 20 KB generated text in tmp_path, and
@@ -9,10 +10,10 @@ PNG; about 20 s on an idle 2-core CPU.
 import json
 import math
 
-import numpy as np
 import pytest
 
-from benchmarks import compare
+from experiments import compare, harness
+from tests.experiments.test_harness import _text
 from configs import local_text, tiny
 
 
@@ -24,47 +25,48 @@ def _base():
 
 def test_variant_config_adds_only_the_variant_and_what_it_needs():
   base = _base()
-  assert compare.own_keys(base, compare.variant_config(base, 'dense')) == {}
-  assert compare.own_keys(base, compare.variant_config(base, 'local:window=64')) == {
+  assert harness.own_keys(base, harness.variant_config(base, 'dense')) == {}
+  assert harness.own_keys(base, harness.variant_config(base, 'local:window=64')) == {
       'model.attention': 'local', 'model.attention_options.window': 64}
   # Relative positions and segment memory bring their own position and packing settings.
-  assert compare.own_keys(base, compare.variant_config(base, 'txl')) == {
+  assert harness.own_keys(base, harness.variant_config(base, 'txl')) == {
       'model.attention': 'txl', 'model.position_embedding': 'none', 'data.packing': 'stream'}
-  assert compare.own_keys(base, compare.variant_config(base, 'txl:mem_len=0')) == {
+  assert harness.own_keys(base, harness.variant_config(base, 'txl:mem_len=0')) == {
       'model.attention': 'txl', 'model.position_embedding': 'none',
       'model.attention_options.mem_len': 0}
-  gtrxl = compare.own_keys(base, compare.variant_config(base, 'gtrxl'))
+  gtrxl = harness.own_keys(base, harness.variant_config(base, 'gtrxl'))
   assert gtrxl['model.block'] == 'gtrxl' and gtrxl['data.packing'] == 'stream'
-  assert compare.own_keys(base, compare.variant_config(base, 'reformer:n_hashes=2')) == {
+  assert harness.own_keys(base, harness.variant_config(base, 'reformer:n_hashes=2')) == {
       'model.attention': 'lsh', 'model.block': 'reversible',
       'model.attention_options.n_hashes': 2}
   # A stack option (model.stack_options) and a block option (model.block_options).
-  universal = compare.variant_config(base, 'universal:act=true')
+  universal = harness.variant_config(base, 'universal:act=true')
   assert (universal.model.stack, universal.model.stack_options.steps,
           universal.model.stack_options.act) == ('universal', 1, True)
-  gated = compare.variant_config(base, 'dense:block=gtrxl:gate_bias=1')
-  assert compare.own_keys(base, gated) == {'model.block': 'gtrxl',
+  gated = harness.variant_config(base, 'dense:block=gtrxl:gate_bias=1')
+  assert harness.own_keys(base, gated) == {'model.block': 'gtrxl',
                                            'model.block_options.gate_bias': 1.0}
   # A model field and a dotted key.
-  assert compare.variant_config(base, 'dense:block=gtrxl').model.block == 'gtrxl'
-  assert compare.variant_config(base, 'dense:data.packing=packed').data.packing == 'packed'
+  assert harness.variant_config(base, 'dense:block=gtrxl').model.block == 'gtrxl'
+  assert harness.variant_config(base, 'dense:data.packing=packed').data.packing == 'packed'
 
 
 @pytest.mark.parametrize('spec, message', [
     ('nope', 'neither a registered attention variant'),
     ('local:windw=3', 'neither an attention option'),
     ('local:window', 'KEY=VALUE'),
-    ('local:window=wide', 'expected a int'),
+    ('local:window=wide', 'window=wide'),
+    ('universal:act=maybe', 'act=maybe'),
 ])
 def test_bad_specs_are_refused(spec, message):
   with pytest.raises(ValueError, match=message):
-    compare.variant_config(_base(), spec)
+    harness.variant_config(_base(), spec)
 
 
 def test_groups_expand_and_named_variants_are_not_skippable():
   specs, grouped = compare.expand('dense,registered,presets,local:window=8')
   assert specs[0] == 'dense' and specs[-1] == 'local:window=8'
-  assert set(compare.PRESETS) <= set(specs) and 'txl' in specs and specs.count('dense') == 1
+  assert set(harness.PRESETS) <= set(specs) and 'txl' in specs and specs.count('dense') == 1
   assert 'dense' not in grouped and 'local:window=8' not in grouped and 'txl' in grouped
 
 
@@ -76,16 +78,28 @@ def test_a_named_variant_that_cannot_run_on_the_data_is_an_error(tmp_path, monke
     compare.main(['--config', str(recipe), '--variants', 'txl', '--workdir', str(tmp_path)])
 
 
-def _text(path, size=20_000):
-  words = ['the', 'king', 'and', 'queen', 'of', 'a', 'castle', 'speak', 'thou', 'art', 'my',
-           'lord', 'good', 'night', 'sweet', 'prince']
-  rng = np.random.default_rng(0)
-  out, n = [], 0
-  while n < size:
-    line = ' '.join(rng.choice(words, rng.integers(3, 10))) + '.\n'
-    out.append(line)
-    n += len(line)
-  path.write_text(''.join(out))
+def test_overrides_are_ml_collections_own():
+  base = _base()
+  # Strings are read as main.py reads --config.KEY=VALUE: by the field's type.
+  config = harness.override(base, ['seq_len=64', 'model.dtype=bfloat16',
+                                   'model.attention_options.window=8'])
+  assert (config.seq_len, config.model.dtype, config.model.attention_options.window) == (
+      64, 'bfloat16', 8)
+  assert base.seq_len != 64  # A copy.
+  # Typed values, as a script passes them.
+  assert harness.override(base, {'learning_rate': 1e-3}).learning_rate == 1e-3
+  for bad, match in [(['seq_len=long'], 'seq_len'), (['nope=1'], 'unknown config key'),
+                     ({'nope': 1}, 'unknown config key'), ({'seq_len': 'long'}, 'seq_len'),
+                     (['seq_len'], 'KEY=VALUE')]:
+    with pytest.raises(ValueError, match=match):
+      harness.override(base, bad)
+
+
+def test_a_bad_config_override_on_the_command_line_is_refused(tmp_path):
+  with pytest.raises(ValueError, match='seq_len'):
+    compare.main(['--config.seq_len=long', '--workdir', str(tmp_path)])
+  with pytest.raises(SystemExit):  # argparse: not an option of compare nor a config key.
+    compare.main(['--set', 'seq_len=64', '--workdir', str(tmp_path)])
 
 
 def test_compare_two_variants_end_to_end(tmp_path):
@@ -95,13 +109,13 @@ def test_compare_two_variants_end_to_end(tmp_path):
   argv = ['--variants', 'dense,reformer:chunk_len=8:n_buckets=4', '--d', '1', '--steps', '2',
           '--evals', '2', '--time_rounds', '2', '--time_steps', '1',
           '--workdir', str(tmp_path / 'runs'), '--out', str(out), '--png', str(png),
-          '--set', f'data.files={text}', '--set', 'seq_len=24', '--set', 'batch_size=4',
-          '--set', 'eval_steps=1', '--set', 'data.chunk_bytes=2048',
-          '--set', 'peak_tflops_per_device=1.0']
+          f'--config.data.files={text}', '--config.seq_len=24', '--config.batch_size=4',
+          '--config.eval_steps=1', '--config.data.chunk_bytes=2048',
+          '--config.peak_tflops_per_device=1.0']
   compare.main(argv)
 
   result = json.loads(out.read_text())
-  assert result['command'].startswith('python -m benchmarks.compare --variants')
+  assert result['command'].startswith('python -m experiments.compare --variants')
   assert result['columns'] == list(compare.COLUMNS)
   assert {'platform', 'backend'} <= set(result['machine'])
   rows = {r['variant']: r for r in result['rows']}
