@@ -6,14 +6,17 @@ tasks, trained on short rows and evaluated on rows up to twice as long.
   python -m experiments.universal_experiment --steps 3000     # longer (new workdirs)
   python -m experiments.universal_experiment --tasks copy --runs ut_act,ut_fixed
 
-Runs (configs/universal_algorithmic.py: width 64, 4 heads, float32):
+The runs are data (RUNS, on configs/universal_algorithmic.py: width 64, 4 heads, float32;
+TASKS sets the task):
   pre_ln_1   1 Pre-LN layer, sinusoid positions: the UT's parameters (one block)
   pre_ln_T   T distinct Pre-LN layers, sinusoid positions: the fixed UT's compute
   ut_fixed   one shared block applied T times (universal stack, its own coordinates)
   ut_act     one shared block, ACT halting per position, at most M steps, ponder cost τ
 
-Each run trains through main.py (its own workdir under --out; a finished run is not trained
-again), then this script restores its latest parameters and runs the Decoder on longer rows:
+Each run trains in process through experiments/harness.py in --out/<task>/<run> (a finished
+run is kept, an interrupted one resumes; no evaluation during training, a log line every 25
+steps, warm-up at most a sixth of the steps), then evaluate() restores its latest parameters
+and runs the Decoder on longer rows:
   copy    rows of copy lengths 1..2 L_train (the lengths are drawn uniformly; training saw
           1..L_train): token accuracy on the scored copy + EOS, and whole-row accuracy, per
           copy length;
@@ -21,22 +24,33 @@ again), then this script restores its latest parameters and runs the Decoder on 
           saw k <= n_train).
 For ACT it reads the per-position steps N (intermediates 'universal'/'act_steps') and keeps
 their histogram against the position and against the token's role (copy: the string, SEP,
-the copy; parity: bit tokens, whose target is scored, and parity tokens).
+the copy; parity: bit tokens, whose target is scored, and parity tokens). analyze() turns the
+harness rows and these measurements into the JSON.
 
-Writes experiments/results/universal_experiment.json, docs/img/universal_steps.png (ACT's
-steps against position) and docs/img/universal_accuracy.png (accuracy against length).
+Writes experiments/results/universal_experiment.json (merged into the one there: runs not
+rerun keep their entries), docs/img/universal_steps.png (ACT's steps against position) and
+docs/img/universal_accuracy.png (accuracy against length).
 """
 
 import argparse
 import json
 import os
-import sys
+import subprocess
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks.common import flags, pyplot, run_logged, scalar_curve, write_json  # noqa: E402
+from experiments import harness  # noqa: E402  (sets the XLA flags before JAX starts)
 
+import jax  # noqa: E402
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.common import print_table, pyplot, scalar_curve, write_json  # noqa: E402
+from input_pipeline import synthetic  # noqa: E402
+from training import assembly, run_config  # noqa: E402
+
+RECIPE = os.path.join(REPO, 'configs', 'universal_algorithmic.py')
 T = 4           # Fixed steps of ut_fixed, layers of pre_ln_T.
 M = 8           # ACT's cap.
 COPY_TRAIN = 10  # Copy: lengths 1..COPY_TRAIN in training (configs/universal_algorithmic.py).
@@ -44,37 +58,48 @@ PARITY_TRAIN = 12  # Parity: bits per training row.
 EXTRAPOLATE = 2  # Evaluation rows are this many times the longest training row.
 EVAL_ROWS = 1024
 EVAL_SEED = 12345
+STEPS = 1000
 
 LAYERED = {'model.stack': 'auto', 'model.position_embedding': 'sinusoidal'}
-RUNS = {
-    'pre_ln_1': {**LAYERED, 'model.n_layers': 1},
-    f'pre_ln_{T}': {**LAYERED, 'model.n_layers': T},
-    'ut_fixed': {'model.stack_options.act': False, 'model.stack_options.steps': T},
-    'ut_act': {'model.stack_options.act': True, 'model.stack_options.max_steps': M},
-}
+ACT = {'model.stack_options.act': True, 'model.stack_options.max_steps': M}
+RUNS = (
+    harness.Run('pre_ln_1', {**LAYERED, 'model.n_layers': 1}),
+    harness.Run(f'pre_ln_{T}', {**LAYERED, 'model.n_layers': T}),
+    harness.Run('ut_fixed', {'model.stack_options.act': False, 'model.stack_options.steps': T}),
+    harness.Run('ut_act', ACT),
+)
 TASKS = {
     'copy': {'data.name': 'copy', 'data.max_length': COPY_TRAIN},
     'parity': {'data.name': 'parity', 'data.num_bits': PARITY_TRAIN},
 }
 
 
-def train(name, overrides, *, out, steps):
-  """Trains one run unless its last checkpoint exists; returns (workdir, seconds or None)."""
-  os.makedirs(out, exist_ok=True)
-  workdir = os.path.join(out, name)
-  log = os.path.join(out, f'{name}.log')
-  if os.path.isdir(os.path.join(workdir, 'checkpoints', str(steps))):
-    return workdir, None
-  print(f'[{name}] training {steps} steps (log: {log})', flush=True)
-  cmd = [sys.executable, os.path.join(REPO, 'main.py'),
-         '--config=' + os.path.join(REPO, 'configs', 'universal_algorithmic.py'),
-         f'--workdir={workdir}'] + flags(overrides)
-  return workdir, run_logged(cmd, REPO, log)
+def schedule(steps):
+  """The overrides of every run's schedule: one checkpoint at the end, no evaluation during
+  training (evaluate() measures), a log line every 25 steps."""
+  return {'total_steps': steps, 'checkpoint_every_steps': steps, 'eval_every_steps': 0,
+          'log_every_steps': 25}
+
+
+def base_config(task_name, steps):
+  """The recipe on `task_name` for `steps` steps (harness.base_config's warm-up)."""
+  return harness.base_config(RECIPE, steps=steps,
+                             overrides={**schedule(steps), **TASKS[task_name]})
+
+
+def is_act(overrides):
+  """Whether a run of these overrides halts with ACT (the recipe's universal stack does)."""
+  return (overrides.get('model.stack_options.act', True)
+          and overrides.get('model.stack', 'universal') == 'universal')
+
+
+def train(runs, task_name, *, out, steps):
+  """Trains (or keeps) `runs` on `task_name` in OUT/<task>/<run>; the harness rows."""
+  return harness.run(runs, base_config(task_name, steps), None, os.path.join(out, task_name))
 
 
 def eval_batch(task_name):
   """One long evaluation batch (numpy) and its description."""
-  from input_pipeline import synthetic  # pylint: disable=g-import-not-at-top
   if task_name == 'copy':
     task = synthetic.make_task('copy', num_symbols=16, max_length=EXTRAPOLATE * COPY_TRAIN,
                                min_length=1)
@@ -97,8 +122,6 @@ def _find(tree, key):
 
 def restore(workdir):
   """(config, setup, step, params) of a finished run, from its record and latest checkpoint."""
-  import ml_collections  # pylint: disable=g-import-not-at-top
-  from training import assembly, run_config  # pylint: disable=g-import-not-at-top
   config = ml_collections.ConfigDict(run_config.read_record(workdir))
   restored = assembly.load(config, workdir, required='train it first')
   return config, restored.setup, restored.step, restored.params
@@ -106,8 +129,6 @@ def restore(workdir):
 
 def evaluate(workdir, task_name, act):
   """Accuracy (and ACT steps) of a run on the long evaluation batch."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   _, setup, step, params = restore(workdir)
   model = setup.model
   batch, task = eval_batch(task_name)
@@ -195,8 +216,8 @@ def evaluate(workdir, task_name, act):
   return result
 
 
-def _code_version():
-  import subprocess  # pylint: disable=g-import-not-at-top
+def code_version():
+  """git HEAD of this checkout, '+dirty' when models/, training/ or input_pipeline/ differ."""
   try:
     head = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=REPO, capture_output=True,
                           text=True, check=True).stdout.strip()
@@ -205,6 +226,57 @@ def _code_version():
     return head + ('+dirty' if dirty.strip() else '')
   except (OSError, subprocess.CalledProcessError):
     return 'unknown'
+
+
+def measure(row, task_name, act):
+  """In-process measurements of a trained run (its harness row) that the row lacks: the
+  evaluation on the longer rows and the training curves of accuracy (and ACT's steps and
+  ponder cost)."""
+  workdir = row['workdir']
+  measured = {'eval': evaluate(workdir, task_name, act),
+              'train_accuracy': scalar_curve(workdir, 'train/accuracy')}
+  if act:
+    measured['train_act_steps'] = scalar_curve(workdir, 'train/act_steps/universal')
+    measured['train_ponder'] = scalar_curve(workdir, 'train/ponder/universal')
+  return measured
+
+
+def entry(row, measured, overrides, steps):
+  """One run's JSON entry from its harness row and measure()'s measurements; train_s is None
+  for a run trained by an earlier call."""
+  loss = [list(p) for p in row['curves']['train_loss']]
+  tail = [v for s, v in loss if s > steps * 0.9]
+  out = {'overrides': overrides, 'train_s': None if row['already_trained'] else row['run_seconds'],
+         'eval': measured['eval'], 'final_train_loss': sum(tail) / max(1, len(tail)),
+         'train_loss': loss, 'train_accuracy': measured['train_accuracy']}
+  for key in ('train_act_steps', 'train_ponder'):
+    if key in measured:
+      out[key] = measured[key]
+  return out
+
+
+def analyze(rows, measured, settings, previous=None):
+  """The JSON payload (without the machine) from the harness rows, each with its 'task', and
+  measure()'s measurements of each, keyed by (task, run). `previous`: an earlier payload whose
+  tasks and runs are kept where not rerun (and a cached run keeps its training time)."""
+  results = {k: v for k, v in (previous or {}).items() if k != 'machine'}
+  results['settings'] = settings
+  by_name = {r.name: r.overrides for r in RUNS}
+  steps = settings['steps']
+  for row in rows:
+    task_name, name = row['task'], row['variant']
+    m = measured[task_name, name]
+    act = is_act(by_name[name])
+    e = entry(row, m, {**schedule(steps), **TASKS[task_name], **by_name[name]}, steps)
+    e['applications'] = (m['eval']['mean_steps'] if act
+                         else float(T if name != 'pre_ln_1' else 1))
+    task_results = results.setdefault(task_name, {})
+    old = task_results.get(name, {})
+    if (e['train_s'] is None and old.get('train_s') is not None
+        and old['eval']['step'] == e['eval']['step']):
+      e['train_s'] = old['train_s']  # Keep the measured time of a cached run.
+    task_results[name] = e
+  return results
 
 
 def summary_row(task_name, name, entry):
@@ -219,71 +291,57 @@ def summary_row(task_name, name, entry):
           'train s': entry['train_s'] if entry['train_s'] is not None else 'cached'}
 
 
-def main():
+def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument('--out', default='/tmp/universal_exp', help='workdirs go here')
-  p.add_argument('--steps', type=int, default=1000, help='training steps of every run')
-  p.add_argument('--tasks', default='copy,parity')
+  p.add_argument('--steps', type=int, default=STEPS, help='training steps of every run')
+  p.add_argument('--tasks', default=','.join(TASKS))
   p.add_argument('--runs', default='all', help="comma-separated subset of the runs, or 'all'")
   p.add_argument('--json', default=os.path.join(REPO, 'experiments', 'results',
                                                 'universal_experiment.json'))
   p.add_argument('--img', default=os.path.join(REPO, 'docs', 'img'))
   p.add_argument('--code', default='', help='what code the runs used, for the JSON (default: '
                  "git HEAD of this checkout, '+dirty' when models/ or training/ differ)")
-  args = p.parse_args()
-  from benchmarks.common import print_table  # pylint: disable=g-import-not-at-top
-  results = {}
+  args = p.parse_args(argv)
+  tasks = [t.strip() for t in args.tasks.split(',') if t.strip()]
+  unknown = [t for t in tasks if t not in TASKS]
+  if unknown:
+    raise SystemExit(f'--tasks: unknown {unknown}; known: {", ".join(TASKS)}')
+  wanted = None if args.runs == 'all' else set(args.runs.split(','))
+  runs = [r for r in RUNS if wanted is None or r.name in wanted]
+  previous = {}
   if os.path.exists(args.json):
     with open(args.json) as f:
-      results = json.load(f)
-  results.pop('machine', None)
-  results['settings'] = {'steps': args.steps, 'T': T, 'M': M, 'copy_train_max_length': COPY_TRAIN,
-                         'parity_train_bits': PARITY_TRAIN, 'extrapolate': EXTRAPOLATE,
-                         'eval_rows': EVAL_ROWS, 'eval_seed': EVAL_SEED,
-                         'recipe': 'configs/universal_algorithmic.py',
-                         'code': args.code or _code_version()}
-  runs = {k: v for k, v in RUNS.items() if args.runs == 'all' or k in args.runs.split(',')}
-  common = {'total_steps': args.steps, 'checkpoint_every_steps': args.steps,
-            'eval_every_steps': 0, 'log_every_steps': 25}
-  for task_name in args.tasks.split(','):
-    task_results = results.setdefault(task_name, {})
-    for name, overrides in runs.items():
-      all_overrides = {**common, **TASKS[task_name], **overrides}
-      workdir, seconds = train(name, all_overrides, out=os.path.join(args.out, task_name),
-                               steps=args.steps)
-      act = overrides.get('model.stack_options.act', False) and overrides.get(
-          'model.stack') is None
-      ev = evaluate(workdir, task_name, act)
-      loss = scalar_curve(workdir, 'train/loss')
-      tail = [v for s, v in loss if s > args.steps * 0.9]
-      entry = {'overrides': all_overrides, 'train_s': seconds, 'eval': ev,
-               'final_train_loss': sum(tail) / max(1, len(tail)),
-               'train_loss': loss, 'train_accuracy': scalar_curve(workdir, 'train/accuracy')}
-      if act:
-        entry['train_act_steps'] = scalar_curve(workdir, 'train/act_steps/universal')
-        entry['train_ponder'] = scalar_curve(workdir, 'train/ponder/universal')
-        entry['applications'] = ev['mean_steps']
-      else:
-        entry['applications'] = float(T if name != 'pre_ln_1' else 1)
-      old = task_results.get(name, {})
-      if seconds is None and old.get('train_s') is not None and old['eval']['step'] == ev['step']:
-        entry['train_s'] = old['train_s']  # Keep the measured time of a cached run.
-      task_results[name] = entry
-      row = summary_row(task_name, name, entry)
-      print(f'[{task_name}/{name}] ' + '  '.join(
-          f'{k} {v:.4g}' if isinstance(v, float) else f'{k} {v}' for k, v in row.items()
-          if k not in ('task', 'run')), flush=True)
-      if act:
-        print(f'[{task_name}/{name}] mean steps {ev["mean_steps"]:.3f}  by role ' + '  '.join(
-            f'{r} {v:.3f}' for r, v in ev['mean_steps_by_role'].items()) +
-            f'  while/scan agreement {ev["while_loop_scan_argmax_agreement"]:.4f}', flush=True)
-
-  rows = [summary_row(t, n, e) for t in TASKS if t in results for n, e in results[t].items()]
+      previous = json.load(f)
+  settings = {'steps': args.steps, 'T': T, 'M': M, 'copy_train_max_length': COPY_TRAIN,
+              'parity_train_bits': PARITY_TRAIN, 'extrapolate': EXTRAPOLATE,
+              'eval_rows': EVAL_ROWS, 'eval_seed': EVAL_SEED,
+              'recipe': 'configs/universal_algorithmic.py',
+              'code': args.code or code_version()}
+  by_name = {r.name: r.overrides for r in RUNS}
+  rows, measured = [], {}
+  for task_name in tasks:
+    for row in train(runs, task_name, out=args.out, steps=args.steps):
+      row['task'] = task_name
+      m = measured[task_name, row['variant']] = measure(row, task_name,
+                                                        is_act(by_name[row['variant']]))
+      rows.append(row)
+      ev = m['eval']
+      print(f'[{task_name}/{row["variant"]}] trained in {row["run_seconds"]:.1f} s'
+            + (' (kept)' if row['already_trained'] else ''), flush=True)
+      if 'mean_steps' in ev:
+        print(f'[{task_name}/{row["variant"]}] mean steps {ev["mean_steps"]:.3f}  by role '
+              + '  '.join(f'{r} {v:.3f}' for r, v in ev['mean_steps_by_role'].items())
+              + f'  while/scan agreement {ev["while_loop_scan_argmax_agreement"]:.4f}',
+              flush=True)
+  results = analyze(rows, measured, settings, previous)
+  table = [summary_row(t, n, e) for t in TASKS if t in results for n, e in results[t].items()]
   print()
-  print_table(rows, list(rows[0]) if rows else [])
+  print_table(table, list(table[0]) if table else [])
   write_json(args.json, results)
   plot(results, args.img)
+  return results
 
 
 def plot(results, img):
@@ -296,7 +354,6 @@ def plot(results, img):
     ev = results[task_name].get('ut_act', {}).get('eval')
     if not ev:
       continue
-    import numpy as np  # pylint: disable=g-import-not-at-top
     hist = np.asarray(ev['steps_histogram_by_position'], float)
     share = hist / np.maximum(hist.sum(1, keepdims=True), 1)
     im = ax.imshow(share.T, origin='lower', aspect='auto', cmap='viridis', vmin=0, vmax=1,
