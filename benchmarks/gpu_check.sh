@@ -58,7 +58,7 @@ for impl in auto cudnn; do
   echo "train_step $impl rc $?"; tail -4 "$WORK/train_step_$impl.txt"
 done
 pack
-timeout 45 python3 -m benchmarks.decode --depths 4 --batches 1,8 --variants dense,strided,local \
+timeout 110 python3 -m benchmarks.decode --depths 4 --batches 1,8 --variants dense,strided,local \
   --new 128 --out "$WORK/decode_gpu.json" > "$WORK/decode.txt" 2>&1
 echo "decode rc $?"; tail -9 "$WORK/decode.txt"
 pack
@@ -69,7 +69,7 @@ echo "attention_scaling rc $?"; grep -A20 '^pattern' "$WORK/scaling.txt" | tail 
 pack
 
 echo '== 3. tests'
-timeout -s INT -k 20 ${TEST_SECONDS:-150} python3 -m pytest -q -n 16 --dist load -p no:cacheprovider \
+timeout -s INT -k 20 ${TEST_SECONDS:-120} python3 -m pytest -q -n 16 --dist load -p no:cacheprovider \
   -rf tests/contracts/test_model_contract.py tests/models > "$WORK/pytest.txt" 2>&1
 echo "pytest rc $?"; grep -E '^(FAILED|ERROR)|passed|failed' "$WORK/pytest.txt" | tail -25
 pack
