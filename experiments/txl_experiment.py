@@ -3,9 +3,10 @@
   python -m experiments.txl_experiment --text ../shared/data/tinyshakespeare.txt
   python -m experiments.txl_experiment --text FILE --steps 2000 --out /tmp/txl_exp   # longer
 
-Trains, one after another with `main.py` (configs/transformer_xl_char.py: 4 layers x 128,
-segments of 128 bytes, batch 16), each run in its own workdir under --out (a finished run is
-not trained again; an interrupted one resumes):
+The runs are data (RUNS and high_lr_runs, on configs/transformer_xl_char.py: 4 layers x 128,
+segments of 128 bytes, batch 16), trained one after another in process by
+experiments/harness.py, each in its own workdir under --out (a finished run is not trained
+again, nor one that diverged; an interrupted one resumes):
 
   dense        dense attention, learned absolute positions, no memory (rows cut from the text)
   txl_mem0     Transformer-XL's relative attention without memory (streams, M = 0)
@@ -14,43 +15,162 @@ not trained again; an interrupted one resumes):
   pre_ln_lrX   txl at each learning rate X of --high_lrs (Pre-LN blocks)
   gtrxl_lrX    txl_gtrxl at the same learning rates
 
-then evaluates each on the whole validation split (`--mode=eval --config.eval_steps=0`,
-bits per byte), reads the training loss curves from TensorBoard, prints a table, and writes
-experiments/results/txl_experiment.json and docs/img/txl_curves.png.
+then evaluates each on the whole validation split in process (EVALS: what
+`main.py --workdir=RUN --mode=eval --config.eval_steps=0 [--config.KEY=VALUE]` gives, bits per
+byte), reads the training loss curves from TensorBoard, and analyze() turns it all into
+experiments/results/txl_experiment.json; prints a table and draws docs/img/txl_curves.png.
 """
 
 import argparse
-import json
 import os
-import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks.common import flags, pyplot, run_logged, write_json  # noqa: E402
-from benchmarks.common import scalar_curve as curve  # noqa: E402
+from experiments import harness  # noqa: E402  (sets the XLA flags before JAX starts)
 
-RUNS = {  # name: (overrides, [(eval tag, eval overrides)])
-    'dense': ({'model.attention': 'dense', 'model.position_embedding': 'learned',
-               'data.packing': 'concat'}, [('eval', {})]),
-    'txl_mem0': ({'model.attention_options.mem_len': 0}, [('eval', {})]),
-    'txl': ({}, [('eval_mem128', {}),
-                 ('eval_mem512', {'model.attention_options.eval_mem_len': 512})]),
-    'txl_gtrxl': ({'model.block': 'gtrxl'},
-                  [('eval_mem128', {}),
-                   ('eval_mem512', {'model.attention_options.eval_mem_len': 512})]),
-}
+from benchmarks.common import pyplot, scalar_curve, write_json  # noqa: E402
+from training import evaluation, run_config  # noqa: E402
+
+RECIPE = os.path.join(REPO, 'configs', 'transformer_xl_char.py')
+BATCH_SIZE, SEQ_LEN = 16, 128  # The recipe's (the settings of the JSON say so).
+RUNS = (
+    harness.Run('dense', {'model.attention': 'dense', 'model.position_embedding': 'learned',
+                          'data.packing': 'concat'}),
+    harness.Run('txl_mem0', {'model.attention_options.mem_len': 0}),
+    harness.Run('txl', {}),
+    harness.Run('txl_gtrxl', {'model.block': 'gtrxl'}),
+)
+# Each evaluation is on the whole validation split; a run's evaluations: [(tag, eval-time
+# overrides)], [('eval', {})] for a run not named here.
+EVAL_ALL = {'eval_steps': 0}
+LONG_MEMORY = {'model.attention_options.eval_mem_len': 512}
+EVALS = {name: [('eval_mem128', {}), ('eval_mem512', LONG_MEMORY)]
+         for name in ('txl', 'txl_gtrxl')}
 
 
-def high_lr_runs(lrs: list[float]) -> dict:
+def high_lr_runs(lrs: list[float]) -> tuple[harness.Run, ...]:
   """Pre-LN and GTrXL blocks (txl, M = 128) at each learning rate of `lrs`."""
-  runs = {}
+  runs = []
   for lr in lrs:
-    runs[f'pre_ln_lr{lr:g}'] = ({'learning_rate': lr}, [('eval', {})])
-    runs[f'gtrxl_lr{lr:g}'] = ({'model.block': 'gtrxl', 'learning_rate': lr}, [('eval', {})])
-  return runs
+    runs.append(harness.Run(f'pre_ln_lr{lr:g}', {'learning_rate': lr}))
+    runs.append(harness.Run(f'gtrxl_lr{lr:g}', {'learning_rate': lr, 'model.block': 'gtrxl'}))
+  return tuple(runs)
 
 
-def main():
+def evals_of(name: str) -> list[tuple[str, dict]]:
+  return EVALS.get(name, [('eval', {})])
+
+
+def common_overrides(args) -> dict:
+  """The overrides of the recipe every run shares (no evaluation while training)."""
+  return {'data.files': os.path.abspath(args.text),
+          'data.data_dir': os.path.join(args.out, 'tfds'),
+          'data.chunk_bytes': 16384, 'total_steps': args.steps,
+          'warmup_steps': max(1, args.steps // 6), 'learning_rate': args.lr,
+          'eval_every_steps': 0, 'checkpoint_every_steps': max(1, args.steps // 2),
+          'log_every_steps': 10}
+
+
+def evaluate(config, workdir: str, extra: dict) -> dict:
+  """What `main.py --workdir=WORKDIR --mode=eval --config.KEY=VALUE...` (KEY=VALUE: `extra`)
+  gives, in process: the workdir's recorded run with the keys of `extra` asked for on top of
+  its record (training/run_config.py); writes WORKDIR/eval_step_<step>.json as it does."""
+  request = run_config.Request(keys=frozenset(extra))
+  return evaluation.evaluate_checkpoint(harness.override(config, extra), workdir, request)
+
+
+def train_and_measure(runs, base, out: str) -> list[dict]:
+  """Trains each run (unless finished or diverged) in OUT/<run>, then evaluates it (EVALS) and
+  reads its curves; the harness rows with 'evals' ({tag: eval result}) and 'grad_norm'."""
+  rows = []
+  for name, (config, keys) in harness.configs(runs, base).items():
+    workdir = os.path.join(out, harness.folder(name))
+    diverged = os.path.join(workdir, 'diverged.txt')
+    if os.path.exists(diverged):  # Training again would diverge again.
+      row = harness.measure(name, config, workdir)
+      with open(diverged) as f:
+        row['diverged'] = f.read().strip()
+    else:
+      if not os.path.isdir(os.path.join(workdir, 'checkpoints', str(config.total_steps))):
+        print(f'[{name}] training {config.total_steps} steps in {workdir}', flush=True)
+      row = harness.train_one(name, config, workdir)
+      if 'diverged' in row:
+        row['diverged'] = f'error: {row["diverged"]}'  # As main.py said it.
+        with open(diverged, 'w') as f:
+          f.write(row['diverged'])
+    row['own_keys'] = dict(keys)
+    row['evals'] = {}
+    if 'diverged' in row:
+      print(f'[{name}] diverged: {row["diverged"]}', flush=True)
+    else:
+      for tag, extra in evals_of(name):
+        row['evals'][tag] = evaluate(config, workdir, {**EVAL_ALL, **extra})
+        print(f'[{name}] {tag}: bits/byte {row["evals"][tag]["bits_per_byte"]:.4f}',
+              flush=True)
+    row['grad_norm'] = scalar_curve(workdir, 'train/grad_norm')
+    rows.append(row)
+  return rows
+
+
+def analyze(rows: list[dict], runs, settings: dict) -> dict:
+  """The JSON payload from the rows of train_and_measure and the runs they are of."""
+  declared = {run.name: dict(run.overrides) for run in runs}
+  out = {'settings': settings, 'runs': {}}
+  for row in rows:
+    entry = {'overrides': declared[row['variant']]}
+    if 'diverged' in row:
+      entry['diverged'] = row['diverged']
+    entry.update(row['evals'])
+    entry['train_loss'] = [list(p) for p in row['curves']['train_loss']]
+    entry['grad_norm'] = [list(p) for p in row['grad_norm']]
+    out['runs'][row['variant']] = entry
+  return out
+
+
+def table(payload: dict) -> str:
+  """Each run's evaluations and its mean training loss over the last 50 steps."""
+  steps = payload['settings']['steps']
+  lines = [f'{"run":<12} {"eval":<12} {"bits/byte":>9} {"loss":>7} '
+           f'{"train loss (last 50 steps)":>26}']
+  for name, entry in payload['runs'].items():
+    tail = [v for s, v in entry['train_loss'] if s > steps - 50]
+    if 'diverged' in entry:
+      lines.append(f'{name:<12} diverged: {entry["diverged"][-80:]}')
+      continue
+    for tag, _ in evals_of(name):
+      e = entry[tag]
+      lines.append(f'{name:<12} {tag:<12} {e["bits_per_byte"]:>9.4f} {e["loss"]:>7.4f} '
+                   f'{sum(tail) / max(1, len(tail)):>26.4f}')
+  return '\n'.join(lines)
+
+
+def plot(payload: dict, path: str) -> None:
+  """Training loss curves: the runs at --lr, and the high learning rates."""
+  settings, runs = payload['settings'], payload['runs']
+  high_lrs = settings['high_lrs']
+  plt = pyplot()
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+  high = [n for n in runs if '_lr' in n]
+  for ax, group, title in ((axes[0], [n for n in runs if n not in high], f'lr {settings["lr"]}'),
+                           (axes[1], high, 'high lr: Pre-LN solid, GTrXL dashed')):
+    for name in group:
+      if not runs[name]['train_loss']:
+        continue
+      steps, values = zip(*runs[name]['train_loss'])
+      ax.plot(steps, values, label=name, linestyle='--' if name.startswith('gtrxl_lr') else '-',
+              color=(f'C{high_lrs.index(runs[name]["overrides"]["learning_rate"])}'
+                     if name in high else None))
+    ax.set(title=f'training loss (nats/byte), {title}', xlabel='step')
+    ax.set_ylim(1.2, 3.5)
+    ax.grid(alpha=0.3)
+    ax.legend()
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+  fig.savefig(path, dpi=110)
+  print(f'wrote {path}')
+
+
+def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument('--text', required=True, help='a text file (cut 90/5/5%% by bytes)')
@@ -63,87 +183,32 @@ def main():
   p.add_argument('--json', default=os.path.join(REPO, 'experiments', 'results',
                                                 'txl_experiment.json'))
   p.add_argument('--plot', default=os.path.join(REPO, 'docs', 'img', 'txl_curves.png'))
-  args = p.parse_args()
+  return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
   high_lrs = [float(v) for v in args.high_lrs.split(',') if v]
-  runs = {**RUNS, **high_lr_runs(high_lrs)}
-  names = list(runs) if args.runs == 'all' else args.runs.split(',')
-
+  runs = RUNS + high_lr_runs(high_lrs)
+  if args.runs != 'all':
+    wanted = args.runs.split(',')
+    unknown = set(wanted) - {r.name for r in runs}
+    if unknown:
+      raise SystemExit(f'--runs: unknown runs {", ".join(sorted(unknown))}')
+    runs = tuple(sorted((r for r in runs if r.name in wanted),
+                        key=lambda r: wanted.index(r.name)))
   os.makedirs(args.out, exist_ok=True)
-  common = {'data.files': os.path.abspath(args.text),
-            'data.data_dir': os.path.join(args.out, 'tfds'),
-            'data.chunk_bytes': 16384, 'total_steps': args.steps,
-            'warmup_steps': max(1, args.steps // 6), 'learning_rate': args.lr,
-            'eval_every_steps': 0, 'checkpoint_every_steps': args.steps // 2,
-            'log_every_steps': 10}
-  main_py = [sys.executable, os.path.join(REPO, 'main.py'),
-             '--config=' + os.path.join(REPO, 'configs', 'transformer_xl_char.py')]
-  results = {'settings': {'steps': args.steps, 'lr': args.lr, 'high_lrs': high_lrs,
-                          'text': os.path.basename(args.text), 'batch_size': 16,
-                          'seq_len': 128}, 'runs': {}}
-  for name in names:
-    overrides, evals = runs[name]
-    overrides = {**common, **overrides}
-    workdir = os.path.join(args.out, name)
-    log = os.path.join(args.out, f'{name}.log')
-    entry = {'overrides': {k: v for k, v in overrides.items() if k not in common
-                           or v != common[k]}}
-    done = os.path.isdir(os.path.join(workdir, 'checkpoints', str(args.steps)))
-    diverged = os.path.join(workdir, 'diverged.txt')
-    if not done and not os.path.exists(diverged):
-      print(f'[{name}] training {args.steps} steps (log: {log})', flush=True)
-      outcome = run_logged(main_py + [f'--workdir={workdir}'] + flags(overrides), REPO, log,
-                           may_diverge=True)
-      if isinstance(outcome, str):
-        with open(diverged, 'w') as f:
-          f.write(outcome)
-    if os.path.exists(diverged):
-      with open(diverged) as f:
-        entry['diverged'] = f.read().strip()
-      print(f'[{name}] diverged: {entry["diverged"]}', flush=True)
-      evals = []
-    for tag, extra in evals:
-      run_logged(main_py + [f'--workdir={workdir}', '--mode=eval', '--config.eval_steps=0']
-                 + flags(extra), REPO, log)
-      with open(os.path.join(workdir, f'eval_step_{args.steps}.json')) as f:
-        entry[tag] = json.load(f)
-      print(f'[{name}] {tag}: bits/byte {entry[tag]["bits_per_byte"]:.4f}', flush=True)
-    entry['train_loss'] = curve(workdir, 'train/loss')
-    entry['grad_norm'] = curve(workdir, 'train/grad_norm')
-    results['runs'][name] = entry
-
-  print(f'\n{"run":<12} {"eval":<12} {"bits/byte":>9} {"loss":>7} '
-        f'{"train loss (last 50 steps)":>26}')
-  for name, entry in results['runs'].items():
-    tail = [v for s, v in entry['train_loss'] if s > args.steps - 50]
-    if 'diverged' in entry:
-      print(f'{name:<12} diverged: {entry["diverged"][-80:]}')
-    for tag, _ in runs[name][1] if 'diverged' not in entry else []:
-      e = entry[tag]
-      print(f'{name:<12} {tag:<12} {e["bits_per_byte"]:>9.4f} {e["loss"]:>7.4f} '
-            f'{sum(tail) / max(1, len(tail)):>26.4f}')
-  write_json(args.json, results)
-
-  plt = pyplot()
-  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-  high = [n for n in results['runs'] if '_lr' in n]
-  for ax, group, title in ((axes[0], [n for n in results['runs'] if n not in high],
-                            f'lr {args.lr}'),
-                           (axes[1], high, 'high lr: Pre-LN solid, GTrXL dashed')):
-    for name in group:
-      if not results['runs'][name]['train_loss']:
-        continue
-      steps, values = zip(*results['runs'][name]['train_loss'])
-      ax.plot(steps, values, label=name, linestyle='--' if name.startswith('gtrxl_lr') else '-',
-              color=(f'C{high_lrs.index(runs[name][0]["learning_rate"])}' if name in high
-                     else None))
-    ax.set(title=f'training loss (nats/byte), {title}', xlabel='step')
-    ax.set_ylim(1.2, 3.5)
-    ax.grid(alpha=0.3)
-    ax.legend()
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(args.plot), exist_ok=True)
-  fig.savefig(args.plot, dpi=110)
-  print(f'wrote {args.plot}')
+  base = harness.base_config(RECIPE, steps=args.steps, overrides=common_overrides(args),
+                             workdir=args.out)
+  rows = train_and_measure(runs, base, args.out)
+  settings = {'steps': args.steps, 'lr': args.lr, 'high_lrs': high_lrs,
+              'text': os.path.basename(args.text), 'batch_size': BATCH_SIZE,
+              'seq_len': SEQ_LEN}
+  payload = analyze(rows, runs, settings)
+  print('\n' + table(payload))
+  write_json(args.json, payload)
+  plot(payload, args.plot)
+  return payload
 
 
 if __name__ == '__main__':
