@@ -1,0 +1,107 @@
+"""experiments/universal_experiment.py and experiments/survey_act_ponder.py on the harness: the
+runs as data build the configs the recorded overrides describe (as main.py built them), and
+analyze() turns harness rows and in-process measurements into the JSON of the committed
+results (no training: the rows are made from the committed entries). A few seconds."""
+
+import copy
+import json
+import os
+
+import pytest
+
+from experiments import harness, survey_act_ponder, universal_experiment as ue
+
+RESULTS = os.path.join(os.path.dirname(__file__), '..', '..', 'experiments', 'results')
+
+
+def _load(name):
+  with open(os.path.join(RESULTS, name)) as f:
+    return json.load(f)
+
+
+def _shape(x):
+  """The keys of a nested dict, recursively (lists and numbers are leaves)."""
+  return {k: _shape(v) for k, v in x.items()} if isinstance(x, dict) else None
+
+
+def _row(task, name, entry, already=False):
+  """A harness row of a run with the committed entry's curve and time."""
+  return {'task': task, 'variant': name, 'workdir': f'/runs/{task}/{name}',
+          'already_trained': already, 'run_seconds': entry['train_s'],
+          'curves': {'train_loss': [tuple(p) for p in entry['train_loss']]}}
+
+
+def _measured(entry):
+  return {k: entry[k] for k in ('eval', 'train_accuracy', 'train_act_steps', 'train_ponder')
+          if k in entry}
+
+
+def test_runs_are_the_recorded_overrides_on_the_recipe():
+  # At the committed step count the base's schedule is the recorded one: each run's config
+  # is the recipe with exactly the overrides its JSON entry records (as main.py built it).
+  steps = 2000
+  for task in ue.TASKS:
+    for run in ue.RUNS:
+      recorded = {**ue.schedule(steps), **ue.TASKS[task], **run.overrides}
+      want = harness.override(harness.load_recipe(ue.RECIPE), recorded)
+      got = harness.variant_config(ue.base_config(task, steps), run.overrides)
+      want.generate.eval_samples = got.generate.eval_samples  # No evaluation: never sampled.
+      assert harness.flatten(got) == harness.flatten(want), (task, run.name)
+
+
+def test_which_runs_halt_with_act():
+  assert [r.name for r in ue.RUNS if ue.is_act(r.overrides)] == ['ut_act']
+  assert all(ue.is_act(r.overrides) for r in survey_act_ponder.RUNS)
+
+
+def test_analyze_gives_the_committed_structure():
+  committed = _load('universal_experiment.json')
+  rows, measured = [], {}
+  for task in ue.TASKS:
+    for name, entry in committed[task].items():
+      rows.append(_row(task, name, entry))
+      measured[task, name] = _measured(entry)
+  out = ue.analyze(rows, measured, committed['settings'])
+  assert list(out) == ['settings', *ue.TASKS]
+  for task in ue.TASKS:
+    for name, entry in committed[task].items():
+      got = out[task][name]
+      assert _shape(got) == {**_shape(entry), 'overrides': _shape(got['overrides'])}
+      assert list(got) == list(entry)
+      for key in ('train_s', 'eval', 'train_loss', 'applications'):
+        assert got[key] == entry[key], (task, name, key)
+      assert got['final_train_loss'] == pytest.approx(entry['final_train_loss'])
+      assert got['overrides'] == {
+          **ue.schedule(2000), **ue.TASKS[task],
+          **next(r.overrides for r in ue.RUNS if r.name == name)}
+
+
+def test_analyze_merges_into_the_previous_results():
+  committed = _load('universal_experiment.json')
+  entry = copy.deepcopy(committed['copy']['ut_act'])
+  rows = [_row('copy', 'ut_act', entry, already=True)]
+  out = ue.analyze(rows, {('copy', 'ut_act'): _measured(entry)},
+                   {**committed['settings'], 'code': 'now'}, previous=committed)
+  assert 'machine' not in out and out['settings']['code'] == 'now'
+  assert out['parity'] == committed['parity']  # Not rerun: kept.
+  assert out['copy']['pre_ln_1'] == committed['copy']['pre_ln_1']
+  # A run kept from an earlier call keeps its measured training time.
+  assert out['copy']['ut_act']['train_s'] == committed['copy']['ut_act']['train_s']
+
+
+def test_act_ponder_analyze_gives_the_committed_structure():
+  committed = _load('act_ponder.json')
+  rows, measured = [], {}
+  for task, runs in committed.items():
+    if task in ('machine', 'settings'):
+      continue
+    for name, entry in runs.items():
+      rows.append(_row(task, name, entry, already=True))
+      measured[task, name] = {**_measured(entry), 'train_accuracy': []}
+  out = survey_act_ponder.analyze(rows, measured, committed['settings'])
+  assert list(out) == [k for k in committed if k != 'machine']
+  got, entry = out['copy']['ut_act_tau0'], committed['copy']['ut_act_tau0']
+  assert list(got) == list(entry)
+  assert _shape(got) == {**_shape(entry), 'overrides': _shape(got['overrides'])}
+  assert got['tau'] == 0.0 and got['train_s'] == entry['train_s']
+  assert got['overrides']['model.stack_options.ponder'] == 0.0
