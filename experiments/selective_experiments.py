@@ -1,5 +1,6 @@
 """Selective attention (Leviathan et al., 2024): the runs behind RESULTS.md's selective rows,
-over seeds, each a real training run of benchmarks/compare.py.
+over seeds, and those of docs/selective_attention.md, each a real training run of
+experiments/harness.py.
 
   python -m experiments.selective_experiments --part va --out OUT/selective_va.json
   python -m experiments.selective_experiments --part lm --text TEXT --out OUT/selective_lm.json
@@ -9,10 +10,13 @@ over seeds, each a real training run of benchmarks/compare.py.
       --out OUT/selective_kv.json
   python -m experiments.selective_experiments --part kv --contexts 512 --text TEXT \
       --out OUT/selective_kv.json   # adds context 512 to the same file
+  python -m experiments run selective_docs --out OUT --text TEXT   # --part docs, the page's
 
-Parts (every (variant, seed) trains in --workdir/<part folder>/seed<S>/<variant>, so a rerun
-reuses a finished run, and the parts share runs where their configs agree: lm, ablations and
-kv's context 256 train dense and selective in the same folders):
+The runs are data (RUNS, per part: {name: variant spec or overrides}); analyze() turns the
+harness rows and the in-process measurements (test answers, budget searches) into the JSON.
+Every (variant, seed) trains in --workdir/<part folder>/seed<S>/<variant>, so a rerun reuses a
+finished run, and the parts share runs where their configs agree: lm, ablations and kv's
+context 256 train dense and selective in the same folders.
 
 - va (appendix A.1, scaled down): configs/tiny.py's Variable Assignment (3 variables, 16
   values, --assignments assignments, d=2, batch 256) with and without selective attention.
@@ -40,6 +44,14 @@ kv's context 256 train dense and selective in the same folders):
   greedy path, the last budgets whose training-sample loss stays within --keep_tolerance of
   the model's own unpruned loss (the paper's "maintain the perplexity gains"), evaluated
   alike.
+- docs (docs/selective_attention.md's runs, one seed: the recipe's): Variable Assignment
+  (configs/tiny.py, --assignments, --va_batch, --va_steps, --evals evaluations) dense and
+  selective; the byte-level LM on --text (d=--d, --seq_len, --batch_size, --steps, two
+  evaluations of --eval_steps batches, warm-up a tenth of the steps) dense, selective and
+  selective + L_mem (eps 0.1), and dense trained 3x as long; then, for both selective LMs,
+  training/pruning.py's greedy budgets (C = --prune_step, on --prune_batches training
+  batches, no finer step) down to the dense model's validation loss, and the validation loss
+  with them. The registry's selective_docs entry gives the page's settings.
 
 Writes the per-seed numbers and the per-variant mean and spread (sample standard deviation over
 seeds) to --out (JSON). --part kv adds to an --out written by an earlier --part kv with the
@@ -61,14 +73,18 @@ from absl import logging
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks import common, compare  # noqa: E402
+from experiments import harness  # noqa: E402  (sets the XLA flags before JAX starts)
+
+from benchmarks import common  # noqa: E402
 
 TINY = os.path.join(REPO, 'configs', 'tiny.py')
 TEXT_RECIPE = os.path.join(REPO, 'configs', 'local_text.py')
 # Test examples: a seed stream apart from training (seed) and validation (seed + 10**6).
 TEST_SEED_OFFSET = 2 * 10**6
+TIME_STEPS = 3  # Steps per run per round of the round-robin timing (--time_rounds).
 
 VA_VARIANTS = {'dense': 'dense', 'selective': 'selective'}
+WINDOWS = '16,64,240'  # --windows' default.
 ABLATIONS = {
     'selective': 'selective',
     'no_shift': 'selective:selective_shift=False',
@@ -82,7 +98,36 @@ KV_VARIANTS = {'dense': 'dense', 'selective': 'selective',
                'selective_lmem': 'selective:selective_lmem_eps=0.1'}
 KV_KEYS = ('val_loss', 'bits_per_byte', 'reduction', 'pruned_loss', 'keep_reduction',
            'keep_loss')
-PARTS = ('va', 'lm', 'ablations', 'kv')
+# docs/selective_attention.md: the byte LM's evaluations, and how much longer the long dense
+# run trains (it evaluates every --steps steps).
+DOCS_LM_EVALS = 2
+DOCS_LONG = 3
+DOCS_PRUNED = ('selective', 'selective_lmem')
+
+
+def lm_runs(windows: str = WINDOWS) -> dict:
+  """The lm part's runs: dense, selective and an all-local window per --windows entry."""
+  runs = {'dense': 'dense', 'selective': 'selective'}
+  for w in [int(w) for w in windows.split(',')]:
+    runs[f'local_{w}'] = f'local:window={w}'
+  return runs
+
+
+def docs_runs(steps: int) -> dict:
+  """The docs part's runs: {'va': {name: spec}, 'lm': {name: spec or overrides}}."""
+  return {'va': dict(VA_VARIANTS),
+          'lm': {'dense': 'dense', 'selective': 'selective',
+                 'selective_lmem': KV_VARIANTS['selective_lmem'],
+                 f'dense_{DOCS_LONG * steps}': {
+                     'model.attention': 'dense', 'total_steps': DOCS_LONG * steps,
+                     'eval_every_steps': steps, 'checkpoint_every_steps': steps}}}
+
+
+# Each part's runs at the default settings ({name: variant spec or overrides}); the kv part
+# runs its variants at every context of --contexts.
+RUNS = {'va': VA_VARIANTS, 'lm': lm_runs(), 'ablations': ABLATIONS, 'kv': KV_VARIANTS,
+        'docs': docs_runs(600)}
+PARTS = tuple(RUNS)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -157,21 +202,53 @@ def _table(summary: dict, key: str, label: str) -> str:
   return '\n'.join(lines)
 
 
-# ------------------------------------------------------------------------------ runs
+# ------------------------------------------------------------------------------ configs
 
 
-def lm_argv(args, seed: int, seq_len: int, specs: list[str], work: str) -> list[str]:
-  """compare.py's argv of the byte-level LM runs (the same for every part, so they share)."""
-  return ['--config', TEXT_RECIPE, '--variants', ','.join(specs), '--d', str(args.d),
-          '--steps', str(args.steps), '--evals', str(args.evals), '--workdir', work,
-          '--time_rounds', str(args.time_rounds), '--time_steps', '3',
-          '--out', os.path.join(work, f'compare_{args.part}.json'),
-          '--png', os.path.join(work, f'compare_{args.part}.png'),
-          '--set', f'data.files={os.path.abspath(args.text)}',
-          '--set', f'data.data_dir={os.path.join(os.path.abspath(args.workdir), "tfds")}',
-          '--set', f'seq_len={seq_len}', '--set', f'batch_size={args.batch_size}',
-          '--set', f'seed={seed}', '--set', f'eval_steps={args.eval_steps}',
-          '--set', f'learning_rate={args.learning_rate}', '--set', 'data.chunk_bytes=4096']
+def lm_overrides(args, seq_len: int, seed: int | None = None) -> dict:
+  """The byte-level LM runs' overrides of configs/local_text.py (the same for the lm,
+  ablations and kv parts, so that they share runs); with `seed`, that seed's."""
+  seeded = {} if seed is None else {'seed': seed}
+  return {'data.files': os.path.abspath(args.text),
+          'data.data_dir': os.path.join(os.path.abspath(args.workdir), 'tfds'),
+          'seq_len': seq_len, 'batch_size': args.batch_size, **seeded,
+          'eval_steps': args.eval_steps, 'learning_rate': args.learning_rate,
+          'data.chunk_bytes': 4096}
+
+
+def lm_base(args, seq_len: int):
+  return harness.base_config(TEXT_RECIPE, steps=args.steps, evals=args.evals, d=args.d,
+                             overrides=lm_overrides(args, seq_len), workdir=args.workdir)
+
+
+def va_base(args, steps: int, log_every: int = 0):
+  overrides = {'data.num_assignments': args.assignments, 'data.num_values': args.values,
+               'batch_size': args.va_batch}
+  if log_every:
+    overrides['log_every_steps'] = log_every
+  return harness.base_config(TINY, steps=steps, evals=args.evals, overrides=overrides)
+
+
+def run_config(base, spec, seed):
+  """A run's config as harness.run trains it (config.seed = the row's seed)."""
+  config = harness.variant_config(base, spec)
+  if seed is not None:
+    config.seed = seed
+  return config
+
+
+def compare_settings(args, base, seq_len: int, seed: int) -> dict:
+  """The LM runs' settings, as the JSON's 'compare' entry has recorded them since these runs
+  went through benchmarks/compare.py ('set': the overrides, seed: the last seed's)."""
+  data = base.data
+  return {'config': os.path.relpath(TEXT_RECIPE, REPO),
+          'set': [f'{k}={v}' for k, v in lm_overrides(args, seq_len, seed).items()],
+          'd': args.d, 'steps': args.steps, 'seed': seed, 'seq_len': base.seq_len,
+          'batch_size': base.batch_size, 'learning_rate': base.learning_rate,
+          'warmup_steps': base.warmup_steps, 'eval_every_steps': base.eval_every_steps,
+          'eval_steps': base.eval_steps, 'dtype': base.model.dtype, 'data': data.name,
+          'time_rounds': args.time_rounds, 'time_steps': TIME_STEPS,
+          'files': [os.path.basename(f) for f in data.files.split(',') if f]}
 
 
 def lm_row(r: dict, batch: int, seq_len: int) -> dict:
@@ -182,17 +259,16 @@ def lm_row(r: dict, batch: int, seq_len: int) -> dict:
           'run_seconds': r['run_seconds'], 'curves': r['curves']}
 
 
-def run_lm(args, names: dict[str, str], seq_len: int, folder: str) -> tuple[dict, dict]:
-  """Trains `names` ({name: compare spec}) on --text for every seed: (per_seed, settings)."""
-  per_seed, settings = {}, None
-  for seed in args.seed_list:
-    work = os.path.join(args.workdir, folder, f'seed{seed}')
-    result = compare.main(lm_argv(args, seed, seq_len, list(names.values()), work))
-    settings = result['settings']
-    by_spec = {r['variant']: r for r in result['rows']}
-    per_seed[seed] = {n: {**lm_row(by_spec[s], args.batch_size, seq_len),
-                          'workdir': by_spec[s]['workdir']} for n, s in names.items()}
-  return per_seed, settings
+def _by_seed(rows: list[dict], runs: dict) -> dict[int, dict[str, dict]]:
+  """{seed: {name: row}} of harness rows whose variant is a spec of `runs` ({name: spec})."""
+  names = {spec: name for name, spec in runs.items()}
+  out = {}
+  for r in rows:
+    out.setdefault(r['seed'], {})[names[r['variant']]] = r
+  return {seed: {n: by_name[n] for n in runs} for seed, by_name in out.items()}
+
+
+# ------------------------------------------------------------------------------ va
 
 
 def va_test(config, workdir: str, seed: int, batches: int, num_values: int) -> dict:
@@ -211,36 +287,37 @@ def va_test(config, workdir: str, seed: int, batches: int, num_values: int) -> d
           'examples': int(out['scored_tokens'])}
 
 
-def part_va(args) -> dict:
+def measure_va(rows: list[dict], base, args) -> dict:
+  """{(seed, variant): {'test': ..., 'ood': ..., 'accuracy_curve': ...}}: each run's answers
+  on fresh examples in and out of distribution, and its eval accuracy curve."""
+  out = {}
+  for r in rows:
+    config = run_config(base, r['variant'], r['seed'])
+    out[r['seed'], r['variant']] = {
+        'test': va_test(config, r['workdir'], r['seed'], args.test_batches, args.values),
+        'ood': va_test(config, r['workdir'], r['seed'], args.test_batches, args.ood_values),
+        'accuracy_curve': common.scalar_curve(r['workdir'], 'eval/accuracy')}
+  return out
+
+
+def analyze_va(rows: list[dict], measured: dict, settings: dict, runs=VA_VARIANTS) -> dict:
+  """The va part's payload from the harness rows and measure_va's measurements."""
   per_seed = {}
-  for seed in args.seed_list:
-    work = os.path.join(args.workdir, 'va', f'seed{seed}')
-    argv = ['--config', TINY, '--variants', ','.join(VA_VARIANTS.values()),
-            '--steps', str(args.va_steps), '--evals', str(args.evals), '--workdir', work,
-            '--time_rounds', '0', '--out', os.path.join(work, 'compare.json'),
-            '--png', os.path.join(work, 'compare.png'),
-            '--set', f'seed={seed}', '--set', f'data.num_assignments={args.assignments}',
-            '--set', f'data.num_values={args.values}', '--set', f'batch_size={args.va_batch}']
-    result = compare.main(argv)
-    base = compare.base_config(compare.parse_args(argv))
-    by_spec = {r['variant']: r for r in result['rows']}
-    rows = {}
-    for name, spec in VA_VARIANTS.items():
-      r = by_spec[spec]
-      config = compare.variant_config(base, spec)
-      test = va_test(config, r['workdir'], seed, args.test_batches, args.values)
-      ood = va_test(config, r['workdir'], seed, args.test_batches, args.ood_values)
-      accuracy = common.scalar_curve(r['workdir'], 'eval/accuracy')
-      rows[name] = {'variant': spec, 'step': r['step'], 'diverged': bool(r.get('diverged')),
-                    'accuracy': test['accuracy'], 'loss': test['loss'],
-                    'ood_accuracy': ood['accuracy'], 'ood_loss': ood['loss'],
-                    'test_examples': test['examples'],
-                    'first_step_99': first_step_at(accuracy, 0.99),
-                    'eval_accuracy_curve': accuracy, 'eval_loss_curve': r['curves']['eval_loss'],
-                    'steps_per_sec': r['tokens_per_sec'] / (args.va_batch
-                                                             * (2 * args.assignments + 2)),
-                    'run_seconds': r['run_seconds']}
-    per_seed[seed] = rows
+  steps_per_row = settings['batch_size'] * (2 * settings['assignments'] + 2)
+  for seed, by_name in _by_seed(rows, runs).items():
+    per_seed[seed] = {}
+    for name, r in by_name.items():
+      m = measured[seed, r['variant']]
+      test, ood, accuracy = m['test'], m['ood'], m['accuracy_curve']
+      per_seed[seed][name] = {
+          'variant': r['variant'], 'step': r['step'], 'diverged': bool(r.get('diverged')),
+          'accuracy': test['accuracy'], 'loss': test['loss'],
+          'ood_accuracy': ood['accuracy'], 'ood_loss': ood['loss'],
+          'test_examples': test['examples'],
+          'first_step_99': first_step_at(accuracy, 0.99),
+          'eval_accuracy_curve': accuracy, 'eval_loss_curve': r['curves']['eval_loss'],
+          'steps_per_sec': r['tokens_per_sec'] / steps_per_row,
+          'run_seconds': r['run_seconds']}
   summary = summarize(per_seed, ('accuracy', 'loss', 'ood_accuracy', 'ood_loss'))
   lines = ['| variant | accuracy | loss | OOD accuracy | OOD loss | first eval >= 99% |',
            '|---|---:|---:|---:|---:|---|']
@@ -248,45 +325,70 @@ def part_va(args) -> dict:
     lines.append(f'| {name} | {e["accuracy"]:.3f} ± {e["accuracy_std"]:.3f} | '
                  f'{e["loss"]:.4f} | {e["ood_accuracy"]:.3f} ± {e["ood_accuracy_std"]:.3f} | '
                  f'{e["ood_loss"]:.4f} | {[s["first_step_99"] for s in e["seeds"]]} |')
-  return {'settings': {'task': 'variable_assignment', 'num_variables': 3,
-                       'num_values': args.values, 'ood_values': args.ood_values,
-                       'assignments': args.assignments, 'batch_size': args.va_batch,
-                       'steps': args.va_steps, 'seeds': args.seed_list, 'd': 2,
-                       'test_examples': args.test_batches * args.va_batch},
-          'variants': summary, 'table': '\n'.join(lines)}
+  return {'settings': settings, 'variants': summary, 'table': '\n'.join(lines)}
+
+
+def va_settings(args) -> dict:
+  return {'task': 'variable_assignment', 'num_variables': 3, 'num_values': args.values,
+          'ood_values': args.ood_values, 'assignments': args.assignments,
+          'batch_size': args.va_batch, 'steps': args.va_steps, 'seeds': args.seed_list,
+          'd': 2, 'test_examples': args.test_batches * args.va_batch}
+
+
+def part_va(args) -> dict:
+  base = va_base(args, args.va_steps)
+  rows = harness.run(list(VA_VARIANTS.values()), base, args.seed_list,
+                     os.path.join(args.workdir, 'va'))
+  return analyze('va', rows, measure_va(rows, base, args), va_settings(args))
+
+
+# ------------------------------------------------------------------------------ lm, ablations
+
+
+def analyze_lm(rows: list[dict], runs: dict, settings: dict) -> dict:
+  """The lm or ablations part's payload from the harness rows of `runs` ({name: spec})."""
+  per_seed = {seed: {n: lm_row(r, settings['batch_size'], settings['seq_len'])
+                     for n, r in by_name.items()}
+              for seed, by_name in _by_seed(rows, runs).items()}
+  summary = summarize(per_seed, ('bits_per_byte', 'eval_loss', 'steps_per_sec'))
+  return {'settings': settings, 'variants': summary,
+          'table': _table(summary, 'bits_per_byte', 'bits/byte')}
+
+
+def run_lm(args, runs: dict, seq_len: int) -> tuple[list[dict], object]:
+  """Trains `runs` ({name: spec}) on --text for every seed in --workdir/lm_ctx<seq_len>:
+  (rows, base config)."""
+  base = lm_base(args, seq_len)
+  rows = harness.run(list(runs.values()), base, args.seed_list,
+                     os.path.join(args.workdir, f'lm_ctx{seq_len}'),
+                     time_rounds=args.time_rounds, time_steps=TIME_STEPS)
+  return rows, base
 
 
 def part_lm(args) -> dict:
-  names = {'dense': 'dense', 'selective': 'selective'}
+  runs = lm_runs(args.windows)
+  rows, base = run_lm(args, runs, args.seq_len)
   windows = [int(w) for w in args.windows.split(',')]
-  for w in windows:
-    names[f'local_{w}'] = f'local:window={w}'
-  per_seed, settings = run_lm(args, names, args.seq_len, f'lm_ctx{args.seq_len}')
-  summary = summarize(per_seed, ('bits_per_byte', 'eval_loss', 'steps_per_sec'))
-  for e in summary.values():
-    for s in e['seeds']:
-      s.pop('workdir')
-  return {'settings': {**_lm_settings(args), 'seq_len': args.seq_len, 'windows': windows,
-                       'paper_windows': [round(w * 512 / args.seq_len) for w in windows],
-                       'compare': settings},
-          'variants': summary, 'table': _table(summary, 'bits_per_byte', 'bits/byte')}
+  settings = {**_lm_settings(args), 'seq_len': args.seq_len, 'windows': windows,
+              'paper_windows': [round(w * 512 / args.seq_len) for w in windows],
+              'compare': compare_settings(args, base, args.seq_len, args.seed_list[-1])}
+  return analyze('lm', rows, runs, settings)
 
 
 def part_ablations(args) -> dict:
-  per_seed, settings = run_lm(args, ABLATIONS, args.seq_len, f'lm_ctx{args.seq_len}')
-  summary = summarize(per_seed, ('bits_per_byte', 'eval_loss', 'steps_per_sec'))
-  for e in summary.values():
-    for s in e['seeds']:
-      s.pop('workdir')
-  return {'settings': {**_lm_settings(args), 'seq_len': args.seq_len,
-                       'ablations': ABLATIONS, 'compare': settings},
-          'variants': summary, 'table': _table(summary, 'bits_per_byte', 'bits/byte')}
+  rows, base = run_lm(args, ABLATIONS, args.seq_len)
+  settings = {**_lm_settings(args), 'seq_len': args.seq_len, 'ablations': ABLATIONS,
+              'compare': compare_settings(args, base, args.seq_len, args.seed_list[-1])}
+  return analyze('ablations', rows, ABLATIONS, settings)
 
 
 def _lm_settings(args) -> dict:
   return {'text': os.path.basename(args.text), 'seeds': args.seed_list, 'steps': args.steps,
           'd': args.d, 'batch_size': args.batch_size, 'learning_rate': args.learning_rate,
           'eval_steps': args.eval_steps}
+
+
+# ------------------------------------------------------------------------------ kv
 
 
 def sample_loss(config, workdir: str, batches: int) -> float:
@@ -419,31 +521,46 @@ def prune(config, workdir: str, target: float, args, checkpoint_step: int) -> di
       'keep_loss': kept['loss']}
 
 
-def part_kv(args) -> dict:
+def measure_kv(rows: list[dict], base, args) -> dict:
+  """{(seed, variant): measurements} of one context's runs: the dense model's loss on the
+  pruning sample (the search's target); each selective model's budget search and evaluations
+  (prune)."""
   out = {}
-  for context in [int(c) for c in args.contexts.split(',')]:
+  for seed, by_name in _by_seed(rows, KV_VARIANTS).items():
+    dense = by_name['dense']
+    target = sample_loss(run_config(base, dense['variant'], seed), dense['workdir'],
+                         args.prune_batches)
+    out[seed, dense['variant']] = {'sample_loss': target}
+    for name in ('selective', 'selective_lmem'):
+      r = by_name[name]
+      out[seed, r['variant']] = prune(run_config(base, r['variant'], seed), r['workdir'],
+                                      target, args, r['step'])
+  return out
+
+
+def analyze_kv(rows: dict[int, list[dict]], measured: dict[int, dict], settings: dict) -> dict:
+  """The kv part's payload from the harness rows and measure_kv's measurements, each
+  {context: ...}."""
+  out = {}
+  for context, context_rows in rows.items():
     per_seed = {}
-    for seed in args.seed_list:
-      work = os.path.join(args.workdir, f'lm_ctx{context}', f'seed{seed}')
-      argv = lm_argv(args, seed, context, list(KV_VARIANTS.values()), work)
-      result = compare.main(argv)
-      base = compare.base_config(compare.parse_args(argv))
-      by_spec = {r['variant']: r for r in result['rows']}
-      dense_row = by_spec[KV_VARIANTS['dense']]
-      dense_config = compare.variant_config(base, KV_VARIANTS['dense'])
-      target = sample_loss(dense_config, dense_row['workdir'], args.prune_batches)
-      rows = {'dense': {**lm_row(dense_row, args.batch_size, context), 'val_loss':
-                        dense_row['eval_loss'], 'sample_loss': target}}
-      for name in ('selective', 'selective_lmem'):
-        r = by_spec[KV_VARIANTS[name]]
-        config = compare.variant_config(base, KV_VARIANTS[name])
-        rows[name] = {**lm_row(r, args.batch_size, context), 'val_loss': r['eval_loss'],
-                      **prune(config, r['workdir'], target, args, r['step'])}
-      for r in rows.values():
-        r.pop('curves')
-      per_seed[seed] = rows
+    for seed, by_name in _by_seed(context_rows, KV_VARIANTS).items():
+      per_seed[seed] = {}
+      for name, r in by_name.items():
+        row = {**lm_row(r, settings['batch_size'], context), 'val_loss': r['eval_loss'],
+               **measured[context][seed, r['variant']]}
+        row.pop('curves')
+        per_seed[seed][name] = row
     out[str(context)] = summarize(per_seed, KV_KEYS)
-  return {'settings': kv_settings(args), 'contexts': out, 'table': kv_table(out)}
+  return {'settings': settings, 'contexts': out, 'table': kv_table(out)}
+
+
+def part_kv(args) -> dict:
+  rows, measured = {}, {}
+  for context in [int(c) for c in args.contexts.split(',')]:
+    rows[context], base = run_lm(args, KV_VARIANTS, context)
+    measured[context] = measure_kv(rows[context], base, args)
+  return analyze('kv', rows, measured, kv_settings(args))
 
 
 def kv_settings(args) -> dict:
@@ -537,7 +654,141 @@ def merge_kv(path: str, payload: dict) -> dict:
           'commands': old.get('commands', [old['command']]) + [payload['command']]}
 
 
+# ------------------------------------------------------------------------------ docs
+
+
+def docs_lm_base(args):
+  """docs/selective_attention.md's byte LM: configs/local_text.py at --d, --seq_len,
+  --batch_size, --learning_rate, warm-up a tenth of --steps, two evaluations of --eval_steps
+  batches (a checkpoint at each), a log line every sixth of the run."""
+  steps = args.steps
+  every = max(1, steps // DOCS_LM_EVALS)
+  return harness.base_config(
+      TEXT_RECIPE, steps=steps, evals=DOCS_LM_EVALS, d=args.d, workdir=args.workdir,
+      overrides={'data.files': os.path.abspath(args.text),
+                 'data.data_dir': os.path.join(os.path.abspath(args.workdir), 'tfds'),
+                 'seq_len': args.seq_len, 'batch_size': args.batch_size,
+                 'learning_rate': args.learning_rate, 'warmup_steps': max(1, steps // 10),
+                 'log_every_steps': max(1, steps // 6), 'eval_steps': args.eval_steps,
+                 'checkpoint_every_steps': every})
+
+
+def docs_prune(config, workdir: str, target: float, args, checkpoint_step: int) -> dict:
+  """training/pruning.py's greedy budgets (C = --prune_step, --prune_batches training
+  batches, no finer step) down to `target` (WORKDIR/budgets.json, reused when a search of
+  these settings already ran on this checkpoint), then the validation loss with them."""
+  from training import pruning
+  config = copy.deepcopy(config)
+  config.pruning.step = args.prune_step
+  config.pruning.batches = args.prune_batches
+  config.pruning.target_loss = target
+  config.pruning.budget_file = os.path.join(workdir, 'budgets.json')
+  coarse = argparse.Namespace(**{**vars(args), 'fine_step': 0})
+  found = finished_search(config.pruning.budget_file, target, coarse, checkpoint_step,
+                          config.model.n_layers)
+  if found is None:
+    found = pruning.allocate_budgets(config, workdir)
+  evaluated = pruning.evaluate_budgets(config, workdir)
+  return {'target': target, 'budgets': found['budgets'], 'context': found['context'],
+          'reduction': evaluated['memory_reduction'], 'pruned_loss': evaluated['loss'],
+          'unpruned_loss': evaluated['unpruned_loss'],
+          'sample_unpruned_loss': found['unpruned_loss'], 'sample_pruned_loss': found['loss'],
+          'cuts': len(found['history'])}
+
+
+def measure_docs(va_rows: list[dict], lm_rows: list[dict], lm, args) -> dict:
+  """The page's measurements: each Variable Assignment run's eval accuracy curve; each
+  selective LM's budgets down to the dense LM's validation loss (docs_prune)."""
+  lm_by = {r['variant']: r for r in lm_rows}
+  runs = docs_runs(args.steps)['lm']
+  target = lm_by['dense']['eval_loss']
+  return {'va_accuracy': {r['variant']: common.scalar_curve(r['workdir'], 'eval/accuracy')
+                          for r in va_rows},
+          'pruning': {name: docs_prune(harness.variant_config(lm, runs[name]),
+                                       lm_by[name]['workdir'], target, args,
+                                       lm_by[name]['step'])
+                      for name in DOCS_PRUNED}}
+
+
+def analyze_docs(va_rows: list[dict], lm_rows: list[dict], measured: dict,
+                 settings: dict) -> dict:
+  """docs/selective_attention.md's tables from the harness rows and measure_docs'
+  measurements."""
+  va = {}
+  for r in va_rows:
+    accuracy = measured['va_accuracy'][r['variant']]
+    va[r['variant']] = {'step': r['step'], 'eval_loss': r['eval_loss'],
+                        'eval_accuracy_curve': accuracy,
+                        'eval_loss_curve': r['curves']['eval_loss'],
+                        'run_seconds': r['run_seconds']}
+  lm = {r['variant']: {'step': r['step'], 'eval_loss': r['eval_loss'],
+                       'bits_per_byte': r['bits_per_byte'],
+                       'eval_loss_curve': r['curves']['eval_loss'],
+                       'params': r['params'], 'run_seconds': r['run_seconds']}
+        for r in lm_rows}
+  pruning = measured['pruning']
+  steps = sorted({s for e in va.values() for s, _ in e['eval_accuracy_curve']})
+  lines = ['| step | ' + ' | '.join(str(s) for s in steps) + ' |',
+           '|---|' + '---|' * len(steps)]
+  for name, e in va.items():
+    acc = dict(e['eval_accuracy_curve'])
+    cells = [f'{acc[s]:.2f}' if s in acc else '-' for s in steps]
+    cells[-1] += f' (loss {e["eval_loss"]:.4g})'
+    lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
+  lines += ['', '| model | loss (nats/byte) | bits per byte |', '|---|---|---|']
+  for name, e in lm.items():
+    curve = ', '.join(f'{v:.3f} at {s}' for s, v in e['eval_loss_curve'][:-1])
+    label = f'{name} ({curve})' if name.startswith('dense_') and curve else name
+    lines.append(f'| {label} | {e["eval_loss"]:.3f} | {e["bits_per_byte"]:.3f} |')
+  lines += ['', f'| model | budgets K_l (of {settings["lm"]["seq_len"]}) | KV-cache reduction '
+            '| loss with budgets | unpruned |', '|---|---|---|---|---|']
+  for name, p in pruning.items():
+    lines.append(f'| {name} | {p["budgets"]} | {p["reduction"]:.3g}x | '
+                 f'{p["pruned_loss"]:.3f} ({p["pruned_loss"] - p["unpruned_loss"]:+.2g}) | '
+                 f'{p["unpruned_loss"]:.3f} |')
+  return {'settings': settings, 'va': va, 'lm': lm, 'pruning': pruning,
+          'table': '\n'.join(lines)}
+
+
+def docs_settings(args, va, lm) -> dict:
+  runs = docs_runs(args.steps)
+  return {'va': {'recipe': os.path.relpath(TINY, REPO), 'steps': args.va_steps,
+                 'assignments': args.assignments, 'values': args.values,
+                 'batch_size': args.va_batch, 'eval_every_steps': va.eval_every_steps,
+                 'seed': va.seed, 'variants': runs['va']},
+          'lm': {'recipe': os.path.relpath(TEXT_RECIPE, REPO),
+                 'text': os.path.basename(args.text), 'd': args.d, 'seq_len': args.seq_len,
+                 'batch_size': args.batch_size, 'steps': args.steps,
+                 'learning_rate': args.learning_rate, 'warmup_steps': lm.warmup_steps,
+                 'eval_every_steps': lm.eval_every_steps, 'eval_steps': args.eval_steps,
+                 'seed': lm.seed, 'variants': runs['lm']},
+          'pruning': {'step': args.prune_step, 'batches': args.prune_batches,
+                      'target': 'the dense LM\'s validation loss'}}
+
+
+def part_docs(args) -> dict:
+  runs = docs_runs(args.steps)
+  va = va_base(args, args.va_steps, log_every=max(1, args.va_steps // 12))
+  va_rows = harness.run([harness.Run(n, s) for n, s in runs['va'].items()], va, None,
+                        os.path.join(args.workdir, 'docs', 'va'))
+  lm = docs_lm_base(args)
+  lm_rows = harness.run([harness.Run(n, s) for n, s in runs['lm'].items()], lm, None,
+                        os.path.join(args.workdir, 'docs', 'lm'))
+  measured = measure_docs(va_rows, lm_rows, lm, args)
+  return analyze('docs', va_rows, lm_rows, measured, docs_settings(args, va, lm))
+
+
 # ------------------------------------------------------------------------------ main
+
+
+ANALYZE = {'va': analyze_va, 'lm': analyze_lm, 'ablations': analyze_lm, 'kv': analyze_kv,
+           'docs': analyze_docs}
+
+
+def analyze(part: str, *args, **kwargs) -> dict:
+  """The JSON payload of `part` (without the command) from its harness rows and its
+  in-process measurements: analyze_va, analyze_lm (lm, ablations), analyze_kv, analyze_docs."""
+  return ANALYZE[part](*args, **kwargs)
 
 
 def parse_args(argv):
@@ -545,9 +796,10 @@ def parse_args(argv):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument('--part', required=True, choices=PARTS)
   p.add_argument('--out', required=True, help='JSON of the results')
-  p.add_argument('--text', default='', help='byte-level text (lm, ablations, kv)')
+  p.add_argument('--text', default='', help='byte-level text (lm, ablations, kv, docs)')
   p.add_argument('--workdir', default=os.path.join(REPO, 'runs', 'selective'))
-  p.add_argument('--seeds', default='', help='default: 0,1,2 (kv: 0,1)')
+  p.add_argument('--seeds', default='', help='default: 0,1,2 (kv: 0,1; docs: the recipe\'s '
+                 'seed only)')
   p.add_argument('--evals', type=int, default=10)
   # Variable Assignment.
   p.add_argument('--va_steps', type=int, default=800)
@@ -565,8 +817,8 @@ def parse_args(argv):
   p.add_argument('--eval_steps', type=int, default=0,
                  help='validation batches per evaluation (0: the whole split)')
   p.add_argument('--time_rounds', type=int, default=0,
-                 help="compare.py's round-robin step timing (0: the runs' logged tokens/s)")
-  p.add_argument('--windows', default='16,64,240',
+                 help="the harness's round-robin step timing (0: the runs' logged tokens/s)")
+  p.add_argument('--windows', default=WINDOWS,
                  help='all-local windows (lm; paper: 32, 128, 480 of 512)')
   # KV-cache pruning.
   p.add_argument('--contexts', default='128,256,512')
@@ -586,8 +838,8 @@ def parse_args(argv):
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
-  payload = {'va': part_va, 'lm': part_lm, 'ablations': part_ablations, 'kv': part_kv}[
-      args.part](args)
+  payload = {'va': part_va, 'lm': part_lm, 'ablations': part_ablations, 'kv': part_kv,
+             'docs': part_docs}[args.part](args)
   payload = {'command': _command(argv), 'part': args.part, **payload}
   if args.part == 'kv':
     payload = merge_kv(args.out, payload)

@@ -1,0 +1,135 @@
+"""experiments/selective_experiments.py: every part's runs are valid harness runs, and its
+analyze functions turn harness rows into the JSON that RESULTS.md is rendered from (the same
+keys, at every level, as the committed experiments/results/selective_*.json); the docs page's
+experiment is registered. No model trains here (seconds)."""
+
+import json
+import os
+
+import pytest
+
+from configs import local_text, tiny
+from experiments import harness, registry
+from experiments import selective_experiments as SE
+
+RESULTS = os.path.join(SE.REPO, 'experiments', 'results')
+
+
+def _committed(part):
+  with open(os.path.join(RESULTS, f'selective_{part}.json')) as f:
+    return json.load(f)
+
+
+def _keys(x, path=''):
+  """The set of key paths of a JSON value (list items merged)."""
+  out = set()
+  if isinstance(x, dict):
+    for k, v in x.items():
+      out.add(f'{path}/{k}')
+      out |= _keys(v, f'{path}/{k}')
+  elif isinstance(x, list):
+    for v in x:
+      out |= _keys(v, f'{path}[]')
+  return out
+
+
+def _same_keys(payload, committed, skip=('machine', 'command', 'commands', 'part')):
+  committed = {k: v for k, v in committed.items() if k not in skip}
+  assert _keys(json.loads(json.dumps(payload))) == _keys(committed)
+
+
+def _row(spec, seed, loss=2.0, step=4):
+  return {'variant': spec, 'seed': seed, 'step': step, 'eval_loss': loss,
+          'bits_per_byte': loss / 0.693, 'params': 1000, 'tokens_per_sec': 512.0,
+          'run_seconds': 1.5, 'workdir': f'/runs/seed{seed}/{harness.folder(spec)}',
+          'curves': {'eval_loss': [[2, loss + 1], [step, loss]],
+                     'eval_bits_per_byte': [[step, loss / 0.693]],
+                     'train_loss': [[1, 3.0]], 'train_tokens_per_sec': [[1, 512.0]]}}
+
+
+def test_every_run_is_a_valid_variant_of_its_base(tmp_path):
+  text_base = harness.base_config(local_text.get_config(), steps=4,
+                                  overrides={'data.files': str(tmp_path / 't.txt')})
+  va_base = harness.base_config(tiny.get_config(), steps=4)
+  for part, runs in SE.RUNS.items():
+    if part == 'docs':
+      for name, spec in runs['va'].items():
+        harness.variant_config(va_base, spec)
+      runs = runs['lm']
+    base = va_base if part == 'va' else text_base
+    for name, spec in runs.items():
+      config = harness.variant_config(base, spec)
+      assert config.model.attention in ('dense', 'selective', 'local'), (part, name)
+  assert SE.RUNS['docs']['lm']['dense_1800']['total_steps'] == 1800
+
+
+@pytest.mark.parametrize('part', ['lm', 'ablations'])
+def test_analyze_lm_keeps_the_committed_structure(part):
+  committed = _committed(part)
+  runs = SE.lm_runs() if part == 'lm' else SE.ABLATIONS
+  seeds = committed['settings']['seeds']
+  rows = [_row(spec, seed) for seed in seeds for spec in runs.values()]
+  payload = SE.analyze(part, rows, runs, committed['settings'])
+  _same_keys(payload, committed)
+  assert list(payload['variants']) == list(committed['variants'])
+  assert payload['variants']['dense']['seeds'][0]['steps_per_sec'] == pytest.approx(
+      512.0 / (8 * 256))
+
+
+def test_analyze_va_keeps_the_committed_structure():
+  committed = _committed('va')
+  rows = [_row(spec, seed) for seed in (0, 1, 2) for spec in SE.VA_VARIANTS.values()]
+  test = {'step': 4, 'loss': 0.5, 'accuracy': 0.9, 'examples': 2048}
+  measured = {(r['seed'], r['variant']): {'test': test, 'ood': test,
+                                          'accuracy_curve': [[2, 0.5], [4, 0.995]]}
+              for r in rows}
+  payload = SE.analyze('va', rows, measured, committed['settings'])
+  _same_keys(payload, committed)
+  assert payload['variants']['selective']['seeds'][0]['first_step_99'] == 4
+
+
+def test_analyze_kv_keeps_the_committed_structure():
+  committed = _committed('kv')
+  contexts = committed['settings']['contexts']
+  rows, measured = {}, {}
+  for context in contexts:
+    rows[context] = [_row(spec, seed) for seed in (0, 1) for spec in SE.KV_VARIANTS.values()]
+    measured[context] = {}
+    for seed in (0, 1):
+      for name, spec in SE.KV_VARIANTS.items():
+        entry = committed['contexts'][str(context)][name]['seeds'][seed]
+        known = set(SE.lm_row(_row(spec, seed), 8, context)) | {'seed', 'val_loss'}
+        measured[context][seed, spec] = {k: v for k, v in entry.items() if k not in known}
+  payload = SE.analyze('kv', rows, measured, committed['settings'])
+  _same_keys(payload, committed)
+
+
+def test_analyze_docs_gives_the_pages_tables():
+  va_rows = [_row(spec, 0) for spec in ('dense', 'selective')]
+  lm_rows = [_row(name, 0) for name in ('dense', 'selective', 'selective_lmem', 'dense_1800')]
+  pruned = {'target': 2.0, 'budgets': [8, 8], 'context': 256, 'reduction': 32.0,
+            'pruned_loss': 2.01, 'unpruned_loss': 2.0, 'sample_unpruned_loss': 2.0,
+            'sample_pruned_loss': 2.0, 'cuts': 60}
+  measured = {'va_accuracy': {'dense': [[2, 0.3], [4, 0.38]], 'selective': [[2, 0.7], [4, 1.0]]},
+              'pruning': {'selective': pruned, 'selective_lmem': pruned}}
+  args = SE.parse_args(['--part', 'docs', '--text', __file__, '--out', '/o/docs.json'])
+  settings = SE.docs_settings(args, SE.va_base(args, 600), SE.docs_lm_base(args))
+  assert settings['lm']['eval_every_steps'] == 400 and settings['va']['eval_every_steps'] == 60
+  payload = SE.analyze('docs', va_rows, lm_rows, measured, settings)
+  assert set(payload) == {'settings', 'va', 'lm', 'pruning', 'table'}
+  assert '| model | budgets K_l (of 256) |' in payload['table']
+  assert '| selective | 0.70 | 1.00 (loss 2) |' in payload['table']
+  assert '| dense_1800 (3.000 at 2) | 2.000 |' in payload['table']
+  assert '| selective_lmem | [8, 8] | 32x | 2.010 (+0.01) | 2.000 |' in payload['table']
+
+
+def test_the_docs_experiment_is_registered_and_writes_into_out():
+  e = registry.get('selective_docs')
+  assert e not in registry.EXPERIMENTS  # No RESULTS.md row: `all` does not run it.
+  argv = registry.argv(e, '/o', '/t.txt', quick=True)
+  assert all('{' not in a for a in argv) and '/o/selective_docs.json' in argv
+  args = SE.parse_args([a if a != '/t.txt' else __file__ for a in argv])
+  assert args.part == 'docs' and args.steps == 4  # --quick's settings win.
+  full = SE.parse_args([a if a != '/t.txt' else __file__ for a in registry.argv(e, '/o', '/t.txt')])
+  assert (full.va_steps, full.evals, full.steps, full.batch_size, full.eval_steps,
+          full.prune_batches, full.d, full.seq_len) == (600, 6, 600, 16, 20, 1, 2, 256)
