@@ -114,8 +114,21 @@ EXPERIMENTS = (
                ('--out', '{out}/universal_steps.json'), ('universal_steps.json',),
                quick=('--d_model', '32', '--seq', '32', '--batch', '1', '--iters', '1')),
 )
-BY_NAME = {e.name: e for e in EXPERIMENTS}
-assert len(BY_NAME) == len(EXPERIMENTS), 'experiment names must be unique'
+# The runs quoted on a docs/ page rather than in RESULTS.md: `python -m experiments run NAME`
+# runs them, `all` does not (no RESULTS.md row reads them).
+PAGES = (
+    # docs/selective_attention.md: Variable Assignment (600 steps, an eval every 100) and the
+    # byte LM at batch 16 (600 steps, 20 validation batches; dense also 1,800), pruned with C = 8
+    # on one training batch.
+    Experiment('selective_docs', _SELECTIVE,
+               ('--part', 'docs', '--va_steps', '600', '--evals', '6', '--steps', '600',
+                '--batch_size', '16', '--eval_steps', '20', '--prune_batches', '1',
+                '--text', '{text}', '--workdir', '{out}/selective_runs',
+                '--out', '{out}/selective_docs.json'),
+               ('selective_docs.json',), quick=_SELECTIVE_QUICK, text=True),
+)
+BY_NAME = {e.name: e for e in EXPERIMENTS + PAGES}
+assert len(BY_NAME) == len(EXPERIMENTS) + len(PAGES), 'experiment names must be unique'
 
 
 def get(name: str) -> Experiment:
