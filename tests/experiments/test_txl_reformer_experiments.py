@@ -1,0 +1,116 @@
+"""experiments/txl_experiment.py and experiments/reformer_experiment.py on the harness: their
+runs train as main.py trained them (the recipe plus the same overrides), analyze() turns rows
+into the committed JSON, and the eval-time evaluations are main.py --mode=eval's.
+
+The end-to-end test trains one duplication run for 2 steps and evaluates it four ways: about
+30 s on an idle 2-core CPU.
+"""
+
+import json
+import os
+
+from benchmarks.common import flags
+from experiments import harness, reformer_experiment, txl_experiment
+
+RESULTS = os.path.join(os.path.dirname(__file__), '..', '..', 'experiments', 'results')
+
+
+def _committed(name):
+  with open(os.path.join(RESULTS, name)) as f:
+    payload = json.load(f)
+  payload.pop('machine', None)
+  return payload
+
+
+def _as_main_py(recipe, overrides):
+  """The config main.py trained with: the recipe and --config.KEY=VALUE flags."""
+  return harness.override(harness.load_recipe(recipe),
+                          [f[len('--config.'):] for f in flags(overrides)])
+
+
+def _differences(a, b):
+  a, b = harness.flatten(a), harness.flatten(b)
+  # The harness draws no samples at evaluations (there are none while these runs train).
+  return {k: (a.get(k), b.get(k)) for k in set(a) | set(b)
+          if a.get(k) != b.get(k) and k != 'generate.eval_samples'}
+
+
+def test_txl_runs_train_as_main_py_trained_them(tmp_path):
+  text = tmp_path / 'text.txt'
+  text.write_text('abc\n' * 100)
+  args = txl_experiment.parse_args(['--text', str(text), '--out', str(tmp_path)])
+  common = txl_experiment.common_overrides(args)
+  base = harness.base_config(txl_experiment.RECIPE, steps=args.steps, overrides=common)
+  for run in txl_experiment.RUNS + txl_experiment.high_lr_runs([0.02, 0.15]):
+    new = harness.variant_config(base, run.overrides)
+    old = _as_main_py(txl_experiment.RECIPE, {**common, **run.overrides})
+    assert not _differences(old, new), run.name
+
+
+def test_reformer_runs_train_as_main_py_trained_them(tmp_path):
+  text = tmp_path / 'text.txt'
+  text.write_text('abc\n' * 100)
+  args = reformer_experiment.parse_args(['--text', str(text), '--out', str(tmp_path),
+                                         '--dup_steps', '4'])
+  for part, runs in reformer_experiment.RUNS.items():
+    common = reformer_experiment.common_overrides(part, args)
+    base = reformer_experiment.base_config(part, args)
+    for run in runs:
+      new = harness.variant_config(base, run.overrides)
+      old = _as_main_py(reformer_experiment.RECIPES[part], {**common, **run.overrides})
+      assert not _differences(old, new), (part, run.name)
+
+
+def test_txl_analyze_gives_the_committed_json():
+  committed = _committed('txl_experiment.json')
+  rows = [{'variant': name, 'evals': {k: v for k, v in entry.items()
+                                      if k.startswith('eval')},
+           'curves': {'train_loss': entry['train_loss']}, 'grad_norm': entry['grad_norm'],
+           **({'diverged': entry['diverged']} if 'diverged' in entry else {})}
+          for name, entry in committed['runs'].items()]
+  runs = txl_experiment.RUNS + txl_experiment.high_lr_runs(committed['settings']['high_lrs'])
+  assert txl_experiment.analyze(rows, runs, committed['settings']) == committed
+  assert 'eval_mem512' in txl_experiment.table(committed)
+
+
+def test_reformer_analyze_gives_the_committed_json(tmp_path):
+  committed = _committed('reformer_experiment.json')
+  for part, data in committed.items():
+    rows = [{'variant': name, 'evals': entry['evals'],
+             'curves': {'train_loss': entry['train_loss']},
+             'train_accuracy': entry['train_accuracy']} for name, entry in data['runs'].items()]
+    common = {k: v for k, v in data['settings'].items() if k not in ('steps', 'text')}
+    if part == 'dup':
+      common.pop('seq_len')
+    assert reformer_experiment.analyze(rows, reformer_experiment.RUNS[part],
+                                       common) == data['runs'], part
+  args = reformer_experiment.parse_args(['--text', '/x/tinyshakespeare.txt', '--out',
+                                         '/tmp/reformer_exp_long'])
+  for part in ('dup', 'bytes'):
+    assert reformer_experiment.settings(part, args).keys() == committed[part]['settings'].keys()
+
+
+def test_reformer_dup_trains_evaluates_as_main_py_and_keeps_its_run(tmp_path):
+  out, path = tmp_path / 'out', tmp_path / 'reformer.json'
+  other = {'runs': {'pre_ln': {'train_loss': [[1, 5.0]]}}, 'settings': {'text': 'x'}}
+  with open(path, 'w') as f:  # The other part's results are kept.
+    json.dump({'bytes': other}, f)
+  argv = ['--part', 'dup', '--dup_steps', '2', '--runs', 'full', '--out', str(out),
+          '--json', str(path), '--plot', str(tmp_path / 'curves.png')]
+  first = reformer_experiment.main(argv)
+  assert list(first) == ['bytes', 'dup'] and first['bytes'] == other
+  entry = first['dup']['runs']['full']
+  assert list(entry['evals']) == ['full', 'lsh1', 'lsh2', 'lsh4']
+  assert entry['overrides']['model.attention_options.chunk_len'] == reformer_experiment.SEQ
+  # As main.py --mode=eval gives it: the recorded run, the keys asked for changed on top.
+  assert 'config_overrides' not in entry['evals']['full']
+  assert entry['evals']['lsh1']['config_overrides'] == {
+      'model.attention_options.chunk_len': 32, 'model.attention_options.n_buckets': 8}
+  assert entry['evals']['lsh4']['config_overrides']['model.attention_options.n_hashes'] == 4
+  assert all(e['step'] == 2 and 0 <= e['accuracy'] <= 1 for e in entry['evals'].values())
+  assert [s for s, _ in entry['train_loss']] and (tmp_path / 'curves.png').exists()
+  with open(path) as f:
+    assert json.load(f)['dup']['runs']['full']['evals'] == entry['evals']
+  again = reformer_experiment.main(argv)  # Kept, not trained again: the same numbers.
+  assert again['dup']['runs']['full']['evals'] == entry['evals']
+  assert again['dup']['runs']['full']['train_loss'] == entry['train_loss']
