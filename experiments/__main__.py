@@ -4,10 +4,14 @@
   python -m experiments run NAME [NAME ...] --out OUT [--text TEXT] [--quick]
   python -m experiments all --out OUT [--text TEXT] [--quick]
 
+Each experiment trains through experiments/harness.py (or, for a component timing, runs a
+benchmarks/ script); registry.EXPERIMENTS are RESULTS.md's, registry.PAGES the runs a docs/
+page quotes.
+
 `run` runs the named experiments (experiments/registry.py) into OUT, each as
 `python -m MODULE ARGS` with its log in OUT/logs/NAME.log; a finished training run inside OUT
-is reused where the experiment supports it. `all` runs every experiment in order (a few hours
-on 2 CPU cores) and renders OUT/RESULTS.md from what they wrote (experiments/render.py).
+is reused. `all` runs every experiment in order, RESULTS.md's then the pages' (several hours
+on 2 CPU cores), and renders OUT/RESULTS.md from what they wrote (experiments/render.py).
 TEXT is a byte-level text file (RESULTS.md used ../shared/data/tinyshakespeare.txt).
 --quick appends each experiment's tiny settings: every experiment's code runs end to end in
 minutes, and its numbers mean nothing.
@@ -76,11 +80,13 @@ def main(argv=None) -> None:
                    'runs (numbers meaningless)')
   args = parser.parse_args(argv)
   if args.verb == 'list':
-    for e in registry.EXPERIMENTS:
+    for e in registry.EXPERIMENTS + registry.PAGES:
       print(f'{e.name:<20} python -m {e.module:<34} -> {", ".join(e.writes)}'
-            + ('  (needs --text)' if e.text else ''))
+            + ('  (needs --text)' if e.text else '')
+            + ('  (a docs page\'s runs)' if e in registry.PAGES else ''))
     return
-  names = args.names if args.verb == 'run' else [e.name for e in registry.EXPERIMENTS]
+  names = (args.names if args.verb == 'run'
+           else [e.name for e in registry.EXPERIMENTS + registry.PAGES])
   run(names, args.out, args.text, args.quick)
   if args.verb == 'all':
     render.main(['--results', args.out, '--out', os.path.join(args.out, 'RESULTS.md')])

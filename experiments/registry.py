@@ -114,9 +114,26 @@ EXPERIMENTS = (
                ('--out', '{out}/universal_steps.json'), ('universal_steps.json',),
                quick=('--d_model', '32', '--seq', '32', '--batch', '1', '--iters', '1')),
 )
-# The runs quoted on a docs/ page rather than in RESULTS.md: `python -m experiments run NAME`
-# runs them, `all` does not (no RESULTS.md row reads them).
+_COMPARE_VARIANTS = ('dense,strided:stride=16,fixed:stride=32:summary=4,local:window=32,'
+                     'block_local:local_block=32:block_memory=32,local_global:window=32,'
+                     'adaptive_span:span_limit=256,dynamic_span:span_limit=256,lsh,selective,'
+                     'txl,gtrxl,reformer,universal')
+
+# The runs quoted on a docs/ page rather than in RESULTS.md (no row reads them): `run NAME`
+# runs one, `all` runs them after EXPERIMENTS.
 PAGES = (
+    # docs/compare.md: every variant and preset side by side on the same bytes.
+    Experiment('compare', 'experiments.compare',
+               ('--variants', _COMPARE_VARIANTS, '--d', '2', '--steps', '400', '--evals', '8',
+                '--config.data.files={text}', '--config.seq_len=256', '--config.batch_size=8',
+                '--config.eval_steps=0', '--config.data.chunk_bytes=4096',
+                '--workdir', '{out}/compare_runs', '--out', '{out}/compare.json',
+                '--png', '{out}/compare_curves.png', '--no_progress'),
+               ('compare.json',),
+               quick=('--variants', 'dense,local:window=8,txl', '--d', '1', '--steps', '4',
+                      '--evals', '1', '--time_rounds', '1', '--time_steps', '1',
+                      '--config.seq_len=32', '--config.eval_steps=1'),
+               text=True),
     # docs/selective_attention.md: Variable Assignment (600 steps, an eval every 100) and the
     # byte LM at batch 16 (600 steps, 20 validation batches; dense also 1,800), pruned with C = 8
     # on one training batch.

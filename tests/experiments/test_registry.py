@@ -61,14 +61,17 @@ def test_list_names_every_experiment():
   out = subprocess.run([sys.executable, '-m', 'experiments', 'list'], capture_output=True,
                        text=True, cwd=render.REPO, check=True).stdout
   assert [line.split()[0] for line in out.splitlines()] == [
-      e.name for e in registry.EXPERIMENTS]
+      e.name for e in registry.EXPERIMENTS + registry.PAGES]
+  assert all(('docs page' in line) == (line.split()[0] in {e.name for e in registry.PAGES})
+             for line in out.splitlines())
 
 
 @pytest.mark.slow
 @pytest.mark.system
 def test_all_quick_runs_every_experiment_and_renders(tmp_path):
   """`python -m experiments all --quick`: every experiment's code end to end at a tiny size
-  (about 15 minutes on 2 cores), then OUT/RESULTS.md with a row for every claim."""
+  (RESULTS.md's and the docs pages'; about 20 minutes on 2 cores), then OUT/RESULTS.md with a
+  row for every claim."""
   rs = np.random.RandomState(0)
   words = [''.join(rs.choice(list('etaoinshrdlu'), rs.randint(1, 8))) for _ in range(300)]
   text = tmp_path / 'text.txt'
@@ -78,7 +81,7 @@ def test_all_quick_runs_every_experiment_and_renders(tmp_path):
                          '--text', str(text), '--quick'], cwd=render.REPO, capture_output=True,
                         text=True, timeout=3600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  for e in registry.EXPERIMENTS:
+  for e in registry.EXPERIMENTS + registry.PAGES:
     assert all((out / w).is_file() for w in e.writes), e.name
   rendered = (out / 'RESULTS.md').read_text()
   assert 'not run' not in rendered
@@ -98,3 +101,15 @@ def test_scripts_run_as_modules_with_no_path_hacks():
                        *repo.glob('benchmarks/*.sh'), *repo.glob('configs/*.py'))]
   found = [f'{p.name}: {m}' for p in pages for m in pattern.findall(p.read_text())]
   assert not found, found
+
+
+def test_experiments_train_through_the_harness_only():
+  """One way to launch a training run: the experiments train in process through
+  experiments/harness.py, never through main.py subprocesses, another script's argv
+  (compare.main) or a shell script."""
+  repo = pathlib.Path(render.REPO)
+  launches = re.compile(r"main\.py['\"]|compare\.main\(|train\.train_and_evaluate\(")
+  found = [f'{p.name}: {m}' for p in (repo / 'experiments').glob('*.py')
+           if p.name != 'harness.py' for m in launches.findall(p.read_text())]
+  assert not found, found
+  assert not list((repo / 'experiments').glob('*.sh'))
