@@ -63,8 +63,7 @@ def main():
   p.add_argument('--block', type=int, default=64, help='query block')
   p.add_argument('--trims', type=int, nargs='+', default=[64, 128, 256, 512, 1024])
   p.add_argument('--iters', type=int, default=5)
-  p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
-                                               'adaptive_span.json'))
+  p.add_argument('--out', default=os.path.join(common.RESULTS, 'adaptive_span.json'))
   args = p.parse_args()
   rng = np.random.default_rng(0)
   b, n, h, d, s = args.batch, args.seq, args.heads, args.head_dim, args.limit

@@ -158,8 +158,7 @@ def main():
                  help="'jax': attention_impl='blocksparse' (plain JAX); 'kernel': "
                  "attention_impl='cpu_kernel' (the fused CPU kernel)")
   p.add_argument('--iters', type=int, default=5, help='rounds of round-robin timing')
-  p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
-                                               'attention_scaling.json'))
+  p.add_argument('--out', default=os.path.join(common.RESULTS, 'attention_scaling.json'))
   args = p.parse_args()
   if 'kernel' in args.impls and not cpu_kernel.available():
     p.error('the CPU kernel is unavailable (see the warning above); use --impls jax')

@@ -9,7 +9,7 @@ checksums on and off: medians of interleaved repeats (on/off alternate, so both 
 same load on a shared machine), each on a new step folder, after one warm-up round. Also
 timed alone: the checksum reduction (jitted, after its compile) and its first call (compile
 + run).
-Results go to benchmarks/results/checkpoint_checksum.json.
+Results go to results/checkpoint_checksum.json.
 """
 
 import argparse
@@ -97,8 +97,7 @@ def main():
   p.add_argument('--repeats', type=int, default=5)
   p.add_argument('--scratch', default=None, help='folder for the checkpoints (default: a '
                  'temporary one)')
-  p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
-                                               'checkpoint_checksum.json'))
+  p.add_argument('--out', default=os.path.join(common.RESULTS, 'checkpoint_checksum.json'))
   args = p.parse_args()
   logging.set_verbosity(logging.ERROR)  # "restored unverified" for every checksum-off restore.
   scratch = args.scratch or tempfile.mkdtemp(prefix='checkpoint_checksum_')

@@ -10,6 +10,9 @@ from typing import Callable, Sequence
 
 import jax
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, 'results')  # Every committed result: benchmarks' and experiments'.
+
 
 def time_fn(fn: Callable[[], object], *, warmup: int = 2, iters: int = 10) -> dict[str, float]:
   """Median and best wall time of `fn()` (which must block until its result is ready).

@@ -15,7 +15,7 @@ such: that is the finding for an unrolled program at long sequences.
 
 --before checks the commit out with `git worktree` under a temporary folder and runs the same
 rows there. Columns: compile seconds, GiB per chip, whether it fits. Results go to
-benchmarks/results/compile_sweep.json (written after each row).
+results/compile_sweep.json (written after each row).
 """
 
 import argparse
@@ -72,8 +72,7 @@ def main():
   parser.add_argument('--reuse', default=None,
                       help="an earlier output whose 'before' rows are kept, not measured again "
                       '(the old code does not change; its long compiles are the slow part)')
-  parser.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results',
-                                                    'compile_sweep.json'))
+  parser.add_argument('--out', default=os.path.join(common.RESULTS, 'compile_sweep.json'))
   args = parser.parse_args()
 
   trees = [('after', ROOT, subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=ROOT,

@@ -11,7 +11,7 @@ one child process each, back to back so that a slow phase of a shared machine hi
 then benchmarks/txl_layer.py and benchmarks/adaptive_span.py once each way. The table gives
 each row's best time before and after, their ratio (after / before: below 1 is faster),
 XLA's compiled peak memory and, for attention_scaling, the compile time. Results go to
-benchmarks/results/cpu_before_after.json.
+results/cpu_before_after.json.
 """
 
 import argparse
@@ -64,8 +64,7 @@ def main():
   parser.add_argument('--n', nargs='+', type=int, default=[1024, 2048, 4096, 8192])
   parser.add_argument('--iters', type=int, default=5, help='attention_scaling rounds')
   parser.add_argument('--skip', nargs='*', default=[], choices=['scaling', 'txl', 'span'])
-  parser.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'results',
-                                                    'cpu_before_after.json'))
+  parser.add_argument('--out', default=os.path.join(common.RESULTS, 'cpu_before_after.json'))
   args = parser.parse_args()
 
   worktree = tempfile.mkdtemp(prefix='cpu_before_after_')

@@ -55,8 +55,7 @@ def main():
                  help='heads interleaved in the (batch, n, heads, 64) operands, as in the model')
   p.add_argument('--threads', type=int, default=2)
   p.add_argument('--rounds', type=int, default=3)
-  p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
-                                               'cpu_kernel_alone.json'))
+  p.add_argument('--out', default=os.path.join(common.RESULTS, 'cpu_kernel_alone.json'))
   args = p.parse_args()
   with tempfile.TemporaryDirectory() as tmp:
     exe = build(tmp)

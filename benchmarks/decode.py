@@ -22,7 +22,7 @@ the decode kernels (models/attention/kernels/decode_cpu.cc); the prefill is the 
 - cache rows (d = 4, batch 8): generate tok/s and cache bytes (keys and values at max_len)
   of each variant that decodes.
 
-Writes benchmarks/results/decode.json.
+Writes results/decode.json.
 """
 
 import argparse
@@ -38,7 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import print_table, time_fn, write_json  # noqa: E402
+from benchmarks.common import RESULTS, print_table, time_fn, write_json  # noqa: E402
 from models import decode, transformer  # noqa: E402
 
 VOCAB = 8192
@@ -118,7 +118,7 @@ def main():
   parser.add_argument('--iters', type=int, default=3)
   parser.add_argument('--variants', default=','.join(VARIANTS),
                       help='cache table rows (at the first depth, the last batch)')
-  parser.add_argument('--out', default=os.path.join(REPO, 'benchmarks/results/decode.json'))
+  parser.add_argument('--out', default=os.path.join(RESULTS, 'decode.json'))
   args = parser.parse_args()
   depths = [int(d) for d in args.depths.split(',')]
   batches = [int(b) for b in args.batches.split(',')]

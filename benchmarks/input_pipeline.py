@@ -222,8 +222,7 @@ def main():
   p.add_argument('--seq_len', type=int, default=512)
   p.add_argument('--batches', type=int, default=200, help='batches timed per pipeline')
   p.add_argument('--step_iters', type=int, default=3, help='train steps timed per model')
-  p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
-                                               'input_pipeline.json'))
+  p.add_argument('--out', default=os.path.join(common.RESULTS, 'input_pipeline.json'))
   p.add_argument('--sections', default='pipeline,resume',
                  help='comma-separated: pipeline (throughput against the step), resume')
   p.add_argument('--resume_shards', type=int, default=8)

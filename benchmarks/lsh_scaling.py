@@ -81,8 +81,7 @@ def main():
   p.add_argument('--block', type=int, default=128, help='query block of blocksparse')
   p.add_argument('--iters', type=int, default=3)
   p.add_argument('--max_gib', type=float, default=12.0)
-  p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
-                                               'lsh_scaling.json'))
+  p.add_argument('--out', default=os.path.join(common.RESULTS, 'lsh_scaling.json'))
   args = p.parse_args()
   impls = args.dense_impls or (['fused'] if jax.default_backend() == 'gpu'
                                else ['cpu_kernel', 'blocksparse'])

@@ -88,8 +88,7 @@ def main():
   p.add_argument('--impl', default='auto', help='model.attention_impl')
   p.add_argument('--iters', type=int, default=3)
   p.add_argument('--note', default='', help='saved with the results (e.g. the machine load)')
-  p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
-                                               'reversible_memory.json'))
+  p.add_argument('--out', default=os.path.join(common.RESULTS, 'reversible_memory.json'))
   args = p.parse_args()
 
   rows = []

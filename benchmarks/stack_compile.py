@@ -7,7 +7,7 @@ Builds the real train step of training/train.py (configs/tiny.py's d=2 width, Va
 Assignment shapes) for each `model.stack` and measures, separately: tracing + lowering to
 HLO, XLA compilation, and the compiled step's run time (best of a few). `unrolled` compiles
 n_layers blocks; `scan_cycle` compiles one cycle of p layers (interleaved strided: p = 2) and
-scans it. Results go to benchmarks/results/stack_compile.json.
+scans it. Results go to results/stack_compile.json.
 """
 
 import argparse
@@ -67,8 +67,7 @@ def main():
   p.add_argument('--layers', type=int, nargs='+', default=[4, 8, 16])
   p.add_argument('--stacks', nargs='+', default=['unrolled', 'scan_cycle'])
   p.add_argument('--iters', type=int, default=5)
-  p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
-                                               'stack_compile.json'))
+  p.add_argument('--out', default=os.path.join(common.RESULTS, 'stack_compile.json'))
   args = p.parse_args()
   rows = [bench(args.attention, n, s, args.iters) for n in args.layers for s in args.stacks]
   common.print_table(rows, ['attention', 'n_layers', 'stack', 'cycle', 'hlo_kb', 'lower_s',

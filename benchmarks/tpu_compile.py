@@ -21,12 +21,12 @@ layer: XLA counts a loop body once, in its FLOPs and in its collectives, so a sc
 (what model.stack='auto' picks for identical layers, e.g. dense) would show 1/12 of its layers
 next to an unrolled one (e.g. a variant whose layers differ). `--stack auto` compiles the
 recipe's own program (its memory and compile time; its FLOPs column is then not comparable
-across stacks). Results go to benchmarks/results/tpu_compile.json.
+across stacks). Results go to results/tpu_compile.json.
 
 `--recipes` compiles the paper recipes instead (configs.PAPER_RECIPES, each as its file sets
 it, on its own config.compile_topology): the train, eval and decoding programs, as
 `--mode=compile` does, with the time estimate at aot.ASSUMED_MFU and each recipe's
-fingerprint (configs.fingerprint), into benchmarks/results/tpu_compile_recipes.json. The
+fingerprint (configs.fingerprint), into results/tpu_compile_recipes.json. The
 recipes' headers quote these numbers; tests/contracts/test_paper_recipes.py checks that they
 agree with the file and that the file is of the recipes as they are now.
 """
@@ -199,7 +199,7 @@ def main():
                       help='JSON path (default: results/tpu_compile.json, with --recipes '
                       'results/tpu_compile_recipes.json)')
   args = parser.parse_args()
-  results = os.path.join(os.path.dirname(__file__), 'results')
+  results = common.RESULTS
   if args.recipes is not None:
     recipes_main(args.recipes or list(configs.PAPER_RECIPES),
                  args.out or os.path.join(results, 'tpu_compile_recipes.json'))

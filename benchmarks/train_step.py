@@ -91,7 +91,7 @@ def main():
   p.add_argument('--scan', type=int, default=0,
                  help='1: nn.scan over layers; 0: unrolled (faster on CPU: no per-layer copies)')
   p.add_argument('--iters', type=int, default=10)
-  p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results', 'train_step.json'))
+  p.add_argument('--out', default=os.path.join(common.RESULTS, 'train_step.json'))
   args = p.parse_args()
 
   peak, peak_n = matmul_peak(jnp.dtype(args.dtype))

@@ -88,8 +88,7 @@ def main():
   p.add_argument('--mem_factors', type=int, nargs='+', default=[0, 1, 2, 4],
                  help='M as multiples of n')
   p.add_argument('--iters', type=int, default=5)
-  p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
-                                               'txl_layer.json'))
+  p.add_argument('--out', default=os.path.join(common.RESULTS, 'txl_layer.json'))
   args = p.parse_args()
   n = args.seq
   rows = [bench('dense', args)]

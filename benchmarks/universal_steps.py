@@ -14,7 +14,7 @@ One weight-shared pre_ln block of dense attention (float32, 4 heads), M = 8.
   ACT model (M = 8): the masked scan runs all M steps whatever the halting, so ACT costs
   about as much as T = M; the MFU counts only the steps the tokens took (the mean N).
 
-Writes benchmarks/results/universal_steps.json.
+Writes results/universal_steps.json.
 """
 
 import argparse
@@ -27,7 +27,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import print_table, random_lm_batch, time_fn, write_json  # noqa: E402
+from benchmarks.common import (RESULTS, print_table, random_lm_batch, time_fn,  # noqa: E402
+                               write_json)
 from models import transformer  # noqa: E402
 
 M = 8
@@ -55,8 +56,7 @@ def main():
   parser.add_argument('--seq', type=int, default=512)
   parser.add_argument('--batch', type=int, default=8)
   parser.add_argument('--iters', type=int, default=5)
-  parser.add_argument('--out', default=os.path.join(REPO, 'benchmarks', 'results',
-                                                    'universal_steps.json'))
+  parser.add_argument('--out', default=os.path.join(RESULTS, 'universal_steps.json'))
   args = parser.parse_args()
   batch = random_lm_batch(512, args.batch, args.seq)
   x = jnp.asarray(batch['inputs'])

@@ -5,7 +5,7 @@ each, named after the paper and the dataset. Each sets config.compile_topology t
 TPU slice it fits, so `python main.py --config=configs/<name>.py --mode=compile --workdir=DIR`
 checks it with no data; its docstring names that slice, the mesh and remat, the per-chip memory
 and the estimated speed (from `python -m benchmarks.tpu_compile --recipes`, committed in
-benchmarks/results/tpu_compile_recipes.json) and the one line that runs it tiny on a CPU.
+results/tpu_compile_recipes.json) and the one line that runs it tiny on a CPU.
 docs/tpu.md has them in one table.
 """
 
@@ -66,7 +66,7 @@ def _mesh(row: dict) -> str:
 
 def header_lines(row: dict) -> str:
   """The 'slice:', 'memory:' and 'speed:' lines of a recipe's docstring, from its row of
-  benchmarks/results/tpu_compile_recipes.json (benchmarks/tpu_compile.py --recipes)."""
+  results/tpu_compile_recipes.json (benchmarks/tpu_compile.py --recipes)."""
   from training.aot import slice_name  # pylint: disable=import-outside-toplevel
   per_day = _three_digits(row['steps_per_day'])
   return (

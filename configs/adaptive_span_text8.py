@@ -6,7 +6,7 @@ cleaned to lower-case letters and spaces (the file `text8`), cut 90M / 5M / 5M.
 
 At the paper's scale, on a TPU slice (compiled ahead of time from a CPU host by
 `python -m benchmarks.tpu_compile --recipes adaptive_span_text8`, committed in
-benchmarks/results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
+results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
   slice:    v5e-8 (compile_topology 'v5e:2x4'), mesh data=8, remat 'full'
   memory:   14.47 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
   speed:    ~6,320,000 steps/day at 40% MFU, estimated from the model FLOPs and

@@ -8,7 +8,7 @@ duplication task scaled down for a CPU; the full-attention comparison:
 
 At the paper's scale, on a TPU slice (compiled ahead of time from a CPU host by
 `python -m benchmarks.tpu_compile --recipes reformer_enwik8`, committed in
-benchmarks/results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
+results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
   slice:    v5e-8 (compile_topology 'v5e:2x4'), mesh data=8, remat 'none'
   memory:   10.56 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
   speed:    ~9,820 steps/day at 40% MFU, estimated from the model FLOPs and

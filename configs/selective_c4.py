@@ -4,7 +4,7 @@ the same model with --config.model.attention=dense.
 
 At the paper's scale, on a TPU slice (compiled ahead of time from a CPU host by
 `python -m benchmarks.tpu_compile --recipes selective_c4`, committed in
-benchmarks/results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
+results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
   slice:    v5e-4 (compile_topology 'v5e:2x2'), mesh data=4, remat 'full'
   memory:   4.88 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
   speed:    ~344,000 steps/day at 40% MFU, estimated from the model FLOPs and

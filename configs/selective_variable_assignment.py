@@ -4,7 +4,7 @@ same model with --config.model.attention=dense; configs/tiny.py is this task sca
 
 At the paper's scale, on a TPU slice (compiled ahead of time from a CPU host by
 `python -m benchmarks.tpu_compile --recipes selective_variable_assignment`, committed in
-benchmarks/results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
+results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
   slice:    v5e-4 (compile_topology 'v5e:2x2'), mesh data=4, remat 'none'
   memory:   7.69 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
   speed:    ~4,720,000 steps/day at 40% MFU, estimated from the model FLOPs and

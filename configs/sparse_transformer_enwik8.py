@@ -7,7 +7,7 @@ paper itself (arXiv:1904.10509), which ../shared/papers does not hold. The compa
 
 At the paper's scale, on a TPU slice (compiled ahead of time from a CPU host by
 `python -m benchmarks.tpu_compile --recipes sparse_transformer_enwik8`, committed in
-benchmarks/results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
+results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
   slice:    v5e-4 (compile_topology 'v5e:2x2'), mesh data=4, remat 'full'
   memory:   6.42 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
   speed:    ~49,000 steps/day at 40% MFU, estimated from the model FLOPs and

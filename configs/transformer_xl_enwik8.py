@@ -8,7 +8,7 @@ configs/transformer_xl_char.py is this model scaled down for a CPU; GTrXL's gate
 
 At the paper's scale, on a TPU slice (compiled ahead of time from a CPU host by
 `python -m benchmarks.tpu_compile --recipes transformer_xl_enwik8`, committed in
-benchmarks/results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
+results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
   slice:    v5e-4 (compile_topology 'v5e:2x2'), mesh data=2,tensor=2, remat 'none'
   memory:   4.28 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
   speed:    ~9,190,000 steps/day at 40% MFU, estimated from the model FLOPs and

@@ -4,9 +4,9 @@ same model with every span fixed at the limit S, on byte-level text, over seeds.
   python -m experiments.adaptive_span_lm --text ../shared/data/tinyshakespeare.txt \
       --out OUT/adaptive_span_lm.json
 
-The runs are data (RUNS): each (variant, seed) is a real training run of experiments/harness.py
-with the recipe configs/adaptive_span_char.py (relative positions, R = 32, lambda = 2e-6, segments attending
-into the cached previous ones up to S back), scaled by --layers/--heads/--d_model, kept in
+The runs are data (RUNS): each (variant, seed) is a real training run of
+experiments/harness.py with the recipe configs/adaptive_span_char.py (relative positions,
+R = 32, lambda = 2e-6, segments attending into the cached previous ones up to S back), scaled by --layers/--heads/--d_model, kept in
 --workdir/seed<S>/<variant> so that a rerun resumes or reuses it. The variants:
 
 - adaptive: 'adaptive_span', z = S z' per head, z' learned from 0 (section 2.2);

@@ -219,7 +219,7 @@ SECTION = Section(
             '(Figure 4)',
             'S = 4096: the lowest 5 of 12 layers keep the smallest span (R = 32); a few upper '
             'heads exceed several thousand; not monotonic in the layer',
-            (LM,), LM_COMMAND, figure4, links=('experiments/results/adaptive_span_lm.png',)),
+            (LM,), LM_COMMAND, figure4, links=('results/adaptive_span_lm.png',)),
         Row('The average learned span is far below the limit S (Tables 1, 3)',
             'text8: 314 of S = 8192 (Table 1); 123 of S = 1024 (Table 3)',
             (LM,), LM_COMMAND, average_span),

@@ -20,7 +20,7 @@ KV = 'selective_kv.json'
 VA_COMMAND = ('selective_va',)
 LM_COMMAND = ('selective_lm',)
 ABLATIONS_COMMAND = ('selective_ablations',)
-KV_PLOT = 'experiments/results/selective_kv.png'  # Written next to the JSON (figure 6).
+KV_PLOT = 'results/selective_kv.png'  # Written next to the JSON (figure 6).
 KV_COMMAND = ('selective_kv',)
 
 # Variable Assignment: "solved" = at least this answer accuracy (the paper: 100%) ...
@@ -502,7 +502,7 @@ SECTION = Section(
     source='selective-attention.md',
     intro=('The paper: C4 with an 8K SentencePiece vocabulary, d=12 (12 layers x 12 heads of '
            '64), context 512, batch 256, 524,288 steps; Variable Assignment at d=3, batch 2,048. '
-           'Ours (experiments/selective_experiments.py, every run through benchmarks/compare.py, '
+           'Ours (experiments/selective_experiments.py, every run through experiments/harness.py, '
            'each variant with the same seeds, data order and steps): Variable Assignment as '
            'configs/tiny.py scales it down (d=2, 3 variables, 16 values, 8 assignments, batch '
            '256); byte-level tinyshakespeare at d=2 (2 layers x 2 heads of 64), 256-byte rows '

@@ -1,8 +1,8 @@
 """RESULTS.md rows of the Transformer family survey (Weng, 2020): Transformer-XL, GTrXL,
 the Reformer (LSH attention, reversible layers) and the Universal Transformer with ACT.
 
-The evidence is the older experiments' JSON in benchmarks/results (docs/transformer_xl.md,
-docs/reformer.md, docs/universal_transformer.md), plus experiments/results/act_ponder.json
+The evidence is the older experiments' JSON in results (docs/transformer_xl.md,
+docs/reformer.md, docs/universal_transformer.md), plus results/act_ponder.json
 (experiments/survey_act_ponder.py: ACT trained without its ponder cost). Every training run
 behind them is one seed, so a row reads a difference under ONE_SEED (relative) between two
 runs as within one seed's noise and says so.

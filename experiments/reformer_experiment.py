@@ -22,7 +22,7 @@ validation bits per byte and the training curves.
 
 Each run has its own workdir under --out/<part> (a finished run is not trained again; an
 interrupted one resumes). analyze() turns a part's runs into its half of
-experiments/results/reformer_experiment.json (the other part's half is kept); draws
+results/reformer_experiment.json (the other part's half is kept); draws
 docs/img/reformer_curves.png.
 """
 
@@ -185,7 +185,7 @@ def parse_args(argv=None):
   p.add_argument('--dup_steps', type=int, default=1000)
   p.add_argument('--byte_steps', type=int, default=1500)
   p.add_argument('--runs', default='all', help="comma-separated subset of the runs, or 'all'")
-  p.add_argument('--json', default=os.path.join(REPO, 'experiments', 'results',
+  p.add_argument('--json', default=os.path.join(REPO, 'results',
                                                 'reformer_experiment.json'))
   p.add_argument('--plot', default=os.path.join(REPO, 'docs', 'img', 'reformer_curves.png'))
   return p.parse_args(argv)

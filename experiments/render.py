@@ -7,8 +7,8 @@ row a claim, the paper's number, ours, the command that reproduces it and a verd
 No number in RESULTS.md is typed by hand: every "ours" cell and every verdict is computed
 here from a results file, by the criterion its row states. A row whose file is missing says
 so ("not run") instead of a number. Results are looked up by file name in the --results
-folders, first match wins (default: experiments/results, the experiments' own, then
-benchmarks/results, the component timings some rows read).
+folders, first match wins (default: results/, the one folder of every committed result: the
+experiments' and the component timings some rows read).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, 'results')  # Every committed result file.
 
 from experiments import (claims_adaptive_span, claims_selective, claims_sparse,  # noqa: E402
                          claims_survey)
@@ -112,12 +113,10 @@ def main(argv=None) -> str:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument('--results', action='append', default=[],
-                 help='folder of result JSON files (repeatable; default: experiments/results '
-                 'and benchmarks/results)')
+                 help='folder of result JSON files (repeatable; default: results/)')
   p.add_argument('--out', default=os.path.join(REPO, 'RESULTS.md'))
   args = p.parse_args(argv)
-  folders = args.results or [os.path.join(REPO, 'experiments', 'results'),
-                             os.path.join(REPO, 'benchmarks', 'results')]
+  folders = args.results or [RESULTS]
   text = render(folders)
   with open(args.out, 'w') as f:
     f.write(text + '\n')

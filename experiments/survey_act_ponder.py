@@ -1,7 +1,7 @@
 """ACT without its ponder cost: the ablation that RESULTS.md's row "the ponder cost keeps the
 number of steps down" needs (experiments/claims_survey.py).
 
-  python -m experiments.survey_act_ponder --out experiments/results/act_ponder.json
+  python -m experiments.survey_act_ponder --out results/act_ponder.json
   python -m experiments.survey_act_ponder --tasks copy,parity --out OUT/act_ponder.json
 
 Trains experiments/universal_experiment.py's `ut_act` run (configs/universal_algorithmic.py:

@@ -18,7 +18,7 @@ again, nor one that diverged; an interrupted one resumes):
 then evaluates each on the whole validation split in process (EVALS: what
 `main.py --workdir=RUN --mode=eval --config.eval_steps=0 [--config.KEY=VALUE]` gives, bits per
 byte), reads the training loss curves from TensorBoard, and analyze() turns it all into
-experiments/results/txl_experiment.json; prints a table and draws docs/img/txl_curves.png.
+results/txl_experiment.json; prints a table and draws docs/img/txl_curves.png.
 """
 
 import argparse
@@ -180,7 +180,7 @@ def parse_args(argv=None):
   p.add_argument('--high_lrs', default='0.02,0.06,0.15',
                  help='learning rates of the Pre-LN / GTrXL comparison')
   p.add_argument('--runs', default='all', help="comma-separated subset of the runs, or 'all'")
-  p.add_argument('--json', default=os.path.join(REPO, 'experiments', 'results',
+  p.add_argument('--json', default=os.path.join(REPO, 'results',
                                                 'txl_experiment.json'))
   p.add_argument('--plot', default=os.path.join(REPO, 'docs', 'img', 'txl_curves.png'))
   return p.parse_args(argv)

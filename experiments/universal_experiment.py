@@ -27,7 +27,7 @@ their histogram against the position and against the token's role (copy: the str
 the copy; parity: bit tokens, whose target is scored, and parity tokens). analyze() turns the
 harness rows and these measurements into the JSON.
 
-Writes experiments/results/universal_experiment.json (merged into the one there: runs not
+Writes results/universal_experiment.json (merged into the one there: runs not
 rerun keep their entries), docs/img/universal_steps.png (ACT's steps against position) and
 docs/img/universal_accuracy.png (accuracy against length).
 """
@@ -298,7 +298,7 @@ def main(argv=None):
   p.add_argument('--steps', type=int, default=STEPS, help='training steps of every run')
   p.add_argument('--tasks', default=','.join(TASKS))
   p.add_argument('--runs', default='all', help="comma-separated subset of the runs, or 'all'")
-  p.add_argument('--json', default=os.path.join(REPO, 'experiments', 'results',
+  p.add_argument('--json', default=os.path.join(REPO, 'results',
                                                 'universal_experiment.json'))
   p.add_argument('--img', default=os.path.join(REPO, 'docs', 'img'))
   p.add_argument('--code', default='', help='what code the runs used, for the JSON (default: '

@@ -4,7 +4,7 @@
   first half of `python main.py --config=configs/<recipe>.py --mode=compile`; seconds each).
 * The full compile, too slow for this suite (20-200 s a program here), is
   `python -m benchmarks.tpu_compile --recipes`, committed in
-  benchmarks/results/tpu_compile_recipes.json. The committed row must be of the recipe as it
+  results/tpu_compile_recipes.json. The committed row must be of the recipe as it
   is now (the config's fingerprint), must fit, and the header must quote its numbers: a
   recipe changed without recompiling it, or one that no longer fits, fails here.
 
@@ -21,7 +21,7 @@ from training import aot, assembly
 
 pytestmark = pytest.mark.system
 
-RESULTS = REPO / 'benchmarks' / 'results' / 'tpu_compile_recipes.json'
+RESULTS = REPO / 'results' / 'tpu_compile_recipes.json'
 RECOMPILE = 'python -m benchmarks.tpu_compile --recipes {name}'
 
 
@@ -77,7 +77,7 @@ def test_docs_tpu_md_has_the_committed_table():
   rows = _rows()
   table = configs.recipes_markdown([rows[n] for n in configs.PAPER_RECIPES])
   assert table in (REPO / 'docs' / 'tpu.md').read_text(), (
-      'docs/tpu.md\'s recipe table differs from benchmarks/results/tpu_compile_recipes.json; '
+      'docs/tpu.md\'s recipe table differs from results/tpu_compile_recipes.json; '
       'paste the table `python -m benchmarks.tpu_compile --recipes` prints')
 
 

@@ -1,7 +1,7 @@
 """experiments/claims_survey.py: every row's criterion runs on the committed results and
 returns a valid verdict, and doctored results move the verdicts the way the criteria say.
 
-Reads only the committed JSON (benchmarks/results, experiments/results); no training."""
+Reads only the committed JSON (results/); no training."""
 
 import copy
 import os
@@ -11,8 +11,7 @@ import pytest
 from experiments import claims_survey, registry, render
 from experiments.report import VERDICTS
 
-FOLDERS = [os.path.join(render.REPO, 'experiments', 'results'),
-           os.path.join(render.REPO, 'benchmarks', 'results')]
+FOLDERS = [render.RESULTS]
 ROWS = {row.measure.__name__: row for row in claims_survey.SECTION.rows}
 
 

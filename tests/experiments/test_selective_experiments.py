@@ -1,6 +1,6 @@
 """experiments/selective_experiments.py: every part's runs are valid harness runs, and its
 analyze functions turn harness rows into the JSON that RESULTS.md is rendered from (the same
-keys, at every level, as the committed experiments/results/selective_*.json); the docs page's
+keys, at every level, as the committed results/selective_*.json); the docs page's
 experiment is registered. No model trains here (seconds)."""
 
 import json
@@ -12,7 +12,7 @@ from configs import local_text, tiny
 from experiments import harness, registry
 from experiments import selective_experiments as SE
 
-RESULTS = os.path.join(SE.REPO, 'experiments', 'results')
+RESULTS = os.path.join(SE.REPO, 'results')
 
 
 def _committed(part):

@@ -12,7 +12,7 @@ import os
 from benchmarks.common import flags
 from experiments import harness, reformer_experiment, txl_experiment
 
-RESULTS = os.path.join(os.path.dirname(__file__), '..', '..', 'experiments', 'results')
+RESULTS = os.path.join(os.path.dirname(__file__), '..', '..', 'results')
 
 
 def _committed(name):

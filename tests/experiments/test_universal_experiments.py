@@ -11,7 +11,7 @@ import pytest
 
 from experiments import harness, survey_act_ponder, universal_experiment as ue
 
-RESULTS = os.path.join(os.path.dirname(__file__), '..', '..', 'experiments', 'results')
+RESULTS = os.path.join(os.path.dirname(__file__), '..', '..', 'results')
 
 
 def _load(name):
