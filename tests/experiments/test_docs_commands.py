@@ -10,6 +10,7 @@ from rotting between those checks.
 import contextlib
 import functools
 import io
+import os
 import pathlib
 import re
 import runpy
@@ -73,13 +74,15 @@ def _option_names(words: list[str]) -> list[str]:
 def _help(module: str) -> str:
   """`python -m MODULE --help`, run in this process (the imports are shared)."""
   out = io.StringIO()
-  argv = sys.argv
+  argv, environ = sys.argv, dict(os.environ)
   sys.argv = [module, '--help']
   try:
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
       runpy.run_module(module, run_name='__main__', alter_sys=False)
-  finally:
+  finally:  # A module may set XLA flags at import: later subprocesses must not inherit them.
     sys.argv = argv
+    os.environ.clear()
+    os.environ.update(environ)
   return out.getvalue()
 
 
