@@ -38,7 +38,8 @@ def child_row(tree: str, args, variant: str, seq_len: int) -> dict:
   """tpu_compile.py of `tree` for one variant and length, in a child with a time limit."""
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, 'row.json')
-    cmd = [sys.executable, os.path.join(tree, 'benchmarks', 'tpu_compile.py'),
+    # As a module from the tree's root, so that it imports that tree's code.
+    cmd = [sys.executable, '-m', 'benchmarks.tpu_compile',
            '--topologies', args.topology, '--variants', variant, '--seq-len', str(seq_len),
            '--d', str(args.d), '--batch', str(args.batch), '--impl', 'blocksparse',
            '--stack', 'auto', '--dtype', args.dtype, '--out', out]

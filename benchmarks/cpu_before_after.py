@@ -33,8 +33,11 @@ def run(tree: str, script: str, flags: list[str]) -> list[dict]:
   """The rows of benchmarks/<script> run in `tree` with `flags`."""
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, 'rows.json')
-    proc = subprocess.run([sys.executable, os.path.join('benchmarks', script), *flags,
-                           '--out', out], cwd=tree, capture_output=True, text=True, check=False)
+    # As a module from the tree's root, so that it imports that tree's code (both trees have
+    # benchmarks/__init__.py).
+    module = 'benchmarks.' + os.path.splitext(script)[0]
+    proc = subprocess.run([sys.executable, '-m', module, *flags, '--out', out], cwd=tree,
+                          capture_output=True, text=True, check=False)
     if proc.returncode:
       raise RuntimeError(f'{script} in {tree} failed:\n{proc.stderr[-2000:]}')
     with open(out) as f:
