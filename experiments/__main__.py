@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,6 +29,22 @@ import time
 from experiments import registry, render
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _call(cmd: list[str], log) -> int:
+  """Runs `cmd` to its end, passing a SIGTERM or Ctrl-C of the runner on to it (its runs save
+  their checkpoints and stop), so that stopping the runner never leaves an experiment running
+  on its own."""
+  proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+  previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.terminate())
+  try:
+    return proc.wait()
+  except KeyboardInterrupt:  # The experiment stops as after a SIGTERM, then so does the runner.
+    proc.terminate()
+    proc.wait()
+    raise
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
 
 def run(names: list[str], out: str, text: str = '', quick: bool = False) -> None:
@@ -52,7 +69,7 @@ def run(names: list[str], out: str, text: str = '', quick: bool = False) -> None
     start = time.perf_counter()
     with open(log, 'w') as f:
       # `python -m` from the repository root imports the project from there.
-      code = subprocess.call(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+      code = _call(cmd, f)
     if code:
       with open(log) as f:
         tail = ''.join(f.readlines()[-15:])

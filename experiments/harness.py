@@ -442,8 +442,21 @@ def _bar(progress: bool, **kwargs):
                    mininterval=0.5 if tty else 30, leave=False, **kwargs)
 
 
+class Preempted(SystemExit):
+  """A run stopped early by SIGTERM (a preemption notice, `timeout`, a scheduler): its
+  checkpoint is saved, and the experiment stops instead of measuring a half-trained run and
+  going on; rerunning it resumes. Exits with 143 (128 + SIGTERM) when not caught."""
+
+  def __init__(self, name: str, step: int, total: int, workdir: str):
+    print(f'run {name!r} stopped at step {step} of {total} (SIGTERM); its checkpoint is in '
+          f'{workdir}: rerun the experiment to resume it', file=sys.stderr, flush=True)
+    super().__init__(143)
+    self.name, self.step, self.total, self.workdir = name, step, total, workdir
+
+
 def train_one(name: str, config, workdir: str, *, progress: bool = True) -> dict:
-  """Trains (or resumes, or keeps) one run and measures its row."""
+  """Trains (or resumes, or keeps) one run and measures its row; raises Preempted when a
+  SIGTERM stops the run before its last step."""
   already = os.path.isdir(os.path.join(workdir, 'checkpoints', str(config.total_steps)))
   started = time.time()
   diverged = None
@@ -453,9 +466,12 @@ def train_one(name: str, config, workdir: str, *, progress: bool = True) -> dict
       bar.update(step - bar.n)
 
     try:
-      train.train_and_evaluate(config, workdir, on_step=on_step)
+      state = train.train_and_evaluate(config, workdir, on_step=on_step)
     except FloatingPointError as e:  # A diverged run keeps its curves up to there.
       diverged = str(e)
+    else:
+      if int(state.step) < config.total_steps:  # SIGTERM: the loop saved and returned.
+        raise Preempted(name, int(state.step), config.total_steps, workdir)
   seconds = time.time() - started
   row = measure(name, config, workdir)
   # Trained by an earlier call (then run_seconds is only this call's restore).

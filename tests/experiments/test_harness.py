@@ -81,3 +81,31 @@ def test_runs_over_seeds_in_their_folders_then_kept(tmp_path):
   assert rows[0]['curves']['train_loss'][0][1] != rows[2]['curves']['train_loss'][0][1]
   again = harness.run(runs[:1], base, [0], out, progress=False)
   assert again[0]['already_trained'] and again[0]['eval_loss'] == rows[0]['eval_loss']
+
+
+def test_a_sigterm_stops_the_experiment_with_the_run_saved(tmp_path, monkeypatch):
+  """SIGTERM during a run (a preemption, `timeout`, a scheduler): the training loop saves and
+  returns early, and the harness stops with Preempted (exit status 143) instead of measuring a
+  half-trained run and going on to the next; a rerun resumes from the saved step."""
+  import signal
+  from training import train
+  base = _base(tmp_path)
+  base.total_steps = 4
+  out = tmp_path / 'runs'
+  real = train.train_and_evaluate
+
+  def terminated_at_step_2(config, workdir, on_step=None, **kwargs):
+    def step(n):
+      on_step(n)
+      if n == 2:
+        signal.raise_signal(signal.SIGTERM)
+    return real(config, workdir, on_step=step, **kwargs)
+
+  monkeypatch.setattr(train, 'train_and_evaluate', terminated_at_step_2)
+  with pytest.raises(harness.Preempted) as stopped:
+    harness.run(['dense', 'local:window=8'], base, None, str(out), progress=False)
+  assert stopped.value.code == 143 and stopped.value.step == 2
+  assert (out / 'dense' / 'checkpoints' / '2').is_dir() and not (out / 'local_window=8').exists()
+  monkeypatch.setattr(train, 'train_and_evaluate', real)
+  rows = harness.run(['dense'], base, None, str(out), progress=False)
+  assert rows[0]['step'] == 4 and not rows[0]['already_trained']

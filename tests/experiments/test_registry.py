@@ -57,6 +57,25 @@ def test_run_writes_the_experiments_file_and_a_failure_names_its_log(tmp_path, m
     runner.run(['bad'], str(tmp_path))
 
 
+def test_a_sigterm_of_the_runner_stops_its_experiment(tmp_path, monkeypatch):
+  """The runner passes a SIGTERM on to the experiment it runs (whose runs save and stop), so
+  stopping the runner never leaves an experiment running on its own."""
+  import os
+  import signal
+  import threading
+  import time
+  sleeper = registry.Experiment('sleeper', 'timeit', ('-n', '1', '-r', '1',
+                                                      "__import__('time').sleep(120)"), ())
+  monkeypatch.setattr(registry, 'BY_NAME', {'sleeper': sleeper})
+  before = signal.getsignal(signal.SIGTERM)
+  threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+  start = time.monotonic()
+  with pytest.raises(SystemExit, match=r'sleeper failed \(exit -15\)'):
+    runner.run(['sleeper'], str(tmp_path))
+  assert time.monotonic() - start < 60
+  assert signal.getsignal(signal.SIGTERM) == before  # The runner's handler is gone again.
+
+
 def test_list_names_every_experiment():
   out = subprocess.run([sys.executable, '-m', 'experiments', 'list'], capture_output=True,
                        text=True, cwd=render.REPO, check=True).stdout
