@@ -6,7 +6,8 @@ row a claim, the paper's number, ours, the command that reproduces it and a verd
 
 No number in RESULTS.md is typed by hand: every "ours" cell and every verdict is computed
 here from a results file, by the criterion its row states. A row whose file is missing says
-so ("not run") instead of a number. Results are looked up by file name in the --results
+so ("not run") instead of a number, as does a row whose files lack what it reads (a --quick
+run measures fewer sizes). Results are looked up by file name in the --results
 folders, first match wins (default: results/, the one folder of every committed result: the
 experiments' and the component timings some rows read).
 """
@@ -99,9 +100,15 @@ def render(folders: list[str]) -> str:
       if missing:
         ours, verdict, why = 'not run', 'not run', f'no {", ".join(missing)} yet'
       else:
-        ours, verdict, why = row.measure(results)
-        if verdict not in VERDICTS:
-          raise ValueError(f'{row.claim!r}: verdict {verdict!r} is not one of {VERDICTS}')
+        try:
+          ours, verdict, why = row.measure(results)
+        except (KeyError, IndexError, ZeroDivisionError) as e:  # E.g. a --quick run's sizes.
+          ours, verdict = 'not run', 'not run'
+          why = (f'{", ".join(row.sources)} lack what this row reads ({type(e).__name__}: '
+                 f'{e}); a --quick run measures fewer sizes')
+        else:
+          if verdict not in VERDICTS:
+            raise ValueError(f'{row.claim!r}: verdict {verdict!r} is not one of {VERDICTS}')
       links = ''.join(f' ([{os.path.basename(link)}]({link}))' for link in row.links)
       lines.append(f'| {cell(row.claim)}{links} | {cell(row.paper)} | {cell(ours)} | '
                    f'**{verdict}**: {cell(why)} | `{cell(row.command)}` |')

@@ -5,6 +5,7 @@ Every test here runs on small JSON written in tmp_path (no training, no data fil
 
 import copy
 import json
+import os
 
 import pytest
 
@@ -77,6 +78,23 @@ def test_render_writes_every_section_and_marks_missing_results(tmp_path):
   empty.mkdir()
   text = render.main(['--results', str(empty), '--out', str(tmp_path / 'R2.md')])
   assert '**not run**: no sparse_transformer.json yet' in text
+
+
+def test_results_md_is_the_render_of_the_committed_results():
+  """RESULTS.md is exactly what render.py makes of results/, and every row has a number."""
+  text = render.render([render.RESULTS])
+  with open(os.path.join(render.REPO, 'RESULTS.md')) as f:
+    assert f.read() == text + '\n', 'RESULTS.md is stale: run python -m experiments.render'
+  assert 'not run' not in text
+
+
+def test_a_row_whose_results_lack_what_it_reads_is_not_run(tmp_path, monkeypatch):
+  row = report.Row('c', 'p', ('x.json',), ('adaptive_span',),
+                   lambda results: results['x.json']['n'][8192])
+  monkeypatch.setattr(render, 'SECTIONS', (report.Section('S', 'src', (row,)),))
+  (tmp_path / 'x.json').write_text('{"n": {}}')
+  text = render.render([str(tmp_path)])
+  assert '| not run | **not run**: x.json lack what this row reads (KeyError: 8192)' in text
 
 
 def test_render_refuses_an_unknown_verdict(tmp_path, monkeypatch):
