@@ -79,9 +79,10 @@ def evaluate(config, workdir: str, extra: dict) -> dict:
   return evaluation.evaluate_checkpoint(harness.override(config, extra), workdir, request)
 
 
-def train_and_measure(runs, base, out: str) -> list[dict]:
+def train_and_measure(runs, base, out: str, eval_steps: int = 0) -> list[dict]:
   """Trains each run (unless finished or diverged) in OUT/<run>, then evaluates it (EVALS) and
-  reads its curves; the harness rows with 'evals' ({tag: eval result}) and 'grad_norm'."""
+  reads its curves; the harness rows with 'evals' ({tag: eval result}) and 'grad_norm'.
+  eval_steps: validation batches per evaluation (0: the whole split, as the results use)."""
   rows = []
   for name, (config, keys) in harness.configs(runs, base).items():
     workdir = os.path.join(out, harness.folder(name))
@@ -104,7 +105,8 @@ def train_and_measure(runs, base, out: str) -> list[dict]:
       print(f'[{name}] diverged: {row["diverged"]}', flush=True)
     else:
       for tag, extra in evals_of(name):
-        row['evals'][tag] = evaluate(config, workdir, {**EVAL_ALL, **extra})
+        row['evals'][tag] = evaluate(config, workdir,
+                                     {**EVAL_ALL, 'eval_steps': eval_steps, **extra})
         print(f'[{name}] {tag}: bits/byte {row["evals"][tag]["bits_per_byte"]:.4f}',
               flush=True)
     row['grad_norm'] = scalar_curve(workdir, 'train/grad_norm')
@@ -180,6 +182,8 @@ def parse_args(argv=None):
   p.add_argument('--high_lrs', default='0.02,0.06,0.15',
                  help='learning rates of the Pre-LN / GTrXL comparison')
   p.add_argument('--runs', default='all', help="comma-separated subset of the runs, or 'all'")
+  p.add_argument('--eval_steps', type=int, default=0,
+                 help='validation batches per evaluation (0: the whole split)')
   p.add_argument('--json', default=os.path.join(REPO, 'results',
                                                 'txl_experiment.json'))
   p.add_argument('--plot', default=os.path.join(REPO, 'docs', 'img', 'txl_curves.png'))
@@ -200,7 +204,7 @@ def main(argv=None) -> dict:
   os.makedirs(args.out, exist_ok=True)
   base = harness.base_config(RECIPE, steps=args.steps, overrides=common_overrides(args),
                              workdir=args.out)
-  rows = train_and_measure(runs, base, args.out)
+  rows = train_and_measure(runs, base, args.out, args.eval_steps)
   settings = {'steps': args.steps, 'lr': args.lr, 'high_lrs': high_lrs,
               'text': os.path.basename(args.text), 'batch_size': BATCH_SIZE,
               'seq_len': SEQ_LEN}
