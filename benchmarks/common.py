@@ -74,6 +74,15 @@ def pyplot():
   return plt
 
 
+def save_figure(fig, path: str) -> None:
+  """Lays out `fig`, writes it to `path` (its folder made) at 110 dpi and closes it."""
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=110)
+  pyplot().close(fig)
+  print(f'wrote {path}')
+
+
 def write_json(path: str, payload: dict) -> None:
   """Writes `payload` plus machine info to `path`."""
   os.makedirs(os.path.dirname(path) or '.', exist_ok=True)

@@ -97,9 +97,7 @@ def summarize(per_seed: dict[int, dict[str, dict]]) -> dict:
 
 def plot(per_seed: dict[int, dict[str, dict]], limit: int, path: str, title: str) -> None:
   """Figure 4: one bar per head, grouped by layer, log scale; a panel per variant and seed."""
-  import matplotlib
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
+  plt = common.pyplot()
   import numpy as np
   panels = [(seed, name, r) for seed, rows in per_seed.items() for name, r in rows.items()
             if name != 'fixed']
@@ -119,10 +117,7 @@ def plot(per_seed: dict[int, dict[str, dict]], limit: int, path: str, title: str
     ax.set_ylabel('span z (bytes)')
     ax.set_title(f'{name}, seed {seed}: average {r["average_span"]:.1f}', fontsize=8)
   fig.suptitle(title, fontsize=9)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  common.save_figure(fig, path)
 
 
 def parse_args(argv):

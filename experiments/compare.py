@@ -136,11 +136,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
   ax.set(xlabel='step', ylabel='eval loss (nats per token)', title=title)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8, loc='upper left', bbox_to_anchor=(1.01, 1.0))
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  print(f'wrote {path}')
+  common.save_figure(fig, path)
 
 
 def recipe(path: str, overrides: list[str]):

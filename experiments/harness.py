@@ -56,7 +56,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from models import attention, blocks, decode, transformer  # noqa: E402
-from training import assembly, sharding, steps, train  # noqa: E402
+from training import assembly, evaluation, run_config, sharding, steps, train  # noqa: E402
 
 
 def _universal(config) -> dict:
@@ -480,6 +480,14 @@ def train_one(name: str, config, workdir: str, *, progress: bool = True) -> dict
   if diverged:
     row['diverged'] = diverged
   return row
+
+
+def evaluate(config, workdir: str, extra: dict) -> dict:
+  """What `main.py --workdir=WORKDIR --mode=eval --config.KEY=VALUE...` (KEY=VALUE: `extra`)
+  gives, in process: the workdir's recorded run with the keys of `extra` asked for on top of
+  its record (training/run_config.py); writes WORKDIR/eval_step_<step>.json as it does."""
+  request = run_config.Request(keys=frozenset(extra))
+  return evaluation.evaluate_checkpoint(override(config, extra), workdir, request)
 
 
 def configs(runs: Sequence[RunLike], base: ml_collections.ConfigDict

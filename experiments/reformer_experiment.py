@@ -34,8 +34,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from experiments import harness  # noqa: E402  (sets the XLA flags before JAX starts)
 
-from benchmarks.common import pyplot, scalar_curve, write_json  # noqa: E402
-from training import evaluation, run_config  # noqa: E402
+from benchmarks.common import pyplot, save_figure, scalar_curve, write_json  # noqa: E402
 
 RECIPES = {'dup': os.path.join(REPO, 'configs', 'reformer_duplication.py'),
            'bytes': os.path.join(REPO, 'configs', 'local_text.py')}
@@ -89,14 +88,6 @@ def base_config(part: str, args):
       overrides={'warmup_steps': recipe.warmup_steps, **common_overrides(part, args)})
 
 
-def evaluate(config, workdir: str, extra: dict) -> dict:
-  """What `main.py --workdir=WORKDIR --mode=eval --config.KEY=VALUE...` (KEY=VALUE: `extra`)
-  gives, in process: the workdir's recorded run with the keys of `extra` asked for on top of
-  its record (training/run_config.py); writes WORKDIR/eval_step_<step>.json as it does."""
-  request = run_config.Request(keys=frozenset(extra))
-  return evaluation.evaluate_checkpoint(harness.override(config, extra), workdir, request)
-
-
 def train_and_measure(part: str, runs, base, out: str) -> list[dict]:
   """Trains each run (unless finished) in OUT/<part>/<run> through the harness, evaluates it
   (EVALS) and reads its curves: the harness rows with 'evals' ({tag: eval result}) and
@@ -108,7 +99,7 @@ def train_and_measure(part: str, runs, base, out: str) -> list[dict]:
     config = harness.variant_config(base, by_name[name].overrides)
     row['evals'] = {}
     for tag, extra in evals_of(name):
-      row['evals'][tag] = evaluate(config, workdir, extra)
+      row['evals'][tag] = harness.evaluate(config, workdir, extra)
       print(f'[{name}] eval {tag}: {METRIC[part]} {row["evals"][tag][METRIC[part]]:.4f}',
             flush=True)
     row['train_accuracy'] = scalar_curve(workdir, 'train/accuracy')
@@ -170,10 +161,7 @@ def plot(results: dict, path: str) -> None:
     ax.set(title=title, xlabel='step')
     ax.grid(alpha=0.3)
     ax.legend()
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-  fig.savefig(path, dpi=110)
-  print(f'wrote {path}')
+  save_figure(fig, path)
 
 
 def parse_args(argv=None):

@@ -589,9 +589,7 @@ def plot_kv(payload: dict, path: str) -> None:
   seed's greedy path against the KV cache kept (fraction of the full cache), for selective
   attention with and without L_mem; dotted: the dense model's loss on the same sample, the
   search's target."""
-  import matplotlib
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
+  plt = common.pyplot()
   contexts = sorted(payload['contexts'].items(), key=lambda kv: int(kv[0]))
   fig, axes = plt.subplots(1, len(contexts), figsize=(4.2 * len(contexts), 3.8), squeeze=False)
   colors = {'selective': 'tab:blue', 'selective_lmem': 'tab:green'}
@@ -618,10 +616,7 @@ def plot_kv(payload: dict, path: str) -> None:
   axes[0][0].set_ylabel('training-sample loss (nats/byte)')
   axes[0][-1].legend(fontsize=7)
   fig.suptitle('Greedy context pruning (dots: the keep-gain budgets)', fontsize=9)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  common.save_figure(fig, path)
 
 
 def merge_kv(path: str, payload: dict) -> dict:

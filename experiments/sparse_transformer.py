@@ -74,9 +74,7 @@ def summarize(per_seed: dict[int, list[dict]], steps: int, batch: int, seq_len: 
 
 
 def plot(rows: list[dict], batch: int, seq_len: int, path: str, title: str) -> None:
-  import matplotlib
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
+  plt = common.pyplot()
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for r in rows:
     sps = r['tokens_per_sec'] / (batch * seq_len)
@@ -87,10 +85,7 @@ def plot(rows: list[dict], batch: int, seq_len: int, path: str, title: str) -> N
   ax.set_title(title, fontsize=9)
   ax.grid(alpha=0.3)
   ax.legend()
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  common.save_figure(fig, path)
 
 
 def parse_args(argv):

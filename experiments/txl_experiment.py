@@ -28,8 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from experiments import harness  # noqa: E402  (sets the XLA flags before JAX starts)
 
-from benchmarks.common import pyplot, scalar_curve, write_json  # noqa: E402
-from training import evaluation, run_config  # noqa: E402
+from benchmarks.common import pyplot, save_figure, scalar_curve, write_json  # noqa: E402
 
 RECIPE = os.path.join(REPO, 'configs', 'transformer_xl_char.py')
 BATCH_SIZE, SEQ_LEN = 16, 128  # The recipe's (the settings of the JSON say so).
@@ -71,14 +70,6 @@ def common_overrides(args) -> dict:
           'log_every_steps': 10}
 
 
-def evaluate(config, workdir: str, extra: dict) -> dict:
-  """What `main.py --workdir=WORKDIR --mode=eval --config.KEY=VALUE...` (KEY=VALUE: `extra`)
-  gives, in process: the workdir's recorded run with the keys of `extra` asked for on top of
-  its record (training/run_config.py); writes WORKDIR/eval_step_<step>.json as it does."""
-  request = run_config.Request(keys=frozenset(extra))
-  return evaluation.evaluate_checkpoint(harness.override(config, extra), workdir, request)
-
-
 def train_and_measure(runs, base, out: str, eval_steps: int = 0) -> list[dict]:
   """Trains each run (unless finished or diverged) in OUT/<run>, then evaluates it (EVALS) and
   reads its curves; the harness rows with 'evals' ({tag: eval result}) and 'grad_norm'.
@@ -105,7 +96,7 @@ def train_and_measure(runs, base, out: str, eval_steps: int = 0) -> list[dict]:
       print(f'[{name}] diverged: {row["diverged"]}', flush=True)
     else:
       for tag, extra in evals_of(name):
-        row['evals'][tag] = evaluate(config, workdir,
+        row['evals'][tag] = harness.evaluate(config, workdir,
                                      {**EVAL_ALL, 'eval_steps': eval_steps, **extra})
         print(f'[{name}] {tag}: bits/byte {row["evals"][tag]["bits_per_byte"]:.4f}',
               flush=True)
@@ -166,10 +157,7 @@ def plot(payload: dict, path: str) -> None:
     ax.set_ylim(1.2, 3.5)
     ax.grid(alpha=0.3)
     ax.legend()
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-  fig.savefig(path, dpi=110)
-  print(f'wrote {path}')
+  save_figure(fig, path)
 
 
 def parse_args(argv=None):

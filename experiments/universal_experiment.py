@@ -46,7 +46,8 @@ import jax  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import print_table, pyplot, scalar_curve, write_json  # noqa: E402
+from benchmarks.common import (print_table, pyplot, save_figure, scalar_curve,  # noqa: E402
+                               write_json)
 from input_pipeline import synthetic  # noqa: E402
 from training import assembly, run_config  # noqa: E402
 
@@ -366,8 +367,7 @@ def plot(results, img):
            xlabel='input position', ylabel='steps N')
     ax.legend(loc='upper right', fontsize=8)
     fig.colorbar(im, ax=ax)
-  fig.tight_layout()
-  fig.savefig(os.path.join(img, 'universal_steps.png'), dpi=110)
+  save_figure(fig, os.path.join(img, 'universal_steps.png'))
   # Accuracy against length.
   fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 4.5), squeeze=False)
   for ax, task_name in zip(axes[0], tasks):
@@ -383,9 +383,7 @@ def plot(results, img):
            xlabel='copy length L' if task_name == 'copy' else 'bit index k', ylim=(0, 1.02))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(os.path.join(img, 'universal_accuracy.png'), dpi=110)
-  print(f'wrote {img}/universal_steps.png, {img}/universal_accuracy.png')
+  save_figure(fig, os.path.join(img, 'universal_accuracy.png'))
 
 
 if __name__ == '__main__':
