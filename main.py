@@ -104,6 +104,10 @@ def main(argv):
     print(f'error: {e}', file=sys.stderr)
     sys.exit(1)
   except jax.errors.JaxRuntimeError as e:
+    if 'RESOURCE_EXHAUSTED' in str(e):
+      logging.error('JaxRuntimeError: %s', e)
+      print(f'error: {_out_of_memory(e, FLAGS.config)}', file=sys.stderr)
+      sys.exit(1)
     if jax.process_count() == 1:
       raise
     # A collective failed because another process is gone (gloo saw it before the peer
@@ -113,6 +117,21 @@ def main(argv):
           f'({str(e).strip().splitlines()[0]}); the peer watch names the lost process',
           file=sys.stderr)
     sys.exit(1)
+
+
+def _out_of_memory(e: Exception, config) -> str:
+  """What to do when a run needs more memory than its devices have (a paper recipe run on a
+  laptop, a batch too large for the slice): the usual levers, and the check that costs no run."""
+  import jax
+  devices = jax.devices()
+  where = f'{len(devices)} {devices[0].platform} device{"s" if len(devices) > 1 else ""}'
+  topology = config.get('compile_topology', '')
+  sized = (f'; this recipe is sized for the TPU slice {topology!r} (config.compile_topology)'
+           if topology else '')
+  return (f'out of memory on {where} ({str(e).strip().splitlines()[0]}){sized}. Lower '
+          f'config.batch_size or config.seq_len, set config.model.remat=full, or shard over '
+          f'more devices (config.mesh); --mode=compile reports the memory per device without '
+          f'running. Saved checkpoints are untouched')
 
 
 def parse_flags(argv):

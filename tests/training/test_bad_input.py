@@ -170,3 +170,36 @@ def test_bad_command_line_is_one_line_and_exit_1(harness, tmp_path, flag, messag
   errors = [line for line in proc.stderr.splitlines() if line.startswith('error: ')]
   assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
   assert not (tmp_path / 'run').exists()
+
+
+_OUT_OF_MEMORY = '''
+import runpy, sys
+import jax
+from training import modes
+
+def run_out_of_memory(*args):
+  raise jax.errors.JaxRuntimeError(
+      'RESOURCE_EXHAUSTED: Out of memory allocating 53626900560 bytes.')
+
+modes.get = lambda mode: run_out_of_memory
+sys.argv = ['main.py', *sys.argv[1:]]
+runpy.run_path('main.py', run_name='__main__')
+'''
+
+
+def test_out_of_memory_is_one_line_naming_the_levers_and_the_recipes_slice(harness, tmp_path):
+  """A paper recipe run on a laptop ran out of host memory at its first step with a traceback;
+  the error is one line naming the devices, the recipe's slice and what to change."""
+  script = tmp_path / 'out_of_memory.py'
+  script.write_text(_OUT_OF_MEMORY)
+  proc = harness.run_script(script, '--config=configs/selective_variable_assignment.py',
+                            f'--workdir={tmp_path / "run"}')
+  assert proc.returncode == 1
+  assert 'Traceback' not in proc.stderr, proc.stderr[-3000:]
+  errors = [line for line in proc.stderr.splitlines() if line.startswith('error: ')]
+  assert len(errors) == 1, proc.stderr[-3000:]
+  assert errors[0].startswith('error: out of memory on 1 cpu device (RESOURCE_EXHAUSTED: Out of '
+                              "memory allocating 53626900560 bytes.); this recipe is sized for "
+                              "the TPU slice 'v5e:2x2'"), errors[0]
+  for lever in ('config.batch_size', 'config.model.remat=full', 'config.mesh', '--mode=compile'):
+    assert lever in errors[0], errors[0]
