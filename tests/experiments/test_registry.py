@@ -89,8 +89,9 @@ def test_list_names_every_experiment():
 @pytest.mark.system
 def test_all_quick_runs_every_experiment_and_renders(tmp_path):
   """`python -m experiments all --quick`: every experiment's code end to end at a tiny size
-  (RESULTS.md's and the docs pages'; 8 minutes on an idle 2-core CPU), then OUT/RESULTS.md with a
-  row for every claim."""
+  (RESULTS.md's and the docs pages'; 8 minutes on an idle 2-core CPU with the suite's
+  fast-compile XLA flags, which the subprocess inherits; 13 as a user runs it), then
+  OUT/RESULTS.md with a row for every claim."""
   rs = np.random.RandomState(0)
   words = [''.join(rs.choice(list('etaoinshrdlu'), rs.randint(1, 8))) for _ in range(300)]
   text = tmp_path / 'text.txt'
