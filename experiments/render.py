@@ -22,6 +22,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, 'results')  # Every committed result file.
 
+import configs  # noqa: E402
 from experiments import (claims_adaptive_span, claims_selective, claims_sparse,  # noqa: E402
                          claims_survey)
 from experiments.report import VERDICTS  # noqa: E402
@@ -56,7 +57,8 @@ def paper_scale(folders: list[str], recipes: tuple[str, ...]) -> str:
           for r in (load(folders, 'tpu_compile_recipes.json') or {}).get('rows', [])}
   items = []
   for name in recipes:
-    text = f'`python main.py --config=configs/{name}.py`'
+    data = configs.PAPER_DATA.get(name)
+    text = f'`python main.py --config=configs/{name}.py' + (f' {data}`' if data else '`')
     row = rows.get(name)
     if row and row.get('gib_per_chip') and row.get('days'):
       days = row['days']

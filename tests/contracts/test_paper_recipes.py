@@ -93,3 +93,22 @@ def test_the_fingerprint_sees_the_recipes_settings_and_not_run_time_variants():
   config = configs.load('selective_c4')
   config.batch_size = 128
   assert configs.fingerprint(config) != before
+
+
+@pytest.mark.parametrize('name', configs.PAPER_RECIPES)
+def test_the_data_a_recipe_reads_is_named_with_its_command(name):
+  """RESULTS.md shows each recipe's run with its configs.PAPER_DATA flag: a recipe that reads a
+  corpus (not a synthetic task) names the field it needs, a field the recipe leaves unset and
+  its tiny line sets; without it the command could only fail (a run found 'data.files is
+  empty')."""
+  from input_pipeline import synthetic  # pylint: disable=import-outside-toplevel
+  config = configs.load(name)
+  flag = configs.PAPER_DATA.get(name)
+  if config.data.name in synthetic.TASKS:
+    assert flag is None, f'{name} generates its data; PAPER_DATA names {flag!r}'
+    return
+  assert flag, f'{name} reads {config.data.name} data: configs.PAPER_DATA must name it'
+  key, _ = flag.removeprefix('--config.').split('=', 1)
+  group, field = key.split('.')
+  assert config[group][field] == '', f'{name} sets {key} already: {config[group][field]!r}'
+  assert f'--config.{key}=' in _doc(name).split('Tiny, on a CPU')[1], name
