@@ -36,7 +36,8 @@ def expand_files(patterns: str | list[str] | tuple[str, ...]) -> list[str]:
   if isinstance(patterns, str):
     patterns = [p for p in patterns.split(',') if p.strip()]
   if not patterns:
-    raise FileNotFoundError('data.files is empty: give the text files (comma-separated globs)')
+    raise FileNotFoundError('data.files is empty: give the text files (comma-separated globs), '
+                            'e.g. --config.data.files=/path/to/enwik8')
   files = []
   for pattern in patterns:
     matched = [f for f in tf.io.gfile.glob(pattern.strip()) if not tf.io.gfile.isdir(f)]
