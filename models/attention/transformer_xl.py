@@ -88,6 +88,9 @@ def relative_attention(q, k, v, q_segments, k_segments, pos_keys, u, v_bias, *, 
   m = k.shape[1] - n
   if block < 1:
     raise ValueError(f'attention block size must be >= 1, got {block}')
+  # A row shorter than the block is one block of its own length (the tiny recipe's 10 tokens
+  # had been padded to 128 queries reading 256 keys: 5.5x dense's whole train step).
+  block = min(block, n)
   nq = -(-n // block)
   # Query i is key index m + i and sees key indices m + i - reach .. m + i.
   windowed = reach is not None and reach + block < m + n
@@ -97,7 +100,7 @@ def relative_attention(q, k, v, q_segments, k_segments, pos_keys, u, v_bias, *, 
   else:  # Block [s, s + B) reads the key blocks up to its last query, two per loop step.
     table = blockloop.Table.runs(np.zeros(nq), -(-(m + (np.arange(nq) + 1) * block) // block),
                                  block)
-    per_step = 2
+    per_step = min(2, int(table.count.max()))
   farthest = m + n - 1 if reach is None else min(m + n - 1, reach)  # of a visible pair
   if farthest >= pos_keys.shape[0]:
     raise ValueError(f'relative positions cover distances < {pos_keys.shape[0]}, the queries '
