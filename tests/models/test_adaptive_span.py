@@ -197,6 +197,31 @@ def test_trimmed_model_equals_untrimmed_model():
                              model.apply({'params': params}, tokens), atol=2e-5)
 
 
+def test_a_stale_trim_computes_the_full_span():
+  """The loop reads z only at its log steps: a model trimmed for smaller spans than its
+  parameters now have computes all S keys (outputs and gradients of the untrimmed model),
+  and the trim is used while it still covers every z."""
+  model = _model()
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 40)))
+  small = _set_spans(model.init(jax.random.key(0), tokens)['params'], [[0.1, 0.2], [0.0, 0.0]])
+  stale = transformer.Decoder(transformer.specialized(model.config, small))
+  assert dict(stale.config.attention_options)['span_trim'] == (12, 4)
+  grown = _set_spans(small, [[0.1, 0.6], [0.0, 0.5]])  # z + R: 13.6 > 12 and 12 > 4
+
+  def loss(m, p):
+    return jnp.sum(m.apply({'params': p}, tokens) ** 2)
+
+  np.testing.assert_allclose(stale.apply({'params': grown}, tokens),
+                             model.apply({'params': grown}, tokens), atol=2e-5)
+  for a, b in zip(jax.tree.leaves(jax.grad(loss, argnums=1)(stale, grown)),
+                  jax.tree.leaves(jax.grad(loss, argnums=1)(model, grown))):
+    np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+  # With the spans it was trimmed for, the trimmed model is not the S-wide computation's
+  # program: it holds a conditional whose taken branch computes T keys.
+  text = jax.jit(lambda p: stale.apply({'params': p}, tokens)).lower(small).as_text()
+  assert 'case' in text or 'cond' in text
+
+
 def test_segment_cache_equals_one_pass_over_the_concatenation():
   n = 16
   model = _model(memory=True, max_len=2 * n)
