@@ -31,7 +31,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from input_pipeline import synthetic
-from models import decode
+from models import decode, host
 from training import assembly, run_config, sharding
 
 PAD, BOS, EOS = synthetic.PAD, synthetic.BOS, synthetic.EOS
@@ -159,12 +159,6 @@ def check_decodes(model) -> None:
     raise NotImplementedError(reason)
 
 
-def _to_host(x) -> np.ndarray:
-  if getattr(x, 'is_fully_addressable', True):
-    return np.asarray(x)
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
 def _data_parallel(setup: assembly.Setup) -> int:
   return setup.mesh.shape['data'] * setup.mesh.shape['fsdp']
 
@@ -195,7 +189,7 @@ def sample_ids(setup: assembly.Setup, model, params, ids: list[np.ndarray], *,
           model, params, jnp.asarray(prompts), lengths, max_new_tokens,
           jax.random.fold_in(rng, k), temperature=temperature, top_k=top_k, top_p=top_p,
           eos_id=eos_id, pad_id=PAD)
-      tokens, ends = _to_host(tokens), _to_host(ends)
+      tokens, ends = host.to_host((tokens, ends))
       for r in range(min(rows, len(ids) - start)):
         new = tokens[r, lengths[r]:ends[r]]
         out.append((new, eos_id is not None and new.size > 0 and int(new[-1]) == eos_id))

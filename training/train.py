@@ -58,9 +58,19 @@ class _Preemption:
     else:
       signal.signal(signal.SIGTERM, self._previous)
 
-  def requested(self, step: int) -> bool:
+  def requested(self, step: int, agree: bool = True) -> bool:
+    """Whether to save and stop after `step`.
+
+    One process: its own flag. Several: they must stop at the same step. JAX's preemption
+    sync point (the coordination service's notice, the same answer on every process) is read
+    every step; a SIGTERM that reached only some processes is agreed on by an all-gather of
+    the flags, which waits for every process, so only when `agree` (the loop passes its log,
+    checkpoint and eval steps, where the processes meet anyway: the same steps on all).
+    """
     if jax.process_count() > 1:  # All hosts must agree to stop at the same step.
-      return bool(multihost_utils.reached_preemption_sync_point(step)) or bool(
+      if multihost_utils.reached_preemption_sync_point(step):
+        return True
+      return agree and bool(
           multihost_utils.process_allgather(np.array(self._event.is_set())).any())
     return self._event.is_set()
 
@@ -109,7 +119,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   resolved = run_config.resolve(config, workdir, trains=True, request=request)
   config = resolved.config
   setup = assembly.build(config, workdir=workdir)
-  if setup.model_config.target_platform == 'tpu':
+  compiled = None
+  if _checks_fit(setup):
     # Fail in seconds, before anything is restored or initialized, when the train step cannot
     # fit the chips' HBM: the check of --mode=compile (training/aot.py), with its advice. It
     # compiles the train step once more than the loop does (the loop jits its own step per
@@ -120,7 +131,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     # state are loaded. An adaptive-span model is checked at its untrimmed spans: the most
     # memory it can need.
     try:
-      aot.check_train_step_fits(setup)
+      _, compiled = aot.check_train_step_fits(setup)
     except BaseException:
       setup.data.close()
       raise
@@ -149,11 +160,16 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       state = assembly.init_state(setup, config.seed)
     if jax.process_index() == 0:  # Only once the state matches: a failed restore keeps it.
       run_config.record_start(workdir, resolved, int(state.step))
-    return _train_loop(setup, state, data_state, ckpt, logger, peak, exits, on_step)
+    return _train_loop(setup, state, data_state, ckpt, logger, peak, exits, on_step, compiled)
   finally:  # Also on errors: pending checkpoint writes finish, event files are flushed.
     setup.data.close()
     ckpt.close()
     logger.close()
+
+
+def _checks_fit(setup: assembly.Setup) -> bool:
+  """Whether a start compiles the train step first to check that it fits (on a TPU)."""
+  return setup.model_config.target_platform == 'tpu'
 
 
 def _restore_train_state(ckpt: checkpoints.Checkpointer, setup: assembly.Setup):
@@ -208,13 +224,17 @@ def _this_process_data_state(saved: dict | None) -> dict | None:
 class _MetricWindow:
   """Train metrics since the last log line.
 
-  Each step's metrics are fetched one step late, so the host never waits for the step it
-  just dispatched; every fetched step is checked for NaN/inf.
+  The steps' metrics stay on the device until `flush`, which the loop calls only where it
+  meets the device anyway (log, checkpoint and eval steps): between them the host never
+  waits for a step, so it keeps dispatching while the device computes. A flush fetches every
+  pending step in one transfer and checks each, in order, for NaN/inf, so a non-finite loss
+  still names the first step it appeared at, and a checkpoint is never saved before the
+  steps it holds are checked.
   """
 
   def __init__(self, ckpt: checkpoints.Checkpointer):
     self._ckpt = ckpt
-    self._pending = None
+    self._pending = []
     self.last = {}
     self.reset()
 
@@ -222,31 +242,42 @@ class _MetricWindow:
     self.sums, self.count, self.start = {}, 0, time.time()
 
   def add(self, step: int, device_metrics) -> None:
-    self.flush()
-    self._pending = (step, device_metrics)
+    self._pending.append((step, device_metrics))
 
   def flush(self) -> None:
-    if self._pending is None:
+    if not self._pending:
       return
-    step, device_metrics = self._pending
-    self._pending = None
-    host = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
-    _check_finite(step, host, self._ckpt)
-    self.last = host
-    for k, v in host.items():
-      self.sums[k] = self.sums.get(k, 0.0) + v
-    self.count += 1
+    pending, self._pending = self._pending, []
+    fetched = jax.device_get([metrics for _, metrics in pending])
+    for (step, _), values in zip(pending, fetched):
+      host = {k: float(v) for k, v in values.items()}
+      _check_finite(step, host, self._ckpt)
+      self.last = host
+      for k, v in host.items():
+        self.sums[k] = self.sums.get(k, 0.0) + v
+      self.count += 1
 
 
 class _SpecializedSteps:
   """Jitted train/eval steps per static specialization of the model (the options its variants
   derive from the parameters, e.g. adaptive spans' trimmed T per layer): a step is compiled
-  again only when one of those options changes."""
+  again only when one of those options changes.
 
-  def __init__(self, setup: assembly.Setup):
+  The parameters are read (a device-to-host copy) only where the loop calls `update`: at its
+  start and at log and eval steps, where the host meets the device anyway. A specialization
+  read there may be a few steps old; the variants keep it exact (adaptive span computes the
+  full span in a step whose spans outgrew the trim).
+
+  `compiled` is the train step that the TPU fit check compiled for `setup.model`: the loop
+  runs that executable wherever the parameters specialize to `setup.model`, instead of
+  compiling the same program again.
+  """
+
+  def __init__(self, setup: assembly.Setup, compiled=None):
     self._setup = setup
     self._steps = {}
     self._current = None
+    self._compiled = compiled
 
   def update(self, params):
     """Selects the steps for the current parameters; returns (train_step, eval_step)."""
@@ -257,8 +288,11 @@ class _SpecializedSteps:
         changed = {k: v for k, v in key if dict(self._current).get(k) != v}
         logging.info('specialized attention options changed to %s; compiling their step',
                      changed)
-      self._steps[key] = (steps.jit_train_step(self._setup, model),
-                          steps.jit_eval_step(self._setup, model))
+      train_step = steps.jit_train_step(self._setup, model)
+      if self._compiled is not None and key == self._setup.model.config.attention_options:
+        train_step = self._compiled
+        logging.info('train step: the executable the fit check compiled')
+      self._steps[key] = (train_step, steps.jit_eval_step(self._setup, model))
     self._current = key
     return self._steps[key]
 
@@ -349,15 +383,22 @@ class _Profile:
 
 
 def _train_loop(setup: assembly.Setup, state, data_state, ckpt, logger, peak: float, exits: bool,
-                on_step: Callable[[int], None] | None = None):
+                on_step: Callable[[int], None] | None = None, compiled=None):
+  """Steps to config.total_steps. Between log, checkpoint and eval steps the host only
+  dispatches: no call in the loop waits for the device (metrics, specialization and the
+  preemption agreement are read at those steps), so the device is never idle waiting for
+  the host to see a result."""
   config = setup.config
   profile_start, profile_steps = settings.check_profile(config)  # Before the train step compiles.
   # The workdir is the checkpoint folder's parent (checkpoints.Checkpointer).
   profile = _Profile(os.path.join(os.path.dirname(ckpt.directory), 'profile'),
                      int(state.step), profile_start, profile_steps)
-  specialized = _SpecializedSteps(setup)
+  specialized = _SpecializedSteps(setup, compiled)
   train_step, eval_step = specialized.update(state.params)
-  rng = jax.random.key(config.seed + 1)
+  # Made on the mesh, replicated (as the compiled step takes it; device_put cannot place a
+  # host value on another process's devices).
+  rng = jax.jit(lambda: jax.random.key(config.seed + 1), out_shardings=jax.sharding.NamedSharding(
+      setup.mesh, jax.sharding.PartitionSpec()))()
   tokens_per_step = config.batch_size * setup.data.seq_len
   window = _MetricWindow(ckpt)
   step = int(state.step)
@@ -377,18 +418,20 @@ def _train_loop(setup: assembly.Setup, state, data_state, ckpt, logger, peak: fl
       started = time.time()
       state, step_metrics = train_step(state, batch, rng)
       if compiling:  # The model's (and its stack's) compile time, in the log.
-        jax.block_until_ready(step_metrics)
-        logging.info('first train step (compile and run): %.1f s (%s stack)',
+        # A call returns once its step is compiled and dispatched: no wait for the device.
+        logging.info('first train step compiled and dispatched in %.1f s (%s stack)',
                      time.time() - started, setup.model_config.stack_name)
         compiling = False
-      train_step, eval_step = specialized.update(state.params)
       step += 1
       on_step(step)
       profile.after_step(step, state)
       window.add(step, step_metrics)
-      stop = preemption.requested(step)
       last = step == config.total_steps
-      if step % config.log_every_steps == 0 or last or stop:
+      logs = step % config.log_every_steps == 0 or last
+      saves = step % config.checkpoint_every_steps == 0 or last
+      evals = bool(config.eval_every_steps) and (step % config.eval_every_steps == 0 or last)
+      stop = preemption.requested(step, agree=logs or saves or evals)
+      if logs or stop:
         window.flush()
         scalars = {k: v / window.count for k, v in window.sums.items()}
         scalars['learning_rate'] = window.last['learning_rate']
@@ -400,11 +443,13 @@ def _train_loop(setup: assembly.Setup, state, data_state, ckpt, logger, peak: fl
         scalars['mfu'] = scalars['tokens_per_sec'] * window_flops / (peak * jax.device_count())
         logger.write(step, scalars)
         window.reset()
-      if step % config.checkpoint_every_steps == 0 or last or stop:
+      if saves or stop:
         window.flush()  # Never save a state whose last step has not been checked.
         ckpt.save(step, state, _gather_data_state(data_state))
+      if logs or evals:  # Where the host meets the device anyway: read the parameters.
+        train_step, eval_step = specialized.update(state.params)
       # After the save: a failing evaluation never costs the step's checkpoint.
-      if config.eval_every_steps and (step % config.eval_every_steps == 0 or last):
+      if evals:
         logger.write(step, evaluation.score(setup, eval_step, state.params), prefix='eval')
         sampling.write_samples(logger, step, sampling.eval_samples(setup, None, state.params, step))
       if stop:
