@@ -9,7 +9,8 @@ variant's own `attend` under one model.attention_impl: 'jax' rows run 'blockspar
 plain-JAX path that also runs on GPU/TPU (for dense, the causal block engine, which already
 skips the blocks above the diagonal); 'kernel' rows run 'cpu_kernel', the fused CPU tile
 kernel (models/attention/cpu_kernel.py; for dense, the same kernel on the causal layout, i.e.
-flash attention), which attention_impl='auto' picks on one CPU device. For each n: the time of
+flash attention), which attention_impl='auto' picks on one CPU device where it was measured
+faster (benchmarks/cpu_choice.py). For each n: the time of
 the jitted forward + backward of softmax attention on (batch, n, heads, 64) inputs (best of
 --iters rounds; all rows of one n are timed round-robin, each round starting one row later, so
 that a slow phase of a shared machine hits them alike; the median is printed too), XLA's

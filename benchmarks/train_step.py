@@ -70,7 +70,8 @@ def bench_step(d: int, seq_len: int, batch: int, dtype: str, impl: str, remat: s
   mc = setup.model_config
   fpt = mc.train_flops_per_token(seq_len)
   tok_s = batch * seq_len / t['median_s']
-  # What the layers ran: model.attention_impl resolved ('auto' on one CPU device: cpu_kernel).
+  # What the layers ran: model.attention_impl resolved ('auto' on one CPU device: cpu_kernel
+  # where benchmarks/cpu_choice.py measured it faster on this CPU, else blocksparse).
   ran = ','.join(dict.fromkeys(transformer.implementations(mc)))
   return {'attention': attention, 'first_step_s': first, 'd': d, 'seq_len': seq_len,
           'batch': batch, 'dtype': dtype, 'impl': ran, 'attention_impl': impl, 'remat': remat, 'scan': scan,

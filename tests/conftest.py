@@ -1,6 +1,7 @@
 """Fixtures shared by every test folder, and what the suite assumes of the backend."""
 
 import os
+import tempfile
 
 from training import xla_flags
 
@@ -15,6 +16,12 @@ TEST_XLA_FLAGS = (xla_flags.FAST_COMPILE if os.environ.get('JAX_PLATFORMS') == '
                   and not os.environ.get('ZOO_TEST_OPTIMIZED') else '')
 if TEST_XLA_FLAGS not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} {TEST_XLA_FLAGS}'.strip()
+
+# attention_impl='auto' on a CPU runs the C++ kernel where it was measured faster on this CPU
+# (models/attention/cpu_choice.py): the suite reads no measurement, so it runs the same paths
+# on every machine (tests that need a choice write their own).
+os.environ['ZOO_CPU_CHOICE'] = os.path.join(tempfile.mkdtemp(prefix='zoo_cpu_choice_'),
+                                            'cpu_choice.json')
 
 import jax  # noqa: E402
 import pytest

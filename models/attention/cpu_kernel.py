@@ -72,14 +72,24 @@ def _cpu_id() -> str:
     return platform.processor()
 
 
-def _library_path() -> Path:
-  cache = Path(os.environ.get('ZOO_KERNEL_CACHE', Path.home() / '.cache' / 'attention_zoo'))
+def cache_dir() -> Path:
+  """Where the kernel's builds (and cpu_choice.py's measurements) are kept."""
+  return Path(os.environ.get('ZOO_KERNEL_CACHE', Path.home() / '.cache' / 'attention_zoo'))
+
+
+@functools.cache
+def library_key() -> str:
+  """The build's cache key: sources, flags, jax and its FFI headers, and the CPU."""
   key = hashlib.sha256()
   for part in (*(f.read_bytes() for f in SOURCES + HEADERS), ' '.join(FLAGS).encode(),
                jax.ffi.include_dir().encode(),
                jax.__version__.encode(), _cpu_id().encode(), platform.machine().encode()):
     key.update(part)
-  return cache / f'blocksparse_cpu_{key.hexdigest()[:16]}.so'
+  return key.hexdigest()[:16]
+
+
+def _library_path() -> Path:
+  return cache_dir() / f'blocksparse_cpu_{library_key()}.so'
 
 
 def _build(path: Path) -> None:

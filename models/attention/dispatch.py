@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.attention import blockloop, blocksparse, cpu_kernel, patterns, reference, splash
+from models.attention import (blockloop, blocksparse, cpu_choice, cpu_kernel, patterns,
+                              reference, splash)
 
 # The options of the 'blocksparse' path of a static pattern (config.model.
 # attention_options.<name>); PatternAttention declares them, and a variant that declares
@@ -42,8 +43,9 @@ def choose(impl: str, *, variant: str, static: bool, dense: bool, head_dim: int,
     tpu  'splash' (block_size a multiple of 128), else 'blocksparse';
     gpu  'cudnn' for dense causal attention where cuDNN's flash kernel runs (bf16/fp16,
          head_dim a multiple of 8 up to 128), else 'blocksparse';
-    cpu  'cpu_kernel' on one device at a head width the kernel is built for, with a compiler;
-         else 'blocksparse' (no compiler: one warning).
+    cpu  'cpu_kernel' where it was measured faster than 'blocksparse' for this variant on
+         this CPU (cpu_choice.py; `python -m benchmarks.cpu_choice` measures), on one device
+         at a head width the kernel is built for, with a compiler; else 'blocksparse'.
   A variant without a static pattern gets 'blocksparse' (its own blocked path) everywhere.
   An explicit name is checked: one that cannot run on the target raises a ValueError that says
   what to use.
@@ -69,7 +71,8 @@ def choose(impl: str, *, variant: str, static: bool, dense: bool, head_dim: int,
       return 'splash' if block_size % splash.BLOCK_MULTIPLE == 0 else 'blocksparse'
     if platform == 'gpu' and dense and cudnn_runs(head_dim, dtype):
       return 'cudnn'
-    if platform == 'cpu' and cpu_kernel.unusable(head_dim, platform, devices) is None:
+    if (platform == 'cpu' and cpu_choice.kernel_is_faster(variant)
+        and cpu_kernel.unusable(head_dim, platform, devices) is None):
       return 'cpu_kernel'
     return 'blocksparse'
   if impl in ('splash', 'cpu_kernel') and not static:
@@ -77,7 +80,7 @@ def choose(impl: str, *, variant: str, static: bool, dense: bool, head_dim: int,
                      "none: use 'auto', 'xla' or 'blocksparse'")
   if impl == 'cpu_kernel' and (why := cpu_kernel.unusable(head_dim, platform, devices)):
     raise ValueError(f"attention_impl='cpu_kernel' cannot run here: {why}. Use 'auto' (the "
-                     "kernel where it can run, else 'blocksparse') or 'blocksparse'")
+                     "kernel where it was measured faster, else 'blocksparse') or 'blocksparse'")
   if impl == 'splash' and platform == 'gpu':
     raise ValueError(f"{variant}: attention_impl='splash' is a TPU kernel; on GPU use 'auto' "
                      "or 'blocksparse'")
