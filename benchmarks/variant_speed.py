@@ -1,0 +1,351 @@
+"""Training-step speed of every registered attention variant on CPU, against dense at the same
+shape, and optionally against an earlier commit in the same run.
+
+  python -m benchmarks.variant_speed                     # every variant: tiny, 512, 2048, 8192
+  python -m benchmarks.variant_speed --shapes tiny 512 --attention dense adaptive_span --iters 2
+  python -m benchmarks.variant_speed --before b39f426 --shapes tiny 2048
+
+Shapes: `tiny` is configs/tiny.py as `python main.py` trains it (d=2, float32, Variable
+Assignment, batch 256, its own short rows) with model.attention set to the variant; a number N
+is the same architecture on rows of N tokens (the embedded parity task, model.max_len N) and a
+batch of max(1, --tokens // N) rows. Each variant keeps its default options; where the build
+refuses them the worker retries with the least change the error names, reported in `adjust`:
+position_embedding='none' (variants with relative positions), or, for segment memory (txl's
+mem_len), the same shapes as a data.packing='stream' text run built without data and fed
+random tokens.
+
+Each (commit, variant, shape) runs in its own child process (this file with --worker), which
+builds the real sharded train step (model specialized to its initial parameters, as the
+training loop does), times its first call (compile_s: compile included), one more untimed
+call, then --iters calls (step_ms: their median). x_dense = dense's tokens/s / the variant's
+at the same shape (> 1: slower than dense). With --before REV, REV is checked out with `git
+worktree` under a temporary folder and every row runs there and then here, back to back, so a
+slow phase of a shared machine hits both (the worker is this file, importing the other tree's
+packages). A row that cannot build or run keeps the first line of its error. Rows more than
+2x slower than dense carry a reason from NOTES. Results go to results/variant_speed.json,
+rewritten after every row.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPES = ('tiny', '512', '2048', '8192')
+# Why a variant's step costs more than dense's, shown for rows more than SLOW x slower. The
+# static patterns run on dense's own kernel, so none is expected there.
+SLOW = 2.0
+STATIC = 'a static pattern, computed by the same kernels as dense: not expected; look into it'
+NOTES = {
+    'strided': STATIC,
+    'fixed': STATIC,
+    'local': STATIC,
+    'block_local': STATIC,
+    'local_global': STATIC,
+    'lsh': 'hashing and sorting n_hashes rounds, each attending within chunks of its sorted '
+           'buckets',
+    'txl': 'attends over memory + segment with relative position terms',
+    'selective': 'the extra selection head and F = cumsum S',
+    'adaptive_span': 'soft-masked span attention with relative position terms',
+    'dynamic_span': 'computes all S keys per query since z_t is per token',
+}
+# What the table adds when a slow variant ran another path than dense's.
+OTHER_PATH = 'plain-JAX {impl} path where dense runs {dense}'
+
+
+# -------------------------------------------------------------------------- the worker
+# Runs in a child process whose PYTHONPATH is the measured tree (this checkout or the earlier
+# commit's worktree): it imports only what both have, and nothing from benchmarks/.
+
+
+def _api():
+  """(module with build/init_state/device_batch/specialized_model, jit_train_step): the
+  training/assembly.py + training/steps.py of this tree, or the training/train.py of older
+  ones."""
+  from training import steps  # pylint: disable=import-outside-toplevel
+  try:
+    from training import assembly as api  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    from training import train as api  # pylint: disable=import-outside-toplevel
+  return api, getattr(steps, 'jit_train_step', None) or api.jit_train_step
+
+
+def _config(attention: str, shape: str, tokens: int):
+  """configs/tiny.py with `attention`, at `shape` ('tiny' or a row length)."""
+  from configs import tiny  # pylint: disable=import-outside-toplevel
+  config = tiny.get_config()
+  config.model.attention = attention
+  if shape != 'tiny':
+    n = int(shape)
+    config.data.name = 'parity'         # Any embedded source: only shapes matter here.
+    config.data.num_bits = n // 2       # Parity gives rows of 2 * num_bits inputs.
+    config.model.max_len = n
+    config.batch_size = max(1, tokens // n)
+  return config
+
+
+def _as_stream(config, api):
+  """The same shapes as a data.packing='stream' text run (segment memory needs one); built
+  without data (vocabulary and row length from the config)."""
+  import input_pipeline  # pylint: disable=import-outside-toplevel
+  source = input_pipeline.make_source(config)
+  multiple = getattr(api, 'VOCAB_MULTIPLE', 128)
+  config.model.vocab_size = config.model.vocab_size or -(-source.vocab_size // multiple) * multiple
+  config.seq_len = source.seq_len
+  config.data.name = 'c4'
+  config.data.packing = 'stream'
+
+
+# (name, what the error says, change): tried in order, each at most once, when a build fails.
+ADJUSTMENTS = (
+    ('position_embedding=none', "position_embedding='none'",
+     lambda config, api: setattr(config.model, 'position_embedding', 'none')),
+    ('stream data (random tokens)', "packing='stream'", _as_stream),
+)
+
+
+def _build(config, api):
+  """(Setup, adjustments made): the defaults first, then ADJUSTMENTS as the errors ask."""
+  made = []
+  while True:
+    try:
+      data = not any(name.startswith('stream') for name in made)
+      return api.build(config, data=data), made
+    except ValueError as e:
+      fix = next((a for a in ADJUSTMENTS if a[1] in str(e) and a[0] not in made), None)
+      if fix is None:
+        raise
+      fix[2](config, api)
+      made.append(fix[0])
+
+
+def _local_batch(setup, vocab_size: int, rows: int, seq_len: int) -> dict:
+  """The task's first training batch, or random tokens when built without data."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  if setup.data is not None and getattr(setup.data, 'train_batch', None) is not None:
+    return setup.data.train_batch(0)
+  tokens = np.random.default_rng(0).integers(3, vocab_size, (rows, seq_len + 1), dtype=np.int32)
+  return {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
+          'weights': np.ones((rows, seq_len), np.float32),
+          'positions': np.broadcast_to(np.arange(seq_len, dtype=np.int32),
+                                       (rows, seq_len)).copy(),
+          'segment_ids': np.ones((rows, seq_len), np.int32)}
+
+
+def measure(attention: str, shape: str, tokens: int, iters: int) -> dict:
+  """One variant's train step at one shape, timed in this process."""
+  try:
+    from training import xla_flags  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    pass
+  else:
+    xla_flags.set_cpu_defaults()  # As main.py does, before JAX starts its backend.
+    if hasattr(xla_flags, 'skip_absent_tpu'):
+      xla_flags.skip_absent_tpu()
+  import jax  # pylint: disable=import-outside-toplevel
+  from models import transformer  # pylint: disable=import-outside-toplevel
+  from training import sharding  # pylint: disable=import-outside-toplevel
+
+  row = {'variant': attention, 'shape': shape}
+  api, jit_train_step = _api()
+  config = _config(attention, shape, tokens)
+  setup, made = _build(config, api)
+  mc = setup.model_config
+  row.update(seq_len=setup.seq_len, batch=config.batch_size, adjust=', '.join(made),
+             params_M=mc.num_params() / 1e6,
+             impl=','.join(dict.fromkeys(transformer.implementations(mc))))
+  state = api.init_state(setup, 0)
+  # The training loop's step: the model with what its variants derive from the parameters
+  # (adaptive span's trimmed spans at their initial values).
+  specialize = getattr(api, 'specialized_model', None)
+  model = specialize(setup, state.params) if specialize else setup.model
+  step = jit_train_step(setup, model)
+  local = _local_batch(setup, mc.vocab_size, config.batch_size, setup.seq_len)
+  batch = api.device_batch(setup, local)
+  key = jax.random.key(0)
+  holder = {'state': state}
+
+  def run():
+    holder['state'], metrics = step(holder['state'], batch, key)
+    jax.block_until_ready(metrics['loss'])
+
+  with sharding.activate(setup.mesh, setup.rules):
+    start = time.perf_counter()
+    run()
+    row['compile_s'] = time.perf_counter() - start
+    run()  # Warm-up.
+    times = []
+    for _ in range(iters):
+      start = time.perf_counter()
+      run()
+      times.append(time.perf_counter() - start)
+  row['step_ms'] = 1e3 * statistics.median(times)
+  row['best_ms'] = 1e3 * min(times)
+  row['tokens_per_s'] = config.batch_size * setup.seq_len / statistics.median(times)
+  return row
+
+
+def worker(args) -> None:
+  """--worker: measures one (variant, shape) and writes the row (or its error) to --out."""
+  attention, shape = args.attention[0], args.shapes[0]
+  try:
+    row = measure(attention, shape, args.tokens, args.iters)
+  except Exception as e:  # pylint: disable=broad-except
+    lines = [l for l in str(e).splitlines() if l.strip()] or [type(e).__name__]
+    row = {'variant': attention, 'shape': shape, 'error': f'{type(e).__name__}: {lines[0]}'}
+  with open(args.out, 'w') as f:
+    json.dump(row, f)
+
+
+# -------------------------------------------------------------------------- the table
+
+
+def child(tree: str, attention: str, shape: str, args) -> dict:
+  """The row of one worker run against `tree`'s packages (its own process)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, 'row.json')
+    # -P: the script's folder (benchmarks/, whose input_pipeline.py would shadow the package)
+    # is not put on sys.path; the tree's root is, through PYTHONPATH.
+    cmd = [sys.executable, '-P', os.path.abspath(__file__), '--worker', '--attention', attention,
+           '--shapes', shape, '--tokens', str(args.tokens), '--iters', str(args.iters),
+           '--out', out]
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join([tree] + ([env['PYTHONPATH']] if env.get('PYTHONPATH')
+                                                  else []))
+    env.setdefault('JAX_PLATFORMS', 'cpu')
+    env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+    try:
+      proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True,
+                            timeout=args.timeout or None, check=False)
+    except subprocess.TimeoutExpired:
+      return {'variant': attention, 'shape': shape, 'error': f'timed out after {args.timeout} s'}
+    if proc.returncode == 0 and os.path.exists(out):
+      with open(out) as f:
+        return json.load(f)
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    why = lines[-1] if lines else f'exit {proc.returncode}'
+    if proc.returncode < 0:
+      why = f'killed by signal {-proc.returncode} (out of memory?); {why}'
+    return {'variant': attention, 'shape': shape, 'error': why[:300]}
+
+
+def combine(after: dict, before: dict | None) -> dict:
+  """One table row: this tree's numbers, with the earlier tree's beside them."""
+  row = {k: after.get(k) for k in ('variant', 'shape', 'seq_len', 'batch', 'impl', 'adjust',
+                                   'params_M', 'compile_s', 'step_ms', 'best_ms',
+                                   'tokens_per_s', 'error')}
+  if before is not None:
+    row.update(before_seq_len=before.get('seq_len'), before_impl=before.get('impl'),
+               before_adjust=before.get('adjust'), before_compile_s=before.get('compile_s'),
+               before_step_ms=before.get('step_ms'),
+               before_tokens_per_s=before.get('tokens_per_s'), before_error=before.get('error'))
+    if after.get('step_ms') and before.get('step_ms'):
+      row['after/before'] = after['step_ms'] / before['step_ms']
+  return row
+
+
+def annotate(row: dict, dense: dict | None) -> None:
+  """Adds x_dense and the note (errors, the reason a row is slow) to `row`."""
+  if dense and dense.get('tokens_per_s') and row.get('tokens_per_s'):
+    row['x_dense'] = dense['tokens_per_s'] / row['tokens_per_s']
+  notes = []
+  if row.get('error'):
+    notes.append(f"error: {row['error']}")
+  if row.get('before_error'):
+    notes.append(f"before: error: {row['before_error']}")
+  if row.get('x_dense', 0) > SLOW and row['variant'] in NOTES:
+    notes.append(NOTES[row['variant']])
+    if dense.get('impl') and row.get('impl') and row['impl'] != dense['impl']:
+      notes.append(OTHER_PATH.format(impl=row['impl'], dense=dense['impl']))
+  row['note'] = '; '.join(notes)
+
+
+def _git(*argv: str) -> str:
+  return subprocess.run(['git', *argv], cwd=ROOT, capture_output=True, text=True,
+                        check=True).stdout.strip()
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--attention', nargs='+', default=None,
+                      help='variants to run (default: every registered one); dense is always '
+                           'run too, as the reference of x_dense')
+  parser.add_argument('--shapes', nargs='+', default=list(SHAPES),
+                      help="'tiny' (configs/tiny.py as main.py trains it) or row lengths N")
+  parser.add_argument('--tokens', type=int, default=16384,
+                      help='tokens per step at a row length N: batch = max(1, tokens // N)')
+  parser.add_argument('--iters', type=int, default=5, help='timed steps (after 1 warm-up)')
+  parser.add_argument('--before', default='', help='an earlier git commit to run beside this '
+                                                   'checkout, row by row')
+  parser.add_argument('--timeout', type=int, default=3600,
+                      help='seconds one row may take (0: no limit); a row past it keeps an '
+                           'error')
+  parser.add_argument('--out', default=os.path.join(ROOT, 'results', 'variant_speed.json'))
+  parser.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.worker:
+    worker(args)
+    return
+  for shape in args.shapes:
+    if shape != 'tiny' and (not shape.isdigit() or int(shape) < 2 or int(shape) % 2):
+      parser.error(f"--shapes: {shape!r} is neither 'tiny' nor an even row length")
+
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # The machine the JSON records: its CPU.
+  from benchmarks import common  # pylint: disable=import-outside-toplevel
+  from models import attention as attention_lib  # pylint: disable=import-outside-toplevel
+  known = attention_lib.known()
+  variants = args.attention or known
+  unknown = sorted(set(variants) - set(known))
+  if unknown:
+    parser.error(f'unknown variants {", ".join(unknown)}; known: {", ".join(known)}')
+  variants = ['dense'] + [v for v in dict.fromkeys(variants) if v != 'dense']
+
+  after = _git('rev-parse', '--short', 'HEAD')
+  dirty = bool(_git('status', '--porcelain', '--untracked-files=no'))
+  before = _git('rev-parse', '--short', args.before) if args.before else None
+  worktree = None
+  if args.before:
+    worktree = tempfile.mkdtemp(prefix='variant_speed_')
+    subprocess.run(['git', 'worktree', 'add', '--detach', worktree, args.before], cwd=ROOT,
+                   check=True, capture_output=True)
+  rows = []
+  columns = ['variant', 'shape', 'seq_len', 'batch', 'impl', 'adjust', 'compile_s', 'step_ms',
+             'tokens_per_s', 'x_dense']
+  if args.before:
+    columns += ['before_step_ms', 'before_tokens_per_s', 'after/before']
+  columns.append('note')
+
+  def save():
+    common.write_json(args.out, {'after': after, 'after_uncommitted_changes': dirty,
+                                 'before': before, 'settings': vars(args), 'notes': NOTES,
+                                 'rows': rows})
+
+  try:
+    for shape in args.shapes:
+      dense = None
+      for variant in variants:
+        old = child(worktree, variant, shape, args) if worktree else None
+        row = combine(child(ROOT, variant, shape, args), old)
+        if variant == 'dense':
+          dense = row
+        annotate(row, dense)
+        rows.append(row)
+        print(' '.join(f'{c}={row[c]:.4g}' if isinstance(row.get(c), float) else
+                       f'{c}={row[c]}' for c in columns if row.get(c) not in (None, '')),
+              flush=True)
+        save()
+  finally:
+    if worktree:
+      subprocess.run(['git', 'worktree', 'remove', '--force', worktree], cwd=ROOT, check=False)
+  print()
+  common.print_table(rows, columns)
+
+
+if __name__ == '__main__':
+  main()
