@@ -4,6 +4,15 @@
   python -m benchmarks.train_step --d=8 --batch=16 --dtype=bfloat16
   python -m benchmarks.train_step --d 2 --seq_len 16384 --batch 1 --impl blocksparse \
       --attention dense strided selective adaptive_span      # long contexts, blocked paths
+  python -m benchmarks.train_step --before bb9b463 --impl blocksparse --rounds 3
+
+With --before REV the same table runs on an earlier commit too, in the same run: REV is checked
+out with `git worktree` under a temporary folder, and for each round and size its own
+benchmarks/train_step.py runs there and then this one here, each in a child process, back to
+back, so a slow phase of a shared machine hits both. The table gives each size's median
+tokens/s before and after over the rounds, and their ratio (after / before: above 1 is
+faster). --before_impl sets REV's attention_impl if it differs (an older tree's 'auto' may
+mean another path).
 
 Builds the real sharded train step of training/train.py for the C4 recipe's architecture
 (vocab 8192) and times it on random tokens (token values do not change the step time).
@@ -12,7 +21,12 @@ is the best of jitted square float matmuls of several sizes on the same device.
 """
 
 import argparse
+import json
 import os
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 
@@ -79,6 +93,57 @@ def bench_step(d: int, seq_len: int, batch: int, dtype: str, impl: str, remat: s
           'tokens_per_s': tok_s, 'achieved_tflops': fpt * tok_s / 1e12}
 
 
+def _child(tree: str, args, d: int, impl: str) -> dict:
+  """One row of `tree`'s benchmarks/train_step.py (its own code), run in a child process."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, 'rows.json')
+    cmd = [sys.executable, '-m', 'benchmarks.train_step', '--d', str(d), '--seq_len',
+           str(args.seq_len), '--batch', str(args.batch), '--dtype', args.dtype, '--impl', impl,
+           '--remat', args.remat, '--scan', str(args.scan), '--iters', str(args.iters),
+           '--out', out]
+    proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, check=False)
+    if proc.returncode:
+      raise RuntimeError(f'train_step in {tree} failed:\n{proc.stderr[-2000:]}')
+    with open(out) as f:
+      return json.load(f)['rows'][0]
+
+
+def before_after(args) -> None:
+  """The --before table: each size, alternately in REV's tree and in this one."""
+  root = common.REPO
+  worktree = tempfile.mkdtemp(prefix='train_step_before_')
+  subprocess.run(['git', 'worktree', 'add', '--detach', worktree, args.before], cwd=root,
+                 check=True, capture_output=True)
+  after = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=root,
+                         capture_output=True, text=True, check=False).stdout.strip()
+  samples = {d: {'before': [], 'after': []} for d in args.d}
+  rows = []
+  try:
+    for r in range(args.rounds):
+      for d in args.d:
+        b = _child(worktree, args, d, args.before_impl or args.impl)
+        a = _child(root, args, d, args.impl)
+        samples[d]['before'].append(b['tokens_per_s'])
+        samples[d]['after'].append(a['tokens_per_s'])
+        print(f'round {r + 1} d={d}: before {b["tokens_per_s"]:.0f} ({b["impl"]}), after '
+              f'{a["tokens_per_s"]:.0f} ({a["impl"]}) tokens/s', flush=True)
+        rows = [{'d': k, 'seq_len': args.seq_len, 'batch': args.batch,
+                 'before_impl': args.before_impl or args.impl, 'after_impl': args.impl,
+                 'before_tok_s': statistics.median(v['before']),
+                 'after_tok_s': statistics.median(v['after']),
+                 'after/before': statistics.median(v['after']) / statistics.median(v['before']),
+                 'before_range': [min(v['before']), max(v['before'])],
+                 'after_range': [min(v['after']), max(v['after'])], 'rounds': len(v['after'])}
+                for k, v in samples.items() if v['after']]
+        common.write_json(args.out, {'before': args.before, 'after': after,
+                                     'machine': common.machine(), 'settings': vars(args),
+                                     'rows': rows})
+  finally:
+    subprocess.run(['git', 'worktree', 'remove', '--force', worktree], cwd=root, check=False)
+  common.print_table(rows, ['d', 'seq_len', 'batch', 'before_impl', 'after_impl', 'before_tok_s',
+                            'after_tok_s', 'after/before'])
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument('--d', type=int, nargs='+', default=[4, 8], help='size knobs to run')
@@ -92,8 +157,18 @@ def main():
   p.add_argument('--scan', type=int, default=0,
                  help='1: nn.scan over layers; 0: unrolled (faster on CPU: no per-layer copies)')
   p.add_argument('--iters', type=int, default=10)
-  p.add_argument('--out', default=os.path.join(common.RESULTS, 'train_step.json'))
+  p.add_argument('--out', default=None,
+                 help='JSON (default results/train_step.json, or train_step_before_after.json '
+                 'with --before)')
+  p.add_argument('--before', default=None, help='an earlier commit to run the table on too')
+  p.add_argument('--before_impl', default=None, help="REV's attention_impl (default: --impl)")
+  p.add_argument('--rounds', type=int, default=3, help='--before: alternating rounds')
   args = p.parse_args()
+  if args.before:
+    args.out = args.out or os.path.join(common.RESULTS, 'train_step_before_after.json')
+    before_after(args)
+    return
+  args.out = args.out or os.path.join(common.RESULTS, 'train_step.json')
 
   peak, peak_n = matmul_peak(jnp.dtype(args.dtype))
   print(f'measured {args.dtype} matmul peak: {peak / 1e9:.1f} GFLOP/s (n={peak_n}) on '
