@@ -1,12 +1,12 @@
 """Blocked attention as loops: a program whose size does not depend on the sequence length.
 
 Every plain-JAX blocked path (dense's causal blocks, the static patterns' block-sparse layout,
-adaptive span, Transformer-XL) computes softmax attention one query block at a time over the
-key chunks that block can see. Written as a Python loop, the program holds one copy of the
-block's computation per block and grows with n (a few MB of HLO at 4K, minutes of compile at
-the papers' 8K-64K). Here the query blocks are a `lax.map` and each block's key chunks a
-`lax.fori_loop` with an online softmax (running max m, sum l and unnormalized output, as in
-flash attention), so the program is the same at every length.
+adaptive span, Transformer-XL, selective attention) computes softmax attention one query block
+at a time over the key chunks that block can see. Written as a Python loop, the program holds
+one copy of the block's computation per block and grows with n (a few MB of HLO at 4K,
+minutes of compile at the papers' 8K-64K). Here the query blocks are a `lax.map` and each
+block's key chunks a `lax.fori_loop` with an online softmax (running max m, sum l and
+unnormalized output, as in flash attention), so the program is the same at every length.
 
 Which keys a query block reads comes from a `Table` built once on the host: per query block,
 a few arithmetic progressions of chunk start positions (a causal row is one progression, a
@@ -25,13 +25,23 @@ pairs the variant allows, and an optional multiplicative weight on the pair (ada
 soft mask). Its gradients with respect to the queries, keys and `params` (relative position
 embeddings, spans) come from `jax.vjp` of that function inside the backward loop, so a variant
 writes only its forward score.
+
+A score may also depend on the queries before its block, through a state per key carried
+across the query blocks in order (`attention(carry=...)`; selective attention's F, the column
+sums of S over the earlier queries): the score reads the state at its keys and returns its
+increment there. The query blocks then run as a `lax.scan` carrying the state instead of a
+`lax.map` (without a state the program is unchanged). The backward runs the blocks from the
+last to the first and carries the state's gradient back: a step takes it at its keys as the
+cotangent of its increment, and adds the gradient of the state it read. The state each
+block read is kept by the forward: (n / q_block) x keys floats per row, 1 / q_block of the
+scores' size; recomputing it would cost a pass over the earlier blocks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -104,39 +114,67 @@ def _progressions(blocks: np.ndarray) -> list[tuple[int, int, int]]:
   return [(int(x), stride, c) for x, c in zip(heads, count)]
 
 
+class Context(NamedTuple):
+  """What a score with a carried state (`attention(carry=...)`) reads besides its step's
+  queries and keys: the state couples the pairs of different queries, so such a score must
+  know which pairs count and where documents start before it sums over queries.
+
+  Attributes:
+    carried: (batch, C, ...) the state at the step's keys: the initial value plus the
+      increments the earlier query blocks returned for these keys.
+    real: (batch, B, C) bool: the key is one of the row's keys, in the query's document (the
+      engine masks the logits with it too).
+    starts: (batch, C) bool: the key is the first of its document (a packed row's <BOS>).
+  """
+  carried: jax.Array
+  real: jax.Array
+  starts: jax.Array
+
+
 def attention(q, k, v, q_segments, k_segments, params, *, table: Table, q_block: int,
-              score: Callable, dtype, per_step: int = 1, out_dtype=None):
+              score: Callable, dtype, per_step: int = 1, out_dtype=None, carry=None):
   """softmax attention of every query block over the key chunks `table` gives it.
 
   Args:
     q: (batch, heads, n, head_dim) queries, head-major; or a tuple of such arrays when the
       score uses several query projections (Transformer-XL's content and position queries).
-    k, v: (batch, heads, keys, head_dim).
+    k, v: (batch, heads, keys, head_dim); k may also be a tuple of arrays (batch, any, keys,
+      any) when the score uses several key projections (selective's selection form).
     q_segments: (batch, n) document ids of the queries; (batch, keys) `k_segments` of the
       keys. A query never sees a key of another document.
     params: a pytree of arrays the score depends on (differentiated), or None.
     table: the key chunks of each query block of `q_block` queries.
     q_block: query block length.
     score: (params, q_blk, k_blk, i, j) -> (logits, live, gate): q_blk like q with B
-      queries, k_blk (batch, heads, C, head_dim), i (B,) and j (C,) int32 query and key
-      positions; logits (batch, heads, B, C) float32, already scaled; live bool and gate
-      float32 (or None: 1) broadcastable to it. A pair counts when it is live and in the same
-      document; its weight is gate * exp(logit).
+      queries, k_blk like k with C keys (batch, heads, C, head_dim), i (B,) and j (C,) int32
+      query and key positions; logits (batch, heads, B, C) float32, already scaled; live bool
+      and gate float32 (or None: 1) broadcastable to it. A pair counts when it is live and in
+      the same document; its weight is gate * exp(logit). With `carry`, see there.
     dtype: dtype of the weights fed to the value matmul and of the output.
     per_step: chunks read per loop step (more keys per matmul, fewer steps).
     out_dtype: dtype of the output if not `dtype` (float32 for parts merged afterwards).
+    carry: None, or the initial value (batch, keys, ...) float32 of a state per key carried
+      across the query blocks in order: query block b reads, at each key, the initial value
+      plus the increments of blocks 0..b-1 (selective attention's F: the column sums of S over
+      the earlier queries). The score is then
+      (params, q_blk, k_blk, i, j, ctx: Context) -> (logits, live, gate, increment, rows):
+      increment (batch, C, ...) is the block's addition to the state at its keys; rows
+      (batch, B, C) float32 or None are per-pair values summed over the keys of the pairs
+      that count into a per-query output (selective's M_i of L_mem). Both are differentiated
+      like the logits.
 
   Returns:
     The output (batch, heads, n, head_dim) in `dtype` (zeros for a query that sees no key)
     and each query's log-sum-exp of its weights, log sum_j gate exp(logit) (batch, heads, n)
     float32 (NEG_INF for a query that sees no key), both differentiable: parts of a pattern
-    computed apart merge exactly through it.
+    computed apart merge exactly through it. With `carry` also the rows' sums (batch, n)
+    float32, or None when the score returns none.
   """
   if q_block < 1 or per_step < 1:
     raise ValueError(f'block sizes must be >= 1, got q_block={q_block}, per_step={per_step}')
   spec = _Spec(table, q_block, score, jnp.dtype(dtype), per_step,
-               jnp.dtype(out_dtype or dtype))
-  return _attention(spec, q, k, v, q_segments, k_segments, params)
+               jnp.dtype(out_dtype or dtype), carry is not None)
+  return _attention(spec, q, k, v, q_segments, k_segments, params, carry)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -147,6 +185,7 @@ class _Spec:
   dtype: jnp.dtype
   per_step: int
   out_dtype: jnp.dtype
+  stateful: bool = False
 
 
 def _queries(q):
@@ -170,7 +209,7 @@ class _Keys:
 
   def __init__(self, spec: _Spec, k, v, k_segments):
     t = spec.table
-    self.spec, self.nk = spec, k.shape[2]
+    self.spec, self.nk = spec, v.shape[2]
     self.span = spec.per_step * t.width  # Keys per step.
     self.contiguous = t.contiguous
     # Room on both sides so that a slice never leaves the array (dynamic_slice would clamp
@@ -178,13 +217,23 @@ class _Keys:
     lo = max(0, -int(np.min(t.start, initial=0)))
     last = t.start + t.stride * np.maximum(t.count - 1, 0) + self.span
     hi = max(0, int(np.max(last, initial=0)) - self.nk)
-    self.lo = lo
+    self.lo, self.hi = lo, hi
     pad = ((0, 0), (0, 0), (lo, hi), (0, 0))
-    self.k, self.v = jnp.pad(k, pad), jnp.pad(v, pad)
+    self.k, self.v = tuple(jnp.pad(a, pad) for a in _queries(k)), jnp.pad(v, pad)
     self.seg = jnp.pad(k_segments, ((0, 0), (lo, hi)), constant_values=-1)
+    if spec.stateful:  # Document starts, as the segments change (position 0 starts one).
+      prev = jnp.pad(k_segments[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+      self.starts = self.pad_keys(k_segments != prev)
     self.start, self.stride, self.count = (jnp.asarray(a, jnp.int32)
                                            for a in (t.start, t.stride, t.count))
     self.first = jnp.asarray(np.cumsum(t.count, axis=1) - t.count, jnp.int32)
+
+  def pad_keys(self, a):
+    """a (batch, keys, ...) padded like the keys (a state, its gradient)."""
+    return jnp.pad(a, ((0, 0), (self.lo, self.hi)) + ((0, 0),) * (a.ndim - 2))
+
+  def unpad_keys(self, a):
+    return a[:, self.lo:self.lo + self.nk]
 
   def positions(self, b, step):
     """(span,) key positions of loop step `step` of query block `b`, and which are real."""
@@ -200,36 +249,48 @@ class _Keys:
       valid = jnp.repeat(c < jnp.sum(self.count[b]), w)
     return j, valid & (j >= 0) & (j < self.nk)
 
-  def read(self, j):
-    """Keys, values and segments at positions j (from `positions`)."""
+  def gather(self, a, j, axis):
+    """a (padded like the keys, keys on `axis`) at the positions j of a step."""
     if self.contiguous:
-      at = j[0] + self.lo
-      return (jax.lax.dynamic_slice_in_dim(self.k, at, self.span, axis=2),
-              jax.lax.dynamic_slice_in_dim(self.v, at, self.span, axis=2),
-              jax.lax.dynamic_slice_in_dim(self.seg, at, self.span, axis=1))
-    idx = j + self.lo  # Positions past a row's chunks are masked; clipped, they read keys.
-    return (jnp.take(self.k, idx, axis=2, mode='clip'), jnp.take(self.v, idx, axis=2, mode='clip'),
-            jnp.take(self.seg, idx, axis=1, mode='clip'))
+      return jax.lax.dynamic_slice_in_dim(a, j[0] + self.lo, self.span, axis=axis)
+    # Positions past a row's chunks are masked; clipped, they read keys.
+    return jnp.take(a, j + self.lo, axis=axis, mode='clip')
+
+  def read(self, j):
+    """Keys (a tuple), values and segments at positions j (from `positions`)."""
+    return (tuple(self.gather(a, j, 2) for a in self.k), self.gather(self.v, j, 2),
+            self.gather(self.seg, j, 1))
 
   def steps(self, b):
     return -(-jnp.sum(self.count[b]) // self.spec.per_step)
 
-  def scatter_add(self, acc, j, update):
-    """acc (padded like k) + update at the positions j of a step."""
+  def scatter_add(self, acc, j, update, axis=2):
+    """acc (padded like the keys, keys on `axis`) + update at the positions j of a step."""
     if self.contiguous:
       at = j[0] + self.lo
-      cur = jax.lax.dynamic_slice_in_dim(acc, at, self.span, axis=2)
-      return jax.lax.dynamic_update_slice_in_dim(acc, cur + update, at, axis=2)
-    return acc.at[:, :, j + self.lo].add(update, mode='drop')
+      cur = jax.lax.dynamic_slice_in_dim(acc, at, self.span, axis=axis)
+      return jax.lax.dynamic_update_slice_in_dim(acc, cur + update, at, axis=axis)
+    return acc.at[(slice(None),) * axis + (j + self.lo,)].add(update, mode='drop')
+
+  def context(self, state, j, real):
+    """The `Context` of a step of a score with a carried state (padded like the keys)."""
+    return Context(self.gather(state, j, 1), real[:, 0], self.gather(self.starts, j, 1))
 
 
 def _step_keys(keys: _Keys, seg_q, b, step):
-  """Loop step `step` of query block b: key positions, keys, values, and which pairs are real
-  (a key of the row's chunks, in the query's document)."""
+  """Loop step `step` of query block b: key positions, which of them are the row's keys,
+  keys (a tuple), values, and which pairs are real (a key of the row's chunks, in the query's
+  document)."""
   j, valid = keys.positions(b, step)
   kb, vb, seg_k = keys.read(j)
   real = valid[None, None, None, :] & (seg_q[:, None, :, None] == seg_k[:, None, None, :])
-  return j, kb, vb, real
+  return j, valid, kb, vb, real
+
+
+def _at_keys(valid, x):
+  """x (batch, C, ...) where the step's key is one of the row's keys, else 0: a state
+  changes only at the keys the block reads (a gathered step may revisit a key past its row)."""
+  return jnp.where(valid.reshape((1, -1) + (1,) * (x.ndim - 2)), x, 0.0)
 
 
 def _block_inputs(spec: _Spec, q, q_segments, b):
@@ -244,20 +305,30 @@ def _unwrap(spec_q, qb):
   return qb if isinstance(spec_q, tuple) else qb[0]
 
 
-def _forward(spec: _Spec, q, k, v, q_segments, k_segments, params):
-  """(output (b, h, n, d) in dtype, log-sum-exp (b, h, n) float32; NEG_INF where no key)."""
+def _forward(spec: _Spec, q, k, v, q_segments, k_segments, params, carry, keep_states=False):
+  """(output (b, h, n, d) in dtype, log-sum-exp (b, h, n) float32 (NEG_INF where no key),
+  row sums (b, n) or None), and with `keep_states` the state (padded like the keys) at the
+  start of each query block, (nq, b, keys, ...) (the backward reads it there)."""
   n = _queries(q)[0].shape[2]
   qp, segp = _pad_queries(spec, q, q_segments)
   keys = _Keys(spec, k, v, k_segments)
-  batch, heads, _, d = k.shape
+  batch, heads, _, d = v.shape
 
-  def block(b):
+  def block(b, state):
     qb, seg_q, i = _block_inputs(spec, qp, segp, b)
+    kq, kk = _unwrap(q, qb), _unwrap(k, keys.k)
 
     def step(t, carry):
-      acc, m, l = carry
-      j, kb, vb, real = _step_keys(keys, seg_q, b, t)
-      logits, live, gate = spec.score(params, _unwrap(q, qb), kb, i, j)
+      acc, m, l, state, rows = carry
+      j, valid, kb, vb, real = _step_keys(keys, seg_q, b, t)
+      if spec.stateful:
+        ctx = keys.context(state, j, real)
+        logits, live, gate, increment, row = spec.score(params, kq, _unwrap(k, kb), i, j, ctx)
+        state = keys.scatter_add(state, j, _at_keys(valid, increment), axis=1)
+        if row is not None:
+          rows = rows + jnp.sum(jnp.where(ctx.real, row, 0.0), axis=-1)
+      else:
+        logits, live, gate = spec.score(params, kq, _unwrap(k, kb), i, j)
       live = live & real
       logits = jnp.where(live, logits, NEG_INF)
       m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
@@ -266,40 +337,82 @@ def _forward(spec: _Spec, q, k, v, q_segments, k_segments, params):
       alpha = jnp.exp(m - m_new)
       acc = acc * alpha[..., None] + jnp.einsum(
           'bhqk,bhkd->bhqd', w.astype(spec.dtype), vb, preferred_element_type=jnp.float32)
-      return acc, m_new, l * alpha + jnp.sum(w, axis=-1)
+      return acc, m_new, l * alpha + jnp.sum(w, axis=-1), state, rows
 
+    rows = None
+    if spec.stateful and _has_rows(spec, params, kq, kk, i, state, keys):
+      rows = jnp.zeros((batch, spec.q_block), jnp.float32)
     init = (jnp.zeros((batch, heads, spec.q_block, d), jnp.float32),
             jnp.full((batch, heads, spec.q_block), NEG_INF, jnp.float32),
-            jnp.zeros((batch, heads, spec.q_block), jnp.float32))
-    acc, m, l = jax.lax.fori_loop(0, keys.steps(b), step, init)
+            jnp.zeros((batch, heads, spec.q_block), jnp.float32), state, rows)
+    acc, m, l, state, rows = jax.lax.fori_loop(0, keys.steps(b), step, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), NEG_INF)
-    return out.astype(spec.out_dtype), lse
+    return (out.astype(spec.out_dtype), lse, rows), state
 
   nq = spec.table.count.shape[0]
-  out, lse = jax.lax.map(block, jnp.arange(nq, dtype=jnp.int32))  # (nq, b, h, B, ...)
+  blocks = jnp.arange(nq, dtype=jnp.int32)
+  states = None
+  if spec.stateful:  # The query blocks in order, the state carried from one to the next.
+    def scan_step(state, b):
+      outputs, after = block(b, state)
+      return after, outputs + ((state,) if keep_states else ())
+
+    init = keys.pad_keys(carry.astype(jnp.float32))
+    _, (out, lse, rows, *states) = jax.lax.scan(scan_step, init, blocks)
+    states = states[0] if keep_states else None
+  else:
+    (out, lse, rows), _ = jax.lax.map(lambda b: block(b, None), blocks)  # (nq, b, h, B, ...)
   out = jnp.moveaxis(out, 0, 2).reshape(batch, heads, nq * spec.q_block, d)[:, :, :n]
   lse = jnp.moveaxis(lse, 0, 2).reshape(batch, heads, nq * spec.q_block)[:, :, :n]
-  return out, lse
+  if not spec.stateful:
+    return (out, lse), states
+  if rows is not None:
+    rows = jnp.moveaxis(rows, 0, 1).reshape(batch, nq * spec.q_block)[:, :n]
+  return (out, lse, rows), states
+
+
+def _has_rows(spec: _Spec, params, kq, kk, i, state, keys: _Keys) -> bool:
+  """Whether the stateful score returns per-pair rows (traced at the shapes of a step)."""
+  batch, span = state.shape[0], keys.span
+
+  def shape(a, *dims):
+    return jax.ShapeDtypeStruct(dims, a.dtype)
+
+  ctx = Context(shape(state, batch, span, *state.shape[2:]),
+                jax.ShapeDtypeStruct((batch, spec.q_block, span), bool),
+                jax.ShapeDtypeStruct((batch, span), bool))
+  kb = jax.tree.map(lambda a: shape(a, *a.shape[:2], span, *a.shape[3:]), kk)
+  j = jax.ShapeDtypeStruct((span,), jnp.int32)
+  return jax.eval_shape(spec.score, params, kq, kb, i, j, ctx)[4] is not None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(spec, q, k, v, q_segments, k_segments, params):
-  return _forward(spec, q, k, v, q_segments, k_segments, params)
+def _attention(spec, q, k, v, q_segments, k_segments, params, carry):
+  return _forward(spec, q, k, v, q_segments, k_segments, params, carry)[0]
 
 
-def _attention_fwd(spec, q, k, v, q_segments, k_segments, params):
-  out, lse = _forward(spec, q, k, v, q_segments, k_segments, params)
-  return (out, lse), (q, k, v, q_segments, k_segments, params, out, lse)
+def _attention_fwd(spec, q, k, v, q_segments, k_segments, params, carry):
+  outputs, states = _forward(spec, q, k, v, q_segments, k_segments, params, carry,
+                             keep_states=True)
+  return outputs, (q, k, v, q_segments, k_segments, params, carry, outputs[0], outputs[1],
+                   states)
 
 
 def _attention_bwd(spec, residuals, cotangents):
   """Flash attention's backward: per query block, recompute each step's scores, weights
   P = gate exp(s - lse), and push dO back: dV += P^T dO; with dP = dO V^T and
   D = rowsum(dO * O), d logit = P (dP - D + d lse) and d gate = exp(s - lse) (dP - D + d lse),
-  which the score's own VJP turns into gradients of the queries, keys and params."""
-  q, k, v, q_segments, k_segments, params, out, lse = residuals
-  d_out, d_lse = cotangents
+  which the score's own VJP turns into gradients of the queries, keys and params.
+
+  With a carried state the query blocks run from the last to the first with G, the gradient
+  of the state a block leaves (what the later blocks made of it, padded like the keys): a
+  step's score VJP takes G at its keys as the cotangent of its increment and gives the
+  gradient of the state it read, which G accumulates (the state's own pass-through). The
+  state a block read is the one the forward kept for it."""
+  q, k, v, q_segments, k_segments, params, carry, out, lse, states = residuals
+  d_out, d_lse = cotangents[:2]
+  d_rows = cotangents[2] if spec.stateful else None
   n = _queries(q)[0].shape[2]
   qp, segp = _pad_queries(spec, q, q_segments)
   pad = qp[0].shape[2] - n
@@ -310,20 +423,27 @@ def _attention_bwd(spec, residuals, cotangents):
   delta = delta - jnp.pad(d_lse, ((0, 0), (0, 0), (0, pad)))
   lse = jnp.pad(jnp.where(lse > NEG_INF / 2, lse, jnp.inf), ((0, 0), (0, 0), (0, pad)),
                 constant_values=jnp.inf)
+  if d_rows is not None:
+    d_rows = jnp.pad(d_rows.astype(jnp.float32), ((0, 0), (0, pad)))
   keys = _Keys(spec, k, v, k_segments)
   zeros_params = jax.tree.map(jnp.zeros_like, params)
+  nq = spec.table.count.shape[0]
 
-  def block(b, carry):
-    dq, dk, dv, dparams = carry
+  def block(r, carry):
+    dq, dk, dv, dparams, g = carry
+    b = nq - 1 - r if spec.stateful else r
     qb, seg_q, i = _block_inputs(spec, qp, segp, b)
     at = b * spec.q_block
     do_b, delta_b, lse_b = (jax.lax.dynamic_slice_in_dim(a, at, spec.q_block, axis=2)
                             for a in (d_out, delta, lse))
+    state = None if states is None else jax.lax.dynamic_index_in_dim(states, b, 0, False)
 
     def step(t, inner):
-      dqb, dk, dv, dparams = inner
-      j, kb, vb, real = _step_keys(keys, seg_q, b, t)
-      (logits, gate), vjp, live = _vjp_with_live(spec, q, qb, kb, params, i, j)
+      dqb, dk, dv, dparams, g = inner
+      j, valid, kb, vb, real = _step_keys(keys, seg_q, b, t)
+      ctx = keys.context(state, j, real) if spec.stateful else None
+      outputs, vjp, live = _vjp_with_live(spec, q, k, qb, kb, params, i, j, ctx)
+      logits, gate = outputs[:2]
       live = live & real
       e = jnp.where(live, jnp.exp(jnp.where(live, logits, NEG_INF) - lse_b[..., None]), 0.0)
       p = e if gate is None else e * gate
@@ -331,31 +451,41 @@ def _attention_bwd(spec, residuals, cotangents):
                           preferred_element_type=jnp.float32)
       dp = jnp.einsum('bhqd,bhkd->bhqk', do_b, vb.astype(jnp.float32),
                       preferred_element_type=jnp.float32)
-      g = dp - delta_b[..., None]
-      d_logits = p * g
-      d_gate = None if gate is None else _sum_to(jnp.where(live, e * g, 0.0), gate.shape)
-      dq_s, dk_s, dp_s = vjp((d_logits, d_gate))
+      g_s = dp - delta_b[..., None]
+      d_logits = p * g_s
+      d_gate = None if gate is None else _sum_to(jnp.where(live, e * g_s, 0.0), gate.shape)
+      cot = (d_logits, d_gate)
+      if spec.stateful:
+        row = outputs[3]
+        d_row = None if row is None else jnp.where(
+            ctx.real, jax.lax.dynamic_slice_in_dim(d_rows, at, spec.q_block, 1)[..., None], 0.0)
+        cot += (_at_keys(valid, keys.gather(g, j, 1)), d_row)
+      dq_s, dk_s, dp_s, *d_state = vjp(cot)
       dqb = tuple(a + bq for a, bq in zip(dqb, dq_s))
-      dk = keys.scatter_add(dk, j, dk_s.astype(jnp.float32))
+      dk = tuple(keys.scatter_add(a, j, x.astype(jnp.float32)) for a, x in zip(dk, dk_s))
       dv = keys.scatter_add(dv, j, dv_blk)
       dparams = jax.tree.map(jnp.add, dparams, dp_s)
-      return dqb, dk, dv, dparams
+      if spec.stateful:
+        g = keys.scatter_add(g, j, _at_keys(valid, d_state[0]), axis=1)
+      return dqb, dk, dv, dparams, g
 
     dqb0 = tuple(jnp.zeros(a.shape, jnp.float32) for a in qb)
-    dqb, dk, dv, dparams = jax.lax.fori_loop(0, keys.steps(b), step, (dqb0, dk, dv, dparams))
+    dqb, dk, dv, dparams, g = jax.lax.fori_loop(0, keys.steps(b), step,
+                                                (dqb0, dk, dv, dparams, g))
     dq = tuple(jax.lax.dynamic_update_slice_in_dim(a, x, at, axis=2) for a, x in zip(dq, dqb))
-    return dq, dk, dv, dparams
+    return dq, dk, dv, dparams, g
 
-  nq = spec.table.count.shape[0]
   dq0 = tuple(jnp.zeros(a.shape, jnp.float32) for a in qp)
-  dk0 = jnp.zeros(keys.k.shape, jnp.float32)
-  dq, dk, dv, dparams = jax.lax.fori_loop(0, nq, block, (dq0, dk0, dk0, zeros_params))
+  dk0 = tuple(jnp.zeros(a.shape, jnp.float32) for a in keys.k)
+  dv0 = jnp.zeros(keys.v.shape, jnp.float32)
+  g0 = None if carry is None else jnp.zeros(keys.pad_keys(carry).shape, jnp.float32)
+  dq, dk, dv, dparams, g = jax.lax.fori_loop(0, nq, block, (dq0, dk0, dv0, zeros_params, g0))
   dq = tuple(a[:, :, :n].astype(x.dtype) for a, x in zip(dq, _queries(q)))
-  nk = k.shape[2]
-  dk = dk[:, :, keys.lo:keys.lo + nk].astype(k.dtype)
-  dv = dv[:, :, keys.lo:keys.lo + nk].astype(v.dtype)
-  return (_unwrap(q, dq), dk, dv, None, None,
-          jax.tree.map(lambda a, x: a.astype(x.dtype), dparams, params))
+  dk = tuple(a[:, :, keys.lo:keys.lo + keys.nk].astype(x.dtype) for a, x in zip(dk, _queries(k)))
+  dv = dv[:, :, keys.lo:keys.lo + keys.nk].astype(v.dtype)
+  d_carry = None if carry is None else keys.unpad_keys(g).astype(carry.dtype)
+  return (_unwrap(q, dq), _unwrap(k, dk), dv, None, None,
+          jax.tree.map(lambda a, x: a.astype(x.dtype), dparams, params), d_carry)
 
 
 def _sum_to(x, shape):
@@ -366,13 +496,22 @@ def _sum_to(x, shape):
   return jnp.sum(x, axis=axes, keepdims=True).reshape(shape)
 
 
-def _vjp_with_live(spec, q, qb, kb, params, i, j):
-  """(logits, gate), the VJP of (logits, gate) w.r.t. (qb, kb, params), and live."""
-  def f(qb, kb, params):
-    logits, live, gate = spec.score(params, _unwrap(q, qb), kb, i, j)
-    return (logits, gate), live
+def _vjp_with_live(spec, q, k, qb, kb, params, i, j, ctx):
+  """The score's differentiated outputs ((logits, gate), with a state also (increment,
+  rows)), their VJP w.r.t. (qb, kb, params[, the state read]) and live."""
+  if not spec.stateful:
+    def f(qb, kb, params):
+      logits, live, gate = spec.score(params, _unwrap(q, qb), _unwrap(k, kb), i, j)
+      return (logits, gate), live
 
-  return jax.vjp(f, qb, kb, params, has_aux=True)
+    return jax.vjp(f, qb, kb, params, has_aux=True)
+
+  def g(qb, kb, params, carried):
+    logits, live, gate, increment, rows = spec.score(
+        params, _unwrap(q, qb), _unwrap(k, kb), i, j, ctx._replace(carried=carried))
+    return (logits, gate, increment, rows), live
+
+  return jax.vjp(g, qb, kb, params, ctx.carried, has_aux=True)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

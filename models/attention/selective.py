@@ -12,10 +12,12 @@ F is subtracted from every head's logits. Packed rows: each document's first tok
 never crosses documents.
 
 Only head 0's logits (one (n, n) matrix per row, not per head) feed F. The 'blocksparse'
-implementation (`_blocks`) loops over pairs of (query block, key block): F of a pair is the
-column sums of S over the earlier query blocks (a carry) plus a cumulative sum inside the
-pair, the softmax is online (flash attention) and the backward a custom VJP that recomputes
-each pair's scores, so the program does not grow with n and memory is O(n).
+implementation runs on the blocked engine of the other variants (blockloop.attention): F of
+a (query block, key chunk) pair is the column sums of S over the earlier query blocks, a
+state the engine carries from block to block, plus a cumulative sum inside the block
+(`_blocked_score`). The engine's online softmax and flash-style backward, which recomputes
+each pair's scores and differentiates the score, keep the program the same size at every n
+and memory linear in n (plus the state at each query block's start, n / T floats per key).
 
 L_mem (eq. 2): L + eps sum_l max_i M^l_i / (L n_{!=pad}), M^l_i = i - sum_{k<=i} min(F_{i,k},
 tau) / tau, sown into 'losses' per layer (the max is taken per document).
@@ -28,9 +30,7 @@ same eviction as a mask (`kept_mask`) so a budgeted loss is one batched pass.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from typing import NamedTuple
+import math
 
 import flax.linen as nn
 import jax
@@ -155,320 +155,66 @@ def kept_mask(e, bos, budget):
   return jnp.swapaxes(out, 0, 1)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Blocked:
-  """Static settings of the blocked path (the custom VJP's non-differentiated argument).
+def _blocked_score(*, scale: float, separate: bool, shift: bool, relu: bool, mask_bos: bool,
+                   mask_diag: bool, tau: float | None):
+  """Eq. 1 as a score of the blocked engine (blockloop.attention with a carried state).
 
-  Attributes:
-    block: T, the query and key block length.
-    scale: logit multiplier, 1 / sqrt(head_dim).
-    shift, relu, mask_bos, mask_diag: the selective_* switches (A.4, A.5).
-    tau: tau of L_mem's M_i (eq. 2); None: M_i is not computed.
-    keep_f: also return F of the batch's first row (the 'selection_F' intermediate).
-    dtype: dtype of the probabilities fed to the value matmul and of the output.
+  Query block b (rows [bT, bT + T)) meets a key chunk at columns j. With C_j the column sums
+  of S over the earlier query blocks, the state the engine carries from block to block, F of
+  the pair is (section 3; A.4)
+
+    F_{i,j} = C_j + sum_{bT <= k <= i} S_{k,j}    (k <= i - 1 with the shift),
+
+  so a pair needs only its own S (3.1, 3.2) and C at its keys; its increment of C is its
+  column sums of S. The logits are QK^T/sqrt(d) - F. The engine's backward differentiates
+  this function: the gradient reaching S through later queries' F comes back as the
+  cotangent of the increment. With `tau`, the rows are the pair's part of M_i of eq. 2,
+  sum_k (1 - min(F_{i,k}, tau) / tau).
+
+  q_blk and k_blk are (q, q_s) and (k, k_s) with the separate bilinear form (A.3): q_s and k_s
+  as a one-head projection (batch, 1, length, d_s).
   """
-  block: int
-  scale: float
-  shift: bool
-  relu: bool
-  mask_bos: bool
-  mask_diag: bool
-  tau: float | None
-  keep_f: bool
-  dtype: jnp.dtype
+  def score(params, qb, kb, i, j, ctx: blockloop.Context):
+    del params
+    (qh, sq), (kh, sk) = (qb, kb) if separate else ((qb, None), (kb, None))
+    logits = jnp.einsum('bhqd,bhkd->bhqk', qh, kh, preferred_element_type=jnp.float32) * scale
+    if separate:                                            # S: its own form (A.3)
+      s = jnp.einsum('bqd,bkd->bqk', sq[:, 0], sk[:, 0],
+                     preferred_element_type=jnp.float32) * scale
+    else:
+      s = logits[:, 0]                                      # S: head 0 (3.1)
+    causal = i[:, None] >= j[None, :]
+    s = constrain(s, causal[None] & ctx.real, ctx.starts, i[:, None], j[None, :], relu=relu,
+                  mask_bos=mask_bos, mask_diag=mask_diag)
+    f, increment = _sums_over_queries(s, exclusive=shift)
+    f = ctx.carried[:, None, :] + f
+    rows = None
+    if tau is not None:
+      rows = jnp.where(causal[None], 1.0 - jnp.minimum(f, tau) / tau, 0.0)
+    return logits - f[:, None], causal[None, None], None, increment, rows
+
+  return score
 
 
-class _Padded(NamedTuple):
-  """The inputs padded to whole blocks (padded positions form a document of their own, -1).
-
-  q, k, v: (batch, heads, N, head_dim), head-major. sq, sk: (batch, N, d_s), the two sides of
-  the selection's bilinear form (head 0's q and k without a separate form, A.3). seg, bos:
-  (batch, N) document ids and document starts. separate: S comes from (sq, sk), not head 0.
-  """
-  q: jax.Array
-  k: jax.Array
-  v: jax.Array
-  sq: jax.Array
-  sk: jax.Array
-  seg: jax.Array
-  bos: jax.Array
-  separate: bool
-
-
-class _Side(NamedTuple):
-  """One block of rows [at, at + T) of the queries or of the keys (v, bos: keys only)."""
-  h: jax.Array      # (batch, heads, T, head_dim) q or k
-  v: jax.Array      # (batch, heads, T, head_dim) or None
-  s: jax.Array      # (batch, T, d_s) sq or sk
-  seg: jax.Array    # (batch, T)
-  bos: jax.Array    # (batch, T) or None
-  pos: jax.Array    # (T,) absolute positions
-
-
-def _pad(spec: _Blocked, q, k, v, segment_ids, selection) -> _Padded:
-  """`_Padded` of the inputs of `_blocks`."""
-  pad = -q.shape[1] % spec.block
-
-  def rows(a, value=0):
-    return jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=value)
-
-  qh, kh, vh = (jnp.swapaxes(rows(a), 1, 2) for a in (q, k, v))
-  seg = rows(segment_ids, -1)
-  sq, sk = (rows(a) for a in selection) if selection is not None else (qh[:, 0], kh[:, 0])
-  return _Padded(qh, kh, vh, sq, sk, seg, bos_flags(seg), selection is not None)
-
-
-def _side(x: _Padded, at, size: int, keys: bool) -> _Side:
-  """Rows [at, at + size) (`at` traced) of the queries (keys=False) or of the keys."""
-  def take(a, axis):
-    return jax.lax.dynamic_slice_in_dim(a, at, size, axis)
-
-  return _Side(take(x.k if keys else x.q, 2), take(x.v, 2) if keys else None,
-               take(x.sk if keys else x.sq, 1), take(x.seg, 1),
-               take(x.bos, 1) if keys else None, at + jax.lax.iota(jnp.int32, size))
-
-
-def _pair(spec: _Blocked, x: _Padded, qb: _Side, kb: _Side, heads: bool = True):
-  """Scores of a query block against a key block.
-
-  Returns:
-    logits: (batch, heads, T, T) Q K^T / sqrt(d_k), float32; None when not `heads`.
-    mask: (batch, T, T) causal same-document mask.
-    gate: (batch, T, T) where S keeps the selection logit (`selection_gate`).
-    s: (batch, T, T) S after the constraints (3.1, 3.2).
-  """
-  i, j = qb.pos[:, None], kb.pos[None, :]
-  mask = (i >= j)[None] & (qb.seg[:, :, None] == kb.seg[:, None, :])
-  logits = None
-  if heads:
-    logits = jnp.einsum('bhqd,bhkd->bhqk', qb.h, kb.h,
-                        preferred_element_type=jnp.float32) * spec.scale
-  if heads and not x.separate:
-    s = logits[:, 0]                                        # S: head 0 (3.1)
-  else:                                                     # (or a separate form, A.3)
-    s = jnp.einsum('bqd,bkd->bqk', qb.s, kb.s, preferred_element_type=jnp.float32) * spec.scale
-  gate = selection_gate(s, mask, kb.bos, i, j, relu=spec.relu, mask_bos=spec.mask_bos,
-                        mask_diag=spec.mask_diag)
-  return logits, mask, gate, jnp.where(gate, s, 0.0)
-
-
-def _block_f(spec: _Blocked, carried, s):
-  """F of a pair (section 3): the carried column sums C plus the cumulative sum of S over
-  the block's rows up to and including the query (excluding it with the shift, A.4)."""
-  f = carried[:, None, :] + jnp.cumsum(s, axis=1)
-  return f - s if spec.shift else f
-
-
-def _m_summands(spec: _Blocked, f, mask):
-  """The pair's part of M_i = sum_k (1 - min(F_{i,k}, tau) / tau) (eq. 2), (batch, T)."""
-  return jnp.sum(jnp.where(mask, 1.0 - jnp.minimum(f, spec.tau) / spec.tau, 0.0), axis=-1)
-
-
-def _blocks_forward(spec: _Blocked, q, k, v, segment_ids, selection):
-  """Eq. 1 over the pairs of blocks; returns (output, M, F of row 0, log-sum-exp).
-
-  output: (batch, n, heads, head_dim) in spec.dtype; M: (batch, n) M_i of eq. 2 (None without
-  tau); F of row 0: (n, n), zero above the diagonal blocks (None without keep_f);
-  log-sum-exp: (batch, heads, N) of each padded row's logits, for the backward.
-  """
-  x = _pad(spec, q, k, v, segment_ids, selection)
-  batch, heads, n_pad, d = x.q.shape
-  t = spec.block
-  n = q.shape[1]
-
-  def query_block(carried, b):
-    qb = _side(x, b * t, t, keys=False)
-
-    def key_block(c, state):
-      carried, acc, m, l, m_rows, f_rows = state
-      kb = _side(x, c * t, t, keys=True)
-      logits, mask, _, s = _pair(spec, x, qb, kb)
-      column = jax.lax.dynamic_slice_in_dim(carried, c * t, t, 1)
-      f = _block_f(spec, column, s)
-      carried = jax.lax.dynamic_update_slice_in_dim(carried, column + jnp.sum(s, axis=1),
-                                                    c * t, 1)
-      if spec.tau is not None:
-        m_rows = m_rows + _m_summands(spec, f, mask)
-      if spec.keep_f:
-        f_rows = jax.lax.dynamic_update_slice_in_dim(f_rows, f[0], c * t, 1)
-      logits = jnp.where(mask[:, None], logits - f[:, None], base.NEG_INF)  # eq. 1
-      # Online softmax: the rows' running max m, sum l and unnormalized output acc.
-      m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
-      alpha = jnp.exp(m - m_new)
-      p = jnp.exp(logits - m_new[..., None])
-      acc = acc * alpha[..., None] + jnp.einsum('bhqk,bhkd->bhqd', p.astype(spec.dtype), kb.v,
-                                                preferred_element_type=jnp.float32)
-      return carried, acc, m_new, l * alpha + jnp.sum(p, axis=-1), m_rows, f_rows
-
-    init = (carried, jnp.zeros((batch, heads, t, d), jnp.float32),
-            jnp.full((batch, heads, t), base.NEG_INF, jnp.float32),
-            jnp.zeros((batch, heads, t), jnp.float32),
-            jnp.zeros((batch, t), jnp.float32) if spec.tau is not None else None,
-            jnp.zeros((t, n_pad), jnp.float32) if spec.keep_f else None)
-    # Key block b, the last, holds each row's own key: a row masked in all earlier blocks
-    # (another document) has its placeholder sums scaled away by alpha = 0 there.
-    carried, acc, m, l, m_rows, f_rows = jax.lax.fori_loop(0, b + 1, key_block, init)
-    out = (acc / l[..., None]).astype(spec.dtype)
-    return carried, (out, m + jnp.log(l), m_rows, f_rows)
-
-  _, (out, lse, m_rows, f_rows) = jax.lax.scan(
-      query_block, jnp.zeros((batch, n_pad), jnp.float32), jax.lax.iota(jnp.int32, n_pad // t))
-  # (blocks, batch, heads, T, d) -> (batch, n, heads, d)
-  out = jnp.transpose(out, (1, 0, 3, 2, 4)).reshape(batch, n_pad, heads, d)[:, :n]
-  lse = jnp.transpose(lse, (1, 2, 0, 3)).reshape(batch, heads, n_pad)
-  if m_rows is not None:
-    m_rows = jnp.swapaxes(m_rows, 0, 1).reshape(batch, n_pad)[:, :n]
-  if f_rows is not None:
-    f_rows = f_rows.reshape(n_pad, n_pad)[:n, :n]
-  return out, m_rows, f_rows, lse
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _blocks(spec: _Blocked, q, k, v, segment_ids, selection):
-  """The 'blocksparse' path: eq. 1 as loops over pairs of blocks, memory O(n).
-
-  Query block b (rows [bT, bT + T)) meets key block c (columns [cT, cT + T)) for c <= b only.
-  With C_{b,c,j} = sum_{k < bT} S_{k,j}, the column sums of S over the earlier query blocks,
-  F of the pair is (section 3; A.4)
-
-    F_{i,j} = C_{b,c,j} + sum_{bT <= k <= i} S_{k,j}    (k <= i - 1 with the shift),
-
-  so a pair needs only its own S (3.1, 3.2: `_pair`) and one (batch, T) vector of C.
-
-  Forward (`_blocks_forward`): the query blocks in order (a scan), each one's key blocks
-  0..b in order (a loop of b + 1 steps) with an online softmax of the logits QK^T/sqrt(d) - F
-  (running max, sum and unnormalized output, as flash attention); C is a (batch, n) column
-  carry across the query blocks, updated with each pair's column sums of S. M_i of eq. 2
-  accumulates over the key blocks the same way.
-
-  Backward (`_blocks_bwd`, flash attention's): the key blocks (a scan), each one's query
-  blocks from the last back to the diagonal, the pair's probabilities recomputed from q, k
-  and the rows' log-sum-exp. F = cumsum(S) reversed is dS_{k,j} = sum_{i > k} dF_{i,j}
-  (i >= k without the shift): the sum over the later query blocks is a (batch, T) carry from
-  the last block back, plus a reverse cumulative sum inside the pair. The C_{b,c} of the key
-  block are recomputed by a first loop over its query blocks (one head's scores each).
-
-  The program holds each loop body once (its size does not depend on n), and nothing of
-  size n^2 is kept for the backward (only the output and a log-sum-exp per row).
-
-  Args:
-    spec: static settings.
-    q, k, v: (batch, n, heads, head_dim).
-    segment_ids: (batch, n) document ids.
-    selection: (q_s, k_s), (batch, n, d_s) each, of a separate bilinear form (A.3), or None
-      (S from head 0).
-
-  Returns:
-    output (batch, n, heads, head_dim) in spec.dtype; M_i (batch, n) of eq. 2 (None without
-    spec.tau); F (n, n) of the first row, zero above the diagonal blocks (None without
-    spec.keep_f).
-  """
-  return _blocks_forward(spec, q, k, v, segment_ids, selection)[:3]
-
-
-def _blocks_fwd(spec: _Blocked, q, k, v, segment_ids, selection):
-  out, m_rows, f_rows, lse = _blocks_forward(spec, q, k, v, segment_ids, selection)
-  return (out, m_rows, f_rows), (q, k, v, segment_ids, selection, out, lse)
-
-
-def _blocks_bwd(spec: _Blocked, residuals, cotangents):
-  """Gradients of q, k, v and the selection's (q_s, k_s) (the algorithm: `_blocks`).
-
-  Per pair, P = exp(QK^T/sqrt(d) - F - lse) recomputed: dV += P^T dO; dP = dO V^T;
-  dZ = P (dP - rowsum(dO * O)) the gradient of the logits Z = QK^T/sqrt(d) - F;
-  dF = -sum_heads dZ (plus -dM_i / tau where F < tau, from eq. 2's M_i);
-  dS = the later blocks' sum of dF (the carry `later`) + the reverse cumulative sum of dF in
-  the pair; ds = dS where the constraints keep s (`selection_gate`), added to head 0's dZ or
-  pushed through the separate bilinear form. F of row 0 is sown for inspection only: its cotangent
-  is dropped.
-  """
-  q, k, v, segment_ids, selection, out, lse = residuals
-  d_out, d_m, _ = cotangents
-  x = _pad(spec, q, k, v, segment_ids, selection)
-  batch, heads, n_pad, d = x.q.shape
-  t, n = spec.block, q.shape[1]
-  nb = n_pad // t
-  pad = n_pad - n
-
-  def heads_rows(a):  # (batch, n, heads, d) -> (batch, heads, N, d) float32
-    return jnp.swapaxes(jnp.pad(a.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0))), 1, 2)
-
-  d_out = heads_rows(d_out)
-  delta = jnp.sum(d_out * heads_rows(out), axis=-1)          # rowsum(dO * O)
-  d_m = None if d_m is None else jnp.pad(d_m, ((0, 0), (0, pad)))
-
-  def key_block(grads, c):
-    dq, dsq = grads
-    kb = _side(x, c * t, t, keys=True)
-
-    def prefix(b, state):  # C_{b,c}: S's column sums over the query blocks before b
-      run, sums = state
-      sums = jax.lax.dynamic_update_index_in_dim(sums, run, b, 0)
-      _, _, _, s = _pair(spec, x, _side(x, b * t, t, keys=False), kb, heads=False)
-      return run + jnp.sum(s, axis=1), sums
-
-    zeros = jnp.zeros((batch, t), jnp.float32)
-    _, sums = jax.lax.fori_loop(c, nb, prefix, (zeros, jnp.zeros((nb, batch, t), jnp.float32)))
-
-    def query_block(r, state):
-      dq, dsq, dk, dv, dsk, later = state
-      b = nb - 1 - r
-      at = b * t
-      qb = _side(x, at, t, keys=False)
-      logits, mask, gate, s = _pair(spec, x, qb, kb)
-      f = _block_f(spec, sums[b], s)
-      do, delta_b, lse_b = (jax.lax.dynamic_slice_in_dim(a, at, t, 2)
-                            for a in (d_out, delta, lse))
-      p = jnp.exp(jnp.where(mask[:, None], logits - f[:, None], base.NEG_INF) - lse_b[..., None])
-      dv = dv + jnp.einsum('bhqk,bhqd->bhkd', p.astype(spec.dtype), do.astype(spec.dtype),
-                           preferred_element_type=jnp.float32)
-      dp = jnp.einsum('bhqd,bhkd->bhqk', do, kb.v.astype(jnp.float32))
-      dz = p * (dp - delta_b[..., None])
-      df = -jnp.sum(dz, axis=1)
-      if d_m is not None:  # M_i = sum_k 1 - min(F_{i,k}, tau) / tau
-        dm = jax.lax.dynamic_slice_in_dim(d_m, at, t, 1)
-        df = df - jnp.where(mask & (f < spec.tau), dm[:, :, None] / spec.tau, 0.0)
-      ds = later[:, None, :] + jax.lax.cumsum(df, axis=1, reverse=True)
-      if spec.shift:
-        ds = ds - df
-      later = later + jnp.sum(df, axis=1)
-      ds = jnp.where(gate, ds, 0.0)
-      if x.separate:
-        dsq_b = jnp.einsum('bqk,bkd->bqd', ds, kb.s.astype(jnp.float32)) * spec.scale
-        dsq = jax.lax.dynamic_update_slice_in_dim(
-            dsq, jax.lax.dynamic_slice_in_dim(dsq, at, t, 1) + dsq_b, at, 1)
-        dsk = dsk + jnp.einsum('bqk,bqd->bkd', ds, qb.s.astype(jnp.float32)) * spec.scale
-      else:  # S is head 0's logits
-        dz = jax.lax.dynamic_update_index_in_dim(dz, dz[:, 0] + ds, 0, 1)
-      dq_b = jnp.einsum('bhqk,bhkd->bhqd', dz, kb.h.astype(jnp.float32)) * spec.scale
-      dq = jax.lax.dynamic_update_slice_in_dim(
-          dq, jax.lax.dynamic_slice_in_dim(dq, at, t, 2) + dq_b, at, 2)
-      dk = dk + jnp.einsum('bhqk,bhqd->bhkd', dz, qb.h.astype(jnp.float32)) * spec.scale
-      return dq, dsq, dk, dv, dsk, later
-
-    block = jnp.zeros((batch, heads, t, d), jnp.float32)
-    dsk = jnp.zeros((batch, t, x.sk.shape[-1]), jnp.float32) if x.separate else None
-    dq, dsq, dk, dv, dsk, _ = jax.lax.fori_loop(0, nb - c, query_block,
-                                                (dq, dsq, block, block, dsk, zeros))
-    return (dq, dsq), (dk, dv, dsk)
-
-  init = (jnp.zeros((batch, heads, n_pad, d), jnp.float32),
-          jnp.zeros((batch, n_pad, x.sq.shape[-1]), jnp.float32) if x.separate else None)
-  (dq, dsq), (dk, dv, dsk) = jax.lax.scan(key_block, init, jax.lax.iota(jnp.int32, nb))
-
-  def unblock(a):  # (blocks, batch, heads, T, d) -> (batch, n, heads, d)
-    return jnp.transpose(a, (1, 0, 3, 2, 4)).reshape(batch, n_pad, heads, d)[:, :n]
-
-  dq = jnp.swapaxes(dq, 1, 2)[:, :n]
-  d_sel = None
-  if x.separate:
-    dsk = jnp.swapaxes(dsk, 0, 1).reshape(batch, n_pad, -1)[:, :n]
-    d_sel = (dsq[:, :n].astype(selection[0].dtype), dsk.astype(selection[1].dtype))
-  return (dq.astype(q.dtype), unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype), None,
-          d_sel)
-
-
-_blocks.defvjp(_blocks_fwd, _blocks_bwd)
+def _sums_over_queries(s, *, exclusive: bool):
+  """The cumulative sums of s (batch, T, C) over its rows (sum_{k <= i}, or k < i when
+  `exclusive`), and its column sums, as batched triangular matmuls: within groups of 16
+  rows, then over the groups' sums. XLA's CPU cumsum is a log-depth scan of slices, which
+  took 2.5x as long forward and backward at T = 128, and the pass computes three per pair.
+  The triangles are batched like s so that no operand needs a transpose."""
+  b, t, c = s.shape
+  g = math.gcd(t, 16)
+  x, y = np.arange(g), np.arange(t // g)
+  within = np.broadcast_to(x[:, None] > x[None, :] if exclusive else x[:, None] >= x[None, :],
+                           (b, t // g, g, g))
+  before = np.broadcast_to(y[:, None] > y[None, :], (b, t // g, t // g))
+  groups = s.reshape(b, t // g, g, c)
+  totals = jnp.sum(groups, axis=2)                          # (b, T / g, C)
+  exact = jax.lax.Precision.HIGHEST  # F sums many S: no reduced-precision passes on a GPU.
+  sums = (jnp.einsum('bgxy,bgyc->bgxc', jnp.asarray(within, s.dtype), groups, precision=exact)
+          + jnp.einsum('bgh,bhc->bgc', jnp.asarray(before, s.dtype), totals,
+                       precision=exact)[:, :, None])
+  return sums.reshape(b, t, c), jnp.sum(totals, axis=1)
 
 
 @register('selective')
@@ -584,13 +330,8 @@ class SelectiveAttention(base.MultiHeadAttention):
       s = logits[:, 0]                                       # S: head 0 (3.1)
     else:
       s = jnp.einsum('bqd,bkd->bqk', *selection, preferred_element_type=jnp.float32) * scale
-    i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
     bos = bos_flags(segment_ids)
-    s = self._constrain(s, mask, bos, i, j)
-    f = jnp.cumsum(s, axis=1)                                # F = sum_{k <= i} S_{k,j}
-    e = f - s                                                # sum_{k <= i-1} S_{k,j}
-    if self.option('selective_shift'):
-      f = e
+    f, e = self._accumulate(s, mask, bos)
     if self.option('selective_lmem_eps') > 0:
       self._sow_memory_loss(memory_term(f, mask, segment_ids,
                                         tau=float(self.option('selective_lmem_tau'))), segment_ids)
@@ -607,30 +348,54 @@ class SelectiveAttention(base.MultiHeadAttention):
     probs = base.masked_softmax(logits, mask[:, None], self.dtype)
     return jnp.einsum('bhqk,bkhd->bqhd', probs, v).astype(self.dtype)
 
+  def _accumulate(self, s, mask, bos):
+    """F (3.3) and E = sum_{k <= i-1} S_{k,j} (what pruning evicts by) from the selection
+    logits s (batch, n, n), the pairs each query sees and the document starts: S is s
+    constrained (3.2), F its sum over the earlier queries (with the shift, A.4: F = E)."""
+    n = s.shape[-1]
+    i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+    s = self._constrain(s, mask, bos, i, j)
+    f = jnp.cumsum(s, axis=1)                                # F = sum_{k <= i} S_{k,j}
+    e = f - s                                                # sum_{k <= i-1} S_{k,j}
+    return (e if self.option('selective_shift') else f), e
+
   def _attend_blocks(self, q, k, v, segment_ids, selection, scale):
-    """The 'blocksparse' path: eq. 1 as a loop over pairs of blocks with a flash-style
-    backward (`_blocks`); M_i of L_mem (eq. 2) and the 'selection_F' intermediate come from
-    the same pass."""
+    """The 'blocksparse' path: eq. 1 on the blocked engine (blockloop.attention, dense's
+    causal blocks and step sizes) with F's column sums as the state carried across the query
+    blocks (`_blocked_score`); M_i of L_mem (eq. 2) comes from the same pass as the engine's
+    row sums. Memory: O(n) plus the state at each query block's start, n / T floats per key."""
     if self.block_size < 1:
       raise ValueError(f'attention block size must be >= 1, got {self.block_size}')
+    batch, n = q.shape[:2]
     lmem = self.option('selective_lmem_eps') > 0
-    keep_f = self.is_mutable_collection('intermediates')
-    # One block length for queries and keys: on an accelerator, a loop step's worth of keys
-    # (blockloop.step_keys), the size at which the loop matched the unrolled code on an H200.
-    block = blockloop.step_keys(self.target_platform(), self.loop_block(q.shape[1]))
-    spec = _Blocked(block=min(block, q.shape[1]), scale=scale,
-                    shift=bool(self.option('selective_shift')),
-                    relu=bool(self.option('selective_relu')),
-                    mask_bos=bool(self.option('selective_mask_bos')),
-                    mask_diag=bool(self.option('selective_mask_diag')),
-                    tau=float(self.option('selective_lmem_tau')) if lmem else None,
-                    keep_f=keep_f, dtype=jnp.dtype(self.dtype))
-    out, m_rows, f_rows = _blocks(spec, q, k, v, segment_ids, selection)
+    block = self.loop_block(n)
+    nq = -(-n // block)
+    table = blockloop.Table.runs(np.zeros(nq), np.arange(1, nq + 1), block)
+    score = _blocked_score(scale=scale, separate=selection is not None,
+                           shift=bool(self.option('selective_shift')),
+                           relu=bool(self.option('selective_relu')),
+                           mask_bos=bool(self.option('selective_mask_bos')),
+                           mask_diag=bool(self.option('selective_mask_diag')),
+                           tau=float(self.option('selective_lmem_tau')) if lmem else None)
+    qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
+    if selection is not None:  # The separate form as one more (one-head) query and key.
+      qh, kh = (qh, selection[0][:, None]), (kh, selection[1][:, None])
+    out, _, m_rows = blockloop.attention(
+        qh, kh, vh, segment_ids, segment_ids, None, table=table, q_block=block, score=score,
+        dtype=self.dtype, per_step=blockloop.step_keys(self.target_platform(), block) // block,
+        carry=jnp.zeros((batch, n), jnp.float32))
     if lmem:
       self._sow_memory_loss(doc_max_sum(m_rows, segment_ids), segment_ids)
-    if keep_f:
-      self.sow('intermediates', 'selection_F', f_rows)
-    return out
+    if self.is_mutable_collection('intermediates'):
+      # F of the first row, for inspection only (no gradient): the loop never holds F whole,
+      # so the row's S is recomputed here (one head, one (n, n) matrix, as the output is).
+      first = (q[:1, :, 0], k[:1, :, 0]) if selection is None else (selection[0][:1],
+                                                                     selection[1][:1])
+      s = jnp.einsum('bqd,bkd->bqk', *first, preferred_element_type=jnp.float32) * scale
+      seg = segment_ids[:1]
+      f, _ = self._accumulate(s, base.causal_segment_mask(seg), bos_flags(seg))
+      self.sow('intermediates', 'selection_F', jax.lax.stop_gradient(f[0]))
+    return jnp.swapaxes(out, 1, 2)
 
   def decode_step(self, q, k, v, *, positions, extra=None):
     """One token with a K_l-slot cache (section 4); F of each kept token kept incrementally.

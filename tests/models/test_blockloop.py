@@ -5,6 +5,8 @@
 * Outputs, log-sum-exps and the gradients of queries, keys, values and score parameters equal
   the dense reference with packed documents, for contiguous tables (slices) and gathered ones,
   one or several chunks per loop step, and a multiplicative gate.
+* A state carried across the query blocks (selective attention's F) gives the whole-sequence
+  formula's outputs, row sums and gradients, the initial state's included.
 * A query that sees no key outputs zeros, with finite gradients.
 * Every blocked path at the accelerators' block sizes gives the CPU sizes' model.
 """
@@ -98,6 +100,74 @@ def test_loop_equals_dense_with_gradients(gathered, per_step):
 
     for got, want in zip(loss(loop)(q, k, v, rel), loss(_dense)(q, k, v, rel)):
       np.testing.assert_allclose(got, want, atol=5e-5, rtol=1e-4)
+
+
+def _state_score(params, qb, kb, i, j, ctx):
+  """`_score` minus F, F_ij = C_j + sum_{k < i} X_kj with X = sigmoid(head 0's logit) on the
+  pairs that count, and rows tanh(F) (selective attention's shape, with a nonlinear X)."""
+  logits, live, gate = _score(params, qb, kb, i, j)
+  x = jnp.where(live[:, 0] & ctx.real, jax.nn.sigmoid(logits[:, 0]), 0.0)
+  f = ctx.carried[:, None, :] + jnp.cumsum(x, axis=1) - x
+  rows = jnp.where(live[:, 0], jnp.tanh(f), 0.0)
+  return logits - f[:, None], live, gate, jnp.sum(x, axis=1), rows
+
+
+def _state_dense(q, k, v, rel, carry):
+  """`_state_score` on the whole sequence at once: (output, log-sum-exp, rows)."""
+  logits, live, gate = _score(rel, q, k, jnp.arange(N), jnp.arange(N))
+  live = live & (SEGMENTS[:, None, :, None] == SEGMENTS[:, None, None, :])
+  x = jnp.where(live[:, 0], jax.nn.sigmoid(logits[:, 0]), 0.0)
+  f = carry[:, None, :] + jnp.cumsum(x, axis=1) - x
+  rows = jnp.sum(jnp.where(live[:, 0], jnp.tanh(f), 0.0), axis=-1)
+  logits = logits - f[:, None]
+  w = jnp.where(live, gate * jnp.exp(logits - jnp.max(jnp.where(live, logits, -1e30), -1,
+                                                       keepdims=True)), 0.0)
+  out = jnp.einsum('bhqk,bhkd->bhqd', w / jnp.sum(w, -1, keepdims=True), v)
+  lse = jnp.log(jnp.sum(jnp.where(live, gate * jnp.exp(logits), 0.0), -1))
+  return out, lse, rows
+
+
+@pytest.mark.parametrize('gathered', [False, True])
+@pytest.mark.parametrize('per_step', [1, 3])
+def test_carried_state_equals_dense_with_gradients(gathered, per_step):
+  """A state carried across the query blocks (selective attention's F): the score reads the
+  sum of the earlier blocks' increments at its keys. Outputs, log-sum-exps, row sums and the
+  gradients of everything, the initial state included, equal the whole-sequence formula;
+  the gradient reaching a block's increment from later blocks is the backward's carried
+  state, so it fails if the state is dropped, read late, or counted twice."""
+  q, k, v, w, rel = _inputs()
+  carry = jax.random.normal(jax.random.key(1), (B, N))
+  q_block, width = 8, 4
+  nq = -(-N // q_block)
+  chunks = [np.arange(-(-min(N, (b + 1) * q_block) // width)) for b in range(nq)]
+  if gathered:
+    i, j = np.arange(N)[:, None], np.arange(N)[None, :]
+    hit = np.asarray(_pattern(i, j))
+    chunks = [c[[hit[b * q_block:(b + 1) * q_block, x * width:(x + 1) * width].any()
+                 for x in c]] for b, c in enumerate(chunks)]
+  table = blockloop.Table.from_chunks(chunks, width)
+
+  def loop(q, k, v, rel, carry):
+    return blockloop.attention(q, k, v, SEGMENTS, SEGMENTS, rel, table=table, q_block=q_block,
+                               score=_state_score, dtype=jnp.float32, per_step=per_step,
+                               carry=carry)
+
+  with jax.default_matmul_precision('highest'):
+    got = jax.jit(loop)(q, k, v, rel, carry)
+    want = _state_dense(q, k, v, rel, carry)
+    for a, b in zip(got, want):
+      np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5)
+
+    def loss(f):
+      def fn(*args):
+        o, l, r = f(*args)
+        return jnp.sum(o * w) + jnp.sum(jnp.sin(l)) + jnp.sum(jnp.cos(r))
+      return jax.jit(jax.grad(fn, argnums=(0, 1, 2, 3, 4)))
+
+    got, want = loss(loop)(q, k, v, rel, carry), loss(_state_dense)(q, k, v, rel, carry)
+    for a, b in zip(got, want):
+      np.testing.assert_allclose(a, b, atol=5e-5, rtol=1e-4)
+    assert float(jnp.abs(got[4]).max()) > 0.01  # The initial state's gradient is checked.
 
 
 def test_query_without_keys_outputs_zeros_with_finite_gradients():

@@ -1,6 +1,6 @@
-"""Selective attention's blocked path ('blocksparse', a loop over pairs of blocks with a custom
-VJP): its values, F, M_i and gradients equal the dense path's for every switch, and its program
-does not grow with the sequence length."""
+"""Selective attention's blocked path ('blocksparse': the blocked engine of blockloop.py with F's
+column sums as its carried state): its values, F, M_i and gradients equal the dense path's for
+every switch, and its program does not grow with the sequence length."""
 
 import jax
 import jax.numpy as jnp
