@@ -205,16 +205,20 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def _processes(harness, workdir, log_dir, extra: dict, tag: str, *, slurm: bool = False,
-               n: int = 2, devices: int = 2):
+               n: int = 2, devices: int = 2, spy: bool = False):
   """Starts main.py as `n` processes of `devices` CPU devices each; kills any left on exit.
 
   They are told about each other by flags, or with `slurm` as the tasks of a SLURM job step
-  on this host (the variables srun sets, and no flag).
+  on this host (the variables srun sets, and no flag). With `spy`, main.py runs under
+  tests/training/spy_main.py, which writes process i's waiting calls to LOG_DIR/TAG_i.spy.
   """
   port = _free_port()
   procs, logs = [], []
   for i in range(n):
     command, env = harness.main_command(workdir, extra), harness.env(devices)
+    if spy:
+      command[1] = str(pathlib.Path(__file__).with_name('spy_main.py'))
+      env['SPY_OUT'] = str(pathlib.Path(log_dir) / f'{tag}_{i}.spy')
     if slurm:
       env.update({'SLURM_JOB_ID': '4242', 'SLURM_STEP_NODELIST': '127.0.0.1',
                   'SLURM_NTASKS': str(n), 'SLURM_PROCID': str(i), 'SLURM_LOCALID': str(i),
@@ -271,6 +275,27 @@ def _preempted_run(harness, workdir, log_dir, extra: dict, slurm: bool = False) 
   assert first <= stopped[0] < extra['total_steps'], stopped
   assert harness.step_dirs(workdir)[-1] == stopped[0] and not harness.tmp_dirs(workdir)
   return stopped[0]
+
+
+def test_two_processes_with_heads_split_wait_for_the_device_only_at_log_steps(harness,
+                                                                             tmp_path):
+  """Learned adaptive span (its trim is read from a head-sharded parameter) on 2 processes of
+  1 device, heads split across them: the run trains (the trim's host copy is gathered from
+  both processes; a bare device_get failed with 'spans non-addressable devices'), and neither
+  process waits for the device between log steps (issue 47: the trim was read, and a SIGTERM
+  agreed on by an all-gather, after every step)."""
+  extra = {'total_steps': 12, 'log_every_steps': 6, 'checkpoint_every_steps': 12,
+           'model.attention': 'adaptive_span', 'model.position_embedding': 'none',
+           'mesh.data': 1, 'mesh.fsdp': 1, 'mesh.tensor': 2}
+  with _processes(harness, tmp_path / 'run', tmp_path, extra, 'spy', devices=1,
+                  spy=True) as (procs, logs):
+    texts = _wait_all(procs, logs)
+  assert all('process 1 of 2' in t or 'process 0 of 2' in t for t in texts)
+  for i in range(2):
+    calls = json.loads((tmp_path / f'spy_{i}.spy').read_text())
+    waits = {s: c for s, c in calls.items() if int(s) % 6}
+    assert not waits, f'process {i} waited for the device between log steps: {waits}'
+    assert calls.get('6'), f'process {i}: the spy saw nothing at the log step'
 
 
 def test_srun_tasks_form_one_run_and_one_sigterm_stops_both_at_one_saved_step(harness,
