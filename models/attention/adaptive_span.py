@@ -113,25 +113,9 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
     return logits, live, soft_mask(x, z_block, ramp)
 
   qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # (b, h, len, d)
-  params = (rel[:span].astype(dtype), z)
-  if nq == 1:
-    # Rows of one query block (the tiny recipe's, and any row up to the block size): the
-    # window's scores in one piece, differentiated by autodiff. The loop engine's custom
-    # backward recomputes the scores and pays its loop and padding overheads for nothing
-    # here (it made the tiny recipe's step 1.2-1.5x slower).
-    window = slice(int(starts[0]), int(starts[0]) + width)
-    j = np.arange(window.start, window.stop)
-    logits, live, gate = score(params, qh, kh[:, :, window], np.arange(n), j)
-    live = live & (q_segments[:, None, :, None] == k_segments[:, None, None, window])
-    logits = jnp.where(live, logits, base.NEG_INF)
-    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    w = jnp.where(live, gate * jnp.exp(logits - top), 0.0)
-    total = jnp.sum(w, axis=-1, keepdims=True)
-    out = jnp.einsum('bhqk,bhkd->bhqd', (w / jnp.where(total > 0, total, 1.0)).astype(dtype),
-                     vh[:, :, window], preferred_element_type=jnp.float32).astype(dtype)
-  else:
-    out, _ = blockloop.attention(qh, kh, vh, q_segments, k_segments, params, table=table,
-                                 q_block=block, score=score, dtype=dtype)
+  out, _ = blockloop.attention(qh, kh, vh, q_segments, k_segments,
+                               (rel[:span].astype(dtype), z), table=table, q_block=block,
+                               score=score, dtype=dtype)
   return jnp.swapaxes(out, 1, 2)
 
 

@@ -7,6 +7,8 @@
   one or several chunks per loop step, and a multiplicative gate.
 * A state carried across the query blocks (selective attention's F) gives the whole-sequence
   formula's outputs, row sums and gradients, the initial state's included.
+* A short row (at most PLAIN_BLOCKS query blocks) is computed unrolled, with the same outputs
+  and gradients.
 * A query that sees no key outputs zeros, with finite gradients.
 * Every blocked path at the accelerators' block sizes gives the CPU sizes' model.
 """
@@ -69,10 +71,13 @@ def _dense(q, k, v, rel):
 
 @pytest.mark.parametrize('gathered', [False, True])
 @pytest.mark.parametrize('per_step', [1, 3])
-def test_loop_equals_dense_with_gradients(gathered, per_step):
+@pytest.mark.parametrize('q_block', [8, 10], ids=['loops', 'short_row'])
+def test_loop_equals_dense_with_gradients(gathered, per_step, q_block):
+  """q_block 8: 5 query blocks, the loops; 10: 4 blocks, a short row, computed unrolled."""
   q, k, v, w, rel = _inputs()
-  q_block, width = 8, 4
+  width = 4
   nq = -(-N // q_block)
+  assert (nq <= blockloop.PLAIN_BLOCKS) == (q_block == 10)
   chunks = [np.arange(-(-min(N, (b + 1) * q_block) // width)) for b in range(nq)]
   if gathered:  # Only the chunks the pattern reaches: every other one far from the diagonal.
     i, j = np.arange(N)[:, None], np.arange(N)[None, :]
@@ -170,7 +175,10 @@ def test_carried_state_equals_dense_with_gradients(gathered, per_step):
     assert float(jnp.abs(got[4]).max()) > 0.01  # The initial state's gradient is checked.
 
 
-def test_query_without_keys_outputs_zeros_with_finite_gradients():
+@pytest.mark.parametrize('short_row', [True, False])
+def test_query_without_keys_outputs_zeros_with_finite_gradients(short_row, monkeypatch):
+  if not short_row:  # The loops, which these 2 blocks would not otherwise run.
+    monkeypatch.setattr(blockloop, 'PLAIN_BLOCKS', 0)
   q, k, v, w, _ = _inputs()
   # Block 0 reads nothing; block 1 reads keys it may not see (live is False for them).
   table = blockloop.Table.runs([0, 0], [0, 1], 8)
