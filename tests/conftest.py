@@ -18,16 +18,21 @@ if TEST_XLA_FLAGS not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} {TEST_XLA_FLAGS}'.strip()
 
 # attention_impl='auto' on a CPU runs the C++ kernel where it was measured faster on this CPU
-# (models/attention/cpu_choice.py): the suite reads no measurement, so it runs the same paths
-# on every machine (tests that need a choice write their own).
+# (models/attention/cpu_choice.py). The suite does not read this machine's measurement: it
+# records its own, the kernel for every static variant (as a machine where it won), so it runs
+# the same paths on every machine, and compiles a kernel call where XLA would compile a blocked
+# loop (faster to build). Tests of the choice itself write their own record.
 os.environ['ZOO_CPU_CHOICE'] = os.path.join(tempfile.mkdtemp(prefix='zoo_cpu_choice_'),
                                             'cpu_choice.json')
 
 import jax  # noqa: E402
 import pytest
 
-from models.attention import base, registry
+from models.attention import base, cpu_choice, registry
 from tests.harness import Harness
+
+cpu_choice.record({registry.get(n).__name__: cpu_choice.KERNEL for n in registry.known()
+                   if registry.get(n).has_static_pattern()}, {'by': 'tests/conftest.py'})
 from training import assembly, evaluation, flops, steps, train
 
 # The tests compare float32 paths to ~1e-5 (the rounding of exact float32 products). On NVIDIA
