@@ -50,7 +50,13 @@ def random_lm_batch(vocab_size: int, batch: int, seq_len: int, seed: int = 0) ->
 
 def machine() -> dict[str, object]:
   """What the numbers were measured on."""
-  return {'platform': platform.platform(), 'processor': platform.processor(),
+  cpu = platform.processor()
+  try:
+    with open('/proc/cpuinfo') as f:
+      cpu = next((l.split(':', 1)[1].strip() for l in f if l.startswith('model name')), cpu)
+  except OSError:
+    pass
+  return {'platform': platform.platform(), 'processor': platform.processor(), 'cpu': cpu,
           'cpu_count': os.cpu_count(), 'jax': jax.__version__,
           'backend': jax.default_backend(), 'device_kind': jax.devices()[0].device_kind,
           'device_count': jax.device_count()}

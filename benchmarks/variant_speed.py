@@ -287,10 +287,18 @@ def main():
                       help='seconds one row may take (0: no limit); a row past it keeps an '
                            'error')
   parser.add_argument('--out', default=os.path.join(ROOT, 'results', 'variant_speed.json'))
+  parser.add_argument('--doc', default=os.path.join(ROOT, 'docs', 'variant_speed.md'),
+                      help="the page whose table is rewritten at the end ('' for none)")
+  parser.add_argument('--render', action='store_true',
+                      help='only rewrite --doc from the JSON at --out (no measurement)')
   parser.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.worker:
     worker(args)
+    return
+  if args.render:
+    with open(args.out) as f:
+      write_doc(json.load(f), args.doc)
     return
   for shape in args.shapes:
     if shape != 'tiny' and (not shape.isdigit() or int(shape) < 2 or int(shape) % 2):
@@ -324,7 +332,7 @@ def main():
   def save():
     common.write_json(args.out, {'after': after, 'after_uncommitted_changes': dirty,
                                  'before': before, 'settings': vars(args), 'notes': NOTES,
-                                 'rows': rows})
+                                 'machine': common.machine(), 'rows': rows})
 
   try:
     for shape in args.shapes:
@@ -345,6 +353,59 @@ def main():
       subprocess.run(['git', 'worktree', 'remove', '--force', worktree], cwd=ROOT, check=False)
   print()
   common.print_table(rows, columns)
+  if args.doc:
+    with open(args.out) as f:
+      write_doc(json.load(f), args.doc)
+
+
+def _fmt(value, digits: int = 0) -> str:
+  if value is None or value == '':
+    return ''
+  if isinstance(value, float):
+    return f'{value:,.{digits}f}'
+  return str(value)
+
+
+def markdown(payload: dict) -> str:
+  """The table of a results JSON as markdown (docs/variant_speed.md)."""
+  before = payload.get('before')
+  head = ['variant', 'shape', 'rows x tokens', 'path', 'compile s', 'step ms', 'tokens/s',
+          'x dense']
+  if before:
+    head += [f'{before} step ms', f'after / {before}']
+  head.append('why slower than dense')
+  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  for r in payload['rows']:
+    cells = [r['variant'], r['shape'],
+             f"{r.get('batch')} x {r.get('seq_len')}" if r.get('seq_len') else '',
+             _fmt(r.get('impl')), _fmt(r.get('compile_s'), 1), _fmt(r.get('step_ms'), 1),
+             _fmt(r.get('tokens_per_s')), _fmt(r.get('x_dense'), 2)]
+    if before:
+      cells += [_fmt(r.get('before_step_ms'), 1), _fmt(r.get('after/before'), 2)]
+    cells.append(_fmt(r.get('note')).replace('|', '/'))
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines) + '\n'
+
+
+BEGIN, END = '<!-- variant_speed table -->', '<!-- end of variant_speed table -->'
+
+
+def write_doc(payload: dict, path: str) -> None:
+  """Puts the table between the BEGIN and END markers of `path` (the page's prose stays)."""
+  with open(path) as f:
+    text = f.read()
+  if BEGIN not in text or END not in text:
+    raise ValueError(f'{path} has no {BEGIN} ... {END} markers for the table')
+  head, rest = text.split(BEGIN, 1)
+  _, tail = rest.split(END, 1)
+  machine = payload.get('machine', {})
+  dirty = ' with uncommitted changes' if payload.get('after_uncommitted_changes') else ''
+  against = f", against {payload['before']}" if payload.get('before') else ''
+  where = (f"\nMeasured on {machine.get('cpu') or machine.get('platform', '?')} "
+           f"({machine.get('cpu_count', '?')} cores, jax {machine.get('jax', '?')}), commit "
+           f"{payload['after']}{dirty}{against}.\n\n")
+  with open(path, 'w') as f:
+    f.write(head + BEGIN + where + markdown(payload) + END + tail)
 
 
 if __name__ == '__main__':

@@ -64,9 +64,12 @@ def test_x_dense_after_before_and_notes():
 @pytest.mark.skipif(not _has_commit(BEFORE), reason=f'{BEFORE} is not in this clone')
 def test_before_runs_the_worker_in_a_worktree_of_the_earlier_commit(tmp_path):
   out = tmp_path / 'variant_speed.json'
+  doc = tmp_path / 'page.md'
+  doc.write_text(f'# Speed\n\n{variant_speed.BEGIN}\nold\n{variant_speed.END}\n\nafter\n')
   proc = subprocess.run(
       [sys.executable, '-m', 'benchmarks.variant_speed', '--before', BEFORE, '--attention',
-       'dense', '--shapes', '64', '--tokens', '128', '--iters', '1', '--out', str(out)],
+       'dense', '--shapes', '64', '--tokens', '128', '--iters', '1', '--out', str(out),
+       '--doc', str(doc)],
       cwd=REPO, capture_output=True, text=True, check=False)
   assert proc.returncode == 0, proc.stderr[-2000:]
   result = json.loads(out.read_text())
@@ -75,3 +78,6 @@ def test_before_runs_the_worker_in_a_worktree_of_the_earlier_commit(tmp_path):
   assert row['tokens_per_s'] > 0 and row['before_tokens_per_s'] > 0, row
   assert row['after/before'] > 0
   assert 'variant_speed_' not in _worktrees()  # Removed in `finally`.
+  page = doc.read_text()  # The page's table is rewritten between its markers, prose kept.
+  assert page.startswith('# Speed') and page.endswith('after\n') and '\nold\n' not in page
+  assert '| dense | 64 | 2 x 64 |' in page and f'after / {result["before"]}' in page
