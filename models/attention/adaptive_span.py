@@ -88,12 +88,14 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
   # query, 100x the row).
   span = max(1, min(span, keys - 1))
   # Query i is key index m + i; it sees keys m + i - T .. m + i - 1: the queries of block
-  # [s, s + B) read one window of T + B - 1 keys from m + s - T (blockloop's loop over blocks),
-  # moved inside the row where it would reach past either end (it still holds every key the
-  # block needs), so that no read is padding.
-  width = min(span + block - 1, keys)
-  starts = np.clip(m + np.arange(nq) * block - span, 0, keys - width)
-  table = blockloop.Table.runs(starts, np.ones(nq), width)
+  # [s, s + B) read the keys from max(0, m + s - T) to m + s + B - 1 (exclusive), in chunks of
+  # min(B, T) keys (blockloop's loop over chunks): a block near the start of the row, or a
+  # span longer than the row, reads only the keys before its last query (a window of fixed
+  # width T + B - 1 read 1.6x the pairs of a 512-token row at T = S).
+  width = min(block, span)
+  first = np.maximum(0, m + np.arange(nq) * block - span)
+  end = np.minimum(keys, m + np.arange(nq) * block + block - 1)
+  table = blockloop.Table.runs(first, -(-(end - first) // width), width)
   z = jnp.asarray(z, jnp.float32)
   per_token = z.ndim != 1
   if per_token:  # (b, n, h) -> (b, h, blocks x B): sliced by each block's queries.
@@ -103,9 +105,13 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
     p, z = params
     x = (m + i)[:, None] - j[None, :]  # distances (B, W)
     logits = jnp.einsum('bhqd,bhkd->bhqk', qb, kb, preferred_element_type=jnp.float32)
-    # q . p_x for every distance once, then placed at each key (eq. 1's relative term).
-    qp = jnp.einsum('bhqd,xd->bhqx', qb, p, preferred_element_type=jnp.float32)
-    at = jnp.broadcast_to(jnp.clip(x - 1, 0, span - 1), qp.shape[:2] + x.shape)
+    # q . p_x once for each distance the step's pairs span (B + C - 1 of them, from its nearest
+    # pair's), then placed at each key (eq. 1's relative term); x outside [1, T] is not live.
+    rows = min(qb.shape[2] + kb.shape[2] - 1, span)
+    nearest = jnp.clip(m + i[0] - j[-1] - 1, 0, span - rows)
+    qp = jnp.einsum('bhqd,xd->bhqx', qb, jax.lax.dynamic_slice_in_dim(p, nearest, rows),
+                    preferred_element_type=jnp.float32)
+    at = jnp.broadcast_to(jnp.clip(x - 1 - nearest, 0, rows - 1), qp.shape[:2] + x.shape)
     logits = (logits + jnp.take_along_axis(qp, at, axis=-1)) * scale
     z_block = (jax.lax.dynamic_slice_in_dim(z, i[0], block, axis=2)[..., None] if per_token
                else z[None, :, None, None])

@@ -85,6 +85,19 @@ def model_config(variant: str, block: str, stack: str) -> transformer.Transforme
       {**model_settings(variant, block, stack), 'vocab_size': VOCAB, 'max_len': MAX_LEN})
 
 
+def run_config(case: Case, **model):
+  """configs/default.py training the case's model (its option groups merged into the
+  config's), with `model` overrides of config.model: the real loop's config for a case."""
+  from configs import default  # pylint: disable=import-outside-toplevel
+  config = default.get_config()
+  settings = model_settings(case.variant, case.block, case.stack)
+  for group in ('attention_options', 'stack_options', 'block_options'):
+    for key, value in settings.pop(group, {}).items():
+      config.model[group][key] = value
+  config.model.update(vocab_size=0, max_len=0, **{**settings, **model})
+  return config
+
+
 def _valid() -> list[Case]:
   out = []
   for variant, block, stack in itertools.product(product_variants(), blocks.known(),

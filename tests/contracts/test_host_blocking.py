@@ -18,7 +18,6 @@ import pytest
 from jax._src import array as jax_array
 from jax.experimental import multihost_utils
 
-from configs import default
 from tests.contracts import cases
 from training import train
 
@@ -29,12 +28,7 @@ TOTAL = 12
 
 
 def _config(case: cases.Case):
-  config = default.get_config()
-  settings = cases.model_settings(case.variant, case.block, case.stack)
-  for group in ('attention_options', 'stack_options', 'block_options'):
-    for key, value in settings.pop(group, {}).items():
-      config.model[group][key] = value
-  config.model.update(vocab_size=0, max_len=0, **settings)
+  config = cases.run_config(case)
   config.data.update(name='copy', num_symbols=12, max_length=15)  # Rows of 32.
   config.update(batch_size=4, total_steps=TOTAL, warmup_steps=1, log_every_steps=LOG_EVERY,
                 eval_every_steps=0, eval_steps=1, checkpoint_every_steps=TOTAL,

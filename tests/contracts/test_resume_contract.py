@@ -14,7 +14,6 @@ import jax
 import numpy as np
 import pytest
 
-from configs import default
 from tests.contracts import cases
 from training import train
 
@@ -22,12 +21,7 @@ pytestmark = [pytest.mark.system, pytest.mark.usefixtures('compile_cache')]
 
 
 def _config(case: cases.Case):
-  config = default.get_config()
-  settings = cases.model_settings(case.variant, case.block, case.stack)
-  for group in ('attention_options', 'stack_options', 'block_options'):
-    for key, value in settings.pop(group, {}).items():
-      config.model[group][key] = value
-  config.model.update(vocab_size=0, max_len=0, dropout_rate=0.1, attention_impl='xla', **settings)
+  config = cases.run_config(case, dropout_rate=0.1, attention_impl='xla')
   config.data.update(name='copy', num_symbols=12, max_length=15)  # Rows of 32.
   config.update(batch_size=4, total_steps=4, warmup_steps=1, log_every_steps=2,
                 eval_every_steps=0, eval_steps=1, checkpoint_every_steps=2,
