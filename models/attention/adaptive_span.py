@@ -96,6 +96,9 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
   first = np.maximum(0, m + np.arange(nq) * block - span)
   end = np.minimum(keys, m + np.arange(nq) * block + block - 1)
   table = blockloop.Table.runs(first, -(-(end - first) // width), width)
+  # All of a block's chunks in one step: its q . p_x over the T distances is computed once per
+  # block, not once per chunk (a short row's blocks then read only their own chunks).
+  per_step = max(1, int(table.count.max()))
   z = jnp.asarray(z, jnp.float32)
   per_token = z.ndim != 1
   if per_token:  # (b, n, h) -> (b, h, blocks x B): sliced by each block's queries.
@@ -121,7 +124,7 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
   qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # (b, h, len, d)
   out, _ = blockloop.attention(qh, kh, vh, q_segments, k_segments,
                                (rel[:span].astype(dtype), z), table=table, q_block=block,
-                               score=score, dtype=dtype)
+                               score=score, dtype=dtype, per_step=per_step)
   return jnp.swapaxes(out, 1, 2)
 
 
