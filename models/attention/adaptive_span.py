@@ -331,8 +331,12 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
     # The training loop sets T from z read at its log steps; z may have grown since. A key at
     # distance x weighs m_z(x) > 0 while x < R + z, so T keys are exact while max z + R <= T + 1;
     # a step whose spans outgrew T computes all S (exact, slower) until the loop trims again.
+    # Differentiating a cond keeps the residuals of both branches, the one not taken filled
+    # with zeros: the S-wide branch is rematerialized, so its residuals are its inputs and a
+    # step that takes the trimmed branch writes no S-wide zeros (the 512-token step had run
+    # 1.2-1.4x b39f426's, which had no fallback), and that branch keeps its own residuals.
     return jax.lax.cond(jnp.max(z) + ramp <= self.trim + 1, lambda: attend(span=self.trim),
-                        lambda: attend(span=self.limit))
+                        jax.checkpoint(lambda: attend(span=self.limit)))
 
   def decode_step(self, q, k, v, *, positions, extra=None):
     """One token; the cache keeps the last T keys (T = this layer's trimmed span).
