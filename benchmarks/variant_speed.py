@@ -18,7 +18,10 @@ Each (commit, variant, shape) runs in its own child process (this file with --wo
 builds the real sharded train step (model specialized to its initial parameters, as the
 training loop does), times its first call (compile_s: compile included), one more untimed
 call, then --iters calls (step_ms: their median). x_dense = dense's tokens/s / the variant's
-at the same shape (> 1: slower than dense). With --before REV, REV is checked out with `git
+at the same shape (> 1: slower than dense); dense's default on a CPU is the C++ tile kernel,
+so the table also runs dense@blocksparse (a variant NAME@IMPL sets model.attention_impl), dense
+on the blocked engine of the learned variants with the same block sizes, and x_engine compares
+every blocksparse row with it. With --before REV, REV is checked out with `git
 worktree` under a temporary folder and every row runs there and then here, back to back, so a
 slow phase of a shared machine hits both (the worker is this file, importing the other tree's
 packages). A row that cannot build or run keeps the first line of its error. Rows more than
@@ -56,6 +59,10 @@ NOTES = {
 }
 # What the table adds when a slow variant ran another path than dense's.
 OTHER_PATH = 'plain-JAX {impl} path where dense runs {dense}'
+# Dense on the blocked engine the learned variants run (blockloop.py, the same block sizes):
+# their x_engine is against it, since dense's own default on a CPU is the C++ tile kernel.
+ENGINE = 'blocksparse'
+ENGINE_DENSE = f'dense@{ENGINE}'
 
 
 # -------------------------------------------------------------------------- the worker
@@ -76,10 +83,13 @@ def _api():
 
 
 def _config(attention: str, shape: str, tokens: int):
-  """configs/tiny.py with `attention`, at `shape` ('tiny' or a row length)."""
+  """configs/tiny.py with `attention` (NAME or NAME@IMPL), at `shape` ('tiny' or a row
+  length)."""
   from configs import tiny  # pylint: disable=import-outside-toplevel
   config = tiny.get_config()
-  config.model.attention = attention
+  config.model.attention, _, impl = attention.partition('@')
+  if impl:
+    config.model.attention_impl = impl
   if shape != 'tiny':
     n = int(shape)
     config.data.name = 'parity'         # Any embedded source: only shapes matter here.
@@ -249,10 +259,14 @@ def combine(after: dict, before: dict | None) -> dict:
   return row
 
 
-def annotate(row: dict, dense: dict | None) -> None:
-  """Adds x_dense and the note (errors, the reason a row is slow) to `row`."""
+def annotate(row: dict, dense: dict | None, engine: dict | None = None) -> None:
+  """Adds x_dense, x_engine (against dense on the same blocked engine, for a row that runs
+  it) and the note (errors, the reason a row is slow) to `row`."""
   if dense and dense.get('tokens_per_s') and row.get('tokens_per_s'):
     row['x_dense'] = dense['tokens_per_s'] / row['tokens_per_s']
+  if (engine and engine.get('tokens_per_s') and row.get('tokens_per_s')
+      and row.get('impl') == ENGINE):
+    row['x_engine'] = engine['tokens_per_s'] / row['tokens_per_s']
   notes = []
   if row.get('error'):
     notes.append(f"error: {row['error']}")
@@ -274,8 +288,9 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--attention', nargs='+', default=None,
-                      help='variants to run (default: every registered one); dense is always '
-                           'run too, as the reference of x_dense')
+                      help='variants to run, NAME or NAME@IMPL (an attention_impl; default: '
+                           f'every registered one and {ENGINE_DENSE}); dense is always run '
+                           'too, as the reference of x_dense')
   parser.add_argument('--shapes', nargs='+', default=list(SHAPES),
                       help="'tiny' (configs/tiny.py as main.py trains it) or row lengths N")
   parser.add_argument('--tokens', type=int, default=16384,
@@ -308,11 +323,13 @@ def main():
   from benchmarks import common  # pylint: disable=import-outside-toplevel
   from models import attention as attention_lib  # pylint: disable=import-outside-toplevel
   known = attention_lib.known()
-  variants = args.attention or known
-  unknown = sorted(set(variants) - set(known))
+  variants = args.attention or known + [ENGINE_DENSE]
+  unknown = sorted({v for v in variants if v.partition('@')[0] not in known})
   if unknown:
     parser.error(f'unknown variants {", ".join(unknown)}; known: {", ".join(known)}')
-  variants = ['dense'] + [v for v in dict.fromkeys(variants) if v != 'dense']
+  # dense first (x_dense), then dense on the blocked engine (x_engine), then the rest.
+  variants = ['dense'] + sorted((v for v in dict.fromkeys(variants) if v != 'dense'),
+                                key=lambda v: v != ENGINE_DENSE)
 
   after = _git('rev-parse', '--short', 'HEAD')
   dirty = bool(_git('status', '--porcelain', '--untracked-files=no'))
@@ -324,7 +341,7 @@ def main():
                    check=True, capture_output=True)
   rows = []
   columns = ['variant', 'shape', 'seq_len', 'batch', 'impl', 'adjust', 'compile_s', 'step_ms',
-             'tokens_per_s', 'x_dense']
+             'tokens_per_s', 'x_dense', 'x_engine']
   if args.before:
     columns += ['before_step_ms', 'before_tokens_per_s', 'after/before']
   columns.append('note')
@@ -336,13 +353,15 @@ def main():
 
   try:
     for shape in args.shapes:
-      dense = None
+      dense = engine = None
       for variant in variants:
         old = child(worktree, variant, shape, args) if worktree else None
         row = combine(child(ROOT, variant, shape, args), old)
         if variant == 'dense':
           dense = row
-        annotate(row, dense)
+        if variant == ENGINE_DENSE:
+          engine = row
+        annotate(row, dense, engine)
         rows.append(row)
         print(' '.join(f'{c}={row[c]:.4g}' if isinstance(row.get(c), float) else
                        f'{c}={row[c]}' for c in columns if row.get(c) not in (None, '')),
@@ -370,7 +389,7 @@ def markdown(payload: dict) -> str:
   """The table of a results JSON as markdown (docs/variant_speed.md)."""
   before = payload.get('before')
   head = ['variant', 'shape', 'rows x tokens', 'path', 'compile s', 'step ms', 'tokens/s',
-          'x dense']
+          'x dense', f'x {ENGINE_DENSE}']
   if before:
     head += [f'{before} step ms', f'after / {before}']
   head.append('why slower than dense')
@@ -379,7 +398,8 @@ def markdown(payload: dict) -> str:
     cells = [r['variant'], r['shape'],
              f"{r.get('batch')} x {r.get('seq_len')}" if r.get('seq_len') else '',
              _fmt(r.get('impl')), _fmt(r.get('compile_s'), 1), _fmt(r.get('step_ms'), 1),
-             _fmt(r.get('tokens_per_s')), _fmt(r.get('x_dense'), 2)]
+             _fmt(r.get('tokens_per_s')), _fmt(r.get('x_dense'), 2),
+             _fmt(r.get('x_engine'), 2)]
     if before:
       cells += [_fmt(r.get('before_step_ms'), 1), _fmt(r.get('after/before'), 2)]
     cells.append(_fmt(r.get('note')).replace('|', '/'))

@@ -37,6 +37,12 @@ def test_worker_times_dense_at_a_small_shape():
   assert row['impl']
 
 
+def test_name_at_impl_sets_the_attention_implementation():
+  config = variant_speed._config('dense@blocksparse', '64', 128)
+  assert (config.model.attention, config.model.attention_impl) == ('dense', 'blocksparse')
+  assert variant_speed._config('dense', '64', 128).model.attention == 'dense'
+
+
 def test_a_build_error_is_a_row_not_a_crash():
   args = argparse.Namespace(tokens=128, iters=1, timeout=600)
   row = variant_speed.child(str(REPO), 'no_such_variant', '64', args)
@@ -55,6 +61,11 @@ def test_x_dense_after_before_and_notes():
   assert dense['x_dense'] == 1 and not dense['note']
   assert slow['x_dense'] == pytest.approx(3.0) and slow['after/before'] == pytest.approx(2.0)
   assert slow['note'].startswith(variant_speed.NOTES['lsh']) and 'cpu_kernel' in slow['note']
+  engine = {'variant': 'dense@blocksparse', 'tokens_per_s': 200.0, 'impl': 'blocksparse'}
+  variant_speed.annotate(slow, dense, engine)
+  assert slow['x_engine'] == pytest.approx(2.0)
+  variant_speed.annotate(dense, dense, engine)
+  assert 'x_engine' not in dense  # Only rows on the blocked engine.
   broken = variant_speed.combine({'variant': 'txl', 'error': 'ValueError: no'}, None)
   variant_speed.annotate(broken, dense)
   assert 'x_dense' not in broken and broken['note'] == 'error: ValueError: no'
