@@ -288,10 +288,11 @@ class _SpecializedSteps:
         changed = {k: v for k, v in key if dict(self._current).get(k) != v}
         logging.info('specialized attention options changed to %s; compiling their step',
                      changed)
-      train_step = steps.jit_train_step(self._setup, model)
       if self._compiled is not None and key == self._setup.model.config.attention_options:
         train_step = self._compiled
         logging.info('train step: the executable the fit check compiled')
+      else:
+        train_step = steps.jit_train_step(self._setup, model)
       self._steps[key] = (train_step, steps.jit_eval_step(self._setup, model))
     self._current = key
     return self._steps[key]
