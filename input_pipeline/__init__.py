@@ -61,13 +61,19 @@ EVAL_SEED_OFFSET = 10**6
 
 
 def make_source(config, *, process_index: int = 0, process_count: int = 1,
-                workdir: str | None = None) -> DataSource:
+                workdir: str | None = None,
+                shard: tuple[int, int] | None = None) -> DataSource:
   """The data source named by `config.data.name`.
 
   Args:
     config: the run config.
-    process_index: this host's index.
+    process_index: this host's index (process 0 prepares a local corpus and trains a
+      SentencePiece model; the others wait for them).
     process_count: number of hosts.
+    shard: (index, count): the block of every batch's rows this process reads, block `index`
+      of `count` (training/sharding.py's data_shard: the rows its devices hold in the
+      batch's layout; processes that hold the same rows read the same rows). Default
+      (process_index, process_count): each process its own share.
     workdir: the run's folder; the SentencePiece model goes there unless data.vocab_path
       names a file.
 
@@ -75,6 +81,7 @@ def make_source(config, *, process_index: int = 0, process_count: int = 1,
     A DataSource.
   """
   name = config.data.name
+  shard = shard or (process_index, process_count)
   if config.data.packing not in packing.MODES:
     raise ValueError(f'data.packing must be one of {packing.MODES}, got {config.data.packing!r}')
   if name in synthetic.TASKS:
@@ -92,14 +99,14 @@ def make_source(config, *, process_index: int = 0, process_count: int = 1,
     fields = {f.name for f in dataclasses.fields(synthetic.TASKS[name])}
     task = synthetic.make_task(name, **{k: v for k, v in config.data.items() if k in fields})
     eval_batch = config.eval_batch_size or config.batch_size
-    shard = dict(process_index=process_index, process_count=process_count)
+    rows = dict(process_index=shard[0], process_count=shard[1])
 
     def eval_batches():
       for i in range(config.eval_steps):
-        yield task.batch(config.seed + EVAL_SEED_OFFSET, i, eval_batch, **shard)
+        yield task.batch(config.seed + EVAL_SEED_OFFSET, i, eval_batch, **rows)
 
     def train_batch(step):
-      return task.batch(config.seed, step, config.batch_size, **shard)
+      return task.batch(config.seed, step, config.batch_size, **rows)
 
     def train_iter(step, state=None):
       del state  # A batch is a pure function of (seed, step).
@@ -111,18 +118,19 @@ def make_source(config, *, process_index: int = 0, process_count: int = 1,
         vocab_size=task.vocab_size, seq_len=task.seq_len, train_iter=train_iter,
         eval_batches=eval_batches, train_batch=train_batch, chance_loss=task.chance_loss)
   if name in text.TFDS_NAMES:
-    return _text_source(config, process_index, process_count, workdir)
+    return _text_source(config, process_index, process_count, workdir, shard)
   raise ValueError(f'unknown data.name {name!r}; known: '
                    f'{", ".join(text.TFDS_NAMES + tuple(sorted(synthetic.TASKS)))}')
 
 
-def _text_source(config, process_index, process_count, workdir) -> DataSource:
+def _text_source(config, process_index, process_count, workdir, shard) -> DataSource:
   """C4 / any TFDS text dataset / local text files, tokenized and packed."""
   data = config.data
+  shard_index, shard_count = shard
   for name, rows in (('batch_size', config.batch_size),
                      ('eval batch size', config.eval_batch_size or config.batch_size)):
-    if rows % process_count:
-      raise ValueError(f'{name}={rows} is not divisible by the {process_count} processes')
+    if rows % shard_count:
+      raise ValueError(f'{name}={rows} is not divisible by the {shard_count} processes')
   if data.pack_min_piece < 0:
     raise ValueError(f'data.pack_min_piece must be >= 0, got {data.pack_min_piece}')
   if data.pack_align < 1 or config.seq_len % data.pack_align:
@@ -139,10 +147,10 @@ def _text_source(config, process_index, process_count, workdir) -> DataSource:
     raise ValueError(f'data.text_key={data.text_key!r} is not a feature of '
                      f'{builder.info.full_name}: {sorted(builder.info.features)}')
   import tensorflow_datasets as tfds
-  train_split = tfds.split_for_jax_process(data.train_split, process_index=process_index,
-                                           process_count=process_count)
-  eval_split = tfds.split_for_jax_process(data.eval_split, process_index=process_index,
-                                          process_count=process_count)
+  train_split = tfds.split_for_jax_process(data.train_split, process_index=shard_index,
+                                           process_count=shard_count)
+  eval_split = tfds.split_for_jax_process(data.eval_split, process_index=shard_index,
+                                          process_count=shard_count)
   if data.tokenizer == 'byte':
     tokenizer = tokenizers.ByteTokenizer()
   elif data.tokenizer == 'sentencepiece':
@@ -163,8 +171,8 @@ def _text_source(config, process_index, process_count, workdir) -> DataSource:
         process_index=process_index)
   else:
     raise ValueError(f"data.tokenizer must be 'sentencepiece' or 'byte', got {data.tokenizer!r}")
-  local_rows = config.batch_size // process_count
-  local_eval_rows = (config.eval_batch_size or config.batch_size) // process_count
+  local_rows = config.batch_size // shard_count
+  local_eval_rows = (config.eval_batch_size or config.batch_size) // shard_count
   readers = []
 
   stream = data.packing == 'stream'

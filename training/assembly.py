@@ -50,6 +50,9 @@ class Setup:
     state_sharding: shardings of the TrainState.
     batch_sharding: sharding of every batch array.
     init_fn: rng -> freshly initialized (unboxed) TrainState.
+    data_shard: (index, count): this process's block of every batch's rows, as the batch
+      sharding lays them out over the processes (sharding.data_shard); its data source reads
+      that block.
   """
   config: ml_collections.ConfigDict
   model_config: transformer.TransformerConfig
@@ -64,6 +67,11 @@ class Setup:
   state_sharding: Any
   batch_sharding: jax.sharding.NamedSharding
   init_fn: Any
+  data_shard: tuple[int, int] = (0, 1)
+
+  def global_rows(self, local_rows: int) -> int:
+    """Rows of the global batch assembled from `local_rows` rows on each process."""
+    return local_rows * self.data_shard[1]
 
 
 def check_workdir(workdir: str) -> None:
@@ -142,18 +150,21 @@ def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None =
     The Setup.
   """
   settings.check(config)
+  mesh = sharding.make_mesh(config.mesh, devices)
+  # The rows this process reads are those its devices hold in the batch's layout (all of
+  # them when only the tensor axis crosses the hosts), not 1/process_count of the batch.
+  shard = sharding.data_shard(mesh)
   source = None
   if data or config.data.name not in input_pipeline.text.TFDS_NAMES:
     # A synthetic task reads nothing, and an unknown name gets the source's own error.
     source = input_pipeline.make_source(
         config, process_index=jax.process_index(), process_count=jax.process_count(),
-        workdir=workdir)
+        workdir=workdir, shard=shard)
     data_vocab, seq_len = source.vocab_size, source.seq_len
   else:
     data_vocab, seq_len = _shapes_without_data(config)
   if not data:
     source = None
-  mesh = sharding.make_mesh(config.mesh, devices)
   model_cfg = dict(config.model)
   # A vocabulary taken from the data is padded to a multiple of VOCAB_MULTIPLE, whatever the
   # mesh: parameter shapes, and so checkpoints, are the same on every mesh.
@@ -210,7 +221,7 @@ def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None =
                 seq_len=seq_len, mesh=mesh, rules=rules, tx=tx, schedule=schedule,
                 abstract_state=abstract_state,
                 state_sharding=state_sharding, batch_sharding=sharding.batch_sharding(mesh),
-                init_fn=lambda rng: nn.unbox(init_boxed(rng)))
+                init_fn=lambda rng: nn.unbox(init_boxed(rng)), data_shard=shard)
   return setup
 
 
@@ -221,8 +232,10 @@ def init_state(setup: Setup, seed: int) -> steps.TrainState:
 
 
 def device_batch(setup: Setup, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-  """Assembles the global batch from this process's rows."""
-  return {k: jax.make_array_from_process_local_data(setup.batch_sharding, v)
+  """Assembles the global batch from this process's rows (its block of the batch,
+  setup.data_shard: processes that hold the same rows give the same rows)."""
+  return {k: jax.make_array_from_process_local_data(
+      setup.batch_sharding, v, (setup.global_rows(v.shape[0]),) + v.shape[1:])
           for k, v in local.items()}
 
 

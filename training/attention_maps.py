@@ -32,7 +32,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from models import blocks, stacks, transformer
+from models import blocks, host, stacks, transformer
 from models.attention import base, patterns
 from training import assembly, run_config, sharding, steps
 
@@ -101,20 +101,23 @@ def sown_per_layer(config: ml_collections.ConfigDict, workdir: str):
     model = assembly.specialized_model(setup, params)
   local = _first_eval_batch(setup)
   with sharding.activate(setup.mesh, setup.rules):
+    batch = assembly.device_batch(setup, local)
     variables = {'params': params}
     mutable = ['intermediates']
-    if setup.model_config.uses_memory:
-      variables['memory'] = steps.fresh_memory(setup, local['inputs'].shape[0])
+    if setup.model_config.uses_memory:  # Laid out for the global batch, as training's.
+      variables['memory'] = steps.fresh_memory(setup, batch['inputs'].shape[0])
       mutable.append('memory')
     _, sown = jax.jit(lambda v, b: model.apply(
         v, b['inputs'], positions=b['positions'], segment_ids=b['segment_ids'],
-        mutable=mutable))(variables, assembly.device_batch(setup, local))
+        mutable=mutable))(variables, batch)
   mc = model.config
-  sown = jax.device_get(sown['intermediates'])
+  # On several processes the batch and what is sown span them all (rows over the data axes,
+  # heads over the tensor axis): every process gathers the whole of both.
+  sown, batch = host.to_host((sown['intermediates'], batch))
   stack = stacks.of(mc)
   layers = [tree.get('attention', {}) for tree in stack.sown_layers(mc, sown)]
   source = f'checkpoint step {step}' if step is not None else 'initial parameters'
-  return layers, {k: np.asarray(v) for k, v in local.items()}, mc, source, sown
+  return layers, batch, mc, source, sown
 
 
 def plot_matrices(panels: dict[str, np.ndarray], path: str, title: str) -> None:
@@ -223,12 +226,16 @@ def write_maps(config: ml_collections.ConfigDict, workdir: str,
   mc = transformer.TransformerConfig.from_config(model_cfg)
   masks = connectivity(mc, n)
   out_dir = os.path.join(workdir, 'inspect')
+  # On several processes each computes the same figures and process 0 writes them (two
+  # writers of one file in a shared workdir could interleave).
+  writes = jax.process_index() == 0
   os.makedirs(out_dir, exist_ok=True)
   npz = os.path.join(out_dir, 'connectivity.npz')
-  np.savez_compressed(npz, **masks)
   png = os.path.join(out_dir, 'connectivity.png')
   kinds = ','.join(sorted(set(mc.attention)))
-  plot(masks, mc.n_layers, mc.n_heads, png, f'{kinds} attention, n={n}')
+  if writes:
+    np.savez_compressed(npz, **masks)
+    plot(masks, mc.n_layers, mc.n_heads, png, f'{kinds} attention, n={n}')
   density = {k: float(v.sum()) / (n * (n + 1) / 2) for k, v in masks.items()}
   logging.info('connectivity of %d layers x %d heads (n=%d): mean density %.3f of causal; '
                'wrote %s and %s', mc.n_layers, mc.n_heads, n, np.mean(list(density.values())),
@@ -244,5 +251,5 @@ def write_maps(config: ml_collections.ConfigDict, workdir: str,
   for cls in transformer.variant_classes(model_config):
     figures += cls.inspect(model_config, layers, batch, source)
   for figure in figures:
-    paths.update(write_figure(figure, out_dir))
+    paths.update(write_figure(figure, out_dir) if writes else {})
   return paths

@@ -207,15 +207,27 @@ def score_windows(setup: assembly.Setup, eval_step: steps.EvalStep, params, opts
   if documents is None:
     documents = setup.data.eval_documents()
   config = setup.config
-  rows = (config.eval_batch_size or config.batch_size) // jax.process_count()
+  rows = (config.eval_batch_size or config.batch_size) // setup.data_shard[1]
   counts = {}
   result = score(setup, eval_step, params, batches=batches(
       documents, opts.window, opts.stride, rows, config.eval_steps, counts))
-  if jax.process_count() > 1:
-    summed = np.asarray(multihost_utils.process_allgather(
-        np.array([counts['documents'], counts['windows']]))).sum(axis=0)
-    counts = {'documents': int(summed[0]), 'windows': int(summed[1])}
+  summed = _sum_over_shards(setup, [counts['documents'], counts['windows']])
+  counts = {'documents': int(summed[0]), 'windows': int(summed[1])}
   return {**result, **counts}
+
+
+def _sum_over_shards(setup: assembly.Setup, values) -> np.ndarray:
+  """The sums of `values` over the blocks of the batch rows (setup.data_shard), each block
+  counted once: processes that hold the same rows (heads split across the hosts) read the
+  same documents. A collective: every process calls it at the same point."""
+  values = np.asarray(values, np.float64)
+  if jax.process_count() == 1:
+    return values
+  gathered = np.asarray(multihost_utils.process_allgather(values))
+  first = {}  # Block index -> the first process that reads it.
+  for process, (index, _) in sorted(sharding.data_shards(setup.mesh).items()):
+    first.setdefault(index, process)
+  return gathered[sorted(first.values())].sum(axis=0)
 
 
 def _eval_local_batches(setup: assembly.Setup, batches=None):
@@ -263,8 +275,7 @@ def score(setup: assembly.Setup, eval_step: steps.EvalStep, params,
   result = {'loss': loss, 'perplexity': float(np.exp(min(loss, 80.0))),
             'accuracy': totals['correct_sum'] / w, 'scored_tokens': totals['weight_sum']}
   if setup.data.token_bytes is not None:
-    if jax.process_count() > 1:
-      text_bytes = float(multihost_utils.process_allgather(np.array(text_bytes)).sum())
+    text_bytes = float(_sum_over_shards(setup, [text_bytes])[0])
     result['bits_per_byte'] = float(totals['loss_sum'] / np.log(2.0) / max(text_bytes, 1.0))
     result['scored_bytes'] = text_bytes
   return result

@@ -179,6 +179,51 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(('data', 'fsdp')))
 
 
+def data_shards(mesh: Mesh) -> dict[int, tuple[int, int]]:
+  """process index -> (index, count): the block of every batch's rows that the process's
+  devices hold under `batch_sharding(mesh)`, as block `index` of `count` equal blocks.
+
+  The rows a process must read are those its devices hold: not a 1/process_count share of
+  the batch. With the data-parallel axes across the hosts each process holds its own block
+  (count = the processes); with only the tensor axis across them (heads split over the hosts)
+  every process holds every row (count 1, the same index on all), and reads the same rows.
+
+  Raises:
+    ValueError: a process whose devices hold rows that are not one contiguous block, or
+      blocks of different sizes (a mesh whose data-parallel devices interleave the hosts).
+  """
+  rows = mesh.shape['data'] * mesh.shape['fsdp']  # One row per data-parallel device.
+  held: dict[int, set[int]] = {}
+  for device, index in batch_sharding(mesh).devices_indices_map((rows,)).items():
+    start, stop, _ = index[0].indices(rows)
+    held.setdefault(device.process_index, set()).update(range(start, stop))
+  return row_blocks(held, rows, f'under the mesh {dict(mesh.shape)}')
+
+
+def row_blocks(held: dict[int, set[int]], rows: int,
+               where: str = '') -> dict[int, tuple[int, int]]:
+  """process -> (index, count) from the rows of `rows` each process holds (`data_shards`)."""
+  sizes = {len(r) for r in held.values()}
+  out = {}
+  for process, r in sorted(held.items()):
+    start, size = min(r), len(r)
+    if r != set(range(start, start + size)) or len(sizes) > 1 or start % size:
+      raise ValueError(
+          f'process {process} holds batch rows {sorted(r)} of {rows} {where}: each process '
+          'must hold one contiguous block of the batch, the same size on every process '
+          '(order the devices host by host along the data-parallel axes)')
+    out[process] = (start // size, rows // size)
+  return out
+
+
+def data_shard(mesh: Mesh) -> tuple[int, int]:
+  """(index, count) of this process's block of the batch rows (`data_shards`): what its data
+  reader reads, so that the batch assembled from every process's rows is the global batch."""
+  if jax.process_count() == 1:
+    return 0, 1
+  return data_shards(mesh)[jax.process_index()]
+
+
 def logical_shardings(abstract_tree, mesh: Mesh, rules):
   """NamedShardings for a tree whose leaves may be nn.LogicalPartitioned boxes.
 
