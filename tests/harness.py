@@ -79,8 +79,11 @@ class Harness:
     env['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
     return env
 
-  def main_command(self, workdir, extra: dict | None = None, mode: str = 'train') -> list[str]:
-    return [sys.executable, str(REPO / 'main.py'), f'--config={REPO / "configs" / "tiny.py"}',
+  def main_command(self, workdir, extra: dict | None = None, mode: str = 'train',
+                   config_file=None) -> list[str]:
+    """main.py with `config_file` (default configs/tiny.py) and FAST + `extra` as flags."""
+    config_file = config_file or REPO / 'configs' / 'tiny.py'
+    return [sys.executable, str(REPO / 'main.py'), f'--config={config_file}',
             f'--workdir={workdir}', f'--mode={mode}', *self.flags(extra)]
 
   def run_main(self, workdir, extra: dict | None = None, *, mode: str = 'train',
@@ -90,11 +93,11 @@ class Harness:
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
   def start_main(self, workdir, log_path, extra: dict | None = None,
-                 devices: int = 1) -> subprocess.Popen:
+                 devices: int = 1, mode: str = 'train') -> subprocess.Popen:
     """Starts main.py in the background with stdout and stderr going to `log_path`."""
     log = open(log_path, 'w')  # pylint: disable=consider-using-with
-    proc = subprocess.Popen(self.main_command(workdir, extra), env=self.env(devices), cwd=REPO,
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(self.main_command(workdir, extra, mode), env=self.env(devices),
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     log.close()  # The child holds its own descriptor.
     return proc
 

@@ -2,18 +2,16 @@
 described only in part, and a real 2-process x 2-device run on loopback that is preempted,
 resumed and evaluated, ending with the parameters of a 1-process x 4-device run."""
 
-import contextlib
 import json
 import os
-import pathlib
 import re
 import signal
-import socket
 import subprocess
 import time
 
 import pytest
 
+from tests import multiprocess
 from training import distributed
 
 SLURM_STEP = {'SLURM_JOB_ID': '4242', 'SLURM_STEP_NODELIST': 'node[003-004]',
@@ -197,61 +195,8 @@ def test_a_half_described_launch_is_one_error_line_before_any_work(harness, tmp_
 
 # --- a real multi-process run on loopback ----------------------------------------------------
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _processes(harness, workdir, log_dir, extra: dict, tag: str, *, slurm: bool = False,
-               n: int = 2, devices: int = 2, spy: bool = False):
-  """Starts main.py as `n` processes of `devices` CPU devices each; kills any left on exit.
-
-  They are told about each other by flags, or with `slurm` as the tasks of a SLURM job step
-  on this host (the variables srun sets, and no flag). With `spy`, main.py runs under
-  tests/training/spy_main.py, which writes process i's waiting calls to LOG_DIR/TAG_i.spy.
-  """
-  port = _free_port()
-  procs, logs = [], []
-  for i in range(n):
-    command, env = harness.main_command(workdir, extra), harness.env(devices)
-    if spy:
-      command[1] = str(pathlib.Path(__file__).with_name('spy_main.py'))
-      env['SPY_OUT'] = str(pathlib.Path(log_dir) / f'{tag}_{i}.spy')
-    if slurm:
-      env.update({'SLURM_JOB_ID': '4242', 'SLURM_STEP_NODELIST': '127.0.0.1',
-                  'SLURM_NTASKS': str(n), 'SLURM_PROCID': str(i), 'SLURM_LOCALID': str(i),
-                  'JAX_COORDINATOR_PORT': str(port)})
-    else:
-      command += [f'--coordinator_address=127.0.0.1:{port}', f'--num_processes={n}',
-                  f'--process_id={i}']
-    logs.append(pathlib.Path(log_dir) / f'{tag}_{i}.log')
-    with open(logs[-1], 'w') as log:
-      procs.append(subprocess.Popen(command, env=env, cwd=harness.repo, stdout=log,
-                                    stderr=subprocess.STDOUT))
-  try:
-    yield procs, logs
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-
-
-def _wait_all(procs, logs, timeout: float = 300) -> list[str]:
-  """Waits for every process; returns their logs, failing with them on a non-zero exit."""
-  deadline = time.monotonic() + timeout
-  for p in procs:
-    try:
-      p.wait(timeout=max(deadline - time.monotonic(), 1))
-    except subprocess.TimeoutExpired:
-      break
-  texts = [log.read_text() for log in logs]
-  if any(p.returncode != 0 for p in procs):
-    pytest.fail('\n'.join(f'--- process {i} (rc {p.returncode}):\n{t[-3000:]}'
-                          for i, (p, t) in enumerate(zip(procs, texts))))
-  return texts
+_processes = multiprocess.processes
+_wait_all = multiprocess.wait_all
 
 
 def _preempted_run(harness, workdir, log_dir, extra: dict, slurm: bool = False) -> int:

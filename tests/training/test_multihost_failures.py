@@ -5,24 +5,18 @@ heartbeat timeout and aborting with a C++ stack trace)."""
 
 import os
 import pathlib
-import socket
 import subprocess
 import time
 
+from tests import multiprocess
 from training import workdir_lock
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
 
 
 def _launch(harness, workdir, log_dir, extra: dict, tag: str, env: dict | None = None,
             n: int = 2, devices: int = 1):
   """Starts main.py as `n` processes on a loopback coordinator, described by the environment
   variables a launcher script would set; returns (processes, log paths)."""
-  port = _free_port()
+  port = multiprocess.free_port()
   procs, logs = [], []
   for i in range(n):
     process_env = {**harness.env(devices), **(env or {}),
