@@ -56,40 +56,6 @@ def trimmed_span(max_z: float, *, ramp: int, limit: int, block: int) -> int:
   return int(min(limit, -(-needed // block) * block))
 
 
-def relative_term(q, p, x0, keys: int, span: int):
-  """q_r . p_{x-1} at every pair of a block of contiguous queries and keys (eq. 1's relative
-  term), without a gather: query r and key t are x = x0 + r - t apart.
-
-  q . p is computed once for each of the B + C - 1 distances the block spans, against p in
-  reverse order, and each query's row is then shifted by its index (a reshape: row r of the
-  flattened (B, B + C - 1) products read from offset B - 1 - r). A gather of those products
-  at each pair, and the scatter-add its gradient is, made the dynamic span's train step 1.4x
-  slower at 2K tokens. Pairs at a distance outside [1, span] get a value that no live pair
-  uses.
-
-  Args:
-    q: (batch, heads, B, head_dim) queries.
-    p: (span, head_dim) p_1 .. p_span.
-    x0: the distance of the block's first query from its first key (traced int).
-    keys: C, the block's keys.
-    span: rows of p.
-
-  Returns:
-    (batch, heads, B, C) float32.
-  """
-  b = q.shape[2]
-  n = b + keys - 1
-  # Column u of the products holds p at index x0 - 1 + (b - 1) - u: u = b - 1 - r + t is the
-  # pair (r, t). Distances outside p read its zero padding (the start is clipped only where
-  # every pair lies past one end).
-  padded = jnp.pad(p, ((n, n), (0, 0)))
-  start = jnp.clip(x0 - keys + n, 0, span + n)
-  window = jax.lax.dynamic_slice_in_dim(padded, start, n)[::-1]
-  products = jnp.einsum('bhqd,xd->bhqx', q, window, preferred_element_type=jnp.float32)
-  flat = products.reshape(products.shape[:2] + (b * n,))
-  return flat[..., b - 1:b - 1 + b * (n - 1)].reshape(products.shape[:2] + (b, n - 1))[..., :keys]
-
-
 def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span: int,
                    block: int, scale: float, dtype):
   """Soft-masked attention over the keys 1..`span` positions back, query block by block.
@@ -142,7 +108,8 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
     p, z = params
     x = (m + i)[:, None] - j[None, :]  # distances (B, W); i and j are contiguous runs
     logits = jnp.einsum('bhqd,bhkd->bhqk', qb, kb, preferred_element_type=jnp.float32)
-    logits = (logits + relative_term(qb, p, m + i[0] - j[0], kb.shape[2], span)) * scale
+    # q . p_{x-1} (eq. 1's relative term); pairs outside [1, T] are not live.
+    logits = (logits + blockloop.relative_term(qb, p, m + i[0] - j[0] - 1, kb.shape[2])) * scale
     z_block = (jax.lax.dynamic_slice_in_dim(z, i[0], block, axis=2)[..., None] if per_token
                else z[None, :, None, None])
     live = (x >= 1) & (x <= span) & (x < ramp + z_block)  # m_z(x) > 0

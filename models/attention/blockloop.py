@@ -601,6 +601,44 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # a microsecond or two), so there the blocked paths take query blocks of at least
 # ACCELERATOR_BLOCK and loop steps of at least ACCELERATOR_KEYS keys. A CPU keeps
 # model.attention_block_size (128 by default), its best size there.
+def relative_term(q, table, at0, keys: int):
+  """q_r . table[at0 + r - t] at every pair (r, t) of a block of B contiguous queries and
+  `keys` contiguous keys, without a gather: a score's relative-position term (adaptive span's
+  q . p_x, Transformer-XL's (q + v) W_R r_x), where the pair's distance fixes the row.
+
+  q . table is computed once for each of the B + keys - 1 rows the block spans, against the
+  rows in reverse order, and each query's row of products is then shifted by its index (a
+  reshape: row r of the flattened (B, B + keys - 1) products read from offset B - 1 - r). A
+  gather of the products at each pair, with the scatter-add that is its gradient, made the
+  dynamic span's train step at 2K tokens 1.4-1.7x that of the unrolled code before the engine.
+  Rows outside the table read zeros.
+
+  Args:
+    q: (batch, heads, B, head_dim) queries.
+    table: (rows, head_dim) shared by the heads, or (heads, rows, head_dim).
+    at0: the row of pair (0, 0) (traced int).
+    keys: the block's keys.
+
+  Returns:
+    (batch, heads, B, keys) float32.
+  """
+  b = q.shape[2]
+  n = b + keys - 1
+  rows = table.shape[-2]
+  # Product column u is table row at0 + (b - 1) - u, so pair (r, t) is column b - 1 - r + t.
+  # The start is clipped only where every pair lies past one end, in the zero padding.
+  pad = [(0, 0)] * table.ndim
+  pad[-2] = (n, n)
+  padded = jnp.pad(table, pad)
+  start = jnp.clip(at0 - keys + 1 + n, 0, rows + n)
+  window = jnp.flip(jax.lax.dynamic_slice_in_dim(padded, start, n, axis=table.ndim - 2),
+                    axis=table.ndim - 2)
+  spec = 'bhqd,xd->bhqx' if table.ndim == 2 else 'bhqd,hxd->bhqx'
+  products = jnp.einsum(spec, q, window, preferred_element_type=jnp.float32)
+  flat = products.reshape(products.shape[:2] + (b * n,))
+  return flat[..., b - 1:b - 1 + b * (n - 1)].reshape(products.shape[:2] + (b, n - 1))[..., :keys]
+
+
 ACCELERATOR_BLOCK = 512
 ACCELERATOR_KEYS = 1024
 

@@ -18,9 +18,10 @@ Relative attention, the survey's four terms for query i and key j (x = i - j >= 
         official code's default (untie_r=False).
 
 The positional term is computed once per query and distance, (q_i + v) W_R r_x for the
-distances a query block can reach, then each (i, j) takes its distance's value (a gather
-with static indices). Nothing of shape (n, M + n, d) is made, and no relative shift wraps
-around, so nothing needs masking beyond causality.
+distances a query block and its keys span, then shifted so that each (i, j) reads its
+distance's value (blockloop.relative_term: a reshape, not a gather). Nothing of shape
+(n, M + n, d) is made, and no shift wraps around (distances past the table read zeros, and
+only pairs behind the query are live), so nothing needs masking beyond causality.
 
 Which keys a query sees: those at distance 0..M + i across the memory (empty memory slots
 and other documents masked), at most `attn_window` back when that is set, and fewer than M
@@ -105,23 +106,16 @@ def relative_attention(q, k, v, q_segments, k_segments, pos_keys, u, v_bias, *, 
   if farthest >= pos_keys.shape[0]:
     raise ValueError(f'relative positions cover distances < {pos_keys.shape[0]}, the queries '
                      f'reach {farthest}')
-  keys = per_step * table.width
-  # A step's pairs span block + keys - 1 distances; only those in [0, L) are visible.
-  span = min(block + keys - 1, pos_keys.shape[0])
   pk = jnp.swapaxes(pos_keys, 0, 1).astype(q.dtype)  # W_R r_x head-major
 
   def score(params, qb, kb, i, j):
     q_content, q_position = qb
     x = (m + i)[:, None] - j[None, :]  # (B, keys) distances
     logits = jnp.einsum('bhqd,bhkd->bhqk', q_content, kb, preferred_element_type=jnp.float32)
-    # (q_i + v) W_R r_x once per query and distance of the step, then placed at each key: the
-    # `span` distances from `first` hold every visible one (x outside them is masked).
-    first = jnp.clip(m + i[0] - j[-1], 0, params.shape[1] - span)
-    by_distance = jnp.einsum('bhqd,hxd->bhqx', q_position,
-                             jax.lax.dynamic_slice_in_dim(params, first, span, axis=1),
-                             preferred_element_type=jnp.float32)
-    at = jnp.broadcast_to(jnp.clip(x - first, 0, span - 1), by_distance.shape[:2] + x.shape)
-    logits = (logits + jnp.take_along_axis(by_distance, at, axis=-1)) * scale
+    # (q_i + v) W_R r_x once per query and distance of the step, shifted to each key
+    # (blockloop.relative_term; x outside [0, reach] is masked).
+    logits = (logits + blockloop.relative_term(q_position, params, m + i[0] - j[0],
+                                               kb.shape[2])) * scale
     live = x >= 0
     if reach is not None:
       live &= x <= reach
