@@ -17,7 +17,8 @@ random tokens.
 Each (commit, variant, shape) runs in its own child process (this file with --worker), which
 builds the real sharded train step (model specialized to its initial parameters, as the
 training loop does), times its first call (compile_s: compile included), one more untimed
-call, then --iters calls (step_ms: their median). x_dense = dense's tokens/s / the variant's
+call, then --iters calls (step_ms: their median wall time; cpu_ms: the median CPU time of the
+process's threads, which other work on a shared machine inflates less). x_dense = dense's tokens/s / the variant's
 at the same shape (> 1: slower than dense); dense's default on a CPU is the C++ tile kernel,
 so the table also runs dense@blocksparse (a variant NAME@IMPL sets model.attention_impl), dense
 on the blocked engine of the learned variants with the same block sizes, and x_engine compares
@@ -189,12 +190,16 @@ def measure(attention: str, shape: str, tokens: int, iters: int) -> dict:
     run()
     row['compile_s'] = time.perf_counter() - start
     run()  # Warm-up.
-    times = []
+    times, cpu = [], []
     for _ in range(iters):
-      start = time.perf_counter()
+      start, start_cpu = time.perf_counter(), time.process_time()
       run()
       times.append(time.perf_counter() - start)
+      cpu.append(time.process_time() - start_cpu)
   row['step_ms'] = 1e3 * statistics.median(times)
+  # CPU seconds of every thread of the process: what the step costs, less what other work on
+  # a shared machine takes from it (a wall time that waits for a core grows; this does not).
+  row['cpu_ms'] = 1e3 * statistics.median(cpu)
   row['best_ms'] = 1e3 * min(times)
   row['tokens_per_s'] = config.batch_size * setup.seq_len / statistics.median(times)
   return row
@@ -247,15 +252,17 @@ def child(tree: str, attention: str, shape: str, args) -> dict:
 def combine(after: dict, before: dict | None) -> dict:
   """One table row: this tree's numbers, with the earlier tree's beside them."""
   row = {k: after.get(k) for k in ('variant', 'shape', 'seq_len', 'batch', 'impl', 'adjust',
-                                   'params_M', 'compile_s', 'step_ms', 'best_ms',
+                                   'params_M', 'compile_s', 'step_ms', 'best_ms', 'cpu_ms',
                                    'tokens_per_s', 'error')}
   if before is not None:
     row.update(before_seq_len=before.get('seq_len'), before_impl=before.get('impl'),
                before_adjust=before.get('adjust'), before_compile_s=before.get('compile_s'),
-               before_step_ms=before.get('step_ms'),
+               before_step_ms=before.get('step_ms'), before_cpu_ms=before.get('cpu_ms'),
                before_tokens_per_s=before.get('tokens_per_s'), before_error=before.get('error'))
     if after.get('step_ms') and before.get('step_ms'):
       row['after/before'] = after['step_ms'] / before['step_ms']
+    if after.get('cpu_ms') and before.get('cpu_ms'):
+      row['cpu after/before'] = after['cpu_ms'] / before['cpu_ms']
   return row
 
 
@@ -343,7 +350,7 @@ def main():
   columns = ['variant', 'shape', 'seq_len', 'batch', 'impl', 'adjust', 'compile_s', 'step_ms',
              'tokens_per_s', 'x_dense', 'x_engine']
   if args.before:
-    columns += ['before_step_ms', 'before_tokens_per_s', 'after/before']
+    columns += ['before_step_ms', 'before_tokens_per_s', 'after/before', 'cpu after/before']
   columns.append('note')
 
   def save():
@@ -391,7 +398,7 @@ def markdown(payload: dict) -> str:
   head = ['variant', 'shape', 'rows x tokens', 'path', 'compile s', 'step ms', 'tokens/s',
           'x dense', f'x {ENGINE_DENSE}']
   if before:
-    head += [f'{before} step ms', f'after / {before}']
+    head += [f'{before} step ms', f'after / {before}', f'CPU time after / {before}']
   head.append('why slower than dense')
   lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
   for r in payload['rows']:
@@ -401,7 +408,8 @@ def markdown(payload: dict) -> str:
              _fmt(r.get('tokens_per_s')), _fmt(r.get('x_dense'), 2),
              _fmt(r.get('x_engine'), 2)]
     if before:
-      cells += [_fmt(r.get('before_step_ms'), 1), _fmt(r.get('after/before'), 2)]
+      cells += [_fmt(r.get('before_step_ms'), 1), _fmt(r.get('after/before'), 2),
+                _fmt(r.get('cpu after/before'), 2)]
     cells.append(_fmt(r.get('note')).replace('|', '/'))
     lines.append('| ' + ' | '.join(cells) + ' |')
   return '\n'.join(lines) + '\n'
