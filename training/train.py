@@ -153,7 +153,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     data_state = None
     if ckpt.latest_step() is not None:
       state, saved = _restore_train_state(ckpt, setup)
-      data_state = _this_process_data_state(saved)
+      data_state = _this_process_data_state(saved, setup.data_shard)
       logging.info('resumed from checkpoint step %d (input stream at %s)', int(state.step),
                    data_state)
     else:
@@ -196,11 +196,13 @@ def _restore_train_state(ckpt: checkpoints.Checkpointer, setup: assembly.Setup):
     return state.replace(opt_state=optimizer.with_clip_slot(state.opt_state)), saved
 
 
-def _gather_data_state(state: dict) -> dict:
-  """Every process's input-stream position, as saved with a checkpoint."""
+def _gather_data_state(state: dict, shard: tuple[int, int]) -> dict:
+  """Every process's input-stream position, as saved with a checkpoint, each with the block of
+  the batch rows its stream reads (`shard`: setup.data_shard)."""
+  mine = {'data_shard': list(shard), 'state': state}
   if jax.process_count() == 1:
-    return {'process_count': 1, 'processes': [state]}
-  encoded = json.dumps(state).encode()
+    return {'process_count': 1, 'processes': [mine]}
+  encoded = json.dumps(mine).encode()
   if len(encoded) > 1024:
     raise ValueError(f'input stream state is too large to gather: {state}')
   buf = np.zeros(1024, np.uint8)
@@ -210,15 +212,34 @@ def _gather_data_state(state: dict) -> dict:
           'processes': [json.loads(bytes(r).rstrip(b'\0')) for r in np.asarray(rows)]}
 
 
-def _this_process_data_state(saved: dict | None) -> dict | None:
+def _this_process_data_state(saved: dict | None, shard: tuple[int, int]) -> dict | None:
+  """The saved input-stream position of a stream that read the rows this process reads now.
+
+  A stream is its block of the batch rows (`shard`, (index, count)): a restart on another
+  layout (heads split across the hosts where the data axis was, another process count)
+  resumes each process from a saved stream of the same block, wherever one exists, and
+  restarts the stream, with a warning, where none does; a position is never handed to a
+  stream of other rows. Checkpoints written before the block was saved resume by process
+  index when the process count is the same.
+  """
   if not saved:
+    return None
+  entries = saved['processes']
+  if all(isinstance(e, dict) and 'data_shard' in e for e in entries):
+    for entry in entries:
+      if tuple(entry['data_shard']) == tuple(shard):
+        return entry['state']
+    logging.warning('no process of the checkpoint read the rows this process reads now (block '
+                    '%d of %d; saved: %s): its input stream restarts from the beginning instead '
+                    'of resuming exactly', shard[0], shard[1],
+                    sorted({tuple(e['data_shard']) for e in entries}))
     return None
   if saved['process_count'] != jax.process_count():
     logging.warning('the checkpoint was written by %d processes and this run has %d: the input '
                     'stream restarts from the beginning instead of resuming exactly',
                     saved['process_count'], jax.process_count())
     return None
-  return saved['processes'][jax.process_index()]
+  return entries[jax.process_index()]
 
 
 class _MetricWindow:
@@ -298,7 +319,7 @@ class _SpecializedSteps:
     return self._steps[key]
 
 
-def _save_before_data_error(ckpt, window, step: int, state, data_state) -> None:
+def _save_before_data_error(ckpt, window, step: int, state, data_state, shard) -> None:
   """Saves `step` (its batches all consumed) unless it is saved already, before a data error
   ends the run; the save's own failure is logged, and the data error is what gets raised."""
   if step == 0 or ckpt.latest_step() == step:
@@ -309,7 +330,7 @@ def _save_before_data_error(ckpt, window, step: int, state, data_state) -> None:
     return
   try:
     window.flush()
-    ckpt.save(step, state, _gather_data_state(data_state))
+    ckpt.save(step, state, _gather_data_state(data_state, shard))
     ckpt.wait()
     logging.warning('input read failed: saved step %d before stopping', step)
   except Exception as e:  # pylint: disable=broad-except  (the data error matters more)
@@ -412,7 +433,7 @@ def _train_loop(setup: assembly.Setup, state, data_state, ckpt, logger, peak: fl
       try:
         local, data_state = next(batches)
       except input_pipeline.DataError:  # A damaged shard: keep the last good step, then fail.
-        _save_before_data_error(ckpt, window, step, state, data_state)
+        _save_before_data_error(ckpt, window, step, state, data_state, setup.data_shard)
         raise
       batch = assembly.device_batch(setup, local)
       profile.before_step(step, state)
@@ -446,7 +467,7 @@ def _train_loop(setup: assembly.Setup, state, data_state, ckpt, logger, peak: fl
         window.reset()
       if saves or stop:
         window.flush()  # Never save a state whose last step has not been checked.
-        ckpt.save(step, state, _gather_data_state(data_state))
+        ckpt.save(step, state, _gather_data_state(data_state, setup.data_shard))
       if logs or evals:  # Where the host meets the device anyway: read the parameters.
         train_step, eval_step = specialized.update(state.params)
       # After the save: a failing evaluation never costs the step's checkpoint.

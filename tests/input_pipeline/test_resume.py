@@ -92,7 +92,8 @@ def test_training_resumes_exactly_from_an_earlier_checkpoint(c4, spm_path, kit, 
     finally:
       ckpt.close()
     assert saved['process_count'] == 1
-    cursor = saved['processes'][0]
+    assert saved['processes'][0]['data_shard'] == [0, 1]
+    cursor = saved['processes'][0]['state']
     fresh = _take(setup.data, 4)
     assert cursor == fresh[2][1]
     resumed_batch, _ = _take(setup.data, 1, 3, cursor)[0]
