@@ -601,7 +601,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # a microsecond or two), so there the blocked paths take query blocks of at least
 # ACCELERATOR_BLOCK and loop steps of at least ACCELERATOR_KEYS keys. A CPU keeps
 # model.attention_block_size (128 by default), its best size there.
-def relative_term(q, table, at0, keys: int):
+def relative_term(q, table, at0, keys: int, *, gather: bool = False):
   """q_r . table[at0 + r - t] at every pair (r, t) of a block of B contiguous queries and
   `keys` contiguous keys, without a gather: a score's relative-position term (adaptive span's
   q . p_x, Transformer-XL's (q + v) W_R r_x), where the pair's distance fixes the row.
@@ -613,6 +613,12 @@ def relative_term(q, table, at0, keys: int):
   dynamic span's train step at 2K tokens 1.4-1.7x that of the unrolled code before the engine.
   Rows outside the table read zeros.
 
+  gather=True reads the products at each pair instead (the form before the reshape), over
+  only the table rows the block spans. The TPU compiler lays the shift's flattened products
+  out again in memory: adaptive span's enwik8 recipe (S = 8192, 8,704 keys a block) needed
+  25.3 GiB per v5e chip for its train step with the shift and 14.2 GiB with the gather, so
+  adaptive span gathers on accelerators and shifts on a CPU, where it is the faster.
+
   Args:
     q: (batch, heads, B, head_dim) queries.
     table: (rows, head_dim) shared by the heads, or (heads, rows, head_dim).
@@ -622,6 +628,8 @@ def relative_term(q, table, at0, keys: int):
   Returns:
     (batch, heads, B, keys) float32.
   """
+  if gather:
+    return _gathered_relative_term(q, table, at0, keys)
   b = q.shape[2]
   n = b + keys - 1
   rows = table.shape[-2]
@@ -637,6 +645,23 @@ def relative_term(q, table, at0, keys: int):
   products = jnp.einsum(spec, q, window, preferred_element_type=jnp.float32)
   flat = products.reshape(products.shape[:2] + (b * n,))
   return flat[..., b - 1:b - 1 + b * (n - 1)].reshape(products.shape[:2] + (b, n - 1))[..., :keys]
+
+
+def _gathered_relative_term(q, table, at0, keys: int):
+  """relative_term by a gather: q . table over the rows the block's pairs span (at most
+  B + keys - 1 of them, clipped to the table), read at each pair."""
+  b = q.shape[2]
+  rows = table.shape[-2]
+  n = min(b + keys - 1, rows)
+  # The nearest row of the block's pairs is at0 - keys + 1; the window starts there, clipped.
+  lo = jnp.clip(at0 - keys + 1, 0, rows - n)
+  window = jax.lax.dynamic_slice_in_dim(table, lo, n, axis=table.ndim - 2)
+  spec = 'bhqd,xd->bhqx' if table.ndim == 2 else 'bhqd,hxd->bhqx'
+  products = jnp.einsum(spec, q, window, preferred_element_type=jnp.float32)
+  row = at0 + jnp.arange(b)[:, None] - jnp.arange(keys)[None, :]  # (B, keys) table rows
+  at = jnp.broadcast_to(jnp.clip(row - lo, 0, n - 1), products.shape[:2] + row.shape)
+  term = jnp.take_along_axis(products, at, axis=-1)
+  return jnp.where((row >= 0) & (row < rows), term, 0.0)
 
 
 ACCELERATOR_BLOCK = 512

@@ -11,6 +11,8 @@
   and gradients.
 * A query that sees no key outputs zeros, with finite gradients.
 * Every blocked path at the accelerators' block sizes gives the CPU sizes' model.
+* The relative-position term (relative_term), shifted or gathered, is q_r . table[at0 + r - t]
+  at every pair, zero off the table, with the same gradients.
 """
 
 import jax
@@ -241,3 +243,30 @@ def test_accelerator_block_sizes_give_the_same_model(variant):
   np.testing.assert_allclose(tpu_value, cpu_value, rtol=1e-5)
   for got, want in zip(jax.tree.leaves(tpu_grads), jax.tree.leaves(cpu_grads)):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize('gather', [False, True])
+@pytest.mark.parametrize('per_head', [False, True])
+@pytest.mark.parametrize('at0', [-9, 0, 5, 17, 40])  # Pairs off either end of the table too.
+def test_relative_term_reads_the_distance_row_of_every_pair(gather, per_head, at0):
+  rng = np.random.default_rng(at0 + 10 + 100 * gather)
+  b, keys, rows = 6, 10, 24
+  q = jnp.asarray(rng.normal(size=(2, H, b, D)), jnp.float32)
+  table = jnp.asarray(rng.normal(size=(H, rows, D) if per_head else (rows, D)), jnp.float32)
+
+  def term(q, table):
+    return blockloop.relative_term(q, table, jnp.asarray(at0), keys, gather=gather)
+
+  def brute(q, table):
+    row = at0 + np.arange(b)[:, None] - np.arange(keys)[None, :]
+    inside = jnp.asarray((row >= 0) & (row < rows))
+    picked = table[..., np.clip(row, 0, rows - 1), :]  # (B, keys, D) or (H, B, keys, D)
+    spec = 'bhqd,qkd->bhqk' if table.ndim == 2 else 'bhqd,hqkd->bhqk'
+    return jnp.where(inside, jnp.einsum(spec, q, picked), 0.0)
+
+  np.testing.assert_allclose(term(q, table), brute(q, table), atol=1e-5)
+  cot = jnp.asarray(rng.normal(size=(2, H, b, keys)), jnp.float32)
+  grads = jax.vjp(term, q, table)[1](cot)
+  expected = jax.vjp(brute, q, table)[1](cot)
+  for got, want in zip(grads, expected):
+    np.testing.assert_allclose(got, want, atol=1e-4)
