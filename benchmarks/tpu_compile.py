@@ -25,8 +25,9 @@ across stacks). Results go to results/tpu_compile.json.
 
 `--recipes` compiles the paper recipes instead (configs.PAPER_RECIPES, each as its file sets
 it, on its own config.compile_topology): the train, eval and decoding programs, as
-`--mode=compile` does, with the time estimate at aot.ASSUMED_MFU and each recipe's
-fingerprint (configs.fingerprint), into results/tpu_compile_recipes.json. The
+`--mode=compile` does, with the roofline time estimate of the train step (training/roofline.py:
+its step time, bound and MFU) and each recipe's fingerprint (configs.fingerprint), into
+results/tpu_compile_recipes.json. The
 recipes' headers quote these numbers; tests/contracts/test_paper_recipes.py checks that they
 agree with the file and that the file is of the recipes as they are now.
 """
@@ -114,7 +115,7 @@ def bench(args, variant: str, topology: str) -> dict:
 
 
 RECIPE_COLUMNS = ('recipe', 'topology', 'mesh', 'remat', 'fits', 'gib_per_chip', 'params_m',
-                  'steps_per_day', 'days', 'compile_s', 'error')
+                  'step_seconds', 'bound', 'mfu', 'steps_per_day', 'days', 'compile_s', 'error')
 
 
 def bench_recipe(name: str) -> dict:
@@ -136,7 +137,9 @@ def bench_recipe(name: str) -> dict:
       params_m=report.model['params'] / 1e6, mesh=report.mesh, chips=report.chips,
       implementation=report.model['implementation'], stack=report.model['stack'],
       steps_per_day=estimate.get('steps_per_day'), days=estimate.get('days'),
-      total_steps=estimate.get('total_steps'), assumed_mfu=estimate.get('assumed_mfu'),
+      total_steps=estimate.get('total_steps'), bound=estimate.get('bound'),
+      step_seconds=estimate.get('step_seconds'), mfu=estimate.get('mfu'),
+      flops_utilization=estimate.get('flops_utilization'),
       peak_tflops_per_chip=(estimate.get('peak_flops_per_chip') or 0) / 1e12,
       compile_s=sum(s.compile_seconds for s in report.steps.values()),
       report=report.to_json(), wall_s=time.perf_counter() - start)

@@ -49,16 +49,20 @@ def matmul_peak(dtype) -> tuple[float, int]:
   return best
 
 
-def bench_step(d: int, seq_len: int, batch: int, dtype: str, impl: str, remat: str,
-               scan: bool, iters: int, attention: str = 'dense') -> dict:
-  """Times one configuration's train step (first_step_s: its first call, compile included)."""
+def built_step(d: int, seq_len: int, batch: int, dtype: str, impl: str, remat: str = 'none',
+               scan: bool | None = None, attention: str = 'dense'):
+  """(setup, state, jitted train step, device batch, key) of one configuration: the real
+  sharded train step of training/train.py for the C4 recipe's architecture at size d, on random
+  tokens (token values do not change the step time); scan None keeps the config's own stack
+  ('auto'). benchmarks/roofline_check.py builds its rows here too."""
   config = default.get_config()
   config.model.d = d
   config.model.attention = attention
   config.model.dtype = dtype
   config.model.attention_impl = impl
   config.model.remat = remat
-  config.model.stack = 'scan' if scan else 'unrolled'
+  if scan is not None:
+    config.model.stack = 'scan' if scan else 'unrolled'
   config.model.max_len = seq_len
   config.data.name = 'parity'            # Any embedded source: only shapes matter here.
   config.data.num_bits = seq_len // 2    # Parity gives sequences of 2 * num_bits inputs.
@@ -66,10 +70,16 @@ def bench_step(d: int, seq_len: int, batch: int, dtype: str, impl: str, remat: s
   config.total_steps = 10**6
   setup = assembly.build(config)
   state = assembly.init_state(setup, 0)
-  step = steps.jit_train_step(setup)
   local = common.random_lm_batch(setup.model_config.vocab_size, batch, seq_len)
-  dev_batch = assembly.device_batch(setup, local)
-  key = jax.random.key(0)
+  return (setup, state, steps.jit_train_step(setup), assembly.device_batch(setup, local),
+          jax.random.key(0))
+
+
+def bench_step(d: int, seq_len: int, batch: int, dtype: str, impl: str, remat: str,
+               scan: bool, iters: int, attention: str = 'dense') -> dict:
+  """Times one configuration's train step (first_step_s: its first call, compile included)."""
+  setup, state, step, dev_batch, key = built_step(d, seq_len, batch, dtype, impl, remat, scan,
+                                                  attention)
   holder = {'state': state}
 
   def run():

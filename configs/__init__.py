@@ -76,19 +76,37 @@ def _mesh(row: dict) -> str:
   return ','.join(f'{k}={v}' for k, v in row['mesh'].items() if v > 1)
 
 
+def _percent(fraction: float) -> str:
+  """'15%', or '0.5%' under 1% (a step that computes far more than the model count reads 0%
+  rounded)."""
+  return f'{100 * fraction:.1f}%' if fraction < 0.01 else f'{100 * fraction:.0f}%'
+
+
+def _duration(seconds: float) -> str:
+  from training.roofline import duration  # pylint: disable=import-outside-toplevel
+  return duration(seconds)
+
+
 def header_lines(row: dict) -> str:
   """The 'slice:', 'memory:' and 'speed:' lines of a recipe's docstring, from its row of
   results/tpu_compile_recipes.json (benchmarks/tpu_compile.py --recipes)."""
   from training.aot import slice_name  # pylint: disable=import-outside-toplevel
   per_day = _three_digits(row['steps_per_day'])
-  return (
-      f"  slice:    {slice_name(row['topology'])} (compile_topology '{row['topology']}'), "
-      f"mesh {_mesh(row)}, remat '{row['remat']}'\n"
-      f"  memory:   {row['gib_per_chip']:.2f} GiB per chip of {row['hbm_gib']:.0f} GiB (the "
-      f"train step, by the TPU compiler's estimate)\n"
-      f"  speed:    ~{per_day:,.0f} steps/day at {100 * row['assumed_mfu']:.0f}% "
-      f"MFU, estimated from the model FLOPs and\n"
-      f"            {row['peak_tflops_per_chip']:.0f} TFLOP/s bf16 per chip (not measured): "
+  head = (f"  slice:    {slice_name(row['topology'])} (compile_topology '{row['topology']}'), "
+          f"mesh {_mesh(row)}, remat '{row['remat']}'\n"
+          f"  memory:   {row['gib_per_chip']:.2f} GiB per chip of {row['hbm_gib']:.0f} GiB (the "
+          f"train step, by the TPU compiler's estimate)\n")
+  if 'step_seconds' not in row:  # A row compiled before the roofline estimate.
+    return head + (
+        f"  speed:    ~{per_day:,.0f} steps/day at {100 * row['assumed_mfu']:.0f}% "
+        f"MFU, estimated from the model FLOPs and\n"
+        f"            {row['peak_tflops_per_chip']:.0f} TFLOP/s bf16 per chip (not measured): "
+        f"{row['total_steps']:,} steps in ~{row['days']:.2g} days")
+  return head + (
+      f"  speed:    ~{per_day:,.0f} steps/day: a step of {_duration(row['step_seconds'])}, "
+      f"{row['bound']}-bound, MFU {_percent(row['mfu'])} (FLOPs run: "
+      f"{_percent(row['flops_utilization'])})\n"
+      f"            (the roofline estimate of the compiled step, not measured): "
       f"{row['total_steps']:,} steps in ~{row['days']:.2g} days")
 
 
@@ -96,13 +114,18 @@ def recipes_markdown(rows: list[dict]) -> str:
   """The table of docs/tpu.md ("The papers at their own scale") from the committed rows."""
   from training.aot import slice_name  # pylint: disable=import-outside-toplevel
   lines = ['| paper: experiment | recipe | slice | mesh, remat | GiB per chip (HBM) | '
-           'steps/day (est.) | days to the paper\'s steps (est.) |',
-           '|---|---|---|---|---|---|---|']
+           'step (est.) | bound | MFU (FLOPs run) (est.) | steps/day (est.) | '
+           'days to the paper\'s steps (est.) |',
+           '|---|---|---|---|---|---|---|---|---|---|']
   for row in rows:
     lines.append(
         f'| {PAPER_RECIPES[row["recipe"]]} | `configs/{row["recipe"]}.py` | '
         f'{slice_name(row["topology"])} | {_mesh(row)}, {row["remat"]} | '
         f'{row["gib_per_chip"]:.2f} ({row["hbm_gib"]:.0f}) | '
+        + (f'{_duration(row["step_seconds"])} | {row["bound"]} | {_percent(row["mfu"])} '
+           f'({_percent(row["flops_utilization"])}) | '
+           if 'step_seconds' in row else
+           f'- | - | {100 * row["assumed_mfu"]:.0f}% (assumed) | ') +
         f'{_three_digits(row["steps_per_day"]):,.0f} | '
         f'{row["total_steps"]:,} steps: {row["days"]:.2g} |')
   return '\n'.join(lines)

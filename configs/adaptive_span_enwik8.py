@@ -8,9 +8,9 @@ At the paper's scale, on a TPU slice (compiled ahead of time from a CPU host by
 `python -m benchmarks.tpu_compile --recipes adaptive_span_enwik8`, committed in
 results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
   slice:    v5e-8 (compile_topology 'v5e:2x4'), mesh data=8, remat 'full'
-  memory:   14.47 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
-  speed:    ~6,320,000 steps/day at 40% MFU, estimated from the model FLOPs and
-            197 TFLOP/s bf16 per chip (not measured): 900,000 steps in ~0.14 days
+  memory:   14.20 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
+  speed:    ~78,000 steps/day: a step of 1.11 s, memory-bound, MFU 0.5% (FLOPs run: 5%)
+            (the roofline estimate of the compiled step, not measured): 900,000 steps in ~12 days
 
   python main.py --config=configs/adaptive_span_enwik8.py --mode=compile --workdir=/tmp/span
   python main.py --config=configs/adaptive_span_enwik8.py --workdir=gs://BUCKET/runs/span \
@@ -35,10 +35,11 @@ Where this differs from the paper, and why:
     residual dropout only, at the same rate.
   - Positions. The paper's learned relative embeddings; the zoo's adaptive-span attention
     has relative positions inside the attention (docs/adaptive_span.md).
-  - Speed estimate: the model FLOPs count 512 keys per query (the segment); each layer also
-    attends into its cached previous segments, up to its trimmed span (at most S = 8,192
-    back, 314 on average in the paper's text8 model), so the estimate is optimistic: by up
-    to 3.3 times if every layer attended all 8,704 keys.
+  - Speed estimate: the compiled step attends all 8,704 keys (S = 8,192 cached + the
+    segment: the trimmed span is unset at the start); the roofline estimate counts that
+    program, so it is the start of a run. Once the spans are learned each layer computes
+    only up to its trimmed span (314 on average in the paper's text8 model) and a step takes
+    a fraction of this. MFU reads low because the model FLOPs count 512 keys per query.
 """
 
 from configs import local_text

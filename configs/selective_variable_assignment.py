@@ -6,15 +6,16 @@ At the paper's scale, on a TPU slice (compiled ahead of time from a CPU host by
 `python -m benchmarks.tpu_compile --recipes selective_variable_assignment`, committed in
 results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
   slice:    v5e-4 (compile_topology 'v5e:2x2'), mesh data=4, remat 'none'
-  memory:   7.69 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
-  speed:    ~4,720,000 steps/day at 40% MFU, estimated from the model FLOPs and
-            197 TFLOP/s bf16 per chip (not measured): 65,536 steps in ~0.014 days
+  memory:   12.03 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
+  speed:    ~462,000 steps/day: a step of 187 ms, memory-bound, MFU 4% (FLOPs run: 5%)
+            (the roofline estimate of the compiled step, not measured): 65,536 steps in ~0.14 days
 
   python main.py --config=configs/selective_variable_assignment.py --mode=compile --workdir=/tmp/va
   python main.py --config=configs/selective_variable_assignment.py --workdir=gs://BUCKET/runs/va
 
-A model of 1.8M parameters keeps no TPU chip 40% busy: the speed line is a bound on the
-time, not a prediction.
+A model of 1.8M parameters keeps no TPU chip busy: the roofline (the speed line) finds the
+step memory-bound at a few percent of the peak; read it as the time a chip could reach, not
+a prediction.
 
 Tiny, on a CPU (the same code; the task is generated, no data to prepare):
   python main.py --config=configs/selective_variable_assignment.py --workdir=/tmp/va_tiny --config.model.d=1 --config.model.dtype=float32 --config.data.num_values=16 --config.data.num_assignments=8 --config.batch_size=32 --config.total_steps=20 --config.eval_steps=2

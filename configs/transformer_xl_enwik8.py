@@ -10,9 +10,9 @@ At the paper's scale, on a TPU slice (compiled ahead of time from a CPU host by
 `python -m benchmarks.tpu_compile --recipes transformer_xl_enwik8`, committed in
 results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
   slice:    v5e-4 (compile_topology 'v5e:2x2'), mesh data=2,tensor=2, remat 'none'
-  memory:   4.28 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
-  speed:    ~9,190,000 steps/day at 40% MFU, estimated from the model FLOPs and
-            197 TFLOP/s bf16 per chip (not measured): 400,000 steps in ~0.044 days
+  memory:   5.51 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
+  speed:    ~1,150,000 steps/day: a step of 75.1 ms, memory-bound, MFU 5% (FLOPs run: 8%)
+            (the roofline estimate of the compiled step, not measured): 400,000 steps in ~0.35 days
 
   python main.py --config=configs/transformer_xl_enwik8.py --mode=compile --workdir=/tmp/txl
   python main.py --config=configs/transformer_xl_enwik8.py --workdir=gs://BUCKET/runs/txl \
@@ -34,9 +34,9 @@ Where this differs from the paper, and why:
     have none); the scripts' global-norm clip of 0.25 and cosine decay with no warm-up.
   - Batch: the scripts' 22 rows, split over data=2 x tensor=2 on the slice (22 is not a
     multiple of 4).
-  - Speed estimate: a 41M-parameter model on 2,816 tokens per chip cannot keep a TPU chip
-    40% busy, and each query also attends to the 512-position memory the count leaves out;
-    read the estimate as a lower bound on the time.
+  - Speed estimate: a 41M-parameter model on 2,816 tokens per chip keeps no TPU chip busy;
+    the roofline counts the attention to the 512-position memory too (the MFU's model FLOPs
+    leave it out), and finds the step memory-bound.
 """
 
 from configs import local_text

@@ -66,8 +66,10 @@ def paper_scale(folders: list[str], recipes: tuple[str, ...]) -> str:
                       else (1440 * days, 'minute'))
       time = f'{amount:.2g} {unit}' + ('' if f'{amount:.2g}' == '1' else 's')
       text += (f' ({slice_name(row["topology"])}, {row["gib_per_chip"]:.1f} GiB per chip, '
-               f'about {time} to the paper\'s steps at {100 * row["assumed_mfu"]:.0f}% MFU by '
-               'estimate)')
+               + (f'about {time} to the paper\'s steps by the roofline estimate, '
+                  f'{row["bound"]}-bound)' if 'bound' in row else
+                  f'about {time} to the paper\'s steps at {100 * row["assumed_mfu"]:.0f}% MFU '
+                  'by estimate)'))
     items.append(text)
   return ('At the paper\'s scale, on a TPU slice (each recipe cites the paper for every '
           'value; [docs/tpu.md](docs/tpu.md#the-papers-at-their-own-scale) has the table): '

@@ -9,22 +9,30 @@ arrays -- and compiled by the real TPU compiler (libtpu). No data is read (assem
 data=False). MaxText's train_compile.py is the model.
 
 The report, per chip: parameter and optimizer-state bytes (from the state's shardings), the
-compiler's temporaries and generated code, their total against the chip's HBM; XLA's FLOPs
-next to the model's own count; the collectives in each compiled program; the compile time.
-It is printed and written to WORKDIR/compile_<topology>.json, the only file the mode writes.
-Memory and FLOPs are the compiler's estimates: speed is not measured (nothing runs).
+compiler's temporaries and generated code, their total against the chip's HBM; the FLOPs of
+each program counted with its loops' trip counts (training/hlo_cost.py) next to XLA's own
+count (each loop body once) and the model's; the collectives in each compiled program; the
+compile time; and a roofline estimate of each program's time on the chip
+(training/roofline.py with training/chips.py's figures: compute, memory, collectives and
+overhead, the bound named), the train step's as steps per day and MFU. It is printed and
+written to WORKDIR/compile_<topology>.json, the only file the mode writes. Memory is the
+compiler's estimate; nothing runs, so speed is estimated, not measured (docs/tpu.md says how
+far the same estimator is from steps measured on a CPU).
 
 `check_train_step_fits` is the same check before a real TPU run (training/train.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import importlib.util
 import json
 import os
 import re
+import sys
+import tempfile
 import time
 from typing import Any
 
@@ -37,41 +45,97 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models import decode, transformer
-from training import assembly, flops, run_config, sampling, sharding, steps, xla_flags
+from training import (assembly, chips, hlo_cost, roofline, run_config, sampling, sharding,
+                      steps, xla_flags)
 
 GiB = 1 << 30
 
 # HBM per chip by jax device_kind (the compile-only devices of a topology have no
-# memory_stats; a real TPU's own bytes_limit is used when it reports one).
-HBM_BYTES = {
-    'TPU v4': 32 * GiB,
-    'TPU v5 lite': 16 * GiB,  # v5e
-    'TPU v5': 95 * GiB,       # v5p
-    'TPU v6 lite': 32 * GiB,  # v6e (Trillium)
-}
+# memory_stats; a real TPU's own bytes_limit is used when it reports one): chips.CHIPS.
+HBM_BYTES = {kind: chip.hbm_bytes for kind, chip in chips.CHIPS.items()}
 
 # Topology name prefixes whose chips hold two TensorCores that JAX drives as one device
 # (megacore): without chip_config_name='megacore', libtpu describes v4:2x2x4 as 32 devices
 # where the real v4-32 slice has 16.
 MEGACORE_PREFIXES = ('v4', 'v5p', 'v5:')
 
-COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all', 'collective-permute')
+COLLECTIVES = hlo_cost.COLLECTIVES
 
 STEPS = ('train', 'eval', 'decode')
 
-# The model FLOPs utilization the report's time estimate assumes (nothing runs here, so no
-# speed is measured): about what a dense decoder of this size reaches on TPU with XLA.
-ASSUMED_MFU = 0.4
-
-NOTE = ('Memory and FLOPs are the TPU compiler\'s estimates for the compiled programs; speed '
-        'is not measured (nothing ran). XLA counts a loop body (the layer scan, gradient '
-        'accumulation) once in its FLOPs, and each collective once per instruction in the '
-        'program, not once per iteration.')
+NOTE = ('Memory is the TPU compiler\'s estimate for the compiled programs; FLOPs and bytes are '
+        'counted from them with every loop\'s trip count (XLA\'s own FLOPs count a loop body '
+        'once); speed is not measured (nothing ran): the time is a roofline estimate from '
+        'those counts and the chip\'s published peak FLOP/s, HBM and interconnect bandwidth '
+        '(training/chips.py), the bound named. Collectives are counted once per instruction in '
+        'the table, with their trip counts in the estimate.')
 
 NO_LIBTPU = ('jax has no TPU support on this machine (the libtpu package is not installed): '
              'install it with pip install \'jax[tpu]\' (Linux x86-64 only; requirements.txt '
              'does this there). On macOS or ARM, run --mode=compile on a Linux x86-64 machine '
              'or a Cloud TPU VM')
+
+
+# What libtpu prints when it starts on a host that is not a Cloud TPU VM (it asks the VM's
+# metadata server for the slice it is on, finds none, and says so on the C-level stderr):
+# warnings about TPU_ACCELERATOR_TYPE and TPU_WORKER_HOSTNAMES and an INVALID_ARGUMENT error
+# line with its source trace. None of it matters to a compile for a described topology.
+LIBTPU_NOISE = ('TPU_ACCELERATOR_TYPE', 'TPU_WORKER_HOSTNAMES', 'Failed to find host bounds',
+                'Logging before InitGoogle()', 'unexpected worker hostname',
+                '=== Source Location Trace', 'libtpu_init_utils', 'could not determine TPU')
+
+
+def accelerator_type(topology: str) -> str:
+  """Cloud TPU's accelerator type of a topology name: v5e:2x2 is v5litepod-4, v4:2x2x4 is
+  v4-32, v6e:2x2 is v6e-4."""
+  try:
+    name = slice_name(topology)
+  except ValueError:  # Not GENERATION:SHAPE; libtpu will say what it makes of it.
+    return topology
+  return name.replace('v5e-', 'v5litepod-', 1)
+
+
+@contextlib.contextmanager
+def _quiet_libtpu(topology: str):
+  """On a host without a TPU: libtpu starts (at the first topology described) without its
+  warnings and error lines, which would read as a failure.
+
+  libtpu reads the slice it is on from TPU_ACCELERATOR_TYPE and TPU_WORKER_HOSTNAMES, else
+  from the VM's metadata server, which a host that is not a TPU VM lacks. They are set for the
+  call, to the topology described and this host (unless set), and put back after: the compiled
+  programs do not depend on them (the same HLO for every value tried). What libtpu still
+  writes to the C-level stderr during the call is held back, and every line but the known
+  start-up noise (LIBTPU_NOISE) is written out again. A machine with an accelerator is left
+  alone."""
+  if any(glob.glob(pattern) for pattern in xla_flags.ACCELERATOR_DEVICE_FILES):
+    yield
+    return
+  saved = {k: os.environ.get(k) for k in ('TPU_ACCELERATOR_TYPE', 'TPU_WORKER_HOSTNAMES')}
+  os.environ.setdefault('TPU_ACCELERATOR_TYPE', accelerator_type(topology))
+  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
+  sys.stderr.flush()
+  held = tempfile.TemporaryFile(mode='w+b')
+  stderr_fd = os.dup(2)
+  os.dup2(held.fileno(), 2)
+  try:
+    yield
+  finally:
+    sys.stderr.flush()
+    os.dup2(stderr_fd, 2)
+    os.close(stderr_fd)
+    held.seek(0)
+    text = held.read().decode(errors='replace')
+    held.close()
+    for k, v in saved.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+    kept = [line for line in text.splitlines() if line.strip()
+            and not any(noise in line for noise in LIBTPU_NOISE)]
+    if kept:
+      sys.stderr.write('\n'.join(kept) + '\n')
+      sys.stderr.flush()
 
 
 def topology_devices(topology: str, num_slices: int = 1) -> list[jax.Device]:
@@ -103,8 +167,9 @@ def topology_devices(topology: str, num_slices: int = 1) -> list[jax.Device]:
     os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
   chip = 'megacore' if topology.startswith(MEGACORE_PREFIXES) else 'default'
   try:
-    desc = topologies.get_topology_desc(topology_name=topology, platform='tpu',
-                                        chip_config_name=chip, num_slices=num_slices)
+    with _quiet_libtpu(topology):
+      desc = topologies.get_topology_desc(topology_name=topology, platform='tpu',
+                                          chip_config_name=chip, num_slices=num_slices)
   except Exception as e:  # pylint: disable=broad-except  (libtpu raises several kinds)
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise ValueError(f'libtpu cannot describe the TPU topology {topology!r} ({first}); use '
@@ -163,54 +228,9 @@ def per_device_bytes(tree) -> int:
 
 # --- Collectives in compiled HLO text. ----------------------------------------------------
 
-_BITS = {'pred': 8, 's4': 4, 'u4': 4, 's8': 8, 'u8': 8, 's16': 16, 'u16': 16, 'f16': 16,
-         'bf16': 16, 's32': 32, 'u32': 32, 'f32': 32, 's64': 64, 'u64': 64, 'f64': 64,
-         'c64': 64, 'c128': 128, 'f8e4m3fn': 8, 'f8e5m2': 8, 'f8e4m3b11fnuz': 8,
-         'f8e4m3fnuz': 8, 'f8e5m2fnuz': 8}
-_ARRAY = re.compile(r'\b(' + '|'.join(sorted(_BITS, key=len, reverse=True)) + r')\[([\d,]*)\]')
-_OPCODE = re.compile(r'\s([a-z][a-z0-9-]*)\(')
-_HEADER = re.compile(r'^(?:ENTRY\s+)?%(\S+)\s.*->\s*(.*?)\s*\{\s*$')
-# The TPU compiler emits a reduce-scatter as a fusion of this name around an all-reduce.
-_REDUCE_SCATTER_FUSION = 'all-reduce-scatter'
-
-
-def _array_bytes(text: str) -> int:
-  """Bytes of every array shape in an HLO type string."""
-  total = 0
-  for dtype, dims in _ARRAY.findall(text):
-    n = int(np.prod([int(d) for d in dims.split(',') if d], dtype=np.int64))
-    total += n * _BITS[dtype] // 8
-  return total
-
-
-def _tuple_elements(text: str) -> list[str]:
-  """The top-level elements of an HLO tuple type '(a, (b, c), d)'; [text] if not a tuple."""
-  text = re.sub(r'/\*.*?\*/', '', text).strip()
-  if not text.startswith('('):
-    return [text]
-  parts, depth, start = [], 0, 1
-  for i, ch in enumerate(text):
-    if ch in '({[':
-      depth += 1
-    elif ch in ')}]':
-      depth -= 1
-      if depth == 0:
-        parts.append(text[start:i])
-    elif ch == ',' and depth == 1:
-      parts.append(text[start:i])
-      start = i + 1
-  return [p.strip() for p in parts if p.strip()]
-
-
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-  """Count and result bytes of each kind of collective in a compiled HLO module's text.
-
-  Every instruction of every computation counts once, wherever it sits (entry, loop body,
-  fusion, async wrapper): an asynchronous pair counts at its -start (the result of
-  all-gather-start and collective-permute-start holds the operand, then the result: the
-  result is counted); a '-done' does not count. A loop body's collective counts once, not
-  once per iteration. The TPU compiler's reduce-scatter fusion (an all-reduce whose result
-  is sliced to the device's shard) counts as a reduce-scatter of its sliced result.
+  """Count and result bytes of each kind of collective in a compiled HLO module's text, each
+  instruction once (hlo_cost.collectives; the estimate counts them with their trip counts).
 
   Args:
     hlo_text: `compiled.as_text()`.
@@ -218,33 +238,7 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
   Returns:
     {kind: {'count': n, 'bytes': b}} for each kind in COLLECTIVES (zeros when absent).
   """
-  out = {kind: {'count': 0, 'bytes': 0} for kind in COLLECTIVES}
-  computation, result = '', ''
-  for line in hlo_text.splitlines():
-    if line and not line[0].isspace():
-      header = _HEADER.match(line)
-      if header:
-        computation, result = header.group(1), header.group(2)
-      continue
-    head, eq, rest = line.partition('=')
-    if not eq or '%' not in head:
-      continue
-    opcode = _OPCODE.search(' ' + rest)
-    if not opcode:
-      continue
-    op = opcode.group(1)
-    kind = op[:-len('-start')] if op.endswith('-start') else op
-    if kind not in out:
-      continue
-    shape = rest[:opcode.start()]
-    if op in ('all-gather-start', 'collective-permute-start'):
-      elements = _tuple_elements(shape)
-      shape = elements[1] if len(elements) > 1 else shape
-    if kind == 'all-reduce' and computation.startswith(_REDUCE_SCATTER_FUSION):
-      kind, shape = 'reduce-scatter', result
-    out[kind]['count'] += 1
-    out[kind]['bytes'] += _array_bytes(shape)
-  return out
+  return hlo_cost.collectives(hlo_text)
 
 
 # --- Compiling one program. -----------------------------------------------------------------
@@ -262,7 +256,11 @@ class StepReport:
       generated_code_bytes, and total_bytes = arguments + outputs - aliased + temporaries +
       code (what is live at once, at most).
     xla_flops: compiled.cost_analysis()['flops'] per chip (loop bodies counted once).
-    collectives: {kind: {'count', 'bytes'}} (`collectives`).
+    flops: matmul FLOPs per chip with every loop's trip count and the splash kernel's own
+      count (hlo_cost.analyze); 0 until `analyze_step`.
+    collectives: {kind: {'count', 'bytes'}} (`collectives`: each instruction once).
+    estimate: the roofline estimate on the chip (roofline.Estimate.to_json()); {} when the
+      chip is not in chips.CHIPS or the program was not analyzed.
     detail: what was compiled (rows, lengths).
     skipped: why the program was not compiled ('' when it was).
     out_of_memory: the compiler's message when it refused the program for not fitting HBM
@@ -273,7 +271,9 @@ class StepReport:
   compile_seconds: float = 0.0
   memory: dict[str, int] = dataclasses.field(default_factory=dict)
   xla_flops: float = 0.0
+  flops: float = 0.0
   collectives: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+  estimate: dict[str, Any] = dataclasses.field(default_factory=dict)
   detail: str = ''
   skipped: str = ''
   out_of_memory: str = ''
@@ -339,6 +339,21 @@ def _compile(name: str, jitted, args, setup: assembly.Setup, detail: str, topolo
   logging.info('%s step for %s: lowered in %.1f s, compiled in %.1f s', name, topology,
                report.lower_seconds, report.compile_seconds)
   return compiled, report
+
+
+def analyze_step(report: StepReport, compiled, setup: assembly.Setup,
+                 chip: chips.Chip | None) -> roofline.Estimate | None:
+  """Counts a compiled program's work (hlo_cost.analyze: FLOPs with trip counts) into
+  `report` and, when the chip is known, its roofline estimate (also returned)."""
+  cost = hlo_cost.analyze(hlo_cost.module_text(compiled))
+  report.flops = cost.flops
+  if chip is None:
+    return None
+  mesh_devices = list(setup.mesh.devices.flat)
+  slices = [getattr(d, 'slice_index', 0) or 0 for d in mesh_devices]
+  est = roofline.estimate(cost, chip, devices=len(mesh_devices), slice_of=slices)
+  report.estimate = est.to_json()
+  return est
 
 
 def _replicated(setup: assembly.Setup) -> NamedSharding:
@@ -490,15 +505,35 @@ class Report:
       return None
     return report.total_bytes <= self.hbm_bytes
 
-  def estimate(self, mfu: float = ASSUMED_MFU) -> dict | None:
-    """Steps per day and days to total_steps at `mfu` of the chips' bf16 peak, from the
-    model FLOPs per step and chip (6 N + the full causal attention term, PaLM's
-    convention); an estimate, not a measurement. None when the chip's peak is unknown."""
-    peak = flops.table_peak_flops(self.device_kind)
-    if not peak or not self.model_flops:
+  def chip(self) -> chips.Chip | None:
+    """The chip's figures (chips.CHIPS), None when the table does not know it."""
+    return chips.chip_for(self.device_kind)
+
+  def estimate(self, step: str = 'train') -> dict | None:
+    """The roofline estimate of `step` on the chip (training/roofline.py), with steps per day,
+    days to total_steps, MFU (the model FLOPs per step and chip, 6 N + the full causal
+    attention term, PaLM's convention, over the step time at the chip's peak for the model's
+    dtype: above 1 for sparse attention, which computes far fewer scores than that counts) and
+    flops_utilization (the counted FLOPs over the same); an estimate, not a measurement. None
+    when the chip is unknown or the step was not analyzed."""
+    report, chip = self.steps.get(step), self.chip()
+    if report is None or not report.estimate or chip is None:
       return None
-    per_day = 86400.0 * mfu * peak / self.model_flops
-    return {'assumed_mfu': mfu, 'peak_flops_per_chip': peak, 'steps_per_day': per_day,
+    est = report.estimate
+    per_day = 86400.0 / est['step_s'] if est['step_s'] > 0 else float('inf')
+    dtype = self.model.get('dtype', 'bfloat16')
+    peak = chip.peak('f32' if dtype == 'float32' else 'bf16')
+    return {'bound': est['bound'], 'step_seconds': est['step_s'], 'steps_per_day': per_day,
+            'mfu': self.model_flops / (est['step_s'] * peak) if est['step_s'] > 0 else 0.0,
+            'flops_utilization': (est['flops'] / (est['step_s'] * peak) if est['step_s'] > 0
+                                  else 0.0),
+            'peak_flops_per_chip': peak, 'chip': chip.name,
+            'compute_seconds': est['compute_s'], 'memory_seconds': est['memory_s'],
+            'collective_seconds': est['collectives_s'], 'overhead_seconds': est['overhead_s'],
+            'parts_seconds': {'compute': est['compute_bound_s'],
+                              'memory': est['memory_bound_s'],
+                              'collectives': est['collectives_s'],
+                              'overhead': est['overhead_s']},
             'total_steps': self.total_steps,
             'days': self.total_steps / per_day if self.total_steps else None}
 
@@ -508,6 +543,7 @@ class Report:
       steps[name] = {**dataclasses.asdict(s), 'fits': self.fits(name),
                      'collective_bytes': s.collective_bytes}
     train_step = self.steps.get('train')
+    chip = self.chip()
     return {
         'topology': self.topology, 'num_slices': self.num_slices,
         'device_kind': self.device_kind, 'chips': self.chips, 'hbm_bytes': self.hbm_bytes,
@@ -521,9 +557,11 @@ class Report:
             'train_total_bytes': train_step.total_bytes if train_step else None,
             'model_flops_per_step': self.model_flops,
             'xla_train_flops_per_step': train_step.xla_flops if train_step else None,
+            'train_flops_per_step': train_step.flops if train_step else None,
         },
         'fits': self.fits('train'),
         'estimate': self.estimate(),
+        'chip_figures': dataclasses.asdict(chip) if chip else None,
         'steps': steps,
         'note': NOTE,
     }
@@ -539,7 +577,7 @@ class Report:
              f'per chip: parameters {size(self.param_bytes)}, optimizer state '
              f'{size(self.opt_state_bytes)}',
              f'{"program":<8} {"total GiB":>10} {"temp GiB":>9} {"code MiB":>9} '
-             f'{"fits":>5} {"XLA GFLOP":>10} {"lower s":>8} {"compile s":>9}  '
+             f'{"fits":>5} {"GFLOP":>8} {"est. time":>10} {"bound":>11} {"compile s":>9}  '
              'collectives (count, MiB)']
     for name, s in self.steps.items():
       if s.skipped:
@@ -551,29 +589,64 @@ class Report:
       fits = self.fits(name)
       colls = ', '.join(f'{k} {c["count"]} {c["bytes"] / 2**20:.1f}'
                         for k, c in s.collectives.items() if c['count']) or 'none'
+      est = s.estimate
+      when = roofline.duration(est['step_s']) if est else '?'
       lines.append(f'{name:<8} {gib(s.total_bytes):>10} {gib(s.memory.get("temp_bytes")):>9} '
                    f'{s.memory.get("generated_code_bytes", 0) / 2**20:>9.1f} '
                    f'{"?" if fits is None else "yes" if fits else "NO":>5} '
-                   f'{s.xla_flops / 1e9:>10.3g} {s.lower_seconds:>8.1f} '
+                   f'{(s.flops or s.xla_flops) / 1e9:>8.3g} {when:>10} '
+                   f'{est.get("bound", "?") if est else "?":>11} '
                    f'{s.compile_seconds:>9.1f}  {colls}')
       if s.detail:
         lines.append(f'{"":<8} ({s.detail})')
     train_step = self.steps.get('train')
     if train_step and train_step.memory:
-      ratio = train_step.xla_flops / self.model_flops if self.model_flops else float('nan')
-      lines.append(f'train FLOPs per step per chip: XLA {train_step.xla_flops:.4g}, model '
-                   f'{self.model_flops:.4g} (6N + attention; XLA / model = {ratio:.2f})')
-    estimate = self.estimate()
-    if estimate:
-      days = (f', {estimate["total_steps"]:,} steps in {estimate["days"]:.2g} days'
-              if estimate['days'] else '')
-      per_day = float(f'{estimate["steps_per_day"]:.3g}')
-      lines.append(f'estimate (not measured): {per_day:,.0f} steps/day at '
-                   f'{estimate["assumed_mfu"]:.0%} MFU of '
-                   f'{estimate["peak_flops_per_chip"] / 1e12:.0f} '
-                   f'TFLOP/s per chip{days}')
+      counted = train_step.flops or train_step.xla_flops
+      ratio = counted / self.model_flops if self.model_flops else float('nan')
+      lines.append(f'train FLOPs per step per chip: {counted:.4g} counted with loop trip '
+                   f'counts (XLA\'s cost analysis: {train_step.xla_flops:.4g}, each loop body '
+                   f'once), model {self.model_flops:.4g} (6N + attention; counted / model = '
+                   f'{ratio:.2f})')
+    lines.extend(self._estimate_lines())
     lines.append('note: ' + NOTE)
     return '\n'.join(lines)
+
+  def _estimate_lines(self) -> list[str]:
+    estimate, chip = self.estimate(), self.chip()
+    train_step = self.steps.get('train')
+    if not estimate or chip is None or train_step is None:
+      if self.steps.get('train') and not self.steps['train'].out_of_memory:
+        return [f'estimate: no figures for {self.device_kind} in training/chips.py']
+      return []
+    est = train_step.estimate
+    parts = estimate['parts_seconds']
+    dur = roofline.duration
+    lines = [
+        f'estimate of the train step on one {chip.name} chip (roofline, not measured): '
+        f'compute {dur(est["compute_s"])} ({est["flops"] / 1e9:.3g} GFLOP at '
+        f'{chip.peak("bf16") / 1e12:.0f} TFLOP/s bf16), memory {dur(est["memory_s"])} '
+        f'({size(est["bytes"])} at {chip.hbm_bandwidth / 1e9:,.0f} GB/s), collectives '
+        f'{dur(est["collectives_s"])} ({size(est["collective_bytes"])} sent'
+        + (f', {dur(est["dcn_s"])} of it over DCN' if est['dcn_s'] else '') + '), overhead '
+        f'{dur(est["overhead_s"])} ({est["launches"]:,.0f} kernels)',
+        f'  step {dur(est["step_s"])}, bound: {estimate["bound"]} (compute-bound kernels '
+        f'{dur(parts["compute"])}, memory-bound {dur(parts["memory"])}); '
+        f'~{_three_digits(estimate["steps_per_day"]):,.0f} steps/day, MFU '
+        f'{100 * estimate["mfu"]:.1f}% (the counted FLOPs: '
+        f'{100 * estimate["flops_utilization"]:.1f}% of peak)'
+        + (f', {estimate["total_steps"]:,} steps in ~{dur(estimate["days"] * 86400)}'
+           if estimate['days'] else '')]
+    if est['unknown_loops']:
+      lines.append(f'  {est["unknown_loops"]} loop(s) of data-dependent length counted once: '
+                   'the estimate is low there')
+    if est['opaque']:
+      lines.append('  custom calls counted without FLOPs: '
+                   + ', '.join(f'{k} x{v:g}' for k, v in est['opaque'].items()))
+    return lines
+
+
+def _three_digits(x: float) -> float:
+  return float(f'{x:.3g}')
 
 
 def _model_summary(setup: assembly.Setup) -> dict[str, Any]:
@@ -587,7 +660,7 @@ def _model_summary(setup: assembly.Setup) -> dict[str, Any]:
 
 
 def report_for(setup: assembly.Setup, steps=STEPS, *, topology: str = '',
-               num_slices: int = 1) -> tuple[Report, dict]:
+               num_slices: int = 1, analyze: bool = True) -> tuple[Report, dict]:
   """Compiles `steps` of the run for `setup`'s mesh and reports on them.
 
   Args:
@@ -595,6 +668,8 @@ def report_for(setup: assembly.Setup, steps=STEPS, *, topology: str = '',
     steps: names in STEPS to compile, in order.
     topology: the slice's topology name (default: the devices' kind).
     num_slices: slices the mesh spans (for the report).
+    analyze: count each program's work and estimate its time (`analyze_step`); a fit check
+      alone does not need it.
 
   Returns:
     (the Report, {step name: the jax Compiled, or None when skipped}).
@@ -603,19 +678,22 @@ def report_for(setup: assembly.Setup, steps=STEPS, *, topology: str = '',
   if unknown:
     raise ValueError(f'unknown programs {unknown}; known: {", ".join(STEPS)}')
   device = setup.mesh.devices.flat[0]
-  chips = int(setup.mesh.devices.size)
+  n_chips = int(setup.mesh.devices.size)
   mc = setup.model_config
   tokens = setup.config.batch_size * setup.seq_len
   topology = topology or device.device_kind
+  chip = chips.chip_for(device.device_kind)
   compiled, reports = {}, {}
   for name in steps:
     compiled[name], reports[name] = _COMPILERS[name](setup, topology)
+    if analyze and compiled[name] is not None:
+      analyze_step(reports[name], compiled[name], setup, chip)
   report = Report(
       topology=topology, num_slices=num_slices, device_kind=device.device_kind,
-      chips=chips, hbm_bytes=hbm_bytes(device), mesh=dict(setup.mesh.shape),
+      chips=n_chips, hbm_bytes=hbm_bytes(device), mesh=dict(setup.mesh.shape),
       param_bytes=per_device_bytes(setup.abstract_state.params),
       opt_state_bytes=per_device_bytes(setup.abstract_state.opt_state),
-      model_flops=mc.train_flops_per_token(setup.seq_len) * tokens / chips, steps=reports,
+      model_flops=mc.train_flops_per_token(setup.seq_len) * tokens / n_chips, steps=reports,
       model=_model_summary(setup), total_steps=int(setup.config.total_steps))
   return report, compiled
 
@@ -680,7 +758,7 @@ def check_train_step_fits(setup: assembly.Setup):
   Raises:
     ValueError: it does not fit one chip's HBM (`does_not_fit`'s message).
   """
-  report, compiled = report_for(setup, ('train',))
+  report, compiled = report_for(setup, ('train',), analyze=False)
   message = does_not_fit(report)
   if message:
     raise ValueError(message)

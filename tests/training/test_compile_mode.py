@@ -10,11 +10,12 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 
 from configs import tiny
-from training import aot, assembly, evaluation, steps, train
+from training import aot, assembly, evaluation, roofline, steps, train
 
 TOPOLOGY = 'v5e:2x2'
 
@@ -115,6 +116,33 @@ def test_flops_collectives_and_compile_times(compiled):
 
 
 @needs_libtpu
+def test_the_step_time_estimate_is_a_roofline_the_chip_could_reach(compiled):
+  """The train step's time on a v5e chip: the FLOPs counted with the layer loop's trip count
+  (the tiny model's stack is a scan: XLA's own count sees one layer), and a time no shorter
+  than the chip's peak FLOP/s and HBM bandwidth allow for them."""
+  js, report, _, _ = compiled
+  chip = aot.chips.chip_for('TPU v5 lite')
+  train = js['steps']['train']
+  assert train['flops'] > train['xla_flops']
+  assert js['per_chip']['train_flops_per_step'] == train['flops']
+  est = train['estimate']
+  assert est['flops'] == train['flops'] and est['unknown_loops'] == 0
+  assert est['step_s'] >= max(est['flops'] / chip.peak('f32'), est['bytes'] / chip.hbm_bandwidth)
+  assert est['step_s'] == pytest.approx(max(est['kernels_s'], est['collectives_s'])
+                                        + est['overhead_s'])
+  assert est['collectives_s'] > 0  # fsdp gathers and reduce-scatters.
+  estimate = js['estimate']
+  assert estimate['bound'] in roofline.BOUNDS and estimate['chip'] == 'v5e'
+  assert estimate['steps_per_day'] == pytest.approx(86400 / est['step_s'])
+  assert 0 < estimate['mfu'] < 1
+  for name in ('eval', 'decode'):
+    assert js['steps'][name]['estimate']['step_s'] > 0, name
+  text = report.table()
+  assert 'estimate of the train step on one v5e chip (roofline, not measured)' in text
+  assert f'bound: {estimate["bound"]}' in text and 'steps/day, MFU' in text
+
+
+@needs_libtpu
 def test_the_table_names_each_program(compiled, capsys):
   _, report, _, _ = compiled
   print(report.table())
@@ -183,6 +211,10 @@ def test_a_tpu_run_checks_the_fit_before_anything_starts(monkeypatch, tmp_path):
 
 @needs_libtpu
 def test_main_exits_1_with_one_error_line_when_the_step_cannot_fit(harness, tmp_path):
+  """`python main.py --mode=compile` on a CPU host (JAX_PLATFORMS=cpu, as such a user sets it):
+  the one error line is the mode's, and nothing of libtpu's start-up reaches the terminal (its
+  TPU_ACCELERATOR_TYPE and TPU_WORKER_HOSTNAMES warnings and 'INVALID_ARGUMENT ... unexpected
+  worker hostname', which a user reads as a failure)."""
   workdir = tmp_path / 'run'
   proc = harness.run_main(workdir, {
       'batch_size': HUGE_BATCH, 'model.attention_impl': 'xla', 'mesh.data': 1, 'mesh.fsdp': 4,
@@ -199,6 +231,19 @@ def test_main_exits_1_with_one_error_line_when_the_step_cannot_fit(harness, tmp_
   assert js['steps']['train']['out_of_memory'].startswith('RESOURCE_EXHAUSTED')
   assert 'does NOT fit' in proc.stdout
   assert os.listdir(workdir) == ['compile_v5e_2x2.json']
+  assert not _libtpu_noise(proc.stdout + proc.stderr), proc.stderr[-3000:]
+
+
+# What libtpu printed when it started on a host that is not a Cloud TPU VM (aot.LIBTPU_NOISE
+# holds it back): warnings naming these variables, and C++ log lines (file.cc:line) at warning,
+# error or fatal level. The mode's own Python log lines (file.py:line) are not noise.
+_NOISE = ('TPU_ACCELERATOR_TYPE', 'TPU_WORKER_HOSTNAMES', 'INVALID_ARGUMENT',
+          'Failed to find host bounds', 'Source Location Trace')
+
+
+def _libtpu_noise(output: str) -> list[str]:
+  return [line for line in output.splitlines()
+          if any(n in line for n in _NOISE) or re.match(r'^[EWF]\d{4} [^\]]*\.cc:\d+\]', line)]
 
 
 def test_no_topology_is_a_clear_error(tmp_path):
