@@ -8,7 +8,8 @@ Each experiment trains through experiments/harness.py (or, for a component timin
 benchmarks/ script); registry.EXPERIMENTS are RESULTS.md's, registry.PAGES the runs a docs/
 page quotes.
 
-`run` runs the named experiments (experiments/registry.py) into OUT, each as
+`run` runs the named experiments (experiments/registry.py; paper_scale, the papers' sizes on
+an accelerator, only this way) into OUT, each as
 `python -m MODULE ARGS` with its log in OUT/logs/NAME.log; a finished training run inside OUT
 is reused. `all` runs every experiment in order, RESULTS.md's then the pages' (several hours
 on 2 CPU cores), and renders OUT/RESULTS.md from what they wrote (experiments/render.py).
@@ -97,10 +98,11 @@ def main(argv=None) -> None:
                    'runs (numbers meaningless)')
   args = parser.parse_args(argv)
   if args.verb == 'list':
-    for e in registry.EXPERIMENTS + registry.PAGES:
+    for e in registry.EXPERIMENTS + registry.PAGES + registry.DEVICE:
       print(f'{e.name:<20} python -m {e.module:<34} -> {", ".join(e.writes)}'
             + ('  (needs --text)' if e.text else '')
-            + ('  (a docs page\'s runs)' if e in registry.PAGES else ''))
+            + ('  (a docs page\'s runs)' if e in registry.PAGES else '')
+            + ('  (needs an accelerator; not in all)' if e in registry.DEVICE else ''))
     return
   names = (args.names if args.verb == 'run'
            else [e.name for e in registry.EXPERIMENTS + registry.PAGES])

@@ -28,17 +28,26 @@ Tokens/s: with time_rounds > 0, each run's train step with its trained parameter
 round-robin among the runs of the same seed (a busy phase of a shared machine slows all alike;
 the median over rounds); with 0, the median of the run's logged windows that hold no compile,
 evaluation or checkpoint save.
+
+Within `with harness.time_limit(SECONDS) as limit:` (experiments/paper_scale.py, one device
+lease), a run still training at the limit is stopped as a SIGTERM stops it (its checkpoint is
+saved), no run starts after it, and run() returns the rows that finished (of whole seeds only,
+so that variants are compared at equal seeds) instead of raising Preempted; `limit.cut` says
+what was stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import importlib.util
 import os
 import re
+import signal
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union
@@ -266,6 +275,27 @@ def _named(run: RunLike) -> Run:
 # ---------------------------------------------------------------- measurements
 
 
+def scalar_curve(workdir: str, tag: str) -> list[tuple[int, float]]:
+  """(step, value) of a scalar a run wrote to WORKDIR/tensorboard, read without TensorFlow:
+  as a tensor (clu's TensorFlow writer) or as a plain scalar (clu's PyTorch writer, which the
+  GPU machines' setup uses: benchmarks/gpu_env.sh). benchmarks.common.scalar_curve reads the
+  first kind through TensorFlow, which a GPU image may lack."""
+  from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=g-import-not-at-top
+  from tensorboard.util import tensor_util  # pylint: disable=g-import-not-at-top
+  acc = event_accumulator.EventAccumulator(os.path.join(workdir, 'tensorboard'),
+                                           size_guidance={'tensors': 0, 'scalars': 0})
+  acc.Reload()
+  tags = acc.Tags()
+  if tag in tags.get('tensors', ()):
+    points = {e.step: float(tensor_util.make_ndarray(e.tensor_proto)) for e in acc.Tensors(tag)}
+  elif tag in tags.get('scalars', ()):
+    points = {e.step: float(e.value) for e in acc.Scalars(tag)}
+  else:
+    return []
+  return sorted(points.items())
+
+
+
 def steady_tokens_per_sec(points: list[tuple[int, float]], config) -> float:
   """Median logged tokens/s over the windows without a compile, an evaluation or a checkpoint
   in them: a window's clock starts at the previous log line, so the first window holds the
@@ -405,7 +435,7 @@ def measure(name: str, config, workdir: str) -> dict:
   act = mc.stack_name == 'universal' and mc.stack_option('act')
   if act:
     tags.append('train/act_steps/universal')
-  curves = {tag: common.scalar_curve(workdir, tag) for tag in tags}
+  curves = {tag: scalar_curve(workdir, tag) for tag in tags}
   evals = curves['eval/loss']
   row['step'] = step
   row['eval_loss'] = evals[-1][1] if evals else float('nan')
@@ -418,10 +448,13 @@ def measure(name: str, config, workdir: str) -> dict:
              if act and curves['train/act_steps/universal'] else None)
   row['train_flops_per_token'] = mc.train_flops_per_token(seq_len, metrics)
   row['tokens_per_sec'] = steady_tokens_per_sec(curves['train/tokens_per_sec'], config)
-  row['attn_peak_bytes'] = attention_peak_bytes(mc, config.batch_size, seq_len)
-  row['decode_cache_bytes'], why = decode_cache_bytes(mc)
-  if why:
-    row['decode_refused'] = why
+  if _MEMORY:
+    row['attn_peak_bytes'] = attention_peak_bytes(mc, config.batch_size, seq_len)
+    row['decode_cache_bytes'], why = decode_cache_bytes(mc)
+    if why:
+      row['decode_refused'] = why
+  else:  # Within without_memory(): not measured.
+    row['attn_peak_bytes'] = row['decode_cache_bytes'] = None
   row['attention_impl'] = transformer.implementations(mc)
   row['stack'] = mc.stack_name
   row['data_packing'] = config.data.packing
@@ -447,31 +480,139 @@ class Preempted(SystemExit):
   checkpoint is saved, and the experiment stops instead of measuring a half-trained run and
   going on; rerunning it resumes. Exits with 143 (128 + SIGTERM) when not caught."""
 
-  def __init__(self, name: str, step: int, total: int, workdir: str):
-    print(f'run {name!r} stopped at step {step} of {total} (SIGTERM); its checkpoint is in '
+  def __init__(self, name: str, step: int, total: int, workdir: str, why: str = 'SIGTERM'):
+    print(f'run {name!r} stopped at step {step} of {total} ({why}); its checkpoint is in '
           f'{workdir}: rerun the experiment to resume it', file=sys.stderr, flush=True)
     super().__init__(143)
-    self.name, self.step, self.total, self.workdir = name, step, total, workdir
+    self.name, self.step, self.total, self.workdir, self.why = name, step, total, workdir, why
+
+
+class TimeLimit:
+  """The state of a `time_limit`: its deadline, whether its own timer fired (`expired`) or a
+  SIGTERM came from outside (`signalled`: a lease ending, `timeout`), and what it cut."""
+
+  def __init__(self, seconds: float):
+    if seconds <= 0:
+      raise ValueError(f'a time limit must be > 0 s, got {seconds}')
+    self.seconds = seconds
+    self.deadline = time.monotonic() + seconds
+    self.expired = False
+    self.signalled = False
+    self.cut = ''        # The run the limit (or a SIGTERM) stopped, and at which step.
+    self.skipped = []    # Runs that did not start because the limit had passed.
+
+  def remaining(self) -> float:
+    return self.deadline - time.monotonic()
+
+  @property
+  def over(self) -> bool:
+    return self.expired or self.signalled or self.remaining() <= 0
+
+  @property
+  def reason(self) -> str:
+    return ('SIGTERM from outside' if self.signalled else
+            f'the {self.seconds:.0f} s time limit')
+
+  def fire(self) -> None:
+    """The limit's timer: a SIGTERM to this process, which stops a training loop as a
+    preemption does (its checkpoint saved)."""
+    self.expired = True
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+_LIMIT: TimeLimit | None = None
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+  """Limits the training of every run() inside to `seconds` of wall clock from now: a run
+  still training then stops at its next step (checkpoint saved), later runs do not start, and
+  run() returns what finished. A SIGTERM from outside does the same (and sets `signalled`),
+  also between runs, where it would otherwise kill the process. Yields the TimeLimit."""
+  global _LIMIT
+  limit = TimeLimit(seconds)
+  outer, _LIMIT = _LIMIT, limit
+  handler = None
+  if threading.current_thread() is threading.main_thread():
+
+    def on_sigterm(signum, frame):
+      del signum, frame
+      if not limit.expired:
+        limit.signalled = True
+
+    handler = signal.signal(signal.SIGTERM, on_sigterm)
+  try:
+    yield limit
+  finally:
+    _LIMIT = outer
+    if handler is not None:
+      signal.signal(signal.SIGTERM, handler)
+
+
+_MEMORY = True
+
+
+@contextlib.contextmanager
+def without_memory():
+  """Rows measured inside leave out the compiled memory of an attention layer and the
+  decoding cache (None): a compile less per run, for experiments that read neither
+  (experiments/paper_scale.py, where a lease's seconds count)."""
+  global _MEMORY
+  outer, _MEMORY = _MEMORY, False
+  try:
+    yield
+  finally:
+    _MEMORY = outer
+
+
+class TimeUp(Preempted):
+  """A run stopped (step > 0, its checkpoint saved), or not started (step 0), because the
+  active time_limit had passed or a SIGTERM came within it."""
+
+  def __init__(self, name: str, step: int, total: int, workdir: str, why: str):
+    if step:
+      super().__init__(name, step, total, workdir, why)
+    else:
+      print(f'run {name!r} not started ({why})', file=sys.stderr, flush=True)
+      SystemExit.__init__(self, 143)  # pylint: disable=non-parent-init-called
+      self.name, self.step, self.total, self.workdir, self.why = name, step, total, workdir, why
 
 
 def train_one(name: str, config, workdir: str, *, progress: bool = True) -> dict:
   """Trains (or resumes, or keeps) one run and measures its row; raises Preempted when a
-  SIGTERM stops the run before its last step."""
+  SIGTERM stops the run before its last step (TimeUp when an active time_limit does, or has
+  passed before the run starts)."""
+  limit = _LIMIT
+  if limit is not None and limit.over:
+    raise TimeUp(name, 0, config.total_steps, workdir, f'{limit.reason} passed')
   already = os.path.isdir(os.path.join(workdir, 'checkpoints', str(config.total_steps)))
   started = time.time()
   diverged = None
-  with _bar(progress, total=config.total_steps, desc=f'  {name}', unit='step') as bar:
+  timer = None
+  if limit is not None:
+    timer = threading.Timer(max(0.0, limit.remaining()), limit.fire)
+    timer.daemon = True
+    timer.start()
+  try:
+    with _bar(progress, total=config.total_steps, desc=f'  {name}', unit='step') as bar:
 
-    def on_step(step: int) -> None:
-      bar.update(step - bar.n)
+      def on_step(step: int) -> None:
+        bar.update(step - bar.n)
 
-    try:
-      state = train.train_and_evaluate(config, workdir, on_step=on_step)
-    except FloatingPointError as e:  # A diverged run keeps its curves up to there.
-      diverged = str(e)
-    else:
-      if int(state.step) < config.total_steps:  # SIGTERM: the loop saved and returned.
-        raise Preempted(name, int(state.step), config.total_steps, workdir)
+      try:
+        state = train.train_and_evaluate(config, workdir, on_step=on_step)
+      except FloatingPointError as e:  # A diverged run keeps its curves up to there.
+        diverged = str(e)
+      else:
+        if int(state.step) < config.total_steps:  # SIGTERM: the loop saved and returned.
+          if limit is None:
+            raise Preempted(name, int(state.step), config.total_steps, workdir)
+          if not limit.expired:  # The loop caught a SIGTERM that was not the limit's.
+            limit.signalled = True
+          raise TimeUp(name, int(state.step), config.total_steps, workdir, limit.reason)
+  finally:
+    if timer is not None:
+      timer.cancel()
   seconds = time.time() - started
   row = measure(name, config, workdir)
   # Trained by an earlier call (then run_seconds is only this call's restore).
@@ -524,6 +665,9 @@ def run(runs: Sequence[RunLike], base: ml_collections.ConfigDict,
     progress: show progress bars (runs, and steps within a run).
     on_row: called with each row as soon as it is measured (before the timing rounds).
 
+  Within a time_limit, a run stopped by it ends the call: the rows of the seeds every run
+  finished are returned (with seeds None, the runs that finished), and no run starts after.
+
   Returns:
     The rows; each has 'seed', 'own_keys' and, when timed, 'timed_tokens_per_sec' (its
     'tokens_per_sec' is then the timed median, 'logged_tokens_per_sec' the logged one).
@@ -545,7 +689,16 @@ def run(runs: Sequence[RunLike], base: ml_collections.ConfigDict,
           config.seed = seed
         workdirs[name] = (config, os.path.join(here, folder(name)))
         bar.set_postfix_str(name if seed is None else f'{name}, seed {seed}')
-        row = train_one(name, config, workdirs[name][1], progress=progress)
+        try:
+          row = train_one(name, config, workdirs[name][1], progress=progress)
+        except TimeUp as e:
+          # Within a time_limit: what finished, of whole seeds (None: the finished runs).
+          label = name if seed is None else f'{name} (seed {seed})'
+          if e.step and not _LIMIT.cut:
+            _LIMIT.cut = f'{label} stopped at step {e.step} of {e.total} by {_LIMIT.reason}'
+          else:
+            _LIMIT.skipped.append(label)
+          return rows + seeded if seed is None else rows
         row['seed'] = config.seed
         row['own_keys'] = dict(keys)
         if on_row:

@@ -15,6 +15,10 @@ Part 'dup' (configs/reformer_duplication.py: rows `0 w 0 w` of 256 tokens, 1 lay
 and evaluates each shared-QK model with full attention and with 1, 2 and 4 rounds (the
 paper's table 2: every model under every evaluation; DUP_EVALS, each what
 `main.py --workdir=RUN --mode=eval --config.KEY=VALUE...` gives), accuracy on the second copy.
+--dup_length, --num_symbols, --d_model, --mlp_dim, --dup_batch, --chunk_len, --n_buckets and
+--hashes change the sizes (experiments/paper_scale.py runs the paper's: rows of 1024, 127
+symbols, d_model = d_ff = 256, chunks of 64 in 16 buckets); the JSON records every size that
+differs from the recipe's among each run's overrides.
 
 Part 'bytes' (configs/local_text.py on --text, 4 layers of 128, rows of 256 bytes, batch 16):
 trains pre_ln and reversible blocks (dense attention) for the same steps, and reports
@@ -34,40 +38,91 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from experiments import harness  # noqa: E402  (sets the XLA flags before JAX starts)
 
-from benchmarks.common import pyplot, save_figure, scalar_curve, write_json  # noqa: E402
+from benchmarks.common import pyplot, save_figure, write_json  # noqa: E402
 
 RECIPES = {'dup': os.path.join(REPO, 'configs', 'reformer_duplication.py'),
            'bytes': os.path.join(REPO, 'configs', 'local_text.py')}
 METRIC = {'dup': 'accuracy', 'bytes': 'bits_per_byte'}
 SEQ = 256
 LSH = {'model.attention_options.n_buckets': 8, 'model.attention_options.chunk_len': 32}
-FULL = {'model.attention_options.n_buckets': 1, 'model.attention_options.chunk_len': SEQ,
-        'model.attention_options.n_hashes': 1}
+HASHES = (1, 2, 4)
+
+
+def dup_evals(seq: int = SEQ, lsh: dict = None, hashes=HASHES) -> list[tuple[str, dict]]:
+  """Evaluations of every shared-QK model of rows of `seq` tokens: full attention (one bucket,
+  one chunk), then LSH (`lsh`: its buckets and chunks) with each of `hashes` rounds."""
+  lsh = LSH if lsh is None else lsh
+  full = {'model.attention_options.n_buckets': 1, 'model.attention_options.chunk_len': seq,
+          'model.attention_options.n_hashes': 1}
+  return [('full', full)] + [(f'lsh{h}', {**lsh, 'model.attention_options.n_hashes': h})
+                             for h in hashes]
+
+
+def dup_runs(seq: int = SEQ, lsh: dict = None, hashes=HASHES) -> tuple:
+  """The duplication runs: dense (separate Q, K), full shared-QK attention, LSH with each of
+  `hashes` rounds."""
+  evals = dict(dup_evals(seq, lsh, hashes))
+  return (harness.Run('dense', {'model.attention': 'dense'}),
+          *(harness.Run(name, overrides) for name, overrides in evals.items()))
+
+
 # Evaluations of every shared-QK model: full attention, then 1, 2 and 4 rounds.
-DUP_EVALS = [('full', FULL)] + [(f'lsh{h}', {**LSH, 'model.attention_options.n_hashes': h})
-                                for h in (1, 2, 4)]
+DUP_EVALS = dup_evals()
 RUNS = {
-    'dup': (harness.Run('dense', {'model.attention': 'dense'}),
-            harness.Run('full', FULL),
-            *(harness.Run(f'lsh{h}', {**LSH, 'model.attention_options.n_hashes': h})
-              for h in (1, 2, 4))),
+    'dup': dup_runs(),
     'bytes': (harness.Run('pre_ln', {'model.block': 'pre_ln'}),
               harness.Run('reversible', {'model.block': 'reversible'})),
 }
 # A run's evaluations: [(tag, eval-time overrides)]; [('eval', {})] for a run not named here.
 EVALS = {'dense': [('dense', {})],
          **{run.name: DUP_EVALS for run in RUNS['dup'] if run.name != 'dense'}}
+# The duplication task's sizes (--dup_length ...: the recipe's by default; the paper's: rows of
+# 1024, L = 511, 127 symbols, d_model = d_ff = 256): {argument: recipe key}.
+SIZES = {'dup_length': 'data.dup_length', 'num_symbols': 'data.num_symbols',
+         'd_model': 'model.d_model', 'mlp_dim': 'model.mlp_dim', 'dup_batch': 'batch_size'}
 
 
-def evals_of(name: str) -> list[tuple[str, dict]]:
-  return EVALS.get(name, [('eval', {})])
+def evals_of(name: str, evals: dict | None = None) -> list[tuple[str, dict]]:
+  return (EVALS if evals is None else evals).get(name, [('eval', {})])
+
+
+def size_overrides(args) -> dict:
+  """The duplication sizes that differ from the recipe's (none by default): {key: value}."""
+  recipe = harness.flatten(harness.load_recipe(RECIPES['dup']))
+  return {key: getattr(args, arg) for arg, key in SIZES.items()
+          if getattr(args, arg, None) is not None and getattr(args, arg) != recipe[key]}
+
+
+def dup_seq(args) -> int:
+  """The duplication rows' length: BOS + 2 (L + 1) tokens, minus the last."""
+  length = getattr(args, 'dup_length', None)
+  return SEQ if length is None else 2 * length + 2
+
+
+def dup_lsh(args) -> dict:
+  """The LSH settings of --n_buckets and --chunk_len (default: LSH's)."""
+  return {'model.attention_options.n_buckets': getattr(args, 'n_buckets', None) or
+          LSH['model.attention_options.n_buckets'],
+          'model.attention_options.chunk_len': getattr(args, 'chunk_len', None) or
+          LSH['model.attention_options.chunk_len']}
+
+
+def dup_plan(args) -> tuple[tuple, dict]:
+  """(the duplication runs, {run: its evaluations}) of these arguments (--hashes, --runs)."""
+  hashes = tuple(int(h) for h in str(getattr(args, 'hashes', '1,2,4')).split(','))
+  seq, lsh = dup_seq(args), dup_lsh(args)
+  runs = dup_runs(seq, lsh, hashes)
+  evals = {'dense': [('dense', {})],
+           **{run.name: dup_evals(seq, lsh, hashes) for run in runs if run.name != 'dense'}}
+  return runs, evals
 
 
 def common_overrides(part: str, args) -> dict:
   """The overrides of the part's recipe that its runs share (no evaluation while training)."""
   if part == 'dup':
     return {'total_steps': args.dup_steps, 'eval_every_steps': 0,
-            'checkpoint_every_steps': args.dup_steps, 'log_every_steps': 20, 'eval_steps': 16}
+            'checkpoint_every_steps': args.dup_steps, 'log_every_steps': 20, 'eval_steps': 16,
+            **size_overrides(args)}
   return {'data.files': os.path.abspath(args.text),
           'data.data_dir': os.path.join(args.out, 'tfds'), 'data.chunk_bytes': 16384,
           'model.d_model': 128, 'model.n_heads': 4, 'model.n_layers': 4, 'seq_len': 256,
@@ -88,21 +143,21 @@ def base_config(part: str, args):
       overrides={'warmup_steps': recipe.warmup_steps, **common_overrides(part, args)})
 
 
-def train_and_measure(part: str, runs, base, out: str) -> list[dict]:
+def train_and_measure(part: str, runs, base, out: str, evals: dict | None = None) -> list[dict]:
   """Trains each run (unless finished) in OUT/<part>/<run> through the harness, evaluates it
-  (EVALS) and reads its curves: the harness rows with 'evals' ({tag: eval result}) and
-  'train_accuracy'."""
+  (`evals`, default EVALS) and reads its curves: the harness rows with 'evals' ({tag: eval
+  result}) and 'train_accuracy'."""
   by_name = {run.name: run for run in runs}
   rows = []
   for row in harness.run(runs, base, None, os.path.join(out, part)):
     name, workdir = row['variant'], row['workdir']
     config = harness.variant_config(base, by_name[name].overrides)
     row['evals'] = {}
-    for tag, extra in evals_of(name):
+    for tag, extra in evals_of(name, evals):
       row['evals'][tag] = harness.evaluate(config, workdir, extra)
       print(f'[{name}] eval {tag}: {METRIC[part]} {row["evals"][tag][METRIC[part]]:.4f}',
             flush=True)
-    row['train_accuracy'] = scalar_curve(workdir, 'train/accuracy')
+    row['train_accuracy'] = harness.scalar_curve(workdir, 'train/accuracy')
     rows.append(row)
   return rows
 
@@ -120,13 +175,14 @@ def analyze(rows: list[dict], runs, common: dict) -> dict:
 def settings(part: str, args) -> dict:
   common = common_overrides(part, args)
   if part == 'dup':
-    return {'steps': args.dup_steps, 'seq_len': SEQ, **common}
+    return {'steps': args.dup_steps, 'seq_len': dup_seq(args), **common}
   return {'text': os.path.basename(args.text), **common}
 
 
 def dup_table(part: dict) -> str:
   """Accuracy of each model (rows) under each evaluation (columns)."""
-  cols = [tag for tag, _ in DUP_EVALS]
+  cols = [tag for tag in ('full', 'lsh1', 'lsh2', 'lsh4', 'lsh8')
+          if any(tag in entry['evals'] for entry in part['runs'].values())]
   lines = [f'accuracy on the second copy after {part["settings"]["steps"]} steps (rows: '
            'trained with; columns: evaluated with)', f'{"":<8}' + ''.join(f'{c:>8}' for c in cols)]
   for name, entry in part['runs'].items():
@@ -173,6 +229,17 @@ def parse_args(argv=None):
   p.add_argument('--dup_steps', type=int, default=1000)
   p.add_argument('--byte_steps', type=int, default=1500)
   p.add_argument('--runs', default='all', help="comma-separated subset of the runs, or 'all'")
+  p.add_argument('--dup_length', type=int, default=None,
+                 help="dup: L, rows of 2 L + 2 (default: the recipe's 127; paper: 511)")
+  p.add_argument('--num_symbols', type=int, default=None,
+                 help="dup: alphabet (default: the recipe's 32; paper: 127)")
+  p.add_argument('--d_model', type=int, default=None, help="dup: width (recipe: 128; paper: 256)")
+  p.add_argument('--mlp_dim', type=int, default=None,
+                 help="dup: feed-forward width (recipe: derived; paper: 256)")
+  p.add_argument('--dup_batch', type=int, default=None, help="dup: batch (recipe: 32)")
+  p.add_argument('--chunk_len', type=int, default=None, help='dup: LSH chunk length (default 32)')
+  p.add_argument('--n_buckets', type=int, default=None, help='dup: LSH buckets (default 8)')
+  p.add_argument('--hashes', default='1,2,4', help='dup: the hash rounds trained and evaluated')
   p.add_argument('--json', default=os.path.join(REPO, 'results',
                                                 'reformer_experiment.json'))
   p.add_argument('--plot', default=os.path.join(REPO, 'docs', 'img', 'reformer_curves.png'))
@@ -193,8 +260,9 @@ def main(argv=None) -> dict:
   for part in RUNS:
     results.setdefault(part, {'runs': {}})
   for part in parts:
-    runs = tuple(r for r in RUNS[part] if args.runs == 'all' or r.name in args.runs.split(','))
-    rows = train_and_measure(part, runs, base_config(part, args), args.out)
+    every, evals = dup_plan(args) if part == 'dup' else (RUNS[part], None)
+    runs = tuple(r for r in every if args.runs == 'all' or r.name in args.runs.split(','))
+    rows = train_and_measure(part, runs, base_config(part, args), args.out, evals)
     results[part]['settings'] = settings(part, args)
     results[part]['runs'].update(analyze(rows, runs, common_overrides(part, args)))
     print('\n' + (dup_table if part == 'dup' else bytes_table)(results[part]))

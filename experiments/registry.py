@@ -57,6 +57,12 @@ EXPERIMENTS = (
                ('--part', 'va', '--workdir', '{out}/selective_runs',
                 '--out', '{out}/selective_va.json'),
                ('selective_va.json',), quick=_SELECTIVE_QUICK),
+    Experiment('selective_synthetic', _SELECTIVE,
+               ('--part', 'synthetic', '--seeds', '0,1', '--workdir', '{out}/selective_runs',
+                '--out', '{out}/selective_synthetic.json'),
+               ('selective_synthetic.json',),
+               quick=_SELECTIVE_QUICK + ('--syn_steps', '4', '--syn_batch', '4', '--copy_max',
+                                         '4', '--parity_bits', '4', '--syn_d', '1')),
     Experiment('selective_lm', _SELECTIVE,
                ('--part', 'lm', '--text', '{text}', '--workdir', '{out}/selective_runs',
                 '--out', '{out}/selective_lm.json'),
@@ -145,8 +151,18 @@ PAGES = (
                 '--out', '{out}/selective_docs.json'),
                ('selective_docs.json',), quick=_SELECTIVE_QUICK, text=True),
 )
-BY_NAME = {e.name: e for e in EXPERIMENTS + PAGES}
-assert len(BY_NAME) == len(EXPERIMENTS) + len(PAGES), 'experiment names must be unique'
+# The runs that need an accelerator (`run NAME` runs one; `all` does not): the paper-size
+# lines of RESULTS.md's synthetic rows (experiments/paper_scale.py; on a lent GPU,
+# benchmarks/gpu_paper_scale.sh runs it with the device's setup). --quick: its tiny profile.
+DEVICE = (
+    Experiment('paper_scale', 'experiments.paper_scale',
+               ('--profile', 'device', '--out', '{out}/paper_scale.json',
+                '--workdir', '{out}/paper_scale_runs'),
+               ('paper_scale.json',), quick=('--profile', 'tiny')),
+)
+BY_NAME = {e.name: e for e in EXPERIMENTS + PAGES + DEVICE}
+assert len(BY_NAME) == len(EXPERIMENTS) + len(PAGES) + len(DEVICE), \
+    'experiment names must be unique'
 
 
 def get(name: str) -> Experiment:

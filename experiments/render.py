@@ -76,6 +76,54 @@ def paper_scale(folders: list[str], recipes: tuple[str, ...]) -> str:
           + '; '.join(items) + '.')
 
 
+PAPER_SCALE = 'paper_scale.json'  # experiments/paper_scale.py's: the rows' paper-size runs.
+PAPER_SCALE_LEASE = ('`bash benchmarks/gpu_paper_scale.sh OUT` runs every paper-size part on '
+                     'one H100 or H200 in 10 minutes')
+
+
+def _where(results: dict) -> str:
+  """What a CPU-size result ran on, from its file's machine record: ' (2 CPU cores)' ('' when
+  the file does not say)."""
+  machine = next((r.get('machine') for r in results.values() if isinstance(r, dict)
+                  and r.get('machine')), None)
+  if not machine:
+    return ''
+  if machine.get('backend') == 'cpu':
+    return f' ({machine.get("cpu_count", "?")} CPU cores)'
+  return f' ({machine.get("device_kind", machine.get("backend", "?"))})'
+
+
+def paper_size(row, folders: list[str]) -> tuple[str, str, str]:
+  """(where, ours, verdict) of a row's run at the paper's size, from paper_scale.json's part:
+  the row's criterion applied to the part's payload, where = ' (the device[; what its time
+  limit cut])'; 'not run at paper size' with the reason where no device has run it (or the
+  run lacks what the row reads)."""
+  spec = row.paper_size
+  data = load(folders, PAPER_SCALE) or {}
+  part = data.get('parts', {}).get(spec.part)
+  not_run = 'not run at paper size'
+  if part is None:
+    return '', not_run, f'**{not_run}**: no device has run it; {PAPER_SCALE_LEASE}'
+  device = part.get('device') or data.get('device', {}).get('kind', '?')
+  if data.get('profile', 'device') != 'device':
+    device += f', {data["profile"]} profile'
+  if 'payload' not in part:
+    return '', not_run, (f'**{not_run}**: the part {part.get("status", "failed")} on '
+                         f'{device} ({part.get("error", "no result")}); {PAPER_SCALE_LEASE}')
+  cut = part.get('cut') or ', '.join(part.get('skipped', []))
+  cut = f'; cut at its time limit: {cut}' if cut else ''
+  measure = spec.measure or row.measure
+  source = spec.source or row.sources[0]
+  try:
+    ours, verdict, why = measure({source: part['payload']})
+  except (KeyError, IndexError, ZeroDivisionError, TypeError) as e:
+    return '', not_run, (f'**{not_run}**: the run on {device} lacks what this row reads '
+                         f'({type(e).__name__}: {e}{cut})')
+  if verdict not in VERDICTS:
+    raise ValueError(f'{row.claim!r}: paper-size verdict {verdict!r} is not one of {VERDICTS}')
+  return f' ({device}{cut})', ours, f'**{verdict}**: {why}'
+
+
 def render(folders: list[str]) -> str:
   lines = ['# Results: the source papers\' claims, re-run here',
            '',
@@ -90,6 +138,14 @@ def render(folders: list[str]) -> str:
            'Verdicts: **reproduces** (the claim holds by the row\'s criterion), **direction '
            'holds** (the sign or ranking holds, the size does not), **does not hold at this '
            'scale**, **not testable here** (with the reason).',
+           '',
+           'The rows of the synthetic experiments a single accelerator can run at the paper\'s '
+           'own size (Variable Assignment, Copy and Parity, the Reformer\'s duplication task, '
+           'the Universal Transformer\'s copy) also show that run, on the device named, with '
+           'its own verdict by the same criterion, or "not run at paper size" until a device '
+           'has run it (`experiments/paper_scale.py`: `bash benchmarks/gpu_paper_scale.sh OUT` '
+           'runs them all in one 10-minute lease and writes OUT/paper_scale.json, which this '
+           'renderer reads like the other results).',
            '']
   for section in SECTIONS:
     lines += [f'## {section.title}', '', f'Source: `../shared/papers/{section.source}`.', '']
@@ -114,8 +170,17 @@ def render(folders: list[str]) -> str:
           if verdict not in VERDICTS:
             raise ValueError(f'{row.claim!r}: verdict {verdict!r} is not one of {VERDICTS}')
       links = ''.join(f' ([{os.path.basename(link)}]({link}))' for link in row.links)
-      lines.append(f'| {cell(row.claim)}{links} | {cell(row.paper)} | {cell(ours)} | '
-                   f'**{verdict}**: {cell(why)} | `{cell(row.command)}` |')
+      ours, verdict = cell(ours), f'**{verdict}**: {cell(why)}'
+      command = f'`{cell(row.command)}`'
+      if row.paper_size:  # The paper-size run beside the CPU-size one, each with its verdict.
+        device, paper_ours, paper_verdict = paper_size(row, folders)
+        where = _where(results) if not missing else ''
+        ours = f'**CPU size**{where}: {ours}<br>**Paper size**{cell(device)}: {cell(paper_ours)}'
+        verdict = f'CPU size: {verdict}<br>Paper size: {cell(paper_verdict)}'
+        command += (f'<br>`python -m experiments.paper_scale --parts {row.paper_size.part} '
+                    '--out OUT/paper_scale.json`')
+      lines.append(f'| {cell(row.claim)}{links} | {cell(row.paper)} | {ours} | '
+                   f'{verdict} | {command} |')
     lines.append('')
   return '\n'.join(lines)
 

@@ -14,6 +14,17 @@ VERDICTS = ('reproduces', 'direction holds', 'does not hold at this scale',
 
 
 @dataclasses.dataclass(frozen=True)
+class PaperSize:
+  """A row's run at the paper's own size (experiments/paper_scale.py, on one accelerator): the
+  part of paper_scale.json that runs it, and the row's criterion applied to that part's
+  payload, given as `source` (the file of the CPU-size experiment it stands in for, which
+  `measure` reads). Defaults: the row's own measure and first source."""
+  part: str
+  measure: Callable[[dict], tuple[str, str, str]] | None = None
+  source: str = ''
+
+
+@dataclasses.dataclass(frozen=True)
 class Row:
   """One claim of a paper.
 
@@ -28,6 +39,9 @@ class Row:
   experiments: tuple[str, ...]  # experiments/registry.py names that write `sources`.
   measure: Callable[[dict], tuple[str, str, str]]
   links: tuple[str, ...] = ()
+  # The claim run at the paper's size too (a synthetic experiment one device holds): RESULTS.md
+  # shows that result beside the CPU-size one, each with its own verdict.
+  paper_size: PaperSize | None = None
 
   @property
   def command(self) -> str:

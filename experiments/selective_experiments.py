@@ -10,6 +10,7 @@ experiments/harness.py.
       --out OUT/selective_kv.json
   python -m experiments.selective_experiments --part kv --contexts 512 --text TEXT \
       --out OUT/selective_kv.json   # adds context 512 to the same file
+  python -m experiments.selective_experiments --part synthetic --out OUT/selective_synthetic.json
   python -m experiments run selective_docs --out OUT --text TEXT   # --part docs, the page's
 
 The runs are data (RUNS, per part: {name: variant spec or overrides}); analyze() turns the
@@ -19,11 +20,19 @@ finished run, and the parts share runs where their configs agree: lm, ablations 
 context 256 train dense and selective in the same folders.
 
 - va (appendix A.1, scaled down): configs/tiny.py's Variable Assignment (3 variables, 16
-  values, --assignments assignments, d=2, batch 256) with and without selective attention.
+  values, --assignments assignments, d=2, batch 256) with and without selective attention
+  (--va_recipe configs/selective_variable_assignment.py with --values 1000 --assignments 128
+  --va_batch 2048 is the paper's size: experiments/paper_scale.py runs it on an accelerator).
   After training, each run answers --test_batches x 256 fresh examples of the training
   distribution and as many out of distribution (the same 3 variables, only --ood_values
   values: token ids the model knows, the paper's "only 2 possible values"), scored on the
   answer token; plus the eval accuracy curve.
+- synthetic (appendix A.2, scaled down): Copy (--copy_max: the paper's lengths 1-24, of
+  --copy_symbols symbols; the copy and its EOS scored) and Parity (--parity_bits bits; the
+  parity tokens scored), each with and without selective attention, at --syn_d on
+  --syn_recipe (configs/tiny.py: d=2), batch --syn_batch, --syn_steps steps. After training,
+  each run's token accuracy and loss on --test_batches x --syn_batch fresh rows, plus its eval
+  accuracy curve. The paper: both models reach practically 0 loss and 100% accuracy.
 - lm (appendix A.8, Table 6): byte-level LM on --text, d=2 (2 layers x 2 heads of 64),
   --seq_len bytes: dense, selective and all-local sliding windows (--windows; the paper's
   all-local 32, 128 and 480 of its 512 context, scaled to --seq_len: 16, 64 and 240 of 256).
@@ -126,7 +135,8 @@ def docs_runs(steps: int) -> dict:
 # Each part's runs at the default settings ({name: variant spec or overrides}); the kv part
 # runs its variants at every context of --contexts.
 RUNS = {'va': VA_VARIANTS, 'lm': lm_runs(), 'ablations': ABLATIONS, 'kv': KV_VARIANTS,
-        'docs': docs_runs(600)}
+        'docs': docs_runs(600), 'synthetic': VA_VARIANTS}
+SYNTHETIC_TASKS = ('copy', 'parity')
 PARTS = tuple(RUNS)
 
 
@@ -222,11 +232,18 @@ def lm_base(args, seq_len: int):
 
 
 def va_base(args, steps: int, log_every: int = 0):
+  """Variable Assignment: --va_recipe (configs/tiny.py; the paper's size:
+  configs/selective_variable_assignment.py) with --assignments, --values, --va_batch and, when
+  given, --va_d and --va_warmup warm-up steps (else the harness's: at most a sixth of the
+  steps)."""
   overrides = {'data.num_assignments': args.assignments, 'data.num_values': args.values,
                'batch_size': args.va_batch}
   if log_every:
     overrides['log_every_steps'] = log_every
-  return harness.base_config(TINY, steps=steps, evals=args.evals, overrides=overrides)
+  if args.va_warmup:
+    overrides['warmup_steps'] = args.va_warmup
+  return harness.base_config(args.va_recipe, steps=steps, evals=args.evals, d=args.va_d,
+                             overrides=overrides)
 
 
 def run_config(base, spec, seed):
@@ -271,20 +288,33 @@ def _by_seed(rows: list[dict], runs: dict) -> dict[int, dict[str, dict]]:
 # ------------------------------------------------------------------------------ va
 
 
-def va_test(config, workdir: str, seed: int, batches: int, num_values: int) -> dict:
-  """Loss and answer accuracy of a trained run on `batches` x batch_size fresh examples whose
-  values are drawn from the first `num_values` values (the trained vocabulary's ids)."""
-  from input_pipeline import synthetic
+def fresh_scores(config, workdir: str, seed: int, batches: int, tasks: dict) -> dict:
+  """{name: loss and accuracy} of a trained run on `batches` x batch_size fresh examples of
+  each of `tasks` ({name: input_pipeline.synthetic task}), drawn from a seed stream apart from
+  training's and validation's; one restore and one compiled eval step for all of them (their
+  rows are of one length)."""
   from training import assembly, evaluation, steps
   restored = assembly.load(config, workdir, required='train it first')
   setup, step, params = restored.setup, restored.step, restored.params
-  task = synthetic.VariableAssignment(num_variables=config.data.num_variables,
-                                      num_values=num_values,
-                                      num_assignments=config.data.num_assignments)
-  data = [task.batch(seed + TEST_SEED_OFFSET, i, config.batch_size) for i in range(batches)]
-  out = evaluation.score(setup, steps.jit_eval_step(setup, restored.model), params, batches=data)
-  return {'step': step, 'loss': out['loss'], 'accuracy': out['accuracy'],
-          'examples': int(out['scored_tokens'])}
+  eval_step = steps.jit_eval_step(setup, restored.model)
+  out = {}
+  for name, task in tasks.items():
+    data = [task.batch(seed + TEST_SEED_OFFSET, i, config.batch_size) for i in range(batches)]
+    scored = evaluation.score(setup, eval_step, params, batches=data)
+    out[name] = {'step': step, 'loss': scored['loss'], 'accuracy': scored['accuracy'],
+                 'examples': int(scored['scored_tokens'])}
+  return out
+
+
+def va_tasks(config, num_values: int, ood_values: int) -> dict:
+  """The test distributions of a Variable Assignment run: 'test' (its training distribution)
+  and 'ood' (the same variables, values drawn from the first `ood_values` only: token ids the
+  model knows, the paper's "only 2 possible values")."""
+  from input_pipeline import synthetic
+  task = lambda values: synthetic.VariableAssignment(
+      num_variables=config.data.num_variables, num_values=values,
+      num_assignments=config.data.num_assignments)
+  return {'test': task(num_values), 'ood': task(ood_values)}
 
 
 def measure_va(rows: list[dict], base, args) -> dict:
@@ -293,10 +323,10 @@ def measure_va(rows: list[dict], base, args) -> dict:
   out = {}
   for r in rows:
     config = run_config(base, r['variant'], r['seed'])
+    scores = fresh_scores(config, r['workdir'], r['seed'], args.test_batches,
+                         va_tasks(config, args.values, args.ood_values))
     out[r['seed'], r['variant']] = {
-        'test': va_test(config, r['workdir'], r['seed'], args.test_batches, args.values),
-        'ood': va_test(config, r['workdir'], r['seed'], args.test_batches, args.ood_values),
-        'accuracy_curve': common.scalar_curve(r['workdir'], 'eval/accuracy')}
+        **scores, 'accuracy_curve': harness.scalar_curve(r['workdir'], 'eval/accuracy')}
   return out
 
 
@@ -329,17 +359,114 @@ def analyze_va(rows: list[dict], measured: dict, settings: dict, runs=VA_VARIANT
 
 
 def va_settings(args) -> dict:
-  return {'task': 'variable_assignment', 'num_variables': 3, 'num_values': args.values,
-          'ood_values': args.ood_values, 'assignments': args.assignments,
-          'batch_size': args.va_batch, 'steps': args.va_steps, 'seeds': args.seed_list,
-          'd': 2, 'test_examples': args.test_batches * args.va_batch}
+  recipe = harness.load_recipe(args.va_recipe)
+  return {'task': 'variable_assignment', 'num_variables': recipe.data.num_variables,
+          'num_values': args.values, 'ood_values': args.ood_values,
+          'assignments': args.assignments, 'batch_size': args.va_batch, 'steps': args.va_steps,
+          'seeds': args.seed_list, 'd': args.va_d or recipe.model.d,
+          'test_examples': args.test_batches * args.va_batch}
+
+
+def variants(args, all_variants: dict) -> dict:
+  """{name: spec} of the --variants asked for (all by default), in their order."""
+  names = [n.strip() for n in args.variants.split(',') if n.strip()] or list(all_variants)
+  unknown = [n for n in names if n not in all_variants]
+  if unknown:
+    raise SystemExit(f'--variants: unknown {unknown}; known: {", ".join(all_variants)}')
+  return {n: all_variants[n] for n in names}
 
 
 def part_va(args) -> dict:
   base = va_base(args, args.va_steps)
-  rows = harness.run(list(VA_VARIANTS.values()), base, args.seed_list,
+  runs = variants(args, VA_VARIANTS)
+  rows = harness.run(list(runs.values()), base, args.seed_list,
                      os.path.join(args.workdir, 'va'))
-  return analyze('va', rows, measure_va(rows, base, args), va_settings(args))
+  return analyze('va', rows, measure_va(rows, base, args), va_settings(args), runs)
+
+
+# ------------------------------------------------------------------------------ synthetic
+
+
+def synthetic_task(name: str, args):
+  """Copy (lengths 1..--copy_max of --copy_symbols symbols) or Parity (--parity_bits bits):
+  input_pipeline/synthetic.py's tasks as the runs of --part synthetic train on them."""
+  from input_pipeline import synthetic
+  if name == 'copy':
+    return synthetic.Copy(num_symbols=args.copy_symbols, max_length=args.copy_max)
+  return synthetic.Parity(num_bits=args.parity_bits)
+
+
+def synthetic_base(args, task: str):
+  """--syn_recipe (configs/tiny.py; the paper's size: configs/selective_variable_assignment.py)
+  at --syn_d (0: the recipe's d) on `task`, batch --syn_batch, --syn_steps steps (warm-up
+  --syn_warmup, else the harness's)."""
+  overrides = {'data.name': task, 'batch_size': args.syn_batch}
+  if task == 'copy':
+    overrides.update({'data.num_symbols': args.copy_symbols, 'data.max_length': args.copy_max})
+  else:
+    overrides['data.num_bits'] = args.parity_bits
+  if args.syn_warmup:
+    overrides['warmup_steps'] = args.syn_warmup
+  return harness.base_config(args.syn_recipe, steps=args.syn_steps, evals=args.evals,
+                             d=args.syn_d, overrides=overrides)
+
+
+def synthetic_tasks(args) -> list[str]:
+  names = [t.strip() for t in args.tasks.split(',') if t.strip()]
+  unknown = [t for t in names if t not in SYNTHETIC_TASKS]
+  if unknown:
+    raise SystemExit(f'--tasks: unknown {unknown}; known: {", ".join(SYNTHETIC_TASKS)}')
+  return names
+
+
+def analyze_synthetic(rows: dict, measured: dict, settings: dict, runs=VA_VARIANTS) -> dict:
+  """The synthetic part's payload: per task ({task: harness rows}), per variant, the test
+  accuracy and loss on fresh examples (measured[task][seed, spec]) over seeds."""
+  tasks, lines = {}, ['| task | variant | accuracy | loss | first eval >= 99% |',
+                      '|---|---|---:|---:|---|']
+  for task, task_rows in rows.items():
+    per_seed = {}
+    for seed, by_name in _by_seed(task_rows, runs).items():
+      per_seed[seed] = {}
+      for name, r in by_name.items():
+        m = measured[task][seed, r['variant']]
+        per_seed[seed][name] = {
+            'variant': r['variant'], 'step': r['step'], 'diverged': bool(r.get('diverged')),
+            'accuracy': m['test']['accuracy'], 'loss': m['test']['loss'],
+            'test_tokens': m['test']['examples'],
+            'first_step_99': first_step_at(m['accuracy_curve'], 0.99),
+            'eval_accuracy_curve': m['accuracy_curve'],
+            'eval_loss_curve': r['curves']['eval_loss'], 'run_seconds': r['run_seconds']}
+    tasks[task] = summary = summarize(per_seed, ('accuracy', 'loss'))
+    for name, e in summary.items():
+      lines.append(f'| {task} | {name} | {e["accuracy"]:.3f} ± {e["accuracy_std"]:.3f} | '
+                   f'{e["loss"]:.4f} | {[s["first_step_99"] for s in e["seeds"]]} |')
+  return {'settings': settings, 'tasks': tasks, 'table': '\n'.join(lines)}
+
+
+def synthetic_settings(args) -> dict:
+  recipe = harness.load_recipe(args.syn_recipe)
+  return {'tasks': synthetic_tasks(args), 'd': args.syn_d or recipe.model.d,
+          'batch_size': args.syn_batch, 'steps': args.syn_steps, 'seeds': args.seed_list,
+          'copy_symbols': args.copy_symbols, 'copy_lengths': [1, args.copy_max],
+          'parity_bits': args.parity_bits, 'test_rows': args.test_batches * args.syn_batch}
+
+
+def part_synthetic(args) -> dict:
+  runs = variants(args, VA_VARIANTS)
+  rows, measured = {}, {}
+  for task in synthetic_tasks(args):
+    base = synthetic_base(args, task)
+    rows[task] = harness.run(list(runs.values()), base, args.seed_list,
+                             os.path.join(args.workdir, 'synthetic', task))
+    measured[task] = {}
+    for r in rows[task]:
+      config = run_config(base, r['variant'], r['seed'])
+      scores = fresh_scores(config, r['workdir'], r['seed'], args.test_batches,
+                           {'test': synthetic_task(task, args)})
+      measured[task][r['seed'], r['variant']] = {
+          **scores, 'accuracy_curve': harness.scalar_curve(r['workdir'], 'eval/accuracy')}
+  return analyze('synthetic', rows, measured, synthetic_settings(args), runs)
 
 
 # ------------------------------------------------------------------------------ lm, ablations
@@ -697,7 +824,7 @@ def measure_docs(va_rows: list[dict], lm_rows: list[dict], lm, args) -> dict:
   lm_by = {r['variant']: r for r in lm_rows}
   runs = docs_runs(args.steps)['lm']
   target = lm_by['dense']['eval_loss']
-  return {'va_accuracy': {r['variant']: common.scalar_curve(r['workdir'], 'eval/accuracy')
+  return {'va_accuracy': {r['variant']: harness.scalar_curve(r['workdir'], 'eval/accuracy')
                           for r in va_rows},
           'pruning': {name: docs_prune(harness.variant_config(lm, runs[name]),
                                        lm_by[name]['workdir'], target, args,
@@ -777,12 +904,13 @@ def part_docs(args) -> dict:
 
 
 ANALYZE = {'va': analyze_va, 'lm': analyze_lm, 'ablations': analyze_lm, 'kv': analyze_kv,
-           'docs': analyze_docs}
+           'docs': analyze_docs, 'synthetic': analyze_synthetic}
 
 
 def analyze(part: str, *args, **kwargs) -> dict:
   """The JSON payload of `part` (without the command) from its harness rows and its
-  in-process measurements: analyze_va, analyze_lm (lm, ablations), analyze_kv, analyze_docs."""
+  in-process measurements: analyze_va, analyze_lm (lm, ablations), analyze_kv, analyze_docs,
+  analyze_synthetic."""
   return ANALYZE[part](*args, **kwargs)
 
 
@@ -802,7 +930,27 @@ def parse_args(argv):
   p.add_argument('--values', type=int, default=16)
   p.add_argument('--ood_values', type=int, default=2)
   p.add_argument('--va_batch', type=int, default=256)
-  p.add_argument('--test_batches', type=int, default=8)
+  p.add_argument('--va_recipe', default=TINY, help='the recipe (default configs/tiny.py; the '
+                 "paper's size: configs/selective_variable_assignment.py)")
+  p.add_argument('--va_d', type=int, default=0, help="d (0: the recipe's)")
+  p.add_argument('--va_warmup', type=int, default=0,
+                 help="warm-up steps (0: the harness's, at most a sixth of the steps)")
+  p.add_argument('--test_batches', type=int, default=8,
+                 help='fresh test batches per model (va, synthetic)')
+  p.add_argument('--variants', default='',
+                 help='va, synthetic: a comma list of dense, selective (default: both)')
+  # Copy and Parity (appendix A.2).
+  p.add_argument('--tasks', default=','.join(SYNTHETIC_TASKS), help='synthetic: copy, parity')
+  p.add_argument('--syn_recipe', default=TINY, help='synthetic: the recipe (its model, '
+                 "optimizer and dtype; the paper's size: configs/selective_variable_assignment.py)")
+  p.add_argument('--syn_d', type=int, default=0, help="synthetic: d (0: the recipe's)")
+  p.add_argument('--syn_batch', type=int, default=64)
+  p.add_argument('--syn_steps', type=int, default=600)
+  p.add_argument('--syn_warmup', type=int, default=0,
+                 help="synthetic: warm-up steps (0: the harness's)")
+  p.add_argument('--copy_symbols', type=int, default=16, help='copy: alphabet (paper: not given)')
+  p.add_argument('--copy_max', type=int, default=24, help='copy: lengths 1..this (paper: 24)')
+  p.add_argument('--parity_bits', type=int, default=32, help='parity: bits (paper: not given)')
   # Byte-level LM.
   p.add_argument('--steps', type=int, default=800)
   p.add_argument('--d', type=int, default=2)
@@ -824,7 +972,7 @@ def parse_args(argv):
   p.add_argument('--keep_tolerance', type=float, default=0.005,
                  help='keep-gain point: training-sample loss within this fraction of unpruned')
   args = p.parse_args(argv)
-  if args.part != 'va' and not os.path.isfile(args.text):
+  if args.part not in ('va', 'synthetic') and not os.path.isfile(args.text):
     p.error(f'--part {args.part} needs --text (a byte-level text file): {args.text!r}')
   args.seed_list = [int(s) for s in (args.seeds or ('0,1' if args.part == 'kv' else '0,1,2'))
                     .split(',')]
@@ -834,7 +982,7 @@ def parse_args(argv):
 def main(argv=None) -> dict:
   args = parse_args(argv)
   payload = {'va': part_va, 'lm': part_lm, 'ablations': part_ablations, 'kv': part_kv,
-             'docs': part_docs}[args.part](args)
+             'docs': part_docs, 'synthetic': part_synthetic}[args.part](args)
   payload = {'command': _command(argv), 'part': args.part, **payload}
   if args.part == 'kv':
     payload = merge_kv(args.out, payload)

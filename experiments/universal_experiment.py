@@ -33,6 +33,7 @@ docs/img/universal_accuracy.png (accuracy against length).
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -46,8 +47,7 @@ import jax  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import (print_table, pyplot, save_figure, scalar_curve,  # noqa: E402
-                               write_json)
+from benchmarks.common import print_table, pyplot, save_figure, write_json  # noqa: E402
 from input_pipeline import synthetic  # noqa: E402
 from training import assembly, run_config  # noqa: E402
 
@@ -61,18 +61,51 @@ EVAL_ROWS = 1024
 EVAL_SEED = 12345
 STEPS = 1000
 
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+  """The experiment's sizes: the recipe, T, M, the training lengths, how much longer the
+  evaluation rows are and how many. The defaults are this page's CPU experiment;
+  experiments/paper_scale.py runs the paper's (configs/universal_transformer_algorithmic.py:
+  copy of up to 40 decimal symbols, tested on up to 400)."""
+  recipe: str = RECIPE
+  T: int = T
+  M: int = M
+  copy_train: int = COPY_TRAIN
+  parity_train: int = PARITY_TRAIN
+  extrapolate: int = EXTRAPOLATE
+  eval_rows: int = EVAL_ROWS
+
+  def runs(self) -> tuple:
+    """pre_ln_1, pre_ln_T, ut_fixed (T steps) and ut_act (at most M steps)."""
+    return (
+        harness.Run('pre_ln_1', {**LAYERED, 'model.n_layers': 1}),
+        harness.Run(f'pre_ln_{self.T}', {**LAYERED, 'model.n_layers': self.T}),
+        harness.Run('ut_fixed', {'model.stack_options.act': False,
+                                 'model.stack_options.steps': self.T}),
+        harness.Run('ut_act', {'model.stack_options.act': True,
+                               'model.stack_options.max_steps': self.M}),
+    )
+
+  def tasks(self) -> dict:
+    """{task: its overrides}; model.max_len is raised where the evaluation rows are longer
+    than the recipe's."""
+    recipe = harness.load_recipe(self.recipe)
+    out = {'copy': {'data.name': 'copy', 'data.max_length': self.copy_train},
+           'parity': {'data.name': 'parity', 'data.num_bits': self.parity_train}}
+    longest = {'copy': 2 * self.extrapolate * self.copy_train + 2,
+               'parity': 2 * self.extrapolate * self.parity_train}
+    for task, n in longest.items():
+      if n > recipe.model.max_len:
+        out[task]['model.max_len'] = 1 << (n - 1).bit_length()
+    return out
+
+
+DEFAULT = Sizes()
 LAYERED = {'model.stack': 'auto', 'model.position_embedding': 'sinusoidal'}
 ACT = {'model.stack_options.act': True, 'model.stack_options.max_steps': M}
-RUNS = (
-    harness.Run('pre_ln_1', {**LAYERED, 'model.n_layers': 1}),
-    harness.Run(f'pre_ln_{T}', {**LAYERED, 'model.n_layers': T}),
-    harness.Run('ut_fixed', {'model.stack_options.act': False, 'model.stack_options.steps': T}),
-    harness.Run('ut_act', ACT),
-)
-TASKS = {
-    'copy': {'data.name': 'copy', 'data.max_length': COPY_TRAIN},
-    'parity': {'data.name': 'parity', 'data.num_bits': PARITY_TRAIN},
-}
+RUNS = DEFAULT.runs()
+TASKS = DEFAULT.tasks()
 
 
 def schedule(steps):
@@ -82,10 +115,10 @@ def schedule(steps):
           'log_every_steps': 25}
 
 
-def base_config(task_name, steps):
+def base_config(task_name, steps, sizes: Sizes = DEFAULT):
   """The recipe on `task_name` for `steps` steps (harness.base_config's warm-up)."""
-  return harness.base_config(RECIPE, steps=steps,
-                             overrides={**schedule(steps), **TASKS[task_name]})
+  return harness.base_config(sizes.recipe, steps=steps,
+                             overrides={**schedule(steps), **sizes.tasks()[task_name]})
 
 
 def is_act(overrides):
@@ -94,19 +127,20 @@ def is_act(overrides):
           and overrides.get('model.stack', 'universal') == 'universal')
 
 
-def train(runs, task_name, *, out, steps):
+def train(runs, task_name, *, out, steps, sizes: Sizes = DEFAULT):
   """Trains (or keeps) `runs` on `task_name` in OUT/<task>/<run>; the harness rows."""
-  return harness.run(runs, base_config(task_name, steps), None, os.path.join(out, task_name))
+  return harness.run(runs, base_config(task_name, steps, sizes), None,
+                     os.path.join(out, task_name))
 
 
-def eval_batch(task_name):
+def eval_batch(task_name, sizes: Sizes = DEFAULT, num_symbols: int = 16):
   """One long evaluation batch (numpy) and its description."""
   if task_name == 'copy':
-    task = synthetic.make_task('copy', num_symbols=16, max_length=EXTRAPOLATE * COPY_TRAIN,
-                               min_length=1)
+    task = synthetic.make_task('copy', num_symbols=num_symbols,
+                               max_length=sizes.extrapolate * sizes.copy_train, min_length=1)
   else:
-    task = synthetic.make_task('parity', num_bits=EXTRAPOLATE * PARITY_TRAIN)
-  return task.batch(EVAL_SEED, 0, EVAL_ROWS), task
+    task = synthetic.make_task('parity', num_bits=sizes.extrapolate * sizes.parity_train)
+  return task.batch(EVAL_SEED, 0, sizes.eval_rows), task
 
 
 def _find(tree, key):
@@ -128,11 +162,13 @@ def restore(workdir):
   return config, restored.setup, restored.step, restored.params
 
 
-def evaluate(workdir, task_name, act):
+def evaluate(workdir, task_name, act, sizes: Sizes = DEFAULT):
   """Accuracy (and ACT steps) of a run on the long evaluation batch."""
-  _, setup, step, params = restore(workdir)
+  config, setup, step, params = restore(workdir)
   model = setup.model
-  batch, task = eval_batch(task_name)
+  batch, task = eval_batch(task_name, sizes, config.data.num_symbols)
+  copy_train, parity_train, extrapolate = sizes.copy_train, sizes.parity_train, sizes.extrapolate
+  M = sizes.M  # pylint: disable=redefined-outer-name
   n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
 
   @jax.jit
@@ -154,31 +190,31 @@ def evaluate(workdir, task_name, act):
   w = batch['weights'] > 0
   real = batch['segment_ids'] > 0
   result = {'step': int(step), 'params': n_params, 'forward_s_incl_compile': forward_s,
-            'eval_rows': EVAL_ROWS, 'eval_seq_len': int(task.seq_len)}
+            'eval_rows': sizes.eval_rows, 'eval_seq_len': int(task.seq_len)}
   if task_name == 'copy':
     lengths = w.sum(1) - 1  # Scored: the L copied symbols and EOS.
     tok, row = {}, {}
-    for length in range(1, EXTRAPOLATE * COPY_TRAIN + 1):
+    for length in range(1, extrapolate * copy_train + 1):
       rows = lengths == length
       if rows.any():
         tok[length] = float(correct[rows][w[rows]].mean())
         row[length] = float((correct[rows] | ~w[rows]).all(1).mean())
     result['token_accuracy_by_length'] = tok
     result['row_accuracy_by_length'] = row
-    groups = {'train_lengths': lengths <= COPY_TRAIN,
-              'longer': lengths > COPY_TRAIN,
-              'longest_quarter': lengths > EXTRAPOLATE * COPY_TRAIN * 3 // 4}
+    groups = {'train_lengths': lengths <= copy_train,
+              'longer': lengths > copy_train,
+              'longest_quarter': lengths > extrapolate * copy_train * 3 // 4}
     result['token_accuracy'] = {g: float(correct[r][w[r]].mean()) for g, r in groups.items()}
     result['row_accuracy'] = {g: float((correct[r] | ~w[r]).all(1).mean())
                               for g, r in groups.items()}
   else:
     k_acc = correct[:, 1::2].mean(0)  # Parity token k (1-based) is predicted at index 2k - 1.
     result['accuracy_by_bit'] = {k + 1: float(a) for k, a in enumerate(k_acc)}
-    result['accuracy'] = {'train_lengths': float(k_acc[:PARITY_TRAIN].mean()),
-                          'longer': float(k_acc[PARITY_TRAIN:].mean()),
-                          'longest_quarter': float(k_acc[-PARITY_TRAIN // 2:].mean())}
+    result['accuracy'] = {'train_lengths': float(k_acc[:parity_train].mean()),
+                          'longer': float(k_acc[parity_train:].mean()),
+                          'longest_quarter': float(k_acc[-parity_train // 2:].mean())}
     result['row_accuracy'] = {
-        'train_lengths': float(correct[:, 1:2 * PARITY_TRAIN:2].all(1).mean()),
+        'train_lengths': float(correct[:, 1:2 * parity_train:2].all(1).mean()),
         'whole_row': float(correct[:, 1::2].all(1).mean())}
   if act:
     steps = np.asarray(steps)
@@ -229,16 +265,16 @@ def code_version():
     return 'unknown'
 
 
-def measure(row, task_name, act):
+def measure(row, task_name, act, sizes: Sizes = DEFAULT):
   """In-process measurements of a trained run (its harness row) that the row lacks: the
   evaluation on the longer rows and the training curves of accuracy (and ACT's steps and
   ponder cost)."""
   workdir = row['workdir']
-  measured = {'eval': evaluate(workdir, task_name, act),
-              'train_accuracy': scalar_curve(workdir, 'train/accuracy')}
+  measured = {'eval': evaluate(workdir, task_name, act, sizes),
+              'train_accuracy': harness.scalar_curve(workdir, 'train/accuracy')}
   if act:
-    measured['train_act_steps'] = scalar_curve(workdir, 'train/act_steps/universal')
-    measured['train_ponder'] = scalar_curve(workdir, 'train/ponder/universal')
+    measured['train_act_steps'] = harness.scalar_curve(workdir, 'train/act_steps/universal')
+    measured['train_ponder'] = harness.scalar_curve(workdir, 'train/ponder/universal')
   return measured
 
 
@@ -256,21 +292,22 @@ def entry(row, measured, overrides, steps):
   return out
 
 
-def analyze(rows, measured, settings, previous=None):
+def analyze(rows, measured, settings, previous=None, sizes: Sizes = DEFAULT):
   """The JSON payload (without the machine) from the harness rows, each with its 'task', and
   measure()'s measurements of each, keyed by (task, run). `previous`: an earlier payload whose
   tasks and runs are kept where not rerun (and a cached run keeps its training time)."""
   results = {k: v for k, v in (previous or {}).items() if k != 'machine'}
   results['settings'] = settings
-  by_name = {r.name: r.overrides for r in RUNS}
+  by_name = {r.name: r.overrides for r in sizes.runs()}
+  tasks = sizes.tasks()
   steps = settings['steps']
   for row in rows:
     task_name, name = row['task'], row['variant']
     m = measured[task_name, name]
     act = is_act(by_name[name])
-    e = entry(row, m, {**schedule(steps), **TASKS[task_name], **by_name[name]}, steps)
+    e = entry(row, m, {**schedule(steps), **tasks[task_name], **by_name[name]}, steps)
     e['applications'] = (m['eval']['mean_steps'] if act
-                         else float(T if name != 'pre_ln_1' else 1))
+                         else float(sizes.T if name != 'pre_ln_1' else 1))
     task_results = results.setdefault(task_name, {})
     old = task_results.get(name, {})
     if (e['train_s'] is None and old.get('train_s') is not None
@@ -292,7 +329,7 @@ def summary_row(task_name, name, entry):
           'train s': entry['train_s'] if entry['train_s'] is not None else 'cached'}
 
 
-def main(argv=None):
+def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument('--out', default='/tmp/universal_exp', help='workdirs go here')
@@ -304,29 +341,57 @@ def main(argv=None):
   p.add_argument('--img', default=os.path.join(REPO, 'docs', 'img'))
   p.add_argument('--code', default='', help='what code the runs used, for the JSON (default: '
                  "git HEAD of this checkout, '+dirty' when models/ or training/ differ)")
+  # The sizes (Sizes; experiments/paper_scale.py runs the paper's).
+  p.add_argument('--recipe', default=RECIPE, help='default configs/universal_algorithmic.py')
+  p.add_argument('--T', type=int, default=T, help='ut_fixed\'s steps, pre_ln_T\'s layers')
+  p.add_argument('--M', type=int, default=M, help='ACT\'s cap')
+  p.add_argument('--copy_train', type=int, default=COPY_TRAIN,
+                 help='copy: training lengths 1..this (paper: 40)')
+  p.add_argument('--parity_train', type=int, default=PARITY_TRAIN, help='parity: training bits')
+  p.add_argument('--extrapolate', type=int, default=EXTRAPOLATE,
+                 help='evaluation rows up to this many times the longest training row '
+                 '(paper: 10, copies of up to 400)')
+  p.add_argument('--eval_rows', type=int, default=EVAL_ROWS)
   args = p.parse_args(argv)
-  tasks = [t.strip() for t in args.tasks.split(',') if t.strip()]
-  unknown = [t for t in tasks if t not in TASKS]
+  args.sizes = Sizes(recipe=args.recipe, T=args.T, M=args.M, copy_train=args.copy_train,
+                     parity_train=args.parity_train, extrapolate=args.extrapolate,
+                     eval_rows=args.eval_rows)
+  args.task_list = [t.strip() for t in args.tasks.split(',') if t.strip()]
+  unknown = [t for t in args.task_list if t not in TASKS]
   if unknown:
     raise SystemExit(f'--tasks: unknown {unknown}; known: {", ".join(TASKS)}')
-  wanted = None if args.runs == 'all' else set(args.runs.split(','))
-  runs = [r for r in RUNS if wanted is None or r.name in wanted]
-  previous = {}
-  if os.path.exists(args.json):
-    with open(args.json) as f:
-      previous = json.load(f)
-  settings = {'steps': args.steps, 'T': T, 'M': M, 'copy_train_max_length': COPY_TRAIN,
-              'parity_train_bits': PARITY_TRAIN, 'extrapolate': EXTRAPOLATE,
-              'eval_rows': EVAL_ROWS, 'eval_seed': EVAL_SEED,
-              'recipe': 'configs/universal_algorithmic.py',
-              'code': args.code or code_version()}
-  by_name = {r.name: r.overrides for r in RUNS}
+  known = [r.name for r in args.sizes.runs()]
+  wanted = known if args.runs == 'all' else [r.strip() for r in args.runs.split(',')]
+  if set(wanted) - set(known):
+    raise SystemExit(f'--runs: unknown {sorted(set(wanted) - set(known))}; known: '
+                     f'{", ".join(known)}')
+  by_name = {r.name: r for r in args.sizes.runs()}
+  args.run_list = [by_name[n] for n in wanted]  # In --runs' order (the order they train in).
+  return args
+
+
+def settings_of(args) -> dict:
+  """The JSON's settings: the sizes and what code ran."""
+  sizes = args.sizes
+  return {'steps': args.steps, 'T': sizes.T, 'M': sizes.M,
+          'copy_train_max_length': sizes.copy_train, 'parity_train_bits': sizes.parity_train,
+          'extrapolate': sizes.extrapolate, 'eval_rows': sizes.eval_rows,
+          'eval_seed': EVAL_SEED, 'recipe': os.path.relpath(sizes.recipe, REPO),
+          'copy_symbols': harness.load_recipe(sizes.recipe).data.num_symbols,
+          'code': args.code or code_version()}
+
+
+def train_and_measure(args) -> tuple[list, dict]:
+  """Trains (or keeps) the runs of every task and measures each: (harness rows, each with its
+  'task'; {(task, run): measure()'s})."""
+  by_name = {r.name: r.overrides for r in args.sizes.runs()}
   rows, measured = [], {}
-  for task_name in tasks:
-    for row in train(runs, task_name, out=args.out, steps=args.steps):
+  for task_name in args.task_list:
+    for row in train(args.run_list, task_name, out=args.out, steps=args.steps,
+                     sizes=args.sizes):
       row['task'] = task_name
-      m = measured[task_name, row['variant']] = measure(row, task_name,
-                                                        is_act(by_name[row['variant']]))
+      m = measured[task_name, row['variant']] = measure(
+          row, task_name, is_act(by_name[row['variant']]), args.sizes)
       rows.append(row)
       ev = m['eval']
       print(f'[{task_name}/{row["variant"]}] trained in {row["run_seconds"]:.1f} s'
@@ -336,16 +401,27 @@ def main(argv=None):
               + '  '.join(f'{r} {v:.3f}' for r, v in ev['mean_steps_by_role'].items())
               + f'  while/scan agreement {ev["while_loop_scan_argmax_agreement"]:.4f}',
               flush=True)
-  results = analyze(rows, measured, settings, previous)
+  return rows, measured
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  previous = {}
+  if os.path.exists(args.json):
+    with open(args.json) as f:
+      previous = json.load(f)
+  settings = settings_of(args)
+  rows, measured = train_and_measure(args)
+  results = analyze(rows, measured, settings, previous, args.sizes)
   table = [summary_row(t, n, e) for t in TASKS if t in results for n, e in results[t].items()]
   print()
   print_table(table, list(table[0]) if table else [])
   write_json(args.json, results)
-  plot(results, args.img)
+  plot(results, args.img, args.sizes)
   return results
 
 
-def plot(results, img):
+def plot(results, img, sizes: Sizes = DEFAULT):
   plt = pyplot()
   os.makedirs(img, exist_ok=True)
   tasks = [t for t in TASKS if t in results]
@@ -358,10 +434,11 @@ def plot(results, img):
     hist = np.asarray(ev['steps_histogram_by_position'], float)
     share = hist / np.maximum(hist.sum(1, keepdims=True), 1)
     im = ax.imshow(share.T, origin='lower', aspect='auto', cmap='viridis', vmin=0, vmax=1,
-                   extent=(-0.5, hist.shape[0] - 0.5, 0.5, M + 0.5))
+                   extent=(-0.5, hist.shape[0] - 0.5, 0.5, sizes.M + 0.5))
     mean = [np.nan if v is None else v for v in ev['mean_steps_by_position']]
     ax.plot(range(len(mean)), mean, color='w', lw=1.5, label='mean N')
-    edge = (2 * COPY_TRAIN + 1.5) if task_name == 'copy' else (2 * PARITY_TRAIN - 0.5)
+    edge = ((2 * sizes.copy_train + 1.5) if task_name == 'copy'
+            else (2 * sizes.parity_train - 0.5))
     ax.axvline(edge, color='r', ls='--', lw=1, label='longest training row')
     ax.set(title=f'{task_name}: ACT steps N per input position (share of tokens)',
            xlabel='input position', ylabel='steps N')
@@ -376,7 +453,7 @@ def plot(results, img):
       curve = ev['token_accuracy_by_length'] if task_name == 'copy' else ev['accuracy_by_bit']
       xs = sorted(curve, key=int)
       ax.plot([int(x) for x in xs], [curve[x] for x in xs], marker='.', label=name)
-    train_len = COPY_TRAIN if task_name == 'copy' else PARITY_TRAIN
+    train_len = sizes.copy_train if task_name == 'copy' else sizes.parity_train
     ax.axvline(train_len + 0.5, color='k', ls='--', lw=1, label='training lengths end')
     ax.set(title=f'{task_name}: ' + ('token accuracy by copy length' if task_name == 'copy'
                                       else 'accuracy at parity token k'),

@@ -34,9 +34,22 @@ def _va_variant(acc, ood, loss=0.5, first=None):
 def _va(sel=(1.0, 1.0, 0.995), dense=(0.38, 0.36, 0.40), sel_ood=(1.0, 0.999, 1.0),
         dense_ood=(0.55, 0.6, 0.5)):
   return {'settings': {'steps': 800, 'batch_size': 256, 'assignments': 8, 'num_variables': 3,
-                       'num_values': 16, 'ood_values': 2, 'test_examples': 2048},
+                       'num_values': 16, 'ood_values': 2, 'test_examples': 2048, 'd': 2},
           'variants': {'selective': _va_variant(sel, sel_ood, 0.001, 300),
                        'dense': _va_variant(dense, dense_ood, 1.6)}}
+
+
+def _synthetic(copy=((1.0, 1.0), (0.995, 1.0)), parity=((1.0, 1.0), (1.0, 1.0))):
+  """Copy and Parity: per task, (selective's, dense's) accuracy per seed."""
+  tasks = {}
+  for task, (sel, dense) in (('copy', copy), ('parity', parity)):
+    tasks[task] = {name: _entry([{'accuracy': a, 'loss': 1 - a} for a in acc],
+                                ('accuracy', 'loss'))
+                   for name, acc in (('selective', sel), ('dense', dense))}
+  return {'settings': {'tasks': ['copy', 'parity'], 'd': 2, 'batch_size': 64, 'steps': 600,
+                       'seeds': [0, 1], 'copy_symbols': 16, 'copy_lengths': [1, 24],
+                       'parity_bits': 32, 'test_rows': 512},
+          'tasks': tasks}
 
 
 def _lm_variant(bpb, spread=0.01, diverged=()):
@@ -95,8 +108,9 @@ def _kv(plain=(6, 8, 10), lmem=(20, 30, 50), pruned=(1.9, 1.9, 1.9), keep=(4, 5,
           'contexts': contexts}
 
 
-def _verdicts(va=None, lm=None, ablations=None, kv=None):
-  results = {claims.VA: va or _va(), claims.LM: lm or _lm(),
+def _verdicts(va=None, lm=None, ablations=None, kv=None, synthetic=None):
+  results = {claims.VA: va or _va(), claims.SYNTHETIC: synthetic or _synthetic(),
+             claims.LM: lm or _lm(),
              claims.ABLATIONS: ablations or _ablations(), claims.KV: kv or _kv()}
   out = []
   for row in claims.SECTION.rows:
@@ -123,22 +137,34 @@ def test_variable_assignment_rows_fail_when_dense_solves_it_too():
   assert _verdicts(va=_va(sel=(0.3, 0.3, 0.3)))[0] == FAIL
 
 
+def test_copy_and_parity_row_needs_both_models_to_solve_both_tasks():
+  assert _verdicts()[2] == PASS
+  ours, verdict, why = claims.synthetic_solved({claims.SYNTHETIC: _synthetic(
+      copy=((1.0, 1.0), (0.95, 0.97)))})
+  assert verdict == DIRECTION and 'dense on copy (0.950)' in why, why
+  assert 'copy lengths 1-24 of 16 symbols, parity of 32 bits' in ours and 'd=2' in ours
+  assert _verdicts(synthetic=_synthetic(parity=((0.6, 1.0), (1.0, 1.0))))[2] == FAIL
+  data = _synthetic()
+  del data['tasks']['parity']
+  assert _verdicts(synthetic=data)[2] == UNTESTABLE
+
+
 def test_language_model_rows_follow_the_numbers():
   rows = _verdicts(lm=_lm(selective=3.05))  # Selective worse than dense.
-  assert rows[2] == FAIL and rows[3] == FAIL
+  assert rows[3] == FAIL and rows[4] == FAIL
   rows = _verdicts(lm=_lm(selective=2.995))  # Below dense, within the noise.
-  assert rows[2] == DIRECTION and rows[3] == DIRECTION
+  assert rows[3] == DIRECTION and rows[4] == DIRECTION
   # A window better than dense (what a short run favours): the ranking fails, the
   # selective-vs-dense row does not.
   rows = _verdicts(lm=_lm(windows=(3.30, 2.90, 3.05)))
-  assert rows[2] == PASS and rows[3] == FAIL
+  assert rows[3] == PASS and rows[4] == FAIL
   # Every window above dense only within the noise: direction.
-  assert _verdicts(lm=_lm(windows=(3.01, 3.005, 3.002)))[3] == DIRECTION
+  assert _verdicts(lm=_lm(windows=(3.01, 3.005, 3.002)))[4] == DIRECTION
 
 
 def test_ablation_rows_follow_the_numbers():
   index = {name: i for i, name in enumerate(
-      ['no_shift', 'no_relu', 'bos_maskable', 'diag_unmasked', 'separate_bilinear'], start=4)}
+      ['no_shift', 'no_relu', 'bos_maskable', 'diag_unmasked', 'separate_bilinear'], start=5)}
   rows = _verdicts(ablations=_ablations(no_shift=2.55, diag_unmasked=2.605))
   assert rows[index['no_shift']] == FAIL          # Better than selective.
   assert rows[index['diag_unmasked']] == DIRECTION  # Worse, within the noise.
@@ -156,44 +182,44 @@ def test_ablation_rows_follow_the_numbers():
 def test_a_missing_variant_is_not_testable():
   data = _ablations()
   del data['variants']['separate_bilinear']
-  assert _verdicts(ablations=data)[8] == UNTESTABLE
+  assert _verdicts(ablations=data)[9] == UNTESTABLE
 
 
 def test_kv_rows_follow_the_numbers():
-  plain, lmem, keep = _verdicts(kv=_kv(plain=(3, 4, 5), lmem=(4, 5, 6), keep=(2, 2, 2)))[9:12]
+  plain, lmem, keep = _verdicts(kv=_kv(plain=(3, 4, 5), lmem=(4, 5, 6), keep=(2, 2, 2)))[10:13]
   assert plain == DIRECTION and lmem == DIRECTION and keep == DIRECTION
   # The pruned loss above the dense model's (2.0) by more than 1%.
-  plain, lmem, _ = _verdicts(kv=_kv(pruned=(1.9, 2.05, 1.9)))[9:12]
+  plain, lmem, _ = _verdicts(kv=_kv(pruned=(1.9, 2.05, 1.9)))[10:13]
   assert plain == FAIL and lmem == FAIL
   # L_mem saves less than without it, everywhere or at one context.
-  assert _verdicts(kv=_kv(lmem=(5, 7, 9)))[10] == FAIL
-  assert _verdicts(kv=_kv(lmem=(20, 5, 50)))[10] == FAIL
+  assert _verdicts(kv=_kv(lmem=(5, 7, 9)))[11] == FAIL
+  assert _verdicts(kv=_kv(lmem=(20, 5, 50)))[11] == FAIL
   # No reduction at all.
-  assert _verdicts(kv=_kv(plain=(1, 1, 1)))[9] == FAIL
+  assert _verdicts(kv=_kv(plain=(1, 1, 1)))[10] == FAIL
   # The same budgets at the dense loss, but L_mem keeps its own loss with fewer tokens at 512:
   # the verdict stays, and the reason says where L_mem does help.
   data = _kv(lmem=(6, 8, 10))
   for s in data['contexts']['512']['selective_lmem']['seeds']:
     s['keep_reduction'] = 9
-  row = claims.SECTION.rows[10]
+  row = claims.SECTION.rows[11]
   _, verdict, why = row.measure({claims.KV: data})
   assert verdict == FAIL and why.endswith('at N = 512 (next row)'), why
   _, verdict, why = row.measure({claims.KV: _kv(lmem=(6, 8, 10))})
   assert verdict == FAIL and 'own loss' not in why, why
   # Both at the search's floor everywhere: the factors are the cap, L_mem cannot show.
   plain, lmem, _ = _verdicts(kv=_kv(plain=(64, 128, 256), lmem=(64, 128, 256),
-                                    floors=(True, True, True)))[9:12]
+                                    floors=(True, True, True)))[10:13]
   assert plain == PASS and lmem == UNTESTABLE
   # Keeping the own loss costs more than 1% on validation.
   data = _kv()
   for c in data['contexts'].values():
     for s in c['selective']['seeds']:
       s['keep_loss'] = 1.9
-  assert _verdicts(kv=data)[11] == FAIL
+  assert _verdicts(kv=data)[12] == FAIL
 
 
 def test_gain_with_context_follows_the_numbers():
-  row = claims.SECTION.rows[12]
+  row = claims.SECTION.rows[13]
   assert row.measure({claims.KV: _kv()})[1] == PASS
   # Larger at 512 than at 128 but not at 256; or larger only within the seeds' spread.
   assert row.measure({claims.KV: _kv(gains=((0.5, 0.52), (0.45, 0.47), (0.7, 0.72)))})[
@@ -222,10 +248,10 @@ def test_kv_compares_each_context_with_the_paper_at_four_times_it():
   # Only the 512 context: the paper's 2,048 (8x without, 47x with L_mem).
   data = _kv()
   data['contexts'] = {'512': data['contexts']['512']}
-  ours, verdict, why = claims.SECTION.rows[9].measure({claims.KV: data})
+  ours, verdict, why = claims.SECTION.rows[10].measure({claims.KV: data})
   assert verdict == PASS and '8x at 2048' in why
   data['contexts']['512']['selective_lmem'] = _kv_model(1.8, 1.9, 40)  # < 47x.
-  assert claims.SECTION.rows[10].measure({claims.KV: data})[1] == DIRECTION
+  assert claims.SECTION.rows[11].measure({claims.KV: data})[1] == DIRECTION
 
 
 def test_render_marks_the_rows_not_run_without_results(tmp_path):
@@ -233,11 +259,18 @@ def test_render_marks_the_rows_not_run_without_results(tmp_path):
   section = text.split('## Selective attention')[1].split('\n## ')[0]
   assert section.count('**not run**') == len(claims.SECTION.rows)
   for name, data in ((claims.VA, _va()), (claims.LM, _lm()), (claims.ABLATIONS, _ablations()),
-                     (claims.KV, _kv())):
+                     (claims.KV, _kv()), (claims.SYNTHETIC, _synthetic())):
     (tmp_path / name).write_text(json.dumps(data))
   text = render.main(['--results', str(tmp_path), '--out', str(tmp_path / 'R.md')])
   section = text.split('## Selective attention')[1].split('\n## ')[0]
-  assert 'not run' not in section and section.count('**reproduces**') == len(claims.SECTION.rows)
+  assert '**not run**' not in section
+  assert section.count('**reproduces**') == len(claims.SECTION.rows)
+  # The synthetic rows show the paper's size too: not run there until a device has.
+  paper = [row for row in claims.SECTION.rows if row.paper_size]
+  assert [row.measure for row in paper] == [claims.va_in_distribution,
+                                            claims.va_out_of_distribution,
+                                            claims.synthetic_solved]
+  assert section.count('Paper size: **not run at paper size**: no device has run it') == 3
 
 
 # ------------------------------------------------------------------------------ helpers

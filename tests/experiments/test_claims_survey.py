@@ -146,6 +146,24 @@ def test_extrapolation_reproduces_when_a_ut_generalizes():
   assert _verdict('ut_extrapolation', edit) == 'reproduces'
 
 
+def test_extrapolation_reads_the_tasks_and_the_stack_it_has():
+  """At the paper's size the UT part runs copy only, against an 8-layer stack, on 10 symbols
+  and rows up to 10x longer: the row reads those from the results."""
+  results = _committed(ROWS['ut_extrapolation'])
+  data = results['universal_experiment.json']
+  del data['parity']
+  data['copy'] = {{'pre_ln_4': 'pre_ln_8'}.get(n, n): e for n, e in data['copy'].items()
+                  if n != 'pre_ln_1'}
+  data['settings'].update({'T': 8, 'extrapolate': 10, 'copy_symbols': 10})
+  ours, verdict, why = ROWS['ut_extrapolation'].measure(results)
+  assert ours.startswith('accuracy on rows longer than in training (up to 10x), copy: pre_ln_8 ')
+  assert '(chance 0.100)' in ours and 'parity' not in ours and 'pre_ln_1' not in ours
+  assert verdict == 'does not hold at this scale'
+  assert why.startswith('no UT beats the 8-layer stack on copy (best UT minus pre_ln_8: copy')
+  data['copy']['ut_act']['eval']['token_accuracy']['longer'] = 0.6
+  assert ROWS['ut_extrapolation'].measure(results)[1] == 'reproduces'
+
+
 def test_depth_row_is_testable_only_when_one_layer_falls_short():
   def edit(results):
     data = results['universal_experiment.json']

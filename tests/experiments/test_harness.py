@@ -109,3 +109,20 @@ def test_a_sigterm_stops_the_experiment_with_the_run_saved(tmp_path, monkeypatch
   monkeypatch.setattr(train, 'train_and_evaluate', real)
   rows = harness.run(['dense'], base, None, str(out), progress=False)
   assert rows[0]['step'] == 4 and not rows[0]['already_trained']
+
+
+def test_curves_read_either_writers_events_without_tensorflow(tmp_path):
+  """harness.scalar_curve reads plain scalars (clu's PyTorch writer, which the GPU machines
+  use: they have no TensorFlow) as it reads the tensors of the TensorFlow writer (the runs of
+  the end-to-end test above)."""
+  import time
+  from tensorboard.compat.proto import event_pb2, summary_pb2
+  from tensorboard.summary.writer.event_file_writer import EventFileWriter
+  writer = EventFileWriter(str(tmp_path / 'tensorboard'))
+  for step, value in ((3, 0.5), (6, 0.75)):
+    summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag='eval/accuracy',
+                                                                   simple_value=value)])
+    writer.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+  writer.close()
+  assert harness.scalar_curve(str(tmp_path), 'eval/accuracy') == [(3, 0.5), (6, 0.75)]
+  assert harness.scalar_curve(str(tmp_path), 'train/loss') == []

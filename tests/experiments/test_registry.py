@@ -80,8 +80,10 @@ def test_list_names_every_experiment():
   out = subprocess.run([sys.executable, '-m', 'experiments', 'list'], capture_output=True,
                        text=True, cwd=render.REPO, check=True).stdout
   assert [line.split()[0] for line in out.splitlines()] == [
-      e.name for e in registry.EXPERIMENTS + registry.PAGES]
+      e.name for e in registry.EXPERIMENTS + registry.PAGES + registry.DEVICE]
   assert all(('docs page' in line) == (line.split()[0] in {e.name for e in registry.PAGES})
+             for line in out.splitlines())
+  assert all(('accelerator' in line) == (line.split()[0] in {e.name for e in registry.DEVICE})
              for line in out.splitlines())
 
 

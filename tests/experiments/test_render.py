@@ -81,11 +81,17 @@ def test_render_writes_every_section_and_marks_missing_results(tmp_path):
 
 
 def test_results_md_is_the_render_of_the_committed_results():
-  """RESULTS.md is exactly what render.py makes of results/, and every row has a number."""
+  """RESULTS.md is exactly what render.py makes of results/, and every row has a number (at
+  CPU size; a synthetic row's paper-size line says "not run at paper size", with the reason,
+  until a device has run it)."""
   text = render.render([render.RESULTS])
   with open(os.path.join(render.REPO, 'RESULTS.md')) as f:
     assert f.read() == text + '\n', 'RESULTS.md is stale: run python -m experiments.render'
-  assert 'not run' not in text
+  assert '**not run**' not in text
+  lines = [line for line in text.splitlines() if 'not run' in line]
+  assert all('not run at paper size' in line for line in lines), lines
+  paper_rows = sum(1 for section in render.SECTIONS for row in section.rows if row.paper_size)
+  assert paper_rows == 8 and text.count('<br>**Paper size**') == paper_rows
 
 
 def test_a_row_whose_results_lack_what_it_reads_is_not_run(tmp_path, monkeypatch):

@@ -88,6 +88,28 @@ def test_analyze_va_keeps_the_committed_structure():
   assert payload['variants']['selective']['seeds'][0]['first_step_99'] == 4
 
 
+def test_analyze_synthetic_keeps_the_committed_structure():
+  committed = _committed('synthetic')
+  settings = committed['settings']
+  rows = {task: [_row(spec, seed) for seed in settings['seeds']
+                 for spec in SE.VA_VARIANTS.values()] for task in settings['tasks']}
+  test = {'step': 4, 'loss': 0.01, 'accuracy': 0.995, 'examples': 100}
+  measured = {task: {(r['seed'], r['variant']): {'test': test,
+                                                 'accuracy_curve': [[2, 0.5], [4, 0.995]]}
+                     for r in task_rows} for task, task_rows in rows.items()}
+  payload = SE.analyze('synthetic', rows, measured, settings)
+  _same_keys(payload, committed)
+  assert list(payload['tasks']) == ['copy', 'parity']
+  assert payload['tasks']['parity']['selective']['seeds'][0]['first_step_99'] == 4
+  # The CLI's defaults are the committed settings (the registry adds the seeds).
+  args = SE.parse_args(['--part', 'synthetic', '--seeds', '0,1', '--out', '/o/s.json'])
+  assert SE.synthetic_settings(args) == settings
+  copy = SE.synthetic_base(args, 'copy')
+  assert (copy.model.d, copy.batch_size, copy.data.max_length, copy.data.num_symbols) == (
+      2, 64, 24, 16)
+  assert SE.synthetic_task('parity', args).seq_len == 2 * 32
+
+
 def test_analyze_kv_keeps_the_committed_structure():
   committed = _committed('kv')
   contexts = committed['settings']['contexts']
@@ -121,6 +143,14 @@ def test_analyze_docs_gives_the_pages_tables():
   assert '| selective | 0.70 | 1.00 (loss 2) |' in payload['table']
   assert '| dense_1800 (3.000 at 2) | 2.000 |' in payload['table']
   assert '| selective_lmem | [8, 8] | 32x | 2.010 (+0.01) | 2.000 |' in payload['table']
+
+
+def test_the_synthetic_experiment_is_registered_and_its_quick_run_is_tiny():
+  e = registry.get('selective_synthetic')
+  assert e in registry.EXPERIMENTS and e.writes == ('selective_synthetic.json',)
+  args = SE.parse_args(registry.argv(e, '/o', quick=True))
+  assert args.part == 'synthetic' and args.seed_list == [0] and args.syn_steps == 4
+  assert SE.synthetic_base(args, 'copy').model.d == 1
 
 
 def test_the_docs_experiment_is_registered_and_writes_into_out():

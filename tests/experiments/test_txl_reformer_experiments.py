@@ -90,6 +90,29 @@ def test_reformer_analyze_gives_the_committed_json(tmp_path):
     assert reformer_experiment.settings(part, args).keys() == committed[part]['settings'].keys()
 
 
+def test_reformer_sizes_are_recorded_only_where_they_differ_from_the_recipe():
+  """The committed runs' overrides stay as they were; the paper's sizes (paper_scale.py) add
+  theirs, and the LSH settings and full attention follow the row length."""
+  args = reformer_experiment.parse_args(['--part', 'dup'])
+  assert reformer_experiment.size_overrides(args) == {}
+  runs, evals = reformer_experiment.dup_plan(args)
+  assert runs == reformer_experiment.RUNS['dup'] and evals == reformer_experiment.EVALS
+  args = reformer_experiment.parse_args([
+      '--part', 'dup', '--dup_length', '511', '--num_symbols', '127', '--d_model', '256',
+      '--mlp_dim', '256', '--chunk_len', '64', '--n_buckets', '16', '--hashes', '1,4'])
+  assert reformer_experiment.size_overrides(args) == {
+      'data.dup_length': 511, 'data.num_symbols': 127, 'model.d_model': 256,
+      'model.mlp_dim': 256}
+  assert reformer_experiment.settings('dup', args)['seq_len'] == 1024
+  runs, evals = reformer_experiment.dup_plan(args)
+  assert [r.name for r in runs] == ['dense', 'full', 'lsh1', 'lsh4']
+  assert [tag for tag, _ in evals['lsh4']] == ['full', 'lsh1', 'lsh4']
+  assert dict(evals['lsh1'])['full']['model.attention_options.chunk_len'] == 1024
+  assert dict(runs[3].overrides)['model.attention_options.chunk_len'] == 64
+  base = reformer_experiment.base_config('dup', args)
+  assert (base.data.dup_length, base.model.d_model, base.model.mlp_dim) == (511, 256, 256)
+
+
 def test_reformer_dup_trains_evaluates_as_main_py_and_keeps_its_run(tmp_path):
   out, path = tmp_path / 'out', tmp_path / 'reformer.json'
   other = {'runs': {'pre_ln': {'train_loss': [[1, 5.0]]}}, 'settings': {'text': 'x'}}

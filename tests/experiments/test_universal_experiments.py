@@ -105,3 +105,29 @@ def test_act_ponder_analyze_gives_the_committed_structure():
   assert _shape(got) == {**_shape(entry), 'overrides': _shape(got['overrides'])}
   assert got['tau'] == 0.0 and got['train_s'] == entry['train_s']
   assert got['overrides']['model.stack_options.ponder'] == 0.0
+
+
+def test_the_papers_sizes_raise_the_position_table_and_name_the_stack():
+  """experiments/paper_scale.py's sizes: copy of up to 40 symbols evaluated on up to 400 (the
+  UT paper's), T = M = 8; the defaults stay the committed experiment's."""
+  assert ue.DEFAULT.tasks() == ue.TASKS and ue.DEFAULT.runs() == ue.RUNS
+  args = ue.parse_args([])
+  assert args.sizes == ue.DEFAULT and [r.name for r in args.run_list] == [r.name for r in ue.RUNS]
+  args = ue.parse_args(['--recipe', os.path.join(ue.REPO, 'configs',
+                                                 'universal_transformer_algorithmic.py'),
+                        '--T', '8', '--copy_train', '40', '--extrapolate', '10',
+                        '--eval_rows', '4', '--tasks', 'copy', '--runs', 'ut_act,pre_ln_8'])
+  sizes = args.sizes
+  assert sizes.tasks()['copy'] == {'data.name': 'copy', 'data.max_length': 40,
+                                   'model.max_len': 1024}
+  assert [r.name for r in args.run_list] == ['ut_act', 'pre_ln_8']  # In --runs' order.
+  assert dict(sizes.runs()[2].overrides)['model.stack_options.steps'] == 8
+  batch, task = ue.eval_batch('copy', sizes, num_symbols=10)
+  assert task.seq_len == 802 and batch['inputs'].shape == (4, 802)
+  assert batch['inputs'].max() < task.vocab_size == 3 + 1 + 10
+  settings = ue.settings_of(args)
+  assert (settings['copy_train_max_length'], settings['extrapolate'], settings['T'],
+          settings['copy_symbols'], settings['recipe']) == (
+              40, 10, 8, 10, 'configs/universal_transformer_algorithmic.py')
+  with pytest.raises(SystemExit, match='unknown'):
+    ue.parse_args(['--runs', 'pre_ln_9'])
