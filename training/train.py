@@ -42,6 +42,9 @@ class _Preemption:
     if self._event.is_set():
       logging.warning('SIGTERM again: already stopping; the checkpoint is saved (or still '
                       'being committed) before the process exits')
+    else:
+      logging.warning('SIGTERM: stopping after this step; a checkpoint is saved before the '
+                      'process exits')
     self._event.set()
 
   def __enter__(self):
