@@ -670,8 +670,11 @@ ACCELERATOR_KEYS = 1024
 
 def query_block(platform: str, block_size: int, n: int) -> int:
   """The query block of a blocked path over n queries compiled for `platform`:
-  model.attention_block_size on a CPU, at least ACCELERATOR_BLOCK elsewhere (at most n)."""
-  return block_size if platform == 'cpu' else max(block_size, min(ACCELERATOR_BLOCK, n))
+  model.attention_block_size on a CPU, at least ACCELERATOR_BLOCK elsewhere, and never more
+  than n (a row shorter than a block is one block of its own length: padded to the block, the
+  tiny recipe's 10-token rows computed 128 x 128 scores each)."""
+  block = block_size if platform == 'cpu' else max(block_size, ACCELERATOR_BLOCK)
+  return max(1, min(block, n))
 
 
 def step_keys(platform: str, block: int) -> int:
@@ -698,9 +701,8 @@ def causal(q, k, v, segment_ids, *, block_size: int, scale: float, dtype, per_st
   n = q.shape[1]
   if block_size < 1:
     raise ValueError(f'attention block size must be >= 1, got {block_size}')
-  # A row shorter than a block is one block of its own length: padded to the block, the tiny
-  # recipe's 10-token rows computed 128 x 128 scores each and its dense step ran 5x b39f426's
-  # (1,023 ms against the XLA path's 201 ms; adaptive span clips its block so already).
+  # A row shorter than a block is one block of its own length (query_block clips so too; a
+  # caller's own block is clipped here: the tiny recipe's dense step had run 5x b39f426's).
   block_size = min(block_size, n)
   nq = -(-n // block_size)
   table = Table.runs(np.zeros(nq), np.arange(1, nq + 1), block_size)

@@ -368,7 +368,7 @@ class SelectiveAttention(base.MultiHeadAttention):
       raise ValueError(f'attention block size must be >= 1, got {self.block_size}')
     batch, n = q.shape[:2]
     lmem = self.option('selective_lmem_eps') > 0
-    block = min(self.loop_block(n), n)  # A short row is one block of its own length.
+    block = self.loop_block(n)  # At most n: a short row is one block of its own length.
     nq = -(-n // block)
     table = blockloop.Table.runs(np.zeros(nq), np.arange(1, nq + 1), block)
     score = _blocked_score(scale=scale, separate=selection is not None,

@@ -201,12 +201,15 @@ def test_query_without_keys_outputs_zeros_with_finite_gradients(short_row, monke
 
 
 def test_accelerators_take_big_steps():
-  """A loop step has a fixed cost on a GPU or TPU: query blocks of at least 512 (at most the
-  sequence) and steps of at least 1024 keys there; a CPU keeps the configured block."""
+  """A loop step has a fixed cost on a GPU or TPU: query blocks of at least 512 and steps of at
+  least 1024 keys there; a CPU keeps the configured block. On every platform a row shorter
+  than the block is one block of its own length."""
   assert blockloop.query_block('cpu', 128, 16384) == 128
   assert blockloop.query_block('gpu', 128, 16384) == blockloop.ACCELERATOR_BLOCK == 512
+  assert blockloop.query_block('tpu', 1024, 16384) == 1024
   assert blockloop.query_block('tpu', 128, 256) == 256
-  assert blockloop.query_block('tpu', 1024, 256) == 1024
+  assert blockloop.query_block('tpu', 1024, 256) == 256
+  assert blockloop.query_block('cpu', 128, 10) == 10
   assert blockloop.step_keys('cpu', 128) == 128
   assert blockloop.step_keys('gpu', 512) == blockloop.ACCELERATOR_KEYS == 1024
 

@@ -24,9 +24,11 @@ WORK_RATIO = 1.5
 EXTRA = {'txl': {'position_embedding': 'none', 'attention_options': {'mem_len': 0}}}
 
 
-def _work(variant: str) -> hlo_cost.Work:
+def _work(variant: str, impl: str | None = None) -> hlo_cost.Work:
   config = tiny.get_config()
   config.model.attention = variant
+  if impl:
+    config.model.attention_impl = impl
   for key, value in EXTRA.get(variant, {}).items():
     if isinstance(value, dict):
       config.model[key].update(value)
@@ -69,3 +71,15 @@ def test_train_step_work_is_about_dense(variant, dense_work):
   assert ratio <= WORK_RATIO, (
       f'{variant}: the tiny recipe\'s train step does {ratio:.1f}x the matmul work of dense '
       f'({work.flops:.3g} against {dense_work.flops:.3g} FLOPs, loops counted); most in {top}')
+
+
+@pytest.mark.parametrize('variant', ['dense', 'local', 'strided'])
+def test_the_static_patterns_blocked_path_is_about_dense(variant, dense_work):
+  """The plain-JAX path that `auto` runs for a static pattern where the C++ kernel was not
+  measured faster: the causal loop (dense), the band (local) and the residue classes (strided)
+  each take a 10-token row as one block of 10 queries (padded to the 128-query block, dense's
+  step did 5x b39f426's time in `python main.py`)."""
+  work = _work(variant, 'blocksparse')
+  ratio = work.flops / dense_work.flops
+  assert ratio <= WORK_RATIO, (
+      f'{variant} on blocksparse: {ratio:.1f}x the matmul work of dense at the tiny recipe')
