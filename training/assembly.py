@@ -18,60 +18,18 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from absl import logging
 
 import input_pipeline
 from models import transformer
 from training import checkpoints, optimizer, run_config, settings, sharding, steps
+from training.state import Setup  # pylint: disable=unused-import (assembly.Setup: its old home)
 
 
 # A vocabulary taken from the data (model.vocab_size=0) is padded to a multiple of this: the
 # 'vocab' axis then splits over any tensor-parallel size that divides it, and fills whole
 # 128-wide matrix units.
 VOCAB_MULTIPLE = 128
-
-
-@dataclasses.dataclass
-class Setup:
-  """Everything built from a config before any compute.
-
-  Attributes:
-    config: the run config.
-    model_config: the resolved TransformerConfig.
-    model: the Decoder.
-    data: the DataSource; None when built without data (`build(..., data=False)`).
-    seq_len: tokens per row of the program (the data's, or config.seq_len without data).
-    mesh: the device mesh.
-    rules: logical axis rules.
-    tx: the optimizer.
-    schedule: the learning-rate schedule.
-    abstract_state: TrainState of ShapeDtypeStructs carrying the target shardings.
-    state_sharding: shardings of the TrainState.
-    batch_sharding: sharding of every batch array.
-    init_fn: rng -> freshly initialized (unboxed) TrainState.
-    data_shard: (index, count): this process's block of every batch's rows, as the batch
-      sharding lays them out over the processes (sharding.data_shard); its data source reads
-      that block.
-  """
-  config: ml_collections.ConfigDict
-  model_config: transformer.TransformerConfig
-  model: transformer.Decoder
-  data: input_pipeline.DataSource | None
-  seq_len: int
-  mesh: jax.sharding.Mesh
-  rules: Any
-  tx: optax.GradientTransformation
-  schedule: optax.Schedule
-  abstract_state: steps.TrainState
-  state_sharding: Any
-  batch_sharding: jax.sharding.NamedSharding
-  init_fn: Any
-  data_shard: tuple[int, int] = (0, 1)
-
-  def global_rows(self, local_rows: int) -> int:
-    """Rows of the global batch assembled from `local_rows` rows on each process."""
-    return local_rows * self.data_shard[1]
 
 
 def check_workdir(workdir: str) -> None:

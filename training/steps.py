@@ -1,11 +1,9 @@
 """The train and eval steps: pure functions of (state or params, batch), and their sharded,
-jitted forms for a Setup (training/assembly.py)."""
+jitted forms for a Setup (training/state.py, built by training/assembly.py)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
 
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -14,29 +12,9 @@ import optax
 from models import transformer
 from models.attention import memory as segment_memory
 from training import losses, sharding
-
-if TYPE_CHECKING:  # assembly builds TrainStates; these functions only read a Setup.
-  from training import assembly
+from training.state import Setup, TrainState
 
 Batch = dict[str, jax.Array]
-
-
-@flax.struct.dataclass
-class TrainState:
-  """Everything a checkpoint holds.
-
-  Attributes:
-    step: optimizer steps taken (int32 scalar).
-    params: model parameters.
-    opt_state: optimizer state.
-    memory: the 'memory' collection of segment-recurrent attention (the previous segment's
-      layer inputs, one entry per batch row), carried to the next batch and checkpointed so
-      a resumed run continues the same streams; {} for every other model.
-  """
-  step: jax.Array
-  params: Any
-  opt_state: Any
-  memory: Any = flax.struct.field(default_factory=dict)
 
 
 def sum_collection(tree) -> jax.Array:
@@ -192,7 +170,7 @@ def make_eval_step(model: nn.Module, loss_chunk_len: int = 128):
   return eval_step
 
 
-def jit_train_step(setup: assembly.Setup, model: transformer.Decoder | None = None):
+def jit_train_step(setup: Setup, model: transformer.Decoder | None = None):
   """The sharded, donated train step of `model` (default `setup.model`)."""
   fn = make_train_step(model or setup.model, setup.tx, setup.schedule,
                              setup.config.grad_accum_steps, setup.config.loss_chunk_len)
@@ -211,7 +189,7 @@ class EvalStep:
     memory: abstract memory (shapes, dtypes, shardings) for one eval batch, or None.
   """
 
-  def __init__(self, setup: assembly.Setup, model: transformer.Decoder):
+  def __init__(self, setup: Setup, model: transformer.Decoder):
     self.model = model
     self.memory = memory_layout(setup, model)
     replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
@@ -224,7 +202,7 @@ class EvalStep:
   def __call__(self, params, batch, memory):
     return self._fn(params, batch, memory)
 
-  def fresh_memory(self, setup: assembly.Setup, rows: int):
+  def fresh_memory(self, setup: Setup, rows: int):
     """Empty memory for `rows` eval rows ({} for models without memory)."""
     if self.memory is None:
       return {}
@@ -235,7 +213,7 @@ class EvalStep:
                         jax.tree.map(lambda a: a.sharding, self.memory))
 
 
-def jit_eval_step(setup: assembly.Setup, model: transformer.Decoder | None = None) -> EvalStep:
+def jit_eval_step(setup: Setup, model: transformer.Decoder | None = None) -> EvalStep:
   """The sharded eval step of `model` (default `setup.model`), with the option values its
   variants use at evaluation (transformer.for_eval)."""
   model = model or setup.model
@@ -243,7 +221,7 @@ def jit_eval_step(setup: assembly.Setup, model: transformer.Decoder | None = Non
   return EvalStep(setup, model if config == model.config else transformer.Decoder(config))
 
 
-def memory_layout(setup: assembly.Setup, model: transformer.Decoder):
+def memory_layout(setup: Setup, model: transformer.Decoder):
   """Abstract segment memory of `model` for one batch (shapes, dtypes and shardings), or
   None for a model without memory."""
   if not model.config.uses_memory:
@@ -258,7 +236,7 @@ def memory_layout(setup: assembly.Setup, model: transformer.Decoder):
                       nn.unbox(boxed), shardings)
 
 
-def fresh_memory(setup: assembly.Setup, rows: int):
+def fresh_memory(setup: Setup, rows: int):
   """Empty training segment memory for `rows` batch rows ({} for models without memory)."""
   if not setup.model_config.uses_memory:
     return {}

@@ -1,0 +1,93 @@
+"""The project's modules import one another without a circle, and the model layer never
+imports training code (issue 49).
+
+An import circle (training/assembly.py and training/steps.py had one, hidden under
+TYPE_CHECKING for type hints) means neither module can be read or tested alone. The graph is
+read from the source (every `import` and `from ... import`, TYPE_CHECKING blocks and function
+bodies included), so nothing is imported here.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ('configs', 'models', 'input_pipeline', 'training', 'experiments', 'benchmarks')
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  out = {}
+  for package in PACKAGES:
+    for path in (ROOT / package).rglob('*.py'):
+      parts = path.relative_to(ROOT).with_suffix('').parts
+      out['.'.join(parts[:-1] if parts[-1] == '__init__' else parts)] = path
+  return out
+
+
+def import_graph(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+  """module -> the project modules it imports (absolute imports; `from a import b` counts as
+  a.b where that is a module, else a)."""
+  graph = {}
+  for name, path in modules.items():
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, ast.Import):
+        found.update(alias.name for alias in node.names)
+      elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        for alias in node.names:
+          full = f'{node.module}.{alias.name}'
+          found.add(full if full in modules else node.module)
+    graph[name] = {m for m in found if m in modules and m != name}
+  return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The strongly connected components of more than one module (Tarjan's algorithm)."""
+  index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on_stack.add(v)
+    for w in sorted(graph[v]):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on_stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = []
+      while True:
+        w = stack.pop()
+        on_stack.discard(w)
+        component.append(w)
+        if w == v:
+          break
+      if len(component) > 1:
+        out.append(sorted(component))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  return out
+
+
+def test_the_circle_finder_finds_a_circle():
+  graph = {'a': {'b'}, 'b': {'c'}, 'c': {'a'}, 'd': {'a'}}
+  assert circles(graph) == [['a', 'b', 'c']]
+  assert circles({'a': {'b'}, 'b': set()}) == []
+
+
+def test_no_import_circle():
+  found = circles(import_graph(_modules()))
+  assert not found, f'modules that import one another (directly or around a circle): {found}'
+
+
+def test_the_model_layer_imports_no_training_code():
+  graph = import_graph(_modules())
+  bad = sorted((m, t) for m, targets in graph.items() if m.startswith('models')
+               for t in targets if t.startswith('training'))
+  assert not bad, f'models/ modules importing training/: {bad}'
