@@ -33,6 +33,7 @@ rewritten after every row.
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -342,6 +343,9 @@ def main():
   dirty = bool(_git('status', '--porcelain', '--untracked-files=no'))
   before = _git('rev-parse', '--short', args.before) if args.before else None
   worktree = None
+  # A stopped run (kill, a job scheduler's SIGTERM) still removes its worktree and its
+  # running child (subprocess.run kills the child when the exit interrupts it).
+  signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
   if args.before:
     worktree = tempfile.mkdtemp(prefix='variant_speed_')
     subprocess.run(['git', 'worktree', 'add', '--detach', worktree, args.before], cwd=ROOT,
