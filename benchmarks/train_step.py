@@ -32,6 +32,9 @@ import time
 
 from training import xla_flags  # noqa: E402
 
+# The environment as the user gave it: a --before child starts from it and applies its own
+# tree's defaults (this tree's XLA flags would otherwise pass to the earlier commit).
+_USER_ENV = dict(os.environ)
 xla_flags.set_cpu_defaults()  # As main.py does, before JAX starts its backend.
 
 import jax  # noqa: E402
@@ -111,7 +114,8 @@ def _child(tree: str, args, d: int, impl: str) -> dict:
            str(args.seq_len), '--batch', str(args.batch), '--dtype', args.dtype, '--impl', impl,
            '--remat', args.remat, '--scan', str(args.scan), '--iters', str(args.iters),
            '--out', out]
-    proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, cwd=tree, env=_USER_ENV, capture_output=True, text=True,
+                          check=False)
     if proc.returncode:
       raise RuntimeError(f'train_step in {tree} failed:\n{proc.stderr[-2000:]}')
     with open(out) as f:

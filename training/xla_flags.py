@@ -24,6 +24,33 @@ FAST_COMPILE = '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_
 FAKE_DEVICES_SAFE_SCHEDULER = '--xla_cpu_enable_concurrency_optimized_scheduler=false'
 THREADS_PER_FAKE_DEVICE = 8
 
+# XLA:CPU hands each matmul to YNNPACK as a fusion of its own ('individual_dot', the default),
+# and there a batched matmul of small matrices (a blocked attention step: batch x heads
+# products of 128 x 64 by 64 x 128) runs one matrix after another on one thread: 1.04 of 2
+# cores, 280 ms for 136 such steps on a 2-core AMD EPYC. As 'dot' fusions YNNPACK spreads the
+# same matmuls over the cores (1.91 cores, 159 ms), and a blocked causal attention layer's
+# forward and backward at 2K (batch 8, 2 heads of 64) takes 834 ms instead of 1,250. Whole
+# train steps: benchmarks/variant_speed.py, docs/variant_speed.md. The flag is experimental
+# and an XLA that does not know it aborts at start, so it is set only on the jaxlib releases
+# it was checked on (YNN_DOTS_JAXLIB: the flag and both fusion types are in the binaries of
+# jaxlib 0.10.0-0.10.2, and 0.10.2 was measured; 0.8.3-0.9.2 know the flag too, 0.8.0 not).
+YNN_DOTS = '--xla_cpu_experimental_ynn_fusion_type=+dot,-individual_dot'
+YNN_DOTS_JAXLIB = ((0, 10, 0), (0, 11, 0))  # [first, past the last) checked release.
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+  from importlib import metadata  # pylint: disable=import-outside-toplevel
+  try:
+    release = metadata.version('jaxlib')
+  except metadata.PackageNotFoundError:
+    return ()
+  return tuple(int(part) for part in re.findall(r'\d+', release)[:3])
+
+
+def _ynn_dots_known() -> bool:
+  first, past = YNN_DOTS_JAXLIB
+  return first <= _jaxlib_version() < past
+
 
 def _cpu_has_avx512() -> bool:
   try:
@@ -54,6 +81,9 @@ def set_cpu_defaults() -> None:
 
   - On AVX-512 machines, element-wise fusions are vectorized 512 bits wide: it shortens the
     d=8 train step by a few percent on such a CPU (benchmarks/train_step.py).
+  - Matmuls as YNNPACK 'dot' fusions, which spread batched small matmuls over the cores
+    (YNN_DOTS says why and where), on the jaxlib releases where it was checked, unless
+    XLA_FLAGS sets the YNN fusion types.
   - With several fake host devices, the scheduler that does not overlap collectives and
     THREADS_PER_FAKE_DEVICE threads per device (PJRT_NPROC, unless set), so that collectives
     do not starve each other (the comment on FAKE_DEVICES_SAFE_SCHEDULER says why).
@@ -62,6 +92,8 @@ def set_cpu_defaults() -> None:
   flags = os.environ.get('XLA_FLAGS', '')
   if 'xla_cpu_prefer_vector_width' not in flags and _cpu_has_avx512():
     flags += ' --xla_cpu_prefer_vector_width=512'
+  if 'xla_cpu_experimental_ynn_fusion_type' not in flags and _ynn_dots_known():
+    flags += ' ' + YNN_DOTS
   fake = re.search(r'xla_force_host_platform_device_count=(\d+)', flags)
   count = int(fake.group(1)) if fake else 1
   if count > 1 and 'xla_cpu_enable_concurrency_optimized_scheduler' not in flags:

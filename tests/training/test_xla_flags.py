@@ -8,9 +8,10 @@ import pytest
 from training import xla_flags
 
 
-def _defaults(monkeypatch, flags):
+def _defaults(monkeypatch, flags, jaxlib=(0, 0, 0)):
   monkeypatch.setenv('XLA_FLAGS', flags)
   monkeypatch.setattr(xla_flags, '_cpu_has_avx512', lambda: False)
+  monkeypatch.setattr(xla_flags, '_jaxlib_version', lambda: jaxlib)
   xla_flags.set_cpu_defaults()
   return os.environ['XLA_FLAGS']
 
@@ -29,6 +30,24 @@ def test_an_explicit_scheduler_setting_wins(monkeypatch):
   given = ('--xla_force_host_platform_device_count=4 '
            '--xla_cpu_enable_concurrency_optimized_scheduler=true')
   assert _defaults(monkeypatch, given) == given
+
+
+def test_matmuls_go_to_ynnpack_dot_fusions_on_the_checked_jaxlib_releases(monkeypatch):
+  first, past = xla_flags.YNN_DOTS_JAXLIB
+  assert xla_flags.YNN_DOTS in _defaults(monkeypatch, '', first).split()
+  last = past[:2] + (past[2] - 1,) if past[2] else (past[0], past[1] - 1, 99)
+  assert xla_flags.YNN_DOTS in _defaults(monkeypatch, '', last).split()
+  # An XLA that does not know the flag aborts at start: none outside the checked releases.
+  for release in ((0, 9, 2), past, ()):
+    assert 'ynn' not in _defaults(monkeypatch, '', release)
+  # The user's own fusion types win.
+  given = '--xla_cpu_experimental_ynn_fusion_type=dot'
+  assert _defaults(monkeypatch, given, first) == given
+
+
+def test_the_installed_jaxlib_release_is_read():
+  release = xla_flags._jaxlib_version()  # pylint: disable=protected-access
+  assert len(release) == 3 and release >= (0, 7, 0)
 
 
 def test_harness_flags_for_fake_devices():
