@@ -118,13 +118,17 @@ def test_reformer_dup_trains_evaluates_as_main_py_and_keeps_its_run(tmp_path):
   other = {'runs': {'pre_ln': {'train_loss': [[1, 5.0]]}}, 'settings': {'text': 'x'}}
   with open(path, 'w') as f:  # The other part's results are kept.
     json.dump({'bytes': other}, f)
+  # Rows of 64 (L = 31) in batches of 4: the recipe's 256 x 32 spent 3 CPU-minutes on four
+  # evaluations of 16 batches each.
   argv = ['--part', 'dup', '--dup_steps', '2', '--runs', 'full', '--out', str(out),
-          '--json', str(path), '--plot', str(tmp_path / 'curves.png')]
+          '--json', str(path), '--plot', str(tmp_path / 'curves.png'), '--dup_length', '31',
+          '--dup_batch', '4']
   first = reformer_experiment.main(argv)
   assert list(first) == ['bytes', 'dup'] and first['bytes'] == other
   entry = first['dup']['runs']['full']
   assert list(entry['evals']) == ['full', 'lsh1', 'lsh2', 'lsh4']
-  assert entry['overrides']['model.attention_options.chunk_len'] == reformer_experiment.SEQ
+  assert entry['overrides']['model.attention_options.chunk_len'] == 64  # The whole row.
+  assert entry['overrides']['data.dup_length'] == 31
   # As main.py --mode=eval gives it: the recorded run, the keys asked for changed on top.
   assert 'config_overrides' not in entry['evals']['full']
   assert entry['evals']['lsh1']['config_overrides'] == {
