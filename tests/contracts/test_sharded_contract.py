@@ -65,8 +65,9 @@ MESHES = {
     'data2_fsdp2_tensor2': (2, 2, 2),
 }
 # More meshes, and the default implementation ('blocksparse': the plain-JAX block-sparse path
-# on several devices), in the slow run only: a mesh's program of every case costs the 'xla'
-# run about 100 CPU-seconds (data4_tensor2 was a default mesh until it took 300 s of CI time).
+# on several devices), in the slow run only: each mesh adds a program of every case (the 'xla'
+# run of one device, data4_tensor2 and data2_fsdp2_tensor2 took 297 s in CI; data4_tensor2's
+# data and tensor splits are both in data2_fsdp2_tensor2).
 SLOW_MESHES = {
     'data4_tensor2': (4, 1, 2),
     'fsdp2_tensor4': (1, 2, 4),

@@ -10,8 +10,9 @@ sampling loop), for the chips of a v5e:2x2 slice that is not here
   outside shard_map the TPU compile fails); no program calls a CPU kernel (`zoo_*` FFI);
 * libtpu's compiler compiles the train step of the default recipe, of a factorized pattern,
   of the reversible block and of the universal stack on the mixed mesh (COMPILED), and the
-  eval step and sampling loop of the static patterns (a compile of a blocked path unrolled in Python takes 20-40 s
-  here, so those are lowered only; benchmarks/tpu_compile.py compiles every variant);
+  eval step and sampling loop of the static patterns (a compile of a blocked path unrolled
+  in Python takes 20-40 s here, so those are lowered only; benchmarks/tpu_compile.py
+  compiles every variant);
 * the default recipe compiles on two slices joined over DCN (mesh.dcn_data=2);
 * slow (run with -m slow, 8 min here): every case's train step compiles on both meshes and on
   two slices.

@@ -118,8 +118,8 @@ def test_reformer_dup_trains_evaluates_as_main_py_and_keeps_its_run(tmp_path):
   other = {'runs': {'pre_ln': {'train_loss': [[1, 5.0]]}}, 'settings': {'text': 'x'}}
   with open(path, 'w') as f:  # The other part's results are kept.
     json.dump({'bytes': other}, f)
-  # Rows of 64 (L = 31) in batches of 4: the recipe's 256 x 32 spent 3 CPU-minutes on four
-  # evaluations of 16 batches each.
+  # Rows of 64 (L = 31) in batches of 4: at the recipe's 256 x 32 the test took 216 s of CI
+  # time, most of it in four evaluations of 16 batches each.
   argv = ['--part', 'dup', '--dup_steps', '2', '--runs', 'full', '--out', str(out),
           '--json', str(path), '--plot', str(tmp_path / 'curves.png'), '--dup_length', '31',
           '--dup_batch', '4']
