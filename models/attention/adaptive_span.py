@@ -123,7 +123,8 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
   qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # (b, h, len, d)
   out, _ = blockloop.attention(qh, kh, vh, q_segments, k_segments,
                                (rel[:span].astype(dtype), z), table=table, q_block=block,
-                               score=score, dtype=dtype, per_step=per_step)
+                               score=score, dtype=dtype, per_step=per_step,
+                               keep_weights=not gather)
   return jnp.swapaxes(out, 1, 2)
 
 

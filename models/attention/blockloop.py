@@ -17,7 +17,9 @@ runs only over the chunks a row has (a dynamic trip count), so the work follows 
 A dynamic trip count cannot be differentiated by reverse-mode autodiff, and differentiating
 through the forward would store every block's probabilities (memory n^2). The backward is a
 custom VJP that recomputes each chunk's scores from q, k and the row's log-sum-exp (flash
-attention's backward): memory and program size stay linear, resp. flat, in n.
+attention's backward): memory and program size stay linear, resp. flat, in n. Where a query
+block reads all its keys in one step (adaptive span), the forward may keep its weights
+instead (`keep_weights`, see KEEP_PAIRS), and the backward skips the scores' recomputation.
 
 What differs between variants is the score of a (query block, key chunk) pair, given as a
 function `score(params, q_blk, k_blk, i, j) -> (logits, live, gate)`: the scaled logits, which
@@ -39,8 +41,10 @@ scores' size; recomputing it would cost a pass over the earlier blocks.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import itertools
 from typing import Callable, NamedTuple, Sequence
 
 import jax
@@ -132,7 +136,8 @@ class Context(NamedTuple):
 
 
 def attention(q, k, v, q_segments, k_segments, params, *, table: Table, q_block: int,
-              score: Callable, dtype, per_step: int = 1, out_dtype=None, carry=None):
+              score: Callable, dtype, per_step: int = 1, out_dtype=None, carry=None,
+              keep_weights: bool = False):
   """softmax attention of every query block over the key chunks `table` gives it.
 
   Args:
@@ -162,6 +167,9 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: Table, q_block:
       (batch, B, C) float32 or None are per-pair values summed over the keys of the pairs
       that count into a per-query output (selective's M_i of L_mem). Both are differentiated
       like the logits.
+    keep_weights: when every query block reads its keys in one loop step and the layer has
+      at most KEEP_PAIRS pairs, the forward keeps each pair's exp(s - lse) for the backward,
+      which then does not compute the scores again (see KEEP_PAIRS). Without `carry` only.
 
   Returns:
     The output (batch, heads, n, head_dim) in `dtype` (zeros for a query that sees no key)
@@ -176,7 +184,30 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: Table, q_block:
                jnp.dtype(out_dtype or dtype), carry is not None)
   if carry is None and _short(spec, _queries(q)[0].shape[2]):
     return _plain(spec, q, k, v, q_segments, k_segments, params)
+  if carry is None and keep_weights and _keeps(spec, v.shape[:2]):
+    spec = dataclasses.replace(spec, keep=True)
   return _attention(spec, q, k, v, q_segments, k_segments, params, carry)
+
+
+# A query block that reads all its keys in one loop step (adaptive span's blocks: their
+# relative term is computed once over the block's T distances) can keep its weights from the
+# forward: exp(s - lse) of each pair, one float (the scores' size, n T per head and row for a
+# span). The backward then reads them instead of computing the score again, and the score's
+# VJP alone remains (XLA drops the unused forward of q . k and of the relative term). A span
+# score is most of a block's work: the recomputing backward made the dynamic span's train step
+# at 2K tokens 1.31x that of b39f426's unrolled autodiff on a 2-core EPYC. A layer keeps them
+# while it has at most KEEP_PAIRS pairs (256 MiB of float32; the tiny recipe's dynamic span at
+# 8K has 38M), and recomputes beyond: the memory of a long row stays linear in its length.
+KEEP_PAIRS = 1 << 26
+
+
+def _keeps(spec: _Spec, batch_heads: tuple[int, int]) -> bool:
+  """Whether the forward keeps the weights: one loop step per query block, few pairs."""
+  t = spec.table
+  if np.any(-(-t.chunks // spec.per_step) > 1):
+    return False
+  pairs = int(np.prod(batch_heads)) * t.count.shape[0] * spec.q_block * spec.per_step * t.width
+  return pairs <= KEEP_PAIRS
 
 
 # Short rows: at most PLAIN_BLOCKS query blocks of at most PLAIN_QUERIES queries in all. There
@@ -265,6 +296,7 @@ class _Spec:
   per_step: int
   out_dtype: jnp.dtype
   stateful: bool = False
+  keep: bool = False  # One loop step per block; the forward keeps exp(s - lse) (KEEP_PAIRS).
 
 
 def _queries(q):
@@ -289,6 +321,7 @@ class _Keys:
   def __init__(self, spec: _Spec, k, v, k_segments):
     t = spec.table
     self.spec, self.nk = spec, v.shape[2]
+    self.per_step = spec.per_step
     self.span = spec.per_step * t.width  # Keys per step.
     self.contiguous = t.contiguous
     # Room on both sides so that a slice never leaves the array (dynamic_slice would clamp
@@ -321,7 +354,7 @@ class _Keys:
       j = self.start[b, 0] + step * self.span + jnp.arange(self.span, dtype=jnp.int32)
       valid = jnp.arange(self.span) < (self.count[b, 0] * w - step * self.span)
     else:
-      c = step * spec.per_step + jnp.arange(spec.per_step, dtype=jnp.int32)  # chunk numbers
+      c = step * self.per_step + jnp.arange(self.per_step, dtype=jnp.int32)  # chunk numbers
       r = jnp.sum(c[:, None] >= self.first[b][None, 1:], axis=1)  # their progressions
       s = self.start[b, r] + self.stride[b, r] * (c - self.first[b, r])
       j = (s[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]).reshape(-1)
@@ -341,7 +374,26 @@ class _Keys:
             self.gather(self.seg, j, 1))
 
   def steps(self, b):
-    return -(-jnp.sum(self.count[b]) // self.spec.per_step)
+    return -(-jnp.sum(self.count[b]) // self.per_step)
+
+  def narrowed(self, per_step: int) -> '_Keys':
+    """The same keys read `per_step` chunks a step (at most spec.per_step: the padding,
+    hence the accumulators' shapes, stay those of the widest step)."""
+    keys = copy.copy(self)
+    keys.per_step, keys.span = per_step, per_step * self.spec.table.width
+    return keys
+
+  def groups(self) -> list[tuple[np.ndarray, '_Keys']]:
+    """The query blocks as groups that read as many keys a step: with spec.keep (one step per
+    block) by the block's chunks rounded up to a power of two (the blocks at the start of a
+    span's row read fewer keys than the widest: at 2K tokens and T = 1,024 one block in
+    four), else one group."""
+    nq = self.spec.table.count.shape[0]
+    if not self.spec.keep:
+      return [(np.arange(nq), self)]
+    chunks = self.spec.table.chunks
+    width = np.minimum(2 ** np.ceil(np.log2(np.maximum(chunks, 1))), self.per_step).astype(int)
+    return [(np.flatnonzero(width == w), self.narrowed(int(w))) for w in np.unique(width)]
 
   def scatter_add(self, acc, j, update, axis=2):
     """acc (padded like the keys, keys on `axis`) + update at the positions j of a step."""
@@ -386,18 +438,21 @@ def _unwrap(spec_q, qb):
 
 def _forward(spec: _Spec, q, k, v, q_segments, k_segments, params, carry, keep_states=False):
   """(output (b, h, n, d) in dtype, log-sum-exp (b, h, n) float32 (NEG_INF where no key),
-  row sums (b, n) or None), and with `keep_states` the state (padded like the keys) at the
-  start of each query block, (nq, b, keys, ...) (the backward reads it there)."""
+  row sums (b, n) or None), and what the backward reads: with `keep_states` the state
+  (padded like the keys) at the start of each query block, (nq, b, keys, ...); with
+  spec.keep each block's exp(s - lse), a tuple over `_Keys.groups` of (blocks of the group,
+  b, h, B, keys a step of the group), 0 at the pairs that do not count; else None."""
   n = _queries(q)[0].shape[2]
   qp, segp = _pad_queries(spec, q, q_segments)
-  keys = _Keys(spec, k, v, k_segments)
+  all_keys = _Keys(spec, k, v, k_segments)
   batch, heads, _, d = v.shape
 
-  def block(b, state):
+  def block(b, state, keys=all_keys):
     qb, seg_q, i = _block_inputs(spec, qp, segp, b)
     kq, kk = _unwrap(q, qb), _unwrap(k, keys.k)
 
     def step(t, carry):
+      """The loop step and its exp(logit - running max) at each pair (0 where not live)."""
       acc, m, l, state, rows = carry
       j, valid, kb, vb, real = _step_keys(keys, seg_q, b, t)
       if spec.stateful:
@@ -416,7 +471,7 @@ def _forward(spec: _Spec, q, k, v, q_segments, k_segments, params, carry, keep_s
       alpha = jnp.exp(m - m_new)
       acc = acc * alpha[..., None] + jnp.einsum(
           'bhqk,bhkd->bhqd', w.astype(spec.dtype), vb, preferred_element_type=jnp.float32)
-      return acc, m_new, l * alpha + jnp.sum(w, axis=-1), state, rows
+      return (acc, m_new, l * alpha + jnp.sum(w, axis=-1), state, rows), e
 
     rows = None
     if spec.stateful and _has_rows(spec, params, kq, kk, i, state, keys):
@@ -424,24 +479,36 @@ def _forward(spec: _Spec, q, k, v, q_segments, k_segments, params, carry, keep_s
     init = (jnp.zeros((batch, heads, spec.q_block, d), jnp.float32),
             jnp.full((batch, heads, spec.q_block), NEG_INF, jnp.float32),
             jnp.zeros((batch, heads, spec.q_block), jnp.float32), state, rows)
-    acc, m, l, state, rows = jax.lax.fori_loop(0, keys.steps(b), step, init)
+    kept = None
+    if spec.keep:  # One step (a block without keys: no pair counts, e = 0).
+      (acc, m, l, state, rows), e = step(0, init)
+      kept = e / jnp.where(l > 0, l, 1.0)[..., None]  # exp(s - m) / l = exp(s - lse)
+    else:
+      acc, m, l, state, rows = jax.lax.fori_loop(0, keys.steps(b),
+                                                 lambda t, c: step(t, c)[0], init)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), NEG_INF)
-    return (out.astype(spec.out_dtype), lse, rows), state
+    return (out.astype(spec.out_dtype), lse, rows, kept), state
 
   nq = spec.table.count.shape[0]
   blocks = jnp.arange(nq, dtype=jnp.int32)
+  keys = all_keys
   states = None
   if spec.stateful:  # The query blocks in order, the state carried from one to the next.
     def scan_step(state, b):
       outputs, after = block(b, state)
-      return after, outputs + ((state,) if keep_states else ())
+      return after, outputs[:3] + ((state,) if keep_states else ())
 
     init = keys.pad_keys(carry.astype(jnp.float32))
     _, (out, lse, rows, *states) = jax.lax.scan(scan_step, init, blocks)
     states = states[0] if keep_states else None
-  else:
-    (out, lse, rows), _ = jax.lax.map(lambda b: block(b, None), blocks)  # (nq, b, h, B, ...)
+  else:  # (nq, b, h, B, ...), a map per group; the kept weights are the backward's.
+    groups = keys.groups()
+    parts = [jax.lax.map(lambda b, g=g: block(b, None, g)[0], jnp.asarray(ids, jnp.int32))
+             for ids, g in groups]
+    order = np.argsort(np.concatenate([ids for ids, _ in groups]))
+    out, lse = (jnp.concatenate([x[a] for x in parts])[order] for a in (0, 1))
+    rows, states = None, tuple(x[3] for x in parts) if spec.keep else None
   out = jnp.moveaxis(out, 0, 2).reshape(batch, heads, nq * spec.q_block, d)[:, :, :n]
   lse = jnp.moveaxis(lse, 0, 2).reshape(batch, heads, nq * spec.q_block)[:, :, :n]
   if not spec.stateful:
@@ -489,7 +556,8 @@ def _attention_bwd(spec, residuals, cotangents):
   step's score VJP takes G at its keys as the cotangent of its increment and gives the
   gradient of the state it read, which G accumulates (the state's own pass-through). The
   state a block read is the one the forward kept for it."""
-  q, k, v, q_segments, k_segments, params, carry, out, lse, states = residuals
+  q, k, v, q_segments, k_segments, params, carry, out, lse, saved = residuals
+  states = saved if spec.stateful else None
   d_out, d_lse = cotangents[:2]
   d_rows = cotangents[2] if spec.stateful else None
   n = _queries(q)[0].shape[2]
@@ -508,9 +576,8 @@ def _attention_bwd(spec, residuals, cotangents):
   zeros_params = jax.tree.map(jnp.zeros_like, params)
   nq = spec.table.count.shape[0]
 
-  def block(r, carry):
+  def block(b, carry, keys=keys, kept=None):
     dq, dk, dv, dparams, g = carry
-    b = nq - 1 - r if spec.stateful else r
     qb, seg_q, i = _block_inputs(spec, qp, segp, b)
     at = b * spec.q_block
     do_b, delta_b, lse_b = (jax.lax.dynamic_slice_in_dim(a, at, spec.q_block, axis=2)
@@ -524,7 +591,10 @@ def _attention_bwd(spec, residuals, cotangents):
       outputs, vjp, live = _vjp_with_live(spec, q, k, qb, kb, params, i, j, ctx)
       logits, gate = outputs[:2]
       live = live & real
-      e = jnp.where(live, jnp.exp(jnp.where(live, logits, NEG_INF) - lse_b[..., None]), 0.0)
+      if spec.keep:  # The forward's, 0 where not live (the logits go unused: not computed).
+        e = kept
+      else:
+        e = jnp.where(live, jnp.exp(jnp.where(live, logits, NEG_INF) - lse_b[..., None]), 0.0)
       p = e if gate is None else e * gate
       dv_blk = jnp.einsum('bhqk,bhqd->bhkd', p.astype(spec.dtype), do_b.astype(spec.dtype),
                           preferred_element_type=jnp.float32)
@@ -549,8 +619,11 @@ def _attention_bwd(spec, residuals, cotangents):
       return dqb, dk, dv, dparams, g
 
     dqb0 = tuple(jnp.zeros(a.shape, jnp.float32) for a in qb)
-    dqb, dk, dv, dparams, g = jax.lax.fori_loop(0, keys.steps(b), step,
-                                                (dqb0, dk, dv, dparams, g))
+    if spec.keep:
+      dqb, dk, dv, dparams, g = step(0, (dqb0, dk, dv, dparams, g))
+    else:
+      dqb, dk, dv, dparams, g = jax.lax.fori_loop(0, keys.steps(b), step,
+                                                  (dqb0, dk, dv, dparams, g))
     dq = tuple(jax.lax.dynamic_update_slice_in_dim(a, x, at, axis=2) for a, x in zip(dq, dqb))
     return dq, dk, dv, dparams, g
 
@@ -558,7 +631,15 @@ def _attention_bwd(spec, residuals, cotangents):
   dk0 = tuple(jnp.zeros(a.shape, jnp.float32) for a in keys.k)
   dv0 = jnp.zeros(keys.v.shape, jnp.float32)
   g0 = None if carry is None else jnp.zeros(keys.pad_keys(carry).shape, jnp.float32)
-  dq, dk, dv, dparams, g = jax.lax.fori_loop(0, nq, block, (dq0, dk0, dv0, zeros_params, g0))
+  grads = (dq0, dk0, dv0, zeros_params, g0)
+  if spec.stateful:  # From the last block to the first.
+    grads = jax.lax.fori_loop(0, nq, lambda r, c: block(nq - 1 - r, c), grads)
+  else:
+    for (ids, group), kept in zip(keys.groups(), saved or itertools.repeat(None)):
+      ids = jnp.asarray(ids, jnp.int32)
+      grads = jax.lax.fori_loop(0, ids.shape[0], lambda r, c, ids=ids, group=group, kept=kept: (
+          block(ids[r], c, group, None if kept is None else kept[r])), grads)
+  dq, dk, dv, dparams, g = grads
   dq = tuple(a[:, :, :n].astype(x.dtype) for a, x in zip(dq, _queries(q)))
   dk = tuple(a[:, :, keys.lo:keys.lo + keys.nk].astype(x.dtype) for a, x in zip(dk, _queries(k)))
   dv = dv[:, :, keys.lo:keys.lo + keys.nk].astype(v.dtype)

@@ -97,9 +97,14 @@ def test_attention_equals_the_papers_formulas(dynamic, gather):
   np.testing.assert_allclose(out, expected, atol=2e-5)
 
 
-def test_the_accelerators_path_gives_the_same_gradients():
+@pytest.mark.parametrize('loops', [False, True], ids=['short_row', 'loops'])
+def test_the_accelerators_path_gives_the_same_gradients(loops, monkeypatch):
   # An accelerator gathers the relative term (shifted, the enwik8 recipe's train step did not
-  # fit a v5e chip): the same sums and gradients.
+  # fit a v5e chip) and recomputes the weights in the backward; a CPU keeps them
+  # (blockloop.KEEP_PAIRS): the same sums and gradients. Short rows are unrolled; `loops` runs
+  # these 4 query blocks as the long rows' loops.
+  if loops:
+    monkeypatch.setattr(blockloop, 'PLAIN_BLOCKS', 0)
   q, k, v, q_seg, k_seg, rel = _inputs()
   z = jnp.asarray([1.0, 6.5, 19.0])
 

@@ -9,6 +9,9 @@
   formula's outputs, row sums and gradients, the initial state's included.
 * A short row (at most PLAIN_BLOCKS query blocks) is computed unrolled, with the same outputs
   and gradients.
+* Query blocks that read their keys in one step and keep their weights for the backward
+  (keep_weights, grouped by how many keys they read) give the same outputs and gradients;
+  past KEEP_PAIRS pairs a layer recomputes them.
 * A query that sees no key outputs zeros, with finite gradients.
 * Every blocked path at the accelerators' block sizes gives the CPU sizes' model.
 * The relative-position term (relative_term), shifted or gathered, is q_r . table[at0 + r - t]
@@ -71,12 +74,22 @@ def _dense(q, k, v, rel):
   return out, lse
 
 
+def _spy_keeps(monkeypatch) -> list:
+  """What blockloop._keeps answered, call by call."""
+  answers, keeps = [], blockloop._keeps
+  monkeypatch.setattr(blockloop, '_keeps', lambda *a: answers.append(keeps(*a)) or answers[-1])
+  return answers
+
+
 @pytest.mark.parametrize('gathered', [False, True])
-@pytest.mark.parametrize('per_step', [1, 3])
+@pytest.mark.parametrize('per_step', [1, 3, 0], ids=['1', '3', 'kept'])
 @pytest.mark.parametrize('q_block', [8, 10], ids=['loops', 'short_row'])
-def test_loop_equals_dense_with_gradients(gathered, per_step, q_block):
-  """q_block 8: 5 query blocks, the loops; 10: 4 blocks, a short row, computed unrolled."""
+def test_loop_equals_dense_with_gradients(gathered, per_step, q_block, monkeypatch):
+  """q_block 8: 5 query blocks, the loops; 10: 4 blocks, a short row, computed unrolled.
+  per_step 0: every chunk of a block in one step, the weights kept for the backward
+  (keep_weights); the blocks read 2, 4, 6, 8 and 10 chunks, four groups."""
   q, k, v, w, rel = _inputs()
+  keeps = _spy_keeps(monkeypatch)
   width = 4
   nq = -(-N // q_block)
   assert (nq <= blockloop.PLAIN_BLOCKS) == (q_block == 10)
@@ -91,10 +104,13 @@ def test_loop_equals_dense_with_gradients(gathered, per_step, q_block):
 
   def loop(q, k, v, rel):
     return blockloop.attention(q, k, v, SEGMENTS, SEGMENTS, rel, table=table, q_block=q_block,
-                               score=_score, dtype=jnp.float32, per_step=per_step)
+                               score=_score, dtype=jnp.float32,
+                               per_step=per_step or int(table.chunks.max()),
+                               keep_weights=per_step == 0)
 
   with jax.default_matmul_precision('highest'):
     out, lse = jax.jit(loop)(q, k, v, rel)
+    assert keeps == ([True] if per_step == 0 and q_block == 8 else [])
     want_out, want_lse = _dense(q, k, v, rel)
     np.testing.assert_allclose(out, want_out, atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=1e-5)
@@ -177,10 +193,11 @@ def test_carried_state_equals_dense_with_gradients(gathered, per_step):
     assert float(jnp.abs(got[4]).max()) > 0.01  # The initial state's gradient is checked.
 
 
-@pytest.mark.parametrize('short_row', [True, False])
-def test_query_without_keys_outputs_zeros_with_finite_gradients(short_row, monkeypatch):
-  if not short_row:  # The loops, which these 2 blocks would not otherwise run.
+@pytest.mark.parametrize('path', ['short_row', 'loops', 'kept'])
+def test_query_without_keys_outputs_zeros_with_finite_gradients(path, monkeypatch):
+  if path != 'short_row':  # The loops, which these 2 blocks would not otherwise run.
     monkeypatch.setattr(blockloop, 'PLAIN_BLOCKS', 0)
+  keeps = _spy_keeps(monkeypatch)
   q, k, v, w, _ = _inputs()
   # Block 0 reads nothing; block 1 reads keys it may not see (live is False for them).
   table = blockloop.Table.runs([0, 0], [0, 1], 8)
@@ -191,13 +208,37 @@ def test_query_without_keys_outputs_zeros_with_finite_gradients(short_row, monke
 
   def f(q, k, v):
     out, lse = blockloop.attention(q[:, :, :16], k, v, SEGMENTS[:, :16], SEGMENTS, None,
-                                   table=table, q_block=8, score=score, dtype=jnp.float32)
+                                   table=table, q_block=8, score=score, dtype=jnp.float32,
+                                   keep_weights=path == 'kept')
     return out, lse
 
   out, lse = f(q, k, v)
+  assert keeps == ([True] if path == 'kept' else [])
   assert np.all(np.asarray(out) == 0) and np.all(np.asarray(lse) <= reference.NEG_INF / 2)
   grads = jax.grad(lambda *a: jnp.sum(f(*a)[0] * w[:, :, :16]), argnums=(0, 1, 2))(q, k, v)
   assert all(np.all(np.isfinite(g)) and np.all(np.asarray(g) == 0) for g in grads)
+
+
+def test_weights_are_kept_up_to_keep_pairs(monkeypatch):
+  """A layer keeps its weights while it has at most KEEP_PAIRS (batch x heads x queries x keys
+  a step) pairs, and where every block reads its keys in one step."""
+  q, k, v, _, _ = _inputs()
+  table = blockloop.Table.runs(np.zeros(5), np.arange(1, 6), 8)  # 1..5 chunks of 8 keys
+
+  def keeps(per_step, limit):
+    monkeypatch.setattr(blockloop, 'KEEP_PAIRS', limit)
+    answers = _spy_keeps(monkeypatch)
+    jax.eval_shape(lambda q: blockloop.attention(
+        q, k, v, SEGMENTS, SEGMENTS, None, table=table, q_block=8, per_step=per_step,
+        score=lambda p, qb, kb, i, j: (qb @ jnp.swapaxes(kb, 2, 3), True, None),
+        dtype=jnp.float32, keep_weights=True)[0], q)
+    monkeypatch.undo()
+    return answers
+
+  pairs = B * H * 5 * 8 * 5 * 8
+  assert keeps(5, pairs) == [True]
+  assert keeps(5, pairs - 1) == [False]
+  assert keeps(4, pairs) == [False]  # The last block takes two steps.
 
 
 def test_accelerators_take_big_steps():
@@ -251,9 +292,10 @@ def test_accelerator_block_sizes_give_the_same_model(variant):
 @pytest.mark.parametrize('gather', [False, True])
 @pytest.mark.parametrize('per_head', [False, True])
 @pytest.mark.parametrize('at0', [-9, 0, 5, 17, 40])  # Pairs off either end of the table too.
-def test_relative_term_reads_the_distance_row_of_every_pair(gather, per_head, at0):
-  rng = np.random.default_rng(at0 + 10 + 100 * gather)
-  b, keys, rows = 6, 10, 24
+@pytest.mark.parametrize('rows', [24, 9])  # A table longer, or shorter, than the pairs' span.
+def test_relative_term_reads_the_distance_row_of_every_pair(gather, per_head, at0, rows):
+  rng = np.random.default_rng(at0 + 10 + 100 * gather + rows)
+  b, keys = 6, 10
   q = jnp.asarray(rng.normal(size=(2, H, b, D)), jnp.float32)
   table = jnp.asarray(rng.normal(size=(H, rows, D) if per_head else (rows, D)), jnp.float32)
 
