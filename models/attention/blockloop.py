@@ -349,7 +349,7 @@ class _Keys:
 
   def positions(self, b, step):
     """(span,) key positions of loop step `step` of query block `b`, and which are real."""
-    spec, w = self.spec, self.spec.table.width
+    w = self.spec.table.width
     if self.contiguous:
       j = self.start[b, 0] + step * self.span + jnp.arange(self.span, dtype=jnp.int32)
       valid = jnp.arange(self.span) < (self.count[b, 0] * w - step * self.span)
