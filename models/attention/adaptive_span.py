@@ -112,9 +112,13 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
     p, z = params
     x = (m + i)[:, None] - j[None, :]  # distances (B, W); i and j are contiguous runs
     logits = jnp.einsum('bhqd,bhkd->bhqk', qb, kb, preferred_element_type=jnp.float32)
-    # q . p_{x-1} (eq. 1's relative term); pairs outside [1, T] are not live.
+    # q . p_{x-1} (eq. 1's relative term); pairs outside [1, T] are not live. A span of at
+    # most half the block's B + C - 1 distances is gathered on a CPU too: the shift multiplies
+    # q by every one of them (the learned span's T = 64 at init: 319 for 128 queries by 192
+    # keys), and a layer's train step at 2K took 1.2x as long as with the gather.
+    few = 2 * p.shape[0] <= qb.shape[2] + kb.shape[2] - 1
     logits = (logits + blockloop.relative_term(qb, p, m + i[0] - j[0] - 1, kb.shape[2],
-                                                     gather=gather)) * scale
+                                                     gather=gather or few)) * scale
     z_block = (jax.lax.dynamic_slice_in_dim(z, i[0], block, axis=2)[..., None] if per_token
                else z[None, :, None, None])
     live = (x >= 1) & (x <= span) & (x < ramp + z_block)  # m_z(x) > 0

@@ -324,20 +324,23 @@ def test_invalid_span_options_are_rejected():
 
 
 
-def test_the_relative_term_is_gathered_on_accelerators():
+def test_the_relative_term_is_gathered_on_accelerators_and_for_short_spans():
   """An accelerator's program reads the relative term at each pair (a gather): shifted by a
   reshape of the flattened products, the enwik8 recipe's train step took 25.3 GiB per v5e chip
   of 16 (14.2 gathered), which only a compile for the TPU shows (minutes: the slow test of
-  tests/contracts/test_paper_recipes.py). A CPU shifts it (faster there). Counted in the
-  traced program of one layer's gradient, against the CPU's (which gathers its embeddings)."""
+  tests/contracts/test_paper_recipes.py). A CPU shifts it (faster there) unless the span is
+  at most half the distances of a block's pairs (the shift would multiply q by all of them).
+  Counted in the traced program of one layer's gradient, against the CPU's with a long span
+  (which gathers only its embeddings): queries in blocks of 16 on the CPU, whose pairs span 62
+  distances with S = 32 (shifted) and 38 with S = 8 (gathered)."""
   n = 64
 
-  def gathers(platform):
+  def gathers(platform, limit=32):
     cfg = transformer.TransformerConfig.from_config(dict(
         d=0, d_model=32, n_heads=2, n_layers=1, vocab_size=40, max_len=n,
         attention='adaptive_span', position_embedding='none', attention_impl='blocksparse',
-        attention_options={**OPTIONS, 'span_limit': 32}, stack='unrolled',
-        target_platform=platform))
+        attention_options={**OPTIONS, 'span_limit': limit}, stack='unrolled',
+        attention_block_size=16, target_platform=platform))
     model = transformer.Decoder(cfg)
     tokens = jnp.zeros((1, n), jnp.int32)
     params = jax.eval_shape(model.init, jax.random.key(0), tokens)['params']
@@ -345,4 +348,4 @@ def test_the_relative_term_is_gathered_on_accelerators():
         jax.grad(lambda p: jnp.sum(model.apply({'params': p}, tokens))))(params)).count('gather[')
 
   cpu = gathers('cpu')
-  assert gathers('tpu') > cpu and gathers('gpu') > cpu
+  assert gathers('tpu') > cpu and gathers('gpu') > cpu and gathers('cpu', limit=8) > cpu
