@@ -698,7 +698,8 @@ def relative_term(q, table, at0, keys: int, *, gather: bool = False):
   only the table rows the block spans. The TPU compiler lays the shift's flattened products
   out again in memory: adaptive span's enwik8 recipe (S = 8192, 8,704 keys a block) needed
   25.3 GiB per v5e chip for its train step with the shift and 14.2 GiB with the gather, so
-  adaptive span gathers on accelerators and shifts on a CPU, where it is the faster.
+  adaptive span gathers on accelerators and shifts on a CPU, where it is the faster, unless
+  its span is at most half the B + keys - 1 rows (the shift multiplies q by every one).
 
   Args:
     q: (batch, heads, B, head_dim) queries.
