@@ -506,8 +506,10 @@ def _forward(spec: _Spec, q, k, v, q_segments, k_segments, params, carry, keep_s
     groups = keys.groups()
     parts = [jax.lax.map(lambda b, g=g: block(b, None, g)[0], jnp.asarray(ids, jnp.int32))
              for ids, g in groups]
+    out, lse = (jnp.concatenate([x[a] for x in parts]) for a in (0, 1))
     order = np.argsort(np.concatenate([ids for ids, _ in groups]))
-    out, lse = (jnp.concatenate([x[a] for x in parts])[order] for a in (0, 1))
+    if np.any(order != np.arange(nq)):  # The blocks back in order (a span's are already).
+      out, lse = out[order], lse[order]
     rows, states = None, tuple(x[3] for x in parts) if spec.keep else None
   out = jnp.moveaxis(out, 0, 2).reshape(batch, heads, nq * spec.q_block, d)[:, :, :n]
   lse = jnp.moveaxis(lse, 0, 2).reshape(batch, heads, nq * spec.q_block)[:, :, :n]

@@ -241,6 +241,30 @@ def test_weights_are_kept_up_to_keep_pairs(monkeypatch):
   assert keeps(4, pairs) == [False]  # The last block takes two steps.
 
 
+def test_kept_blocks_come_back_in_order(monkeypatch):
+  """Blocks grouped by the keys they read (here 3, 1, 2, 1 and 3 chunks: three groups, in the
+  order 1, 3, 2, 0, 4) give the outputs, log-sum-exps and gradients of the recomputing path."""
+  monkeypatch.setattr(blockloop, 'PLAIN_BLOCKS', 0)
+  keeps = _spy_keeps(monkeypatch)
+  q, k, v, w, rel = _inputs()
+  table = blockloop.Table.runs([0, 8, 0, 16, 8], [3, 1, 2, 1, 3], 8)
+
+  def f(keep):
+    def fn(q, k, v, rel):
+      out, lse = blockloop.attention(q, k, v, SEGMENTS, SEGMENTS, rel, table=table, q_block=8,
+                                     score=_score, dtype=jnp.float32, per_step=3,
+                                     keep_weights=keep)
+      return jnp.sum(out * w) + jnp.sum(jnp.sin(lse))
+    return jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2, 3)))
+
+  with jax.default_matmul_precision('highest'):
+    (kept, kept_grads), (plain, grads) = f(True)(q, k, v, rel), f(False)(q, k, v, rel)
+  assert keeps == [True]  # keep_weights=False does not ask.
+  np.testing.assert_allclose(kept, plain, rtol=1e-5)
+  for a, b in zip(kept_grads, grads):
+    np.testing.assert_allclose(a, b, atol=5e-5, rtol=1e-4)
+
+
 def test_accelerators_take_big_steps():
   """A loop step has a fixed cost on a GPU or TPU: query blocks of at least 512 and steps of at
   least 1024 keys there; a CPU keeps the configured block. On every platform a row shorter
