@@ -444,10 +444,10 @@ def _forward(spec: _Spec, q, k, v, q_segments, k_segments, params, carry, keep_s
   b, h, B, keys a step of the group), 0 at the pairs that do not count; else None."""
   n = _queries(q)[0].shape[2]
   qp, segp = _pad_queries(spec, q, q_segments)
-  all_keys = _Keys(spec, k, v, k_segments)
+  keys = _Keys(spec, k, v, k_segments)
   batch, heads, _, d = v.shape
 
-  def block(b, state, keys=all_keys):
+  def block(b, state, keys=keys):
     qb, seg_q, i = _block_inputs(spec, qp, segp, b)
     kq, kk = _unwrap(q, qb), _unwrap(k, keys.k)
 
@@ -492,7 +492,6 @@ def _forward(spec: _Spec, q, k, v, q_segments, k_segments, params, carry, keep_s
 
   nq = spec.table.count.shape[0]
   blocks = jnp.arange(nq, dtype=jnp.int32)
-  keys = all_keys
   states = None
   if spec.stateful:  # The query blocks in order, the state carried from one to the next.
     def scan_step(state, b):
