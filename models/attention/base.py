@@ -502,10 +502,11 @@ class MultiHeadAttention(nn.Module):
     """The platform the program is compiled for: `platform`, or this process's backend."""
     return self.platform or jax.default_backend()
 
-  def loop_block(self, n: int) -> int:
+  def loop_block(self, n: int, *, prefix: bool = False) -> int:
     """The query block of this layer's blocked path over n queries (blockloop.query_block:
-    block_size, larger on an accelerator)."""
-    return blockloop.query_block(self.target_platform(), self.block_size, n)
+    block_size, larger on an accelerator, and on a CPU's long rows with `prefix`: dense causal
+    attention, whose blocks read every earlier key)."""
+    return blockloop.query_block(self.target_platform(), self.block_size, n, prefix=prefix)
 
   def kv_cache(self, q, k, v, capacity: int, position_shape: tuple[int, ...]):
     """The decoding cache of a layer: 'key' and 'value' (batch, heads, capacity, head_dim)

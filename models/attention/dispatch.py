@@ -138,7 +138,7 @@ def attend(module, q, k, v, *, positions, segment_ids):
                                    interpret=module.target_platform() == 'cpu')
   if impl == 'blocksparse' and dense:
     # Query block [s, e) sees keys [0, e): the blocks above the diagonal are never computed.
-    block = module.loop_block(q.shape[1])
+    block = module.loop_block(q.shape[1], prefix=True)
     return blockloop.causal(q, k, v, segment_ids, block_size=block, scale=scale, dtype=dtype,
                             per_step=blockloop.step_keys(module.target_platform(), block) // block)
   if impl in ('blocksparse', 'cpu_kernel'):

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from models import transformer
-from models.attention import blockloop, reference
+from models.attention import blockloop, blocksparse, reference
 
 B, N, H, D = 2, 37, 3, 8
 SEGMENTS = np.array([[1] * 15 + [2] * 17 + [0] * 5, [3] * 37])
@@ -277,6 +277,50 @@ def test_accelerators_take_big_steps():
   assert blockloop.query_block('cpu', 128, 10) == 10
   assert blockloop.step_keys('cpu', 128) == 128
   assert blockloop.step_keys('gpu', 512) == blockloop.ACCELERATOR_KEYS == 1024
+
+
+def test_a_cpu_doubles_the_block_of_long_prefix_rows():
+  """On a CPU dense causal attention takes blocks of twice the configured length from
+  CPU_LONG_ROW queries on (its nq^2 / 2 loop steps were too small to keep two cores busy);
+  another layer, a shorter row and an accelerator keep their blocks."""
+  long = blockloop.CPU_LONG_ROW
+  assert blockloop.query_block('cpu', 128, long, prefix=True) == 256
+  assert blockloop.query_block('cpu', 128, 16384, prefix=True) == 256
+  assert blockloop.query_block('cpu', 128, long - 1, prefix=True) == 128
+  assert blockloop.query_block('cpu', 128, long) == 128
+  assert blockloop.query_block('gpu', 128, 16384, prefix=True) == blockloop.ACCELERATOR_BLOCK
+
+
+@pytest.mark.parametrize('variant,block', [('dense', 256), ('selective', 128), ('txl', 128),
+                                           ('fixed', 128), ('adaptive_span', 128)])
+def test_dense_takes_the_long_row_block(monkeypatch, variant, block):
+  """Dense causal attention asks for the long-row block on a CPU; the other blocked layers
+  keep block_size (selective and Transformer-XL measured slower with 256). Shapes only: the
+  engine's q_block is recorded while tracing."""
+  n = blockloop.CPU_LONG_ROW
+  seen = []
+  engine = blockloop.attention
+
+  def spy(*args, **kwargs):
+    seen.append(kwargs['q_block'])
+    return engine(*args, **kwargs)
+
+  monkeypatch.setattr(blockloop, 'attention', spy)
+  pattern_engine = blocksparse.pattern_attention
+
+  def pattern_spy(*args, **kwargs):
+    seen.append(kwargs['q_block'])
+    return pattern_engine(*args, **kwargs)
+
+  monkeypatch.setattr(blocksparse, 'pattern_attention', pattern_spy)
+  cfg = transformer.TransformerConfig.from_config(dict(
+      d_model=32, n_heads=2, n_layers=1, vocab_size=16, max_len=n, attention=variant,
+      attention_impl='blocksparse', target_platform='cpu',
+      position_embedding='none' if variant == 'txl' else 'learned',
+      attention_options={'mem_len': 0} if variant == 'txl' else {}))
+  tokens = jax.ShapeDtypeStruct((1, n), jnp.int32)
+  jax.eval_shape(lambda t: transformer.Decoder(cfg).init(jax.random.key(0), t), tokens)
+  assert seen and set(seen) == {block}, seen
 
 
 @pytest.mark.parametrize('variant', ['dense', 'fixed', 'adaptive_span', 'txl', 'selective'])
