@@ -299,20 +299,15 @@ def test_dense_takes_the_long_row_block(monkeypatch, variant, block):
   engine's q_block is recorded while tracing."""
   n = blockloop.CPU_LONG_ROW
   seen = []
-  engine = blockloop.attention
 
-  def spy(*args, **kwargs):
-    seen.append(kwargs['q_block'])
-    return engine(*args, **kwargs)
+  def recording(engine):
+    def spy(*args, **kwargs):
+      seen.append(kwargs['q_block'])
+      return engine(*args, **kwargs)
+    return spy
 
-  monkeypatch.setattr(blockloop, 'attention', spy)
-  pattern_engine = blocksparse.pattern_attention
-
-  def pattern_spy(*args, **kwargs):
-    seen.append(kwargs['q_block'])
-    return pattern_engine(*args, **kwargs)
-
-  monkeypatch.setattr(blocksparse, 'pattern_attention', pattern_spy)
+  monkeypatch.setattr(blockloop, 'attention', recording(blockloop.attention))
+  monkeypatch.setattr(blocksparse, 'pattern_attention', recording(blocksparse.pattern_attention))
   cfg = transformer.TransformerConfig.from_config(dict(
       d_model=32, n_heads=2, n_layers=1, vocab_size=16, max_len=n, attention=variant,
       attention_impl='blocksparse', target_platform='cpu',
