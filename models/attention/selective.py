@@ -155,6 +155,31 @@ def kept_mask(e, bos, budget):
   return jnp.swapaxes(out, 0, 1)
 
 
+@jax.custom_vjp
+def _minus_f(logits, f):
+  """logits (batch, heads, T, C) - F (batch, T, C), F the same for every head (eq. 1).
+
+  F's gradient, minus the sum over heads of the logits', is written as adds of the heads'
+  slices: as a reduction over the heads axis XLA:CPU gave it a YNNPACK fusion of its own, and
+  a selective train step's layer with 256-query blocks at 8K (2 heads) took 11.6 instead of
+  7.0 CPU-seconds forward and backward."""
+  return logits - f[:, None]
+
+
+def _minus_f_fwd(logits, f):
+  return _minus_f(logits, f), None
+
+
+def _minus_f_bwd(_, g):
+  total = g[:, 0]
+  for h in range(1, g.shape[1]):
+    total = total + g[:, h]
+  return g, -total
+
+
+_minus_f.defvjp(_minus_f_fwd, _minus_f_bwd)
+
+
 def _blocked_score(*, scale: float, separate: bool, shift: bool, relu: bool, mask_bos: bool,
                    mask_diag: bool, tau: float | None):
   """Eq. 1 as a score of the blocked engine (blockloop.attention with a carried state).
@@ -191,7 +216,7 @@ def _blocked_score(*, scale: float, separate: bool, shift: bool, relu: bool, mas
     rows = None
     if tau is not None:
       rows = jnp.where(causal[None], 1.0 - jnp.minimum(f, tau) / tau, 0.0)
-    return logits - f[:, None], causal[None, None], None, increment, rows
+    return _minus_f(logits, f), causal[None, None], None, increment, rows
 
   return score
 
