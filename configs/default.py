@@ -33,7 +33,8 @@ def get_config() -> ml_collections.ConfigDict:
   model.attention_impl = 'auto'         # 'auto' (per backend and variant), 'xla', 'blocksparse',
                                         # 'cpu_kernel', 'fused', 'cudnn', 'splash'.
   model.attention_block_size = 128      # Query/key block length of 'blocksparse' (at least 512 on
-                                        # GPU/TPU; twice this for dense rows of >= 4,096 on a CPU).
+                                        # GPU/TPU; twice this for dense and selective attention's
+                                        # rows of >= 4,096 on a CPU).
   # Every variant's hyper-parameters, with the defaults each variant declares next to its code
   # (OPTIONS in models/attention/<family>.py: one-line docs there). Override them as
   # --config.model.attention_options.<name>=<value>; e.g. stride (Sparse Transformer l),

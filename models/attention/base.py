@@ -504,8 +504,8 @@ class MultiHeadAttention(nn.Module):
 
   def loop_block(self, n: int, *, prefix: bool = False) -> int:
     """The query block of this layer's blocked path over n queries (blockloop.query_block:
-    block_size, larger on an accelerator, and on a CPU's long rows with `prefix`: dense causal
-    attention, whose blocks read every earlier key)."""
+    block_size, larger on an accelerator, and on a CPU's long rows with `prefix`: a layer whose
+    blocks read every earlier key in one pass, dense causal or selective attention)."""
     return blockloop.query_block(self.target_platform(), self.block_size, n, prefix=prefix)
 
   def kv_cache(self, q, k, v, capacity: int, position_shape: tuple[int, ...]):

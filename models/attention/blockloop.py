@@ -759,17 +759,16 @@ def query_block(platform: str, block_size: int, n: int, *, prefix: bool = False)
   than n (a row shorter than a block is one block of its own length: padded to the block, the
   tiny recipe's 10-token rows computed 128 x 128 scores each).
 
-  prefix: the layer is dense causal attention, whose blocks read every earlier key. Its loop
-  then runs nq (nq + 1) / 2 steps, and on a CPU the block is twice block_size from
-  CPU_LONG_ROW queries: at 8K the recipes' batch is 2 rows, and the 2,080 steps of 128 x 128
-  blocks kept 1.4 of two cores busy. One causal layer's forward and backward (2 heads of 64,
-  batch 16384 / n; blocks of 128 / 256 / 512): 16K 10.2 / 7.2 / 7.7 s, 8K 4.3 / 2.7 / 3.4 s,
-  4K 1.59 / 1.49 / 1.87 s; with 8 heads at 8K 14.2 / 13.4 / 14.7 s. Below 4K the gain was
-  within noise (2K 0.90 / 0.86 s), and at 512 blocks of 128 were faster (0.27 / 0.31 s).
-  Selective attention and Transformer-XL read the prefix too but keep block_size: their
-  train steps were slower with blocks of 256 (selective at 8K 12.9 against 12.3 s, and 1.35x
-  the CPU time; Transformer-XL at 4K 10.1 against 8.6 s), and a banded layer's keys grow with
-  its block."""
+  prefix: the layer's blocks read every earlier key in one pass (dense causal attention,
+  selective attention). Its loop then runs nq (nq + 1) / 2 steps, and on a CPU the block is
+  twice block_size from CPU_LONG_ROW queries: at 8K the recipes' batch is 2 rows, and the
+  2,080 steps of 128 x 128 blocks kept 1.4 of two cores busy. One causal layer's forward and
+  backward (2 heads of 64, batch 16384 / n; blocks of 128 / 256 / 512): 16K 10.2 / 7.2 / 7.7 s,
+  8K 4.3 / 2.7 / 3.4 s, 4K 1.59 / 1.49 / 1.87 s; with 8 heads at 8K 14.2 / 13.4 / 14.7 s. Below
+  4K the gain was within noise (2K 0.90 / 0.86 s), and at 512 blocks of 128 were faster (0.27
+  / 0.31 s). Selective attention's layer at 8K: 5.2 / 3.5 s (its train step 11.6 / 8.0 s).
+  Transformer-XL reads the prefix too but keeps block_size: its train step at 4K was slower
+  with blocks of 256 (10.1 against 8.6 s), and a banded layer's keys grow with its block."""
   if platform != 'cpu':
     block = max(block_size, ACCELERATOR_BLOCK)
   elif prefix and n >= CPU_LONG_ROW:

@@ -348,7 +348,6 @@ class SelectiveAttention(base.MultiHeadAttention):
     if self.impl in ('splash', 'cpu_kernel'):
       raise ValueError('selective attention subtracts F from the logits: use attention_impl '
                        f"'auto', 'xla', 'blocksparse', 'fused' or 'cudnn', not {self.impl!r}")
-    n = q.shape[1]
     mask = base.causal_segment_mask(segment_ids)  # (b, n, n)
     logits = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32) * scale
     if selection is None:
@@ -393,7 +392,9 @@ class SelectiveAttention(base.MultiHeadAttention):
       raise ValueError(f'attention block size must be >= 1, got {self.block_size}')
     batch, n = q.shape[:2]
     lmem = self.option('selective_lmem_eps') > 0
-    block = self.loop_block(n)  # At most n: a short row is one block of its own length.
+    # At most n (a short row is one block of its own length); its blocks read every earlier
+    # key, as dense's do, so a CPU's long rows take dense's larger block.
+    block = self.loop_block(n, prefix=True)
     nq = -(-n // block)
     table = blockloop.Table.runs(np.zeros(nq), np.arange(1, nq + 1), block)
     score = _blocked_score(scale=scale, separate=selection is not None,
