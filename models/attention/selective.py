@@ -161,8 +161,8 @@ def _minus_f(logits, f):
 
   F's gradient, minus the sum over heads of the logits', is written as adds of the heads'
   slices: as a reduction over the heads axis XLA:CPU gave it a YNNPACK fusion of its own, and
-  a selective train step's layer with 256-query blocks at 8K (2 heads) took 11.6 instead of
-  7.0 CPU-seconds forward and backward."""
+  one blocked layer's forward and backward at 8K (batch 2, 2 heads of 64, 256-query blocks)
+  took 5.5 s (10.7 CPU-seconds) instead of 3.5 s (6.7)."""
   return logits - f[:, None]
 
 
