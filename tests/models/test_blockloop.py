@@ -4,7 +4,7 @@
   periodic summary blocks: one per sub-block), and the table reads exactly those chunks.
 * Outputs, log-sum-exps and the gradients of queries, keys, values and score parameters equal
   the dense reference with packed documents, for contiguous tables (slices) and gathered ones,
-  one or several chunks per loop step, and a multiplicative gate.
+  one or several chunks per loop step, and a multiplicative gate with parameters of its own.
 * A state carried across the query blocks (selective attention's F) gives the whole-sequence
   formula's outputs, row sums and gradients, the initial state's included.
 * A short row (at most PLAIN_BLOCKS query blocks) is computed unrolled, with the same outputs
@@ -54,11 +54,14 @@ def _pattern(i, j):
 
 
 def _score(params, qb, kb, i, j):
-  """Logits with a relative term and a gate that decays with the distance."""
+  """Logits with a relative term and a gate that decays with the distance, from a per-head
+  start read from the table (so that, as adaptive span's z, the gate has a gradient, summed
+  over the batch that shares it)."""
   x = i[:, None] - j[None, :]
   rel = params[jnp.clip(x, 0, N - 1)]  # (B, C, D)
   logits = (jnp.einsum('bhqd,bhkd->bhqk', qb, kb) + jnp.einsum('bhqd,qkd->bhqk', qb, rel)) * 0.3
-  gate = jnp.clip(1.2 - x / 30.0, 0.0, 1.0)[None, None]
+  start = 1.2 + 0.1 * params[N - 1, :H]  # (H,)
+  gate = jnp.clip(start[None, :, None, None] - x / 30.0, 0.0, 1.0)
   return logits, _pattern(i[:, None], j[None, :])[None, None], gate
 
 
