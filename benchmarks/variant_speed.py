@@ -4,6 +4,8 @@ shape, and optionally against an earlier commit in the same run.
   python -m benchmarks.variant_speed                     # every variant: tiny, 512, 2048, 8192
   python -m benchmarks.variant_speed --shapes tiny 512 --attention dense adaptive_span --iters 2
   python -m benchmarks.variant_speed --before b39f426 --shapes tiny 2048
+  JAX_PLATFORMS=cuda python -m benchmarks.variant_speed --shapes 4096 8192 16384 \
+      --dtype bfloat16 --out results/variant_speed_gpu.json --doc docs/variant_speed_gpu.md
 
 Shapes: `tiny` is configs/tiny.py as `python main.py` trains it (d=2, float32, Variable
 Assignment, batch 256, its own short rows) with model.attention set to the variant; a number N
@@ -25,7 +27,10 @@ on the blocked engine of the learned variants with the same block sizes, and x_e
 every blocksparse row with it. With --before REV, REV is checked out with `git
 worktree` under a temporary folder and every row runs there and then here, back to back, so a
 slow phase of a shared machine hits both (the worker is this file, importing the other tree's
-packages). A row that cannot build or run keeps the first line of its error. Rows more than
+packages); on a machine without the repository's history (a lent GPU), --before DIR names a
+checkout of the earlier commit instead, labelled by the folder's name. JAX_PLATFORMS picks the
+backend (default cpu); --dtype sets model.dtype (bfloat16 on an accelerator, as people train
+there). A row that cannot build or run keeps the first line of its error. Rows more than
 2x slower than dense carry a reason from NOTES. Results go to results/variant_speed.json,
 rewritten after every row.
 """
@@ -84,12 +89,14 @@ def _api():
   return api, getattr(steps, 'jit_train_step', None) or api.jit_train_step
 
 
-def _config(attention: str, shape: str, tokens: int):
+def _config(attention: str, shape: str, tokens: int, dtype: str = ''):
   """configs/tiny.py with `attention` (NAME or NAME@IMPL), at `shape` ('tiny' or a row
-  length)."""
+  length), in `dtype` ('' keeps the recipe's float32)."""
   from configs import tiny  # pylint: disable=import-outside-toplevel
   config = tiny.get_config()
   config.model.attention, _, impl = attention.partition('@')
+  if dtype:
+    config.model.dtype = dtype
   if impl:
     config.model.attention_impl = impl
   if shape != 'tiny':
@@ -149,7 +156,7 @@ def _local_batch(setup, vocab_size: int, rows: int, seq_len: int) -> dict:
           'segment_ids': np.ones((rows, seq_len), np.int32)}
 
 
-def measure(attention: str, shape: str, tokens: int, iters: int) -> dict:
+def measure(attention: str, shape: str, tokens: int, iters: int, dtype: str = '') -> dict:
   """One variant's train step at one shape, timed in this process."""
   try:
     from training import xla_flags  # pylint: disable=import-outside-toplevel
@@ -165,10 +172,11 @@ def measure(attention: str, shape: str, tokens: int, iters: int) -> dict:
 
   row = {'variant': attention, 'shape': shape}
   api, jit_train_step = _api()
-  config = _config(attention, shape, tokens)
+  config = _config(attention, shape, tokens, dtype)
   setup, made = _build(config, api)
   mc = setup.model_config
-  row.update(seq_len=setup.seq_len, batch=config.batch_size, adjust=', '.join(made),
+  row.update(seq_len=setup.seq_len, batch=config.batch_size, dtype=config.model.dtype,
+             backend=jax.default_backend(), adjust=', '.join(made),
              params_M=mc.num_params() / 1e6,
              impl=','.join(dict.fromkeys(transformer.implementations(mc))))
   state = api.init_state(setup, 0)
@@ -210,7 +218,7 @@ def worker(args) -> None:
   """--worker: measures one (variant, shape) and writes the row (or its error) to --out."""
   attention, shape = args.attention[0], args.shapes[0]
   try:
-    row = measure(attention, shape, args.tokens, args.iters)
+    row = measure(attention, shape, args.tokens, args.iters, args.dtype)
   except Exception as e:  # pylint: disable=broad-except
     lines = [l for l in str(e).splitlines() if l.strip()] or [type(e).__name__]
     row = {'variant': attention, 'shape': shape, 'error': f'{type(e).__name__}: {lines[0]}'}
@@ -229,7 +237,7 @@ def child(tree: str, attention: str, shape: str, args) -> dict:
     # is not put on sys.path; the tree's root is, through PYTHONPATH.
     cmd = [sys.executable, '-P', os.path.abspath(__file__), '--worker', '--attention', attention,
            '--shapes', shape, '--tokens', str(args.tokens), '--iters', str(args.iters),
-           '--out', out]
+           '--out', out] + (['--dtype', args.dtype] if getattr(args, 'dtype', '') else [])
     env = dict(os.environ)
     env['PYTHONPATH'] = os.pathsep.join([tree] + ([env['PYTHONPATH']] if env.get('PYTHONPATH')
                                                   else []))
@@ -252,7 +260,8 @@ def child(tree: str, attention: str, shape: str, args) -> dict:
 
 def combine(after: dict, before: dict | None) -> dict:
   """One table row: this tree's numbers, with the earlier tree's beside them."""
-  row = {k: after.get(k) for k in ('variant', 'shape', 'seq_len', 'batch', 'impl', 'adjust',
+  row = {k: after.get(k) for k in ('variant', 'shape', 'seq_len', 'batch', 'dtype', 'backend',
+                                   'impl', 'adjust',
                                    'params_M', 'compile_s', 'step_ms', 'best_ms', 'cpu_ms',
                                    'tokens_per_s', 'error')}
   if before is not None:
@@ -292,6 +301,29 @@ def _git(*argv: str) -> str:
                         check=True).stdout.strip()
 
 
+def _revision(default: str = 'unknown') -> tuple[str, bool]:
+  """(this checkout's short commit, whether tracked files changed); GIT_COMMIT or `default`
+  where the checkout has no git history (a copy of the working tree on a lent machine)."""
+  try:
+    return (_git('rev-parse', '--short', 'HEAD'),
+            bool(_git('status', '--porcelain', '--untracked-files=no')))
+  except (OSError, subprocess.CalledProcessError):
+    return os.environ.get('GIT_COMMIT', default), False
+
+
+def before_tree(before: str) -> tuple[str | None, bool]:
+  """(label, whether it is a commit to check out) of --before: a folder holding a checkout of
+  the earlier commit is used as it is and labelled by its name; anything else is a revision."""
+  if not before:
+    return None, False
+  if os.path.isdir(before):
+    if not os.path.isdir(os.path.join(before, 'models')):
+      raise ValueError(f'--before {before}: a folder, but not a checkout of this repository '
+                       '(no models/ in it)')
+    return os.path.basename(os.path.normpath(before)), False
+  return _git('rev-parse', '--short', before), True
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -305,7 +337,10 @@ def main():
                       help='tokens per step at a row length N: batch = max(1, tokens // N)')
   parser.add_argument('--iters', type=int, default=5, help='timed steps (after 1 warm-up)')
   parser.add_argument('--before', default='', help='an earlier git commit to run beside this '
-                                                   'checkout, row by row')
+                                                   'checkout, row by row, or a folder holding '
+                                                   "a checkout of it")
+  parser.add_argument('--dtype', default='', choices=('', 'float32', 'bfloat16'),
+                      help="model.dtype ('': the recipe's float32)")
   parser.add_argument('--timeout', type=int, default=3600,
                       help='seconds one row may take (0: no limit); a row past it keeps an '
                            'error')
@@ -339,14 +374,16 @@ def main():
   variants = ['dense'] + sorted((v for v in dict.fromkeys(variants) if v != 'dense'),
                                 key=lambda v: v != ENGINE_DENSE)
 
-  after = _git('rev-parse', '--short', 'HEAD')
-  dirty = bool(_git('status', '--porcelain', '--untracked-files=no'))
-  before = _git('rev-parse', '--short', args.before) if args.before else None
-  worktree = None
+  after, dirty = _revision()
+  try:
+    before, checkout = before_tree(args.before)
+  except (ValueError, subprocess.CalledProcessError) as e:
+    parser.error(str(e).strip() or f'--before {args.before}: not a commit of this repository')
+  worktree = os.path.abspath(args.before) if args.before and not checkout else None
   # A stopped run (kill, a job scheduler's SIGTERM) still removes its worktree and its
   # running child (subprocess.run kills the child when the exit interrupts it).
   signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-  if args.before:
+  if checkout:
     worktree = tempfile.mkdtemp(prefix='variant_speed_')
     subprocess.run(['git', 'worktree', 'add', '--detach', worktree, args.before], cwd=ROOT,
                    check=True, capture_output=True)
@@ -379,7 +416,7 @@ def main():
               flush=True)
         save()
   finally:
-    if worktree:
+    if checkout:
       subprocess.run(['git', 'worktree', 'remove', '--force', worktree], cwd=ROOT, check=False)
   print()
   common.print_table(rows, columns)
@@ -433,9 +470,12 @@ def write_doc(payload: dict, path: str) -> None:
   machine = payload.get('machine', {})
   dirty = ' with uncommitted changes' if payload.get('after_uncommitted_changes') else ''
   against = f", against {payload['before']}" if payload.get('before') else ''
-  where = (f"\nMeasured on {machine.get('cpu') or machine.get('platform', '?')} "
-           f"({machine.get('cpu_count', '?')} cores, jax {machine.get('jax', '?')}), commit "
-           f"{payload['after']}{dirty}{against}.\n\n")
+  host = (f"{machine.get('cpu') or machine.get('platform', '?')} "
+          f"({machine.get('cpu_count', '?')} cores, jax {machine.get('jax', '?')})")
+  if machine.get('backend') not in (None, 'cpu'):
+    host = f"one {machine.get('device_kind', machine['backend'])} (host: {host})"
+  dtype = payload.get('settings', {}).get('dtype') or 'float32'
+  where = (f"\nMeasured on {host}, {dtype}, commit {payload['after']}{dirty}{against}.\n\n")
   with open(path, 'w') as f:
     f.write(head + BEGIN + where + markdown(payload) + END + tail)
 

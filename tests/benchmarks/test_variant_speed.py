@@ -41,6 +41,25 @@ def test_name_at_impl_sets_the_attention_implementation():
   config = variant_speed._config('dense@blocksparse', '64', 128)
   assert (config.model.attention, config.model.attention_impl) == ('dense', 'blocksparse')
   assert variant_speed._config('dense', '64', 128).model.attention == 'dense'
+  assert variant_speed._config('dense', '64', 128).model.dtype == 'float32'  # The recipe's.
+  assert variant_speed._config('dense', '64', 128, 'bfloat16').model.dtype == 'bfloat16'
+
+
+@pytest.mark.unit
+def test_before_is_a_commit_or_a_checkout_folder(tmp_path, monkeypatch):
+  # A lent machine gets the working tree without its history: the earlier commit travels as a
+  # folder, used as it is and labelled by its name.
+  checkout = tmp_path / 'b39f426'
+  (checkout / 'models').mkdir(parents=True)
+  assert variant_speed.before_tree(str(checkout)) == ('b39f426', False)
+  assert variant_speed.before_tree('') == (None, False)
+  with pytest.raises(ValueError, match='not a checkout'):
+    variant_speed.before_tree(str(tmp_path / 'b39f426' / 'models'))
+  # Without git history, this checkout's label comes from GIT_COMMIT.
+  monkeypatch.setattr(variant_speed, 'ROOT', str(tmp_path))
+  monkeypatch.setenv('GIT_COMMIT', 'abc1234')
+  monkeypatch.setenv('GIT_CEILING_DIRECTORIES', str(tmp_path.parent))
+  assert variant_speed._revision() == ('abc1234', False)
 
 
 def test_a_build_error_is_a_row_not_a_crash():

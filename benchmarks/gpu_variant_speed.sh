@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Every registered variant's train step on a lent GPU at 4K-16K (issue 47's table there), in one
+# lease of at most 10 minutes, from the repository root; each part has its own time limit and
+# every row is written to the JSON as it finishes, so a run cut off keeps what it measured:
+#   1. benchmarks/variant_speed.py at 4096, 8192 and 16384 tokens a row (16K tokens a step:
+#      batch 4, 2, 1), bf16, every variant and dense on the blocked engine, against dense;
+#   2. the same for the variants whose step the span and Transformer-XL fixes changed, against an
+#      earlier commit in the same run (alternating row by row). The device machine gets a copy
+#      of the working tree without its git history, so the earlier commit travels as a checkout
+#      under .before/ (carry it):
+#        echo /.before/ >> .git/info/exclude
+#        mkdir -p .before/b39f426 && git archive b39f426 | tar -x -C .before/b39f426
+# benchmarks/gpu_env.sh prepares clu and ml-collections (carry .whl/). Results go to $OUT
+# (default /tmp/gpu_variant_speed): variant_speed_gpu.json, variant_speed_gpu_before.json and
+# the logs; render the page with
+#   python -m benchmarks.variant_speed --render --out results/variant_speed_gpu.json \
+#     --doc docs/variant_speed_gpu.md
+# Settings (environment): SHAPES, BEFORE (a folder under .before/, '' to skip part 2),
+# BEFORE_SHAPES, BEFORE_VARIANTS, PART1_S and PART2_S (seconds), ROW_S (seconds a row may take),
+# GIT_COMMIT (the label of this checkout, which has no git history there).
+set -u
+OUT=${OUT:-/tmp/gpu_variant_speed}
+mkdir -p "$OUT"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  source benchmarks/gpu_env.sh || exit 1
+  export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
+fi
+export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
+PY=${PYTHON:-python3}
+BEFORE=${BEFORE-.before/b39f426}
+
+echo '== 1. every variant'
+timeout --signal=TERM --kill-after=10 "${PART1_S:-400}" "$PY" -m benchmarks.variant_speed \
+  --shapes ${SHAPES:-4096 8192 16384} --dtype bfloat16 --iters 5 --timeout "${ROW_S:-90}" \
+  --out "$OUT/variant_speed_gpu.json" --doc '' 2>&1 | tee "$OUT/variant_speed_gpu.log" \
+  | grep -v 'oneDNN\|InitializeLog'
+echo "part 1 rc ${PIPESTATUS[0]}"
+
+if [ -n "$BEFORE" ]; then
+  echo "== 2. against $BEFORE"
+  timeout --signal=TERM --kill-after=10 "${PART2_S:-130}" "$PY" -m benchmarks.variant_speed \
+    --before "$BEFORE" --shapes ${BEFORE_SHAPES:-8192} \
+    --attention ${BEFORE_VARIANTS:-adaptive_span dynamic_span txl} --dtype bfloat16 --iters 5 \
+    --timeout "${ROW_S:-90}" --out "$OUT/variant_speed_gpu_before.json" --doc '' 2>&1 \
+    | tee "$OUT/variant_speed_gpu_before.log" | grep -v 'oneDNN\|InitializeLog'
+  echo "part 2 rc ${PIPESTATUS[0]}"
+fi
