@@ -6,8 +6,9 @@
 #      batch 4, 2, 1), bf16, every variant and dense on the blocked engine, against dense;
 #   2. the same for the variants whose step the span and Transformer-XL fixes changed, against an
 #      earlier commit in the same run (alternating row by row). The device machine gets a copy
-#      of the working tree without its git history, so the earlier commit travels as a checkout
-#      under .before/ (carry it):
+#      of the working tree, and the git history there is not to be relied on (one lease's copy
+#      of .git stood at the session's first commit), so the earlier commit travels as a
+#      checkout under .before/ (carry it), and GIT_COMMIT labels this tree:
 #        echo /.before/ >> .git/info/exclude
 #        mkdir -p .before/b39f426 && git archive b39f426 | tar -x -C .before/b39f426
 # benchmarks/gpu_env.sh prepares clu and ml-collections (carry .whl/). Results go to $OUT
@@ -17,7 +18,9 @@
 #     --doc docs/variant_speed_gpu.md
 # Settings (environment): SHAPES, BEFORE (a folder under .before/, '' to skip part 2),
 # BEFORE_SHAPES, BEFORE_VARIANTS, PART1_S and PART2_S (seconds), ROW_S (seconds a row may take),
-# GIT_COMMIT (the label of this checkout, which has no git history there).
+# GIT_COMMIT (this tree's commit: give it, git's answer there can be stale). Seen on an H200:
+# a row takes about 20 s (a process, 8-16 s of compiling, the steps), so the 36 rows of part 1
+# need about 720 s: a lease of 10 minutes runs SHAPES in two calls.
 set -u
 OUT=${OUT:-/tmp/gpu_variant_speed}
 mkdir -p "$OUT"

@@ -27,8 +27,9 @@ on the blocked engine of the learned variants with the same block sizes, and x_e
 every blocksparse row with it. With --before REV, REV is checked out with `git
 worktree` under a temporary folder and every row runs there and then here, back to back, so a
 slow phase of a shared machine hits both (the worker is this file, importing the other tree's
-packages); on a machine without the repository's history (a lent GPU), --before DIR names a
-checkout of the earlier commit instead, labelled by the folder's name. JAX_PLATFORMS picks the
+packages); on a machine without the repository's history (a lent GPU gets a copy of the
+working tree), --before DIR names a checkout of the earlier commit instead, labelled by the
+folder's name, and GIT_COMMIT labels this one. JAX_PLATFORMS picks the
 backend (default cpu); --dtype sets model.dtype (bfloat16 on an accelerator, as people train
 there). A row that cannot build or run keeps the first line of its error. Rows more than
 2x slower than dense carry a reason from NOTES. Results go to results/variant_speed.json,
@@ -302,13 +303,16 @@ def _git(*argv: str) -> str:
 
 
 def _revision(default: str = 'unknown') -> tuple[str, bool]:
-  """(this checkout's short commit, whether tracked files changed); GIT_COMMIT or `default`
-  where the checkout has no git history (a copy of the working tree on a lent machine)."""
+  """(this checkout's short commit, whether tracked files changed): GIT_COMMIT where it is set
+  (a copy of the working tree on a lent machine, whose git history may be missing or older
+  than the tree), else git's answer, else `default`."""
+  if os.environ.get('GIT_COMMIT'):
+    return os.environ['GIT_COMMIT'], False
   try:
     return (_git('rev-parse', '--short', 'HEAD'),
             bool(_git('status', '--porcelain', '--untracked-files=no')))
   except (OSError, subprocess.CalledProcessError):
-    return os.environ.get('GIT_COMMIT', default), False
+    return default, False
 
 
 def before_tree(before: str) -> tuple[str | None, bool]:

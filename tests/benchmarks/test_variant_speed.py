@@ -55,10 +55,13 @@ def test_before_is_a_commit_or_a_checkout_folder(tmp_path, monkeypatch):
   assert variant_speed.before_tree('') == (None, False)
   with pytest.raises(ValueError, match='not a checkout'):
     variant_speed.before_tree(str(tmp_path / 'b39f426' / 'models'))
-  # Without git history, this checkout's label comes from GIT_COMMIT.
+  # Without git history this checkout is 'unknown', and GIT_COMMIT labels it (first: a lent
+  # machine's copy of .git can be older than the tree it measures).
   monkeypatch.setattr(variant_speed, 'ROOT', str(tmp_path))
-  monkeypatch.setenv('GIT_COMMIT', 'abc1234')
   monkeypatch.setenv('GIT_CEILING_DIRECTORIES', str(tmp_path.parent))
+  monkeypatch.delenv('GIT_COMMIT', raising=False)
+  assert variant_speed._revision() == ('unknown', False)
+  monkeypatch.setenv('GIT_COMMIT', 'abc1234')
   assert variant_speed._revision() == ('abc1234', False)
 
 
