@@ -57,7 +57,8 @@ NOTES = {
     'fixed': STATIC,
     'local': STATIC,
     'block_local': STATIC,
-    'local_global': STATIC,
+    'local_global': 'every global_every-th layer is dense attention (its own kernel per '
+                    'layer: cudnn on a GPU, where the blocked engine ran it before)',
     'lsh': 'hashing and sorting n_hashes rounds, each attending within chunks of its sorted '
            'buckets',
     'txl': 'attends over memory + segment with relative position terms',

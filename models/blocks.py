@@ -68,7 +68,7 @@ def make_attention(config, variant: str, layer_index: int, **kwargs) -> nn.Modul
   impl = cls.implementation(
       config.attention_impl, options=dict(config.attention_options), head_dim=config.head_dim,
       backend=platform, dtype=config.dtype, block_size=config.attention_block_size,
-      devices=devices)
+      devices=devices, layer_index=layer_index)
   return cls(
       num_heads=config.n_heads, head_dim=config.head_dim, qk_norm=config.qk_norm,
       impl=impl, block_size=config.attention_block_size,

@@ -325,7 +325,8 @@ class MultiHeadAttention(nn.Module):
 
   @classmethod
   def implementation(cls, impl: str, *, options: dict, head_dim: int, backend: str,
-                     dtype: Dtype = jnp.float32, block_size: int = 128, devices: int = 1) -> str:
+                     dtype: Dtype = jnp.float32, block_size: int = 128, devices: int = 1,
+                     layer_index: int | None = None) -> str:
     """What the variant's layers run for model.attention_impl=`impl` on the target: 'auto'
     resolved, an explicit name checked (a ValueError says what to use where it cannot run).
 
@@ -341,15 +342,26 @@ class MultiHeadAttention(nn.Module):
       dtype: computation dtype.
       block_size: config.model.attention_block_size.
       devices: the target's device count.
+      layer_index: the layer whose implementation this is (None: the variant's as a whole);
+        a layer whose every head is dense causal attention can run dense's kernel
+        (`dense_layer`).
 
     Returns:
       A name of IMPLEMENTATIONS other than 'auto'.
     """
-    del options
     check_known(impl)
     return dispatch.choose(impl, variant=cls.__name__, static=cls.has_static_pattern(),
-                           dense=cls.DENSE, head_dim=head_dim, platform=backend,
+                           dense=cls.dense_layer(options, layer_index), head_dim=head_dim,
+                           platform=backend,
                            devices=devices, dtype=dtype, block_size=block_size)
+
+  @classmethod
+  def dense_layer(cls, options: dict, layer_index: int | None) -> bool:
+    """True where every head of layer `layer_index` (None: of every layer) is dense causal
+    attention, so that cuDNN's flash kernel can compute it (dispatch.choose). A variant
+    whose pattern differs by layer (local_global) overrides it."""
+    del options, layer_index
+    return cls.DENSE
 
   @classmethod
   def own_path_implementation(cls, impl: str, *, refused: tuple[str, ...], why: str,

@@ -42,7 +42,8 @@ def choose(impl: str, *, variant: str, static: bool, dense: bool, head_dim: int,
   'auto' picks, for a static pattern:
     tpu  'splash' (block_size a multiple of 128), else 'blocksparse';
     gpu  'cudnn' for dense causal attention where cuDNN's flash kernel runs (bf16/fp16,
-         head_dim a multiple of 8 up to 128), else 'blocksparse';
+         head_dim a multiple of 8 up to 128; `dense` is the layer's, so local_global's global
+         layers get it), else 'blocksparse';
     cpu  'cpu_kernel' where it was measured faster than 'blocksparse' for this variant on
          this CPU (cpu_choice.py; `python -m benchmarks.cpu_choice` measures), on one device
          at a head width the kernel is built for, with a compiler; else 'blocksparse'.
@@ -54,7 +55,7 @@ def choose(impl: str, *, variant: str, static: bool, dense: bool, head_dim: int,
     impl: one of base.IMPLEMENTATIONS (already checked to be known).
     variant: the variant's class name, for the errors.
     static: the variant has a static pattern computed here (`has_static_pattern`).
-    dense: that pattern is dense causal attention in every head.
+    dense: that pattern is dense causal attention in every head (of the layer asked about).
     head_dim: width of each head.
     platform: the target's platform: 'cpu', 'gpu' or 'tpu'.
     devices: the target's device count.

@@ -312,6 +312,42 @@ def test_implementations_per_layer_of_a_mixed_model(monkeypatch, kernel_builds):
     assert transformer.implementations(dataclasses.replace(cfg, dtype=dtype)) == want
 
 
+@pytest.mark.parametrize('global_every,n_layers', [(2, 4), (3, 3)])
+def test_local_globals_global_layers_run_denses_kernel_on_a_gpu(global_every, n_layers):
+  """A global layer of local_global is dense causal attention: on a GPU, in bf16, 'auto' gives
+  it cuDNN's flash kernel as it gives dense (the blocked engine was 6.4x slower there at 16K:
+  docs/variant_speed_gpu.md); the window layers stay on the blocked engine."""
+  options = {**OPTIONS, 'global_every': global_every}
+  cfg = transformer.TransformerConfig.from_config(dict(
+      d_model=64, n_heads=2, n_layers=n_layers, vocab_size=16, max_len=24,
+      attention='local_global', attention_impl='auto', attention_options=options,
+      target_platform='gpu', target_devices=1, dtype='bfloat16'))
+  want = ['cudnn' if i % global_every == global_every - 1 else 'blocksparse'
+          for i in range(n_layers)]
+  assert transformer.implementations(cfg) == want
+  for name, value in [('dtype', jnp.float32), ('target_platform', 'tpu')]:
+    assert 'cudnn' not in transformer.implementations(dataclasses.replace(cfg, **{name: value}))
+  # The variant as a whole (no layer) is no dense pattern; an explicit 'cudnn' names the
+  # window layers it cannot compute.
+  assert _auto('local_global', 'gpu', dtype=jnp.bfloat16) == 'blocksparse'
+  with pytest.raises(ValueError, match='dense causal attention only'):
+    transformer.implementations(dataclasses.replace(cfg, attention_impl='cudnn'))
+
+
+def test_local_global_per_layer_fused_equals_xla():
+  """The per-layer choice end to end on a CPU: explicit 'fused' runs local_global's global
+  layer 1 on jax.nn.dot_product_attention (the call cuDNN's kernel goes through on a GPU) and
+  its window layer 0 on the masked reference; logits and gradients equal 'xla''s."""
+  ref, fused = _decoder('xla', 'local_global'), _decoder('fused', 'local_global')
+  assert transformer.implementations(fused.config) == ['xla', 'fused']
+  params = ref.init(jax.random.key(0), jnp.zeros((1, 40), jnp.int32))['params']
+  want, g_want = _logits_and_grads(ref, params)
+  got, g_got = _logits_and_grads(fused, params)
+  for g, g_ref in [(got, want)] + list(zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want))):
+    scale = float(np.max(np.abs(g_ref)))
+    np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-5 * scale)
+
+
 class _Stop(Exception):
   pass
 
