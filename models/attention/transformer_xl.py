@@ -39,7 +39,6 @@ the same rule as the forward pass, whose outputs it reproduces.
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
