@@ -91,3 +91,32 @@ def test_the_model_layer_imports_no_training_code():
   bad = sorted((m, t) for m, targets in graph.items() if m.startswith('models')
                for t in targets if t.startswith('training'))
   assert not bad, f'models/ modules importing training/: {bad}'
+
+
+def _strings_naming(path: pathlib.Path, package: str) -> list[str]:
+  """String constants of a module (docstrings left out) that name a module of `package` the
+  way an importer would read them: 'package.module' or 'package.module:function'."""
+  tree = ast.parse(path.read_text(), str(path))
+  docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                     ast.AsyncFunctionDef))
+                and node.body and isinstance(node.body[0], ast.Expr)}
+  return [node.value for node in ast.walk(tree)
+          if isinstance(node, ast.Constant) and isinstance(node.value, str)
+          and id(node) not in docstrings
+          and (node.value.startswith(f'{package}.') or node.value.startswith(f'{package}:'))
+          and ' ' not in node.value]
+
+
+def test_the_model_layer_names_no_training_module_by_string(tmp_path):
+  # A 'module:function' string is an import put off: selective attention's pruning modes
+  # named 'training.pruning:allocate_budgets' from models/ until they moved to
+  # training/modes.py.
+  modules = _modules()
+  bad = {m: found for m, path in modules.items() if m.startswith('models')
+         if (found := _strings_naming(path, 'training'))}
+  assert not bad, f'models/ modules naming training/ modules: {bad}'
+  planted = tmp_path / 'variant.py'  # The check sees such a string.
+  planted.write_text('"""Doc naming training.pruning is prose."""\n'
+                     "MODES = {'prune': ('training.pruning:allocate_budgets', 'help')}\n")
+  assert _strings_naming(planted, 'training') == ['training.pruning:allocate_budgets']

@@ -1,10 +1,11 @@
 """The modes of main.py: `--mode=NAME` runs `get(NAME)(config, workdir, request)`.
 
-The backbone's modes are listed here; an attention variant offers modes of its own in its
-`MODES` (models/attention/base.MultiHeadAttention: name -> ('module:function', help)), e.g.
-selective attention's context pruning. A mode's function takes (config given, workdir,
-run_config.Request) and is imported only when it runs, so that listing the modes (for the
---mode flag, before JAX starts a backend) imports no training code.
+The backbone's modes and those an attention variant offers (selective attention's context
+pruning) are declared here, where the code that runs them lives: models/ names no training
+module, not even by string. A variant's mode says which variant offers it (`offered_by`, a
+registered name: --help shows it); `offer` adds one from outside this file. A mode's function
+takes (config given, workdir, run_config.Request) and is imported only when it runs, so that
+listing the modes (for the --mode flag, before JAX starts a backend) imports no training code.
 """
 
 import dataclasses
@@ -50,19 +51,47 @@ BACKBONE = {
 }
 
 
+# Modes of the attention variants, in the order --help lists them.
+VARIANTS = {
+    # Context pruning (section 5 of the selective attention paper): a trained model's per-layer
+    # budgets K_l, and what they cost in loss and save in KV-cache memory.
+    'allocate_budgets': Mode('training.pruning:allocate_budgets',
+                             'greedy per-layer context budgets of a selective model '
+                             '(WORKDIR/budgets.json)', offered_by='selective'),
+    'eval_budgets': Mode('training.pruning:evaluate_budgets',
+                         'loss and KV-cache reduction with those budgets',
+                         offered_by='selective'),
+}
+
+
+def offer(name: str, target: str, text: str, *, variant: str) -> None:
+  """Adds mode `name` of attention variant `variant` ('module:function', one line of help), for
+  a variant defined outside this repository's files.
+
+  Raises:
+    ValueError: the name is taken (by the backbone or another variant's mode).
+  """
+  taken = {**BACKBONE, **VARIANTS}
+  if name in taken and taken[name].target != target:
+    owner = taken[name].offered_by or 'the backbone'
+    raise ValueError(f'attention variant {variant!r} offers mode {name!r}, which {owner} '
+                     'offers too: give it a name of its own')
+  VARIANTS[name] = Mode(target, text, offered_by=variant)
+  table.cache_clear()
+
+
 @functools.lru_cache(maxsize=1)
 def table() -> dict[str, Mode]:
-  """Every mode: the backbone's, then each registered variant's (a name two of them offer is
-  an error)."""
-  modes = dict(BACKBONE)
-  for variant, cls in registry.VARIANTS.items():
-    for name, (target, text) in getattr(cls, 'MODES', {}).items():
-      if name in modes and modes[name].target != target:
-        owner = modes[name].offered_by or 'the backbone'
-        raise ValueError(f'attention variant {variant!r} offers mode {name!r}, which {owner} '
-                         'offers too: give it a name of its own')
-      modes.setdefault(name, Mode(target, text, offered_by=variant))
-  return modes
+  """Every mode: the backbone's, then those of the registered variants.
+
+  Raises:
+    ValueError: a variant's mode names a variant that is not registered.
+  """
+  for name, mode in VARIANTS.items():
+    if mode.offered_by not in registry.VARIANTS.known():
+      raise ValueError(f'mode {name!r} is offered by attention variant {mode.offered_by!r}, '
+                       f'which is not registered; known: {", ".join(registry.VARIANTS.known())}')
+  return {**BACKBONE, **VARIANTS}
 
 
 def names() -> list[str]:

@@ -215,10 +215,6 @@ class MultiHeadAttention(nn.Module):
   # for d_model 32, 4 heads, 2 layers and sequences of 24 tokens. A new variant is covered
   # by them without a line of test code; its own file keeps its paper-formula tests.
   TEST_CONFIG: ClassVar[dict[str, Any]] = {}
-  # Modes of main.py the variant offers (training/modes.py): --mode name -> ('module:function',
-  # one line of help). The function takes (config, workdir, run_config.Request) and is
-  # imported only when it runs, so a model module names training code without importing it.
-  MODES: ClassVar[dict[str, tuple[str, str]]] = {}
   # True for a variant that encodes positions itself, relative to each query, and is meant
   # to run without absolute position embeddings (model.position_embedding='none').
   RELATIVE_POSITIONS: ClassVar[bool] = False

@@ -244,17 +244,9 @@ def _sums_over_queries(s, *, exclusive: bool):
 
 @register('selective')
 class SelectiveAttention(base.MultiHeadAttention):
-  """Selective attention; options `selective_*` (OPTIONS above)."""
+  """Selective attention; options `selective_*` (OPTIONS above). Context pruning (section 5 of
+  the paper) is main.py's --mode=allocate_budgets and --mode=eval_budgets."""
   OPTIONS = OPTIONS
-  # Context pruning (section 5 of the paper), training/pruning.py: a trained model's per-layer
-  # budgets K_l, and what they cost in loss and save in KV-cache memory.
-  MODES = {
-      'allocate_budgets': ('training.pruning:allocate_budgets',
-                           'greedy per-layer context budgets of a selective model '
-                           '(WORKDIR/budgets.json)'),
-      'eval_budgets': ('training.pruning:evaluate_budgets',
-                       'loss and KV-cache reduction with those budgets'),
-  }
 
   @classmethod
   def layer_period(cls, options, n_layers):

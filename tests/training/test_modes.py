@@ -1,5 +1,6 @@
-"""main.py's modes come from one table (training/modes.py): the backbone's and those a
-variant offers in its MODES, so main.py names none of them (issue 36)."""
+"""main.py's modes come from one table (training/modes.py): the backbone's and those of the
+attention variants, declared beside the code they run, so main.py names none of them and models/
+names no training module (issues 36 and 49)."""
 
 import pytest
 
@@ -19,25 +20,34 @@ def test_the_table_holds_the_backbone_and_the_selective_pruning_modes():
     modes.get('evaluate')
 
 
-class _OffersAMode(base.MultiHeadAttention):
-  MODES = {'count_heads': ('builtins:len', 'a mode of a test variant')}
-
-
-class _TakesTheEvalName(base.MultiHeadAttention):
-  MODES = {'eval': ('builtins:len', 'clashes with the backbone')}
-
-
-def test_a_variant_offers_a_mode_without_a_line_in_training(monkeypatch):
-  monkeypatch.setitem(registry.VARIANTS._entries, 'test_offers_a_mode', _OffersAMode)
+def test_variant_modes_are_declared_in_training_for_registered_variants(monkeypatch):
+  # models/ names no training module: a variant's mode is declared with the code it runs.
+  assert not hasattr(base.MultiHeadAttention, 'MODES')
+  assert all(m.offered_by in registry.VARIANTS.known() for m in modes.VARIANTS.values())
+  monkeypatch.setitem(modes.VARIANTS, 'orphan', modes.Mode('builtins:len', 'x',
+                                                            offered_by='no_such_variant'))
   modes.table.cache_clear()
   try:
-    assert modes.table()['count_heads'].offered_by == 'test_offers_a_mode'
-    assert modes.get('count_heads')('abc') == 3
-    monkeypatch.setitem(registry.VARIANTS._entries, 'test_takes_eval', _TakesTheEvalName)
-    modes.table.cache_clear()
-    with pytest.raises(ValueError, match="'test_takes_eval' offers mode 'eval', which the "
-                                         'backbone offers too'):
+    with pytest.raises(ValueError, match="'orphan' is offered by attention variant "
+                                         "'no_such_variant', which is not registered"):
       modes.table()
+  finally:
+    monkeypatch.undo()
+    modes.table.cache_clear()
+
+
+def test_a_variant_defined_elsewhere_offers_a_mode(monkeypatch):
+  monkeypatch.setattr(modes, 'VARIANTS', dict(modes.VARIANTS))
+  try:
+    modes.offer('count_heads', 'builtins:len', 'a mode of a test variant', variant='dense')
+    assert modes.table()['count_heads'].offered_by == 'dense'
+    assert modes.get('count_heads')('abc') == 3
+    with pytest.raises(ValueError, match="'dense' offers mode 'eval', which the backbone "
+                                         'offers too'):
+      modes.offer('eval', 'builtins:len', 'clashes with the backbone', variant='dense')
+    with pytest.raises(ValueError, match="offers mode 'allocate_budgets', which selective "
+                                         'offers too'):
+      modes.offer('allocate_budgets', 'builtins:len', 'clashes', variant='dense')
   finally:
     monkeypatch.undo()
     modes.table.cache_clear()
