@@ -39,12 +39,15 @@ def _chunk_stats(x, w, t, wt):
   target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
   loss = jnp.sum(wt * (m + jnp.log(s) - target_logit))
   # Correct iff the target is the arg-max (ties: the first index), so all-equal logits of a
-  # diverged model do not count as right. The first index reaching the max, as a plain max
-  # reduction of -index over the maxima: jnp.argmax is a two-operand reduction that XLA:CPU
-  # runs unvectorized, which made the d=4 train step 8-12% slower (benchmarks/train_step.py).
+  # diverged model do not count as right: the target reaches the max and no earlier index
+  # does. Counted as a plain float sum: jnp.argmax is a two-operand reduction that XLA:CPU
+  # runs unvectorized (the d=4 train step 8-12% slower), and a max of -index over the maxima
+  # became an int32 reduce-window tree there (2-3% of the d=4 step on an Intel Xeon;
+  # results/train_step_d4_intel_xeon_ab.json).
   index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-  first = -jnp.max(jnp.where(logits == m[..., None], -index, -logits.shape[-1]), axis=-1)
-  correct = jnp.sum(wt * (first == t))
+  earlier = jnp.sum(jnp.where((logits == m[..., None]) & (index < t[..., None]), 1.0, 0.0),
+                    axis=-1)
+  correct = jnp.sum(wt * ((target_logit == m) & (earlier == 0)))
   return loss, correct, e / s[..., None]
 
 

@@ -54,3 +54,29 @@ def test_jit_and_bfloat16_inputs():
   loss, _ = f(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
   assert loss.dtype == jnp.float32
   np.testing.assert_allclose(loss, _plain(x, w, targets, weights)[0], rtol=2e-2)
+
+
+def test_accuracy_is_the_first_arg_max_with_ties():
+  # One-hot hidden states and an identity projection: the logits are chosen row by row. Ties
+  # count for the first index reaching the max only (jnp.argmax's rule), so a diverged model's
+  # equal logits score 1 / vocab at most, not 1.
+  logits = np.array([[0., 0., 0., 0.],    # All equal: only target 0 is right.
+                     [0., 0., 0., 0.],
+                     [1., 3., 3., 2.],    # Tie at 1 and 2: 1 is right, 2 is not.
+                     [1., 3., 3., 2.],
+                     [5., 1., 2., 5.],    # Tie at 0 and 3; target 3 is not right.
+                     [0., 1., 4., 2.]],   # Unique max at 2.
+                    np.float32)
+  targets = np.array([[0, 2, 1, 2, 3, 2]], np.int32)
+  want = np.asarray(jnp.argmax(logits, -1) == targets[0])
+  assert want.tolist() == [True, False, True, False, False, True]
+  x = jnp.asarray(logits)[None]
+  w = jnp.eye(4, dtype=jnp.float32)
+  for chunk in (1, 2, 6):
+    _, correct = losses.linear_cross_entropy(x, w, jnp.asarray(targets),
+                                             jnp.ones((1, 6), jnp.float32), chunk)
+    assert float(correct) == want.sum()
+  per_row = [float(losses.linear_cross_entropy(x[:, i:i + 1], w, jnp.asarray(targets[:, i:i + 1]),
+                                               jnp.ones((1, 1), jnp.float32), 1)[1])
+             for i in range(6)]
+  assert per_row == want.astype(float).tolist()
