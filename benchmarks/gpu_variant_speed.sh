@@ -16,11 +16,18 @@
 # the logs; render the page with
 #   python -m benchmarks.variant_speed --render --out results/variant_speed_gpu.json \
 #     --doc docs/variant_speed_gpu.md
-# Settings (environment): SHAPES, BEFORE (a folder under .before/, '' to skip part 2),
+# Settings (environment): SHAPES, VARIANTS (part 1's, default every one; dense always runs),
+# BEFORE (a folder under .before/, '' to skip part 2),
 # BEFORE_SHAPES, BEFORE_VARIANTS, PART1_S and PART2_S (seconds), ROW_S (seconds a row may take),
 # GIT_COMMIT (this tree's commit: give it, git's answer there can be stale). Seen on an H200:
 # a row takes about 20 s (a process, 8-16 s of compiling, the steps), so the 36 rows of part 1
-# need about 720 s: a lease of 10 minutes runs SHAPES in two calls.
+# need about 720 s: a lease of 10 minutes runs SHAPES in two calls. The first lease (fb8d54a,
+# docs/variant_speed_gpu.md) measured 4K and 16K; the next one:
+#   GIT_COMMIT=... SHAPES=8192 BEFORE_SHAPES=4096 ROW_S=120 bash benchmarks/gpu_variant_speed.sh
+# (b39f426 unrolls every block: its adaptive span at 8K did not get through build, compile and a
+# first step in 40 s, so the comparison runs at 4K with a longer row limit.)
+#   GIT_COMMIT=... SHAPES="4096 16384" VARIANTS=local_global BEFORE= \
+#     bash benchmarks/gpu_variant_speed.sh      # local_global's per-layer cuDNN (510888e)
 set -u
 OUT=${OUT:-/tmp/gpu_variant_speed}
 mkdir -p "$OUT"
@@ -35,7 +42,8 @@ BEFORE=${BEFORE-.before/b39f426}
 
 echo '== 1. every variant'
 timeout --signal=TERM --kill-after=10 "${PART1_S:-400}" "$PY" -m benchmarks.variant_speed \
-  --shapes ${SHAPES:-4096 8192 16384} --dtype bfloat16 --iters 5 --timeout "${ROW_S:-90}" \
+  --shapes ${SHAPES:-4096 8192 16384} ${VARIANTS:+--attention $VARIANTS} --dtype bfloat16 \
+  --iters 5 --timeout "${ROW_S:-90}" \
   --out "$OUT/variant_speed_gpu.json" --doc '' 2>&1 | tee "$OUT/variant_speed_gpu.log" \
   | grep -v 'oneDNN\|InitializeLog'
 echo "part 1 rc ${PIPESTATUS[0]}"
