@@ -90,7 +90,7 @@ def _duration(seconds: float) -> str:
 def header_lines(row: dict) -> str:
   """The 'slice:', 'memory:' and 'speed:' lines of a recipe's docstring, from its row of
   results/tpu_compile_recipes.json (benchmarks/tpu_compile.py --recipes)."""
-  from training.aot import slice_name  # pylint: disable=import-outside-toplevel
+  from training.tpu_topology import slice_name  # pylint: disable=import-outside-toplevel
   per_day = _three_digits(row['steps_per_day'])
   head = (f"  slice:    {slice_name(row['topology'])} (compile_topology '{row['topology']}'), "
           f"mesh {_mesh(row)}, remat '{row['remat']}'\n"
@@ -112,7 +112,7 @@ def header_lines(row: dict) -> str:
 
 def recipes_markdown(rows: list[dict]) -> str:
   """The table of docs/tpu.md ("The papers at their own scale") from the committed rows."""
-  from training.aot import slice_name  # pylint: disable=import-outside-toplevel
+  from training.tpu_topology import slice_name  # pylint: disable=import-outside-toplevel
   lines = ['| paper: experiment | recipe | slice | mesh, remat | GiB per chip (HBM) | '
            'step (est.) | bound | MFU (FLOPs run) (est.) | steps/day (est.) | '
            'days to the paper\'s steps (est.) |',

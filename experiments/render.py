@@ -52,7 +52,7 @@ def paper_scale(folders: list[str], recipes: tuple[str, ...]) -> str:
   """The section's 'at the paper's scale' commands, with each recipe's slice, per-chip
   memory and estimated days from tpu_compile_recipes.json (benchmarks/tpu_compile.py
   --recipes) when that file is there."""
-  from training.aot import slice_name  # pylint: disable=import-outside-toplevel
+  from training.tpu_topology import slice_name  # pylint: disable=import-outside-toplevel
   rows = {r['recipe']: r
           for r in (load(folders, 'tpu_compile_recipes.json') or {}).get('rows', [])}
   items = []

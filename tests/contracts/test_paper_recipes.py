@@ -21,7 +21,7 @@ import pytest
 
 import configs
 from tests.harness import REPO
-from training import aot, assembly
+from training import aot, assembly, program_stats, tpu_topology
 
 pytestmark = pytest.mark.system
 
@@ -42,7 +42,8 @@ def _rows() -> dict:
 def test_the_train_step_lowers_for_the_recipes_slice(name):
   config = configs.load(name)
   assert config.compile_topology, f'{name} sets no config.compile_topology'
-  devices = aot.topology_devices(config.compile_topology, config.compile_topology_num_slices)
+  devices = tpu_topology.topology_devices(config.compile_topology,
+                                          config.compile_topology_num_slices)
   setup = assembly.build(config, devices=devices, data=False)
   lowered = aot.lower_train_step(setup)
   text = lowered.as_text()
@@ -70,9 +71,10 @@ def test_the_committed_full_compile_is_of_this_recipe_and_fits(name):
 def test_the_train_step_as_the_code_is_now_fits_the_slice(name):
   config = configs.load(name)
   report = aot.compile_config(config, ('train',))
+  train = report.steps['train']
   assert report.fits('train') is True, (
       f'{name}\'s train step does not fit {config.compile_topology} any more: '
-      f'{report.steps["train"].out_of_memory or report.steps["train"].total_bytes / aot.GiB}')
+      f'{train.out_of_memory or train.total_bytes / program_stats.GiB}')
 
 
 @pytest.mark.parametrize('name', configs.PAPER_RECIPES)
@@ -81,7 +83,7 @@ def test_the_header_quotes_the_committed_numbers(name):
   configs.header_lines writes them (the benchmark prints them after a recompile)."""
   doc, row, config = _doc(name), _rows()[name], configs.load(name)
   assert row['remat'] == config.model.remat
-  assert aot.slice_name(config.compile_topology) in configs.header_lines(row)
+  assert tpu_topology.slice_name(config.compile_topology) in configs.header_lines(row)
   assert configs.header_lines(row) in doc, (
       f'configs/{name}.py\'s header differs from the committed compile; it should read:\n'
       + configs.header_lines(row))

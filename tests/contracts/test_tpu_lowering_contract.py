@@ -29,7 +29,7 @@ import pytest
 from configs import default
 from models import attention
 from tests.contracts import cases
-from training import aot, assembly
+from training import aot, assembly, tpu_topology
 
 pytestmark = pytest.mark.system
 
@@ -84,7 +84,7 @@ def _config(case: str, mesh: dict, **extra):
 
 @pytest.fixture(scope='module')
 def devices():
-  return aot.topology_devices(TOPOLOGY)
+  return tpu_topology.topology_devices(TOPOLOGY)
 
 
 def _setup(case, mesh, devices, **extra):
@@ -135,7 +135,7 @@ def test_eval_and_decode_programs_compile_for_the_slice(case, devices):
 
 @pytest.fixture(scope='module')
 def two_slices():
-  return aot.topology_devices(TOPOLOGY, num_slices=2)
+  return tpu_topology.topology_devices(TOPOLOGY, num_slices=2)
 
 
 def test_default_recipe_compiles_on_two_slices(two_slices):

@@ -1,9 +1,10 @@
-"""The compile report's slice names and its step-time estimate (training/aot.py,
-training/roofline.py, training/chips.py): pure arithmetic, no compiler."""
+"""The compile report's slice names and its step-time estimate (training/tpu_topology.py,
+training/compile_report.py, training/roofline.py, training/chips.py): pure arithmetic, no
+compiler."""
 
 import pytest
 
-from training import aot, chips, hlo_cost, roofline
+from training import chips, compile_report, hlo_cost, program_stats, roofline, tpu_topology
 
 
 @pytest.mark.parametrize('topology,name', [('v5e:2x2', 'v5e-4'), ('v5e:4x4', 'v5e-16'),
@@ -11,13 +12,13 @@ from training import aot, chips, hlo_cost, roofline
                                            ('v4:2x2x4', 'v4-32'), ('v5p:2x2x1', 'v5p-8'),
                                            ('v6e:2x2', 'v6e-4')])
 def test_slice_names_count_chips_on_v5e_and_v6e_and_cores_on_v4_and_v5p(topology, name):
-  assert aot.slice_name(topology) == name
+  assert tpu_topology.slice_name(topology) == name
 
 
 def test_accelerator_types_name_the_slice_as_cloud_tpu_does():
-  assert aot.accelerator_type('v5e:2x2') == 'v5litepod-4'
-  assert aot.accelerator_type('v4:2x2x4') == 'v4-32'
-  assert aot.accelerator_type('v6e:2x2') == 'v6e-4'
+  assert tpu_topology.accelerator_type('v5e:2x2') == 'v5litepod-4'
+  assert tpu_topology.accelerator_type('v4:2x2x4') == 'v4-32'
+  assert tpu_topology.accelerator_type('v6e:2x2') == 'v6e-4'
 
 
 CHIP = chips.Chip(name='test', peak_flops={'bf16': 100e12, 'f32': 100e12, 'int8': 200e12,
@@ -73,14 +74,14 @@ def test_a_tiny_program_is_bound_by_its_overhead():
   assert est.bound == 'overhead'
 
 
-def _report(step_s: float, total_steps: int, device_kind='TPU v5 lite') -> aot.Report:
-  train = aot.StepReport(name='train', estimate={
+def _report(step_s: float, total_steps: int, device_kind='TPU v5 lite') -> compile_report.Report:
+  train = program_stats.StepReport(name='train', estimate={
       'step_s': step_s, 'bound': 'compute', 'compute_s': step_s, 'memory_s': 0.0,
       'collectives_s': 0.0, 'overhead_s': 0.0, 'compute_bound_s': step_s,
       'memory_bound_s': 0.0, 'dcn_s': 0.0, 'flops': 1.0, 'bytes': 1.0,
       'collective_bytes': 0.0, 'launches': 1.0, 'unknown_loops': 0, 'opaque': {}})
-  return aot.Report(topology='t', num_slices=1, device_kind=device_kind, chips=4,
-                    hbm_bytes=16 * aot.GiB, mesh={'data': 4}, param_bytes=0,
+  return compile_report.Report(topology='t', num_slices=1, device_kind=device_kind, chips=4,
+                    hbm_bytes=16 * program_stats.GiB, mesh={'data': 4}, param_bytes=0,
                     opt_state_bytes=0, model_flops=197e12 * 0.5, steps={'train': train},
                     model={'dtype': 'bfloat16'}, total_steps=total_steps)
 
@@ -106,6 +107,6 @@ def test_every_chip_has_its_figures_and_their_sources():
     assert chip.peak('bf16') > 0 and chip.hbm_bandwidth > 0 and chip.ici_bandwidth > 0
     assert chip.sources['peak_flops'] and chip.sources['hbm'], kind
   assert chips.chip_for('TPU v5 lite').peak('bf16') == 197e12
-  assert aot.HBM_BYTES['TPU v5 lite'] == 16 * aot.GiB
+  assert program_stats.HBM_BYTES['TPU v5 lite'] == 16 * program_stats.GiB
   assert chips.chip_for('cpu') is None
   assert '| v5e (`TPU v5 lite`) | 197 |' in chips.table_markdown()

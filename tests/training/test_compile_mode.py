@@ -15,7 +15,8 @@ import re
 import pytest
 
 from configs import tiny
-from training import aot, assembly, evaluation, roofline, steps, train
+from training import (aot, assembly, chips, compile_report, evaluation, program_stats, roofline,
+                      steps, tpu_topology, train)
 
 TOPOLOGY = 'v5e:2x2'
 
@@ -52,7 +53,7 @@ def compiled(tmp_path_factory):
   workdir, data_dir = root / 'run', root / 'no_such_data'
   config = _config(**C4, **{'data.data_dir': str(data_dir)})
   report = aot.run(config, str(workdir))
-  path = workdir / aot.report_filename(TOPOLOGY)
+  path = workdir / compile_report.report_filename(TOPOLOGY)
   return json.loads(path.read_text()), report, workdir, data_dir
 
 
@@ -67,7 +68,7 @@ def test_the_report_is_the_only_file_written_and_no_data_is_read(compiled):
 def test_per_chip_memory_of_the_fsdp_train_step(compiled):
   js, report, _, _ = compiled
   assert (js['topology'], js['chips'], js['device_kind']) == (TOPOLOGY, 4, 'TPU v5 lite')
-  assert js['hbm_bytes'] == 16 * aot.GiB
+  assert js['hbm_bytes'] == 16 * program_stats.GiB
   assert js['mesh'] == {'data': 1, 'fsdp': 4, 'tensor': 1}
   per_chip = js['per_chip']
   whole = report.model['params'] * 4  # float32 parameters, unsharded.
@@ -93,7 +94,8 @@ def test_flops_collectives_and_compile_times(compiled):
   js, report, _, _ = compiled
   per_chip = js['per_chip']
   # The model's own count for the 16 x 32 tokens of a step, split over the 4 chips.
-  setup = assembly.build(_config(**C4), devices=aot.topology_devices(TOPOLOGY), data=False)
+  setup = assembly.build(_config(**C4), devices=tpu_topology.topology_devices(TOPOLOGY),
+                         data=False)
   assert report.model['params'] == setup.model_config.num_params()
   assert per_chip['model_flops_per_step'] == pytest.approx(
       setup.model_config.train_flops_per_token(32) * 16 * 32 / 4)
@@ -105,7 +107,7 @@ def test_flops_collectives_and_compile_times(compiled):
     assert step['xla_flops'] > 0, name
   # fsdp gathers each layer's parameters and reduce-scatters (or all-reduces) the gradients.
   train_collectives = js['steps']['train']['collectives']
-  assert set(train_collectives) == set(aot.COLLECTIVES)
+  assert set(train_collectives) == set(program_stats.COLLECTIVES)
   assert train_collectives['all-gather']['count'] > 0
   assert train_collectives['all-gather']['bytes'] > 0
   assert (train_collectives['reduce-scatter']['count']
@@ -121,7 +123,7 @@ def test_the_step_time_estimate_is_a_roofline_the_chip_could_reach(compiled):
   (the tiny model's stack is a scan: XLA's own count sees one layer), and a time no shorter
   than the chip's peak FLOP/s and HBM bandwidth allow for them."""
   js, report, _, _ = compiled
-  chip = aot.chips.chip_for('TPU v5 lite')
+  chip = chips.chip_for('TPU v5 lite')
   train = js['steps']['train']
   assert train['flops'] > train['xla_flops']
   assert js['per_chip']['train_flops_per_step'] == train['flops']
@@ -157,7 +159,8 @@ def test_tensor_parallel_train_step_on_a_synthetic_task():
   """The synthetic task's shapes come from the task (no data is read either way); tensor=2
   splits heads, MLP and vocabulary: activations are all-reduced inside the step."""
   config = _config(**{'mesh.data': -1, 'mesh.tensor': 2})
-  setup = assembly.build(config, devices=aot.topology_devices(TOPOLOGY), data=False)
+  setup = assembly.build(config, devices=tpu_topology.topology_devices(TOPOLOGY),
+                         data=False)
   assert setup.data is None
   assert setup.seq_len == 10  # 2 x 4 assignments + 2.
   assert dict(setup.mesh.shape) == {'data': 2, 'fsdp': 1, 'tensor': 2}
@@ -172,9 +175,9 @@ def test_tensor_parallel_train_step_on_a_synthetic_task():
 @needs_libtpu
 def test_an_oversized_step_is_described_with_what_to_try(compiled):
   _, report, _, _ = compiled
-  assert aot.does_not_fit(report) == ''
+  assert compile_report.does_not_fit(report) == ''
   small = dataclasses.replace(report, hbm_bytes=1 << 20)  # A 1 MiB chip.
-  message = aot.does_not_fit(small)
+  message = compile_report.does_not_fit(small)
   assert message.startswith('the train step does not fit one chip of v5e:2x2 (TPU v5 lite, '
                             '1.00 MiB HBM): it needs ')
   assert 'more than the HBM' in message and "the compiler's estimate" in message
@@ -187,7 +190,7 @@ def test_an_oversized_step_is_described_with_what_to_try(compiled):
 def test_a_tpu_run_checks_the_fit_before_anything_starts(monkeypatch, tmp_path):
   """train_and_evaluate on a TPU mesh (here the topology's, through build) fails with the
   mode's message before restoring, initializing or compiling anything else."""
-  devices = aot.topology_devices(TOPOLOGY)
+  devices = tpu_topology.topology_devices(TOPOLOGY)
   build = assembly.build
   monkeypatch.setattr(assembly, 'build', lambda config, **kw: build(config, devices=devices, **kw))
 
@@ -234,9 +237,10 @@ def test_main_exits_1_with_one_error_line_when_the_step_cannot_fit(harness, tmp_
   assert not _libtpu_noise(proc.stdout + proc.stderr), proc.stderr[-3000:]
 
 
-# What libtpu printed when it started on a host that is not a Cloud TPU VM (aot.LIBTPU_NOISE
-# holds it back): warnings naming these variables, and C++ log lines (file.cc:line) at warning,
-# error or fatal level. The mode's own Python log lines (file.py:line) are not noise.
+# What libtpu printed when it started on a host that is not a Cloud TPU VM
+# (tpu_topology.LIBTPU_NOISE holds it back): warnings naming these variables, and C++ log lines
+# (file.cc:line) at warning, error or fatal level. The mode's own Python log lines
+# (file.py:line) are not noise.
 _NOISE = ('TPU_ACCELERATOR_TYPE', 'TPU_WORKER_HOSTNAMES', 'INVALID_ARGUMENT',
           'Failed to find host bounds', 'Source Location Trace')
 
@@ -253,7 +257,7 @@ def test_no_topology_is_a_clear_error(tmp_path):
 
 
 def test_without_libtpu_the_mode_says_what_to_install(monkeypatch, tmp_path):
-  monkeypatch.setattr(aot.importlib.util, 'find_spec',
+  monkeypatch.setattr(tpu_topology.importlib.util, 'find_spec',
                       lambda name, *a: None if name == 'libtpu' else importlib.util.find_spec(
                           name, *a))
   with pytest.raises(ValueError, match=r"pip install 'jax\[tpu\]' \(Linux x86-64 only"):
@@ -263,9 +267,9 @@ def test_without_libtpu_the_mode_says_what_to_install(monkeypatch, tmp_path):
 @needs_libtpu
 def test_an_unknown_topology_is_a_clear_error():
   with pytest.raises(ValueError, match=r"libtpu cannot describe the TPU topology 'v5e:3x5x7'"):
-    aot.topology_devices('v5e:3x5x7')
+    tpu_topology.topology_devices('v5e:3x5x7')
   with pytest.raises(ValueError, match=r'compile_topology_num_slices must be an integer >= 1'):
-    aot.topology_devices(TOPOLOGY, 0)
+    tpu_topology.topology_devices(TOPOLOGY, 0)
 
 
 def test_text_data_without_a_vocabulary_size_is_a_clear_error():
@@ -278,17 +282,18 @@ def test_text_data_without_a_vocabulary_size_is_a_clear_error():
 @needs_libtpu
 def test_topologies_have_one_device_per_chip_and_known_hbm():
   # v4 and v5p chips are megacore: one device of two TensorCores, as on the real slice.
-  for topology, chips in (('v5e:2x2', 4), ('v4:2x2x4', 16), ('v5p:2x2x1', 4), ('v6e:2x2', 4)):
-    devices = aot.topology_devices(topology)
-    assert len(devices) == chips, topology
-    assert aot.hbm_bytes(devices[0]) == aot.HBM_BYTES[devices[0].device_kind], topology
-  two = aot.topology_devices(TOPOLOGY, 2)
+  for topology, n in (('v5e:2x2', 4), ('v4:2x2x4', 16), ('v5p:2x2x1', 4), ('v6e:2x2', 4)):
+    devices = tpu_topology.topology_devices(topology)
+    assert len(devices) == n, topology
+    kind = devices[0].device_kind
+    assert program_stats.hbm_bytes(devices[0]) == program_stats.HBM_BYTES[kind], topology
+  two = tpu_topology.topology_devices(TOPOLOGY, 2)
   assert len(two) == 8 and sorted({d.slice_index for d in two}) == [0, 1]
 
 
 def test_report_file_names():
-  assert aot.report_filename('v5e:2x2') == 'compile_v5e_2x2.json'
-  assert aot.report_filename('v4:2x2x4', 2) == 'compile_v4_2x2x4_2slices.json'
+  assert compile_report.report_filename('v5e:2x2') == 'compile_v5e_2x2.json'
+  assert compile_report.report_filename('v4:2x2x4', 2) == 'compile_v4_2x2x4_2slices.json'
 
 
 # Compiled TPU HLO as the compiler prints it (shortened): an async all-gather pair, an
@@ -318,7 +323,7 @@ ENTRY %main.42_spmd (param.4: bf16[32,128]) -> f32[] {
 
 
 def test_collectives_are_counted_once_with_their_result_bytes():
-  found = aot.collectives(_HLO)
+  found = program_stats.collectives(_HLO)
   assert found == {
       'all-gather': {'count': 1, 'bytes': 128 * 128 * 2},         # The gathered result.
       'reduce-scatter': {'count': 1, 'bytes': 32 * 128 * 4},      # The fusion's shard.
