@@ -12,8 +12,8 @@ recipe file given explicitly that is not the recorded recipe. The defaults of th
 even if configs/ has changed since, or the run was trained with overrides. Called from
 Python without a Request, every field of the config passed counts as asked for.
 
-Each asked-for value that differs from the record is a change, of one of three kinds (the
-KINDS table below, by dotted-key prefix):
+Each asked-for value that differs from the record is a change, of one of three kinds (each
+setting declares its own in configs/default.py; KINDS below, by dotted-key prefix):
 
 - runtime: how the run is executed (steps, evaluation, logging, checkpoint cadence, mesh,
   data paths, attention kernel). Applied and logged, never refused.
@@ -59,77 +59,25 @@ import ml_collections
 from absl import logging
 from etils import epath
 
+from configs import declare, default
 from models import transformer
 from training import sharding
 
 RECORD = 'config.json'
 HISTORY = 'config_history.jsonl'
 
-RUNTIME = 'runtime'
-TRAINING = 'training'
-MODEL = 'model'
+RUNTIME = declare.RUNTIME
+TRAINING = declare.TRAINING
+MODEL = declare.MODEL
 
-# Dotted config key, or group of keys, -> kind of change (see the module docstring). The
-# longest entry that is the key or a group above it decides; a key no entry covers is a
-# model change, so a field added to configs/default.py is refused until it is listed here.
-# An option of model.attention_options, model.block_options or model.stack_options declares
-# its own kind where its variant, block or stack declares it (models/options.Option.change),
-# read from the registry by `kind`.
-KINDS = {
-    # What the parameters mean.
-    'model': MODEL,
-    'model.attention_impl': RUNTIME,        # The same attention on another kernel.
-    'model.attention_block_size': RUNTIME,  # Block length of that kernel.
-    'model.remat': RUNTIME,                 # Recomputation: the same values.
-    'model.ff_chunk_len': RUNTIME,          # Chunked feed-forward: the same values.
-    'model.dtype': TRAINING,                # Compute precision: eval may use another one.
-    'model.dropout_rate': TRAINING,         # Training only.
-    'seq_len': MODEL,
-    'data': MODEL,                          # Dataset, tokenizer, vocabulary, task sizes.
-    'data.data_dir': RUNTIME,               # Where the prepared data lives.
-    'data.eval_split': RUNTIME,
-    'data.prefetch_batches': RUNTIME,
-    'data.train_split': TRAINING,           # What is trained on, and in which order.
-    'data.packing': TRAINING,
-    'data.pack_min_piece': TRAINING,
-    'data.pack_align': TRAINING,
-    'data.shuffle_buffer': TRAINING,
-    # What the optimizer does.
-    'seed': TRAINING,
-    'batch_size': TRAINING,
-    'grad_accum_steps': TRAINING,
-    'learning_rate': TRAINING,
-    'warmup_steps': TRAINING,
-    'end_learning_rate_fraction': TRAINING,
-    'adam_b1': TRAINING,
-    'adam_b2': TRAINING,
-    'adam_eps': TRAINING,
-    'weight_decay': TRAINING,
-    'clip_grad_norm': TRAINING,
-    # How the run is executed.
-    'total_steps': RUNTIME,                 # Also stretches the cosine decay from here on.
-    'loss_chunk_len': RUNTIME,
-    'log_every_steps': RUNTIME,
-    'eval_every_steps': RUNTIME,
-    'eval_steps': RUNTIME,
-    'eval_batch_size': RUNTIME,
-    'checkpoint_every_steps': RUNTIME,
-    'keep_checkpoints': RUNTIME,
-    'async_checkpointing': RUNTIME,
-    'eval_checkpoint_step': RUNTIME,
-    'eval_window': RUNTIME,
-    'eval_stride': RUNTIME,
-    'generate': RUNTIME,                    # Sampling settings.
-    'inspect_len': RUNTIME,
-    'peak_tflops_per_device': RUNTIME,
-    'profile_steps': RUNTIME,               # Profiler trace: the same steps, observed.
-    'profile_start_step': RUNTIME,
-    'compile_topology': RUNTIME,            # --mode=compile's target slice.
-    'compile_topology_num_slices': RUNTIME,
-    'pruning': RUNTIME,                     # Parameters of the pruning modes.
-    'mesh': RUNTIME,
-    'logical_axis_rules': RUNTIME,
-}
+# Dotted config key, or group of keys, -> kind of change (see the module docstring), from
+# the one declaration of every run setting (configs/default.py SETTINGS: a setting without a
+# kind of its own takes its group's). The longest entry that is the key or a group above it
+# decides; a key no entry covers (a field of an older run) is a model change. An option of
+# model.attention_options, model.block_options or model.stack_options declares its own kind
+# where its variant, block or stack declares it (models/options.Option.change), read from the
+# registry by `kind`.
+KINDS = declare.kinds(default.SETTINGS)
 
 ALL = 'all'
 
