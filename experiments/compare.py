@@ -64,6 +64,7 @@ from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from configs import presets  # noqa: E402
 from models import attention  # noqa: E402
 from training import assembly, metrics  # noqa: E402
 
@@ -86,7 +87,7 @@ def expand(variants: str) -> tuple[list[str], set[str]]:
   specs, named = [], set()
   for item in [v.strip() for v in variants.split(',') if v.strip()]:
     if item in GROUPS:
-      names = list(attention.known()) if item == 'registered' else list(harness.PRESETS)
+      names = list(attention.known()) if item == 'registered' else list(presets.PRESETS)
     else:
       names = [item]
       named.add(item)

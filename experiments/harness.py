@@ -8,8 +8,8 @@
 
 A run is a variant spec or a dict of config overrides:
 
-- 'NAME' or 'NAME:KEY=V[:KEY=V]': a registered attention variant or a preset (PRESETS: gtrxl,
-  reformer, universal) with options; KEY is an attention, stack or block option (window,
+- 'NAME' or 'NAME:KEY=V[:KEY=V]': a registered attention variant or a preset (configs/presets.py:
+  gtrxl, reformer, universal) with options; KEY is an attention, stack or block option (window,
   mem_len, act, gate_bias, ...), a model field (block, stack, ...) or a dotted config key. The
   values are read by ml_collections' own override parser, as main.py reads --config.KEY=V.
 - {dotted key: value}: typed overrides of the base config (ml_collections checks the types).
@@ -64,23 +64,9 @@ from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from configs import presets  # noqa: E402
 from models import attention, blocks, decode, transformer  # noqa: E402
 from training import assembly, evaluation, run_config, sharding, steps, train  # noqa: E402
-
-
-def _universal(config) -> dict:
-  # As deep as the layered models: the same FLOPs per token with one block's parameters.
-  return {'model.attention': 'dense', 'model.stack': 'universal', 'model.n_layers': 0,
-          'model.position_embedding': 'none',
-          'model.stack_options.steps': config.model.n_layers or config.model.d}
-
-
-# name -> config -> overrides (dotted keys).
-PRESETS = {
-    'gtrxl': lambda config: {'model.attention': 'txl', 'model.block': 'gtrxl'},
-    'reformer': lambda config: {'model.attention': 'lsh', 'model.block': 'reversible'},
-    'universal': _universal,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,9 +201,10 @@ def parse_spec(spec: str) -> tuple[str, list[tuple[str, str]]]:
     if not sep or not key:
       raise ValueError(f'variant {spec!r}: options are KEY=VALUE after a colon, got {item!r}')
     pairs.append((key.strip(), value.strip()))
-  if name not in attention.known() and name not in PRESETS:
+  if name not in attention.known() and name not in presets.PRESETS:
     raise ValueError(f'variant {spec!r}: {name!r} is neither a registered attention variant '
-                     f'({", ".join(attention.known())}) nor a preset ({", ".join(PRESETS)})')
+                     f'({", ".join(attention.known())}) nor a preset '
+                     f'({", ".join(presets.PRESETS)})')
   return name, pairs
 
 
@@ -230,7 +217,8 @@ def variant_config(base: ml_collections.ConfigDict,
     config = override(base, given)
   else:
     name, pairs = parse_spec(spec)
-    given = PRESETS[name](base) if name in PRESETS else {'model.attention': name}
+    given = (presets.PRESETS[name](base) if name in presets.PRESETS
+             else {'model.attention': name})
     config = override(base, given)
     texts = []
     for key, text in pairs:

@@ -14,7 +14,7 @@ import pytest
 
 from experiments import compare, harness
 from tests.experiments.test_harness import _text
-from configs import local_text, tiny
+from configs import local_text, presets, tiny
 
 
 def _base():
@@ -66,7 +66,7 @@ def test_bad_specs_are_refused(spec, message):
 def test_groups_expand_and_named_variants_are_not_skippable():
   specs, grouped = compare.expand('dense,registered,presets,local:window=8')
   assert specs[0] == 'dense' and specs[-1] == 'local:window=8'
-  assert set(harness.PRESETS) <= set(specs) and 'txl' in specs and specs.count('dense') == 1
+  assert set(presets.PRESETS) <= set(specs) and 'txl' in specs and specs.count('dense') == 1
   assert 'dense' not in grouped and 'local:window=8' not in grouped and 'txl' in grouped
 
 
