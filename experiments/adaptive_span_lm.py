@@ -78,21 +78,10 @@ def layer_halves(head_spans: list[list[float]]) -> tuple[float, float]:
   return statistics.mean(bottom), statistics.mean(top)
 
 
-def summarize(per_seed: dict[int, dict[str, dict]]) -> dict:
-  """Per variant: the per-seed rows and the mean and spread of each number over seeds."""
-  keys = ('bits_per_byte', 'average_span', 'max_span', 'attn_flops_trimmed',
-          'attn_flops_per_head', 'attn_flops_full_span', 'attn_peak_bytes', 'steps_per_sec',
-          'bottom_half_span', 'top_half_span')
-  out = {}
-  for seed, rows in per_seed.items():
-    for name, r in rows.items():
-      out.setdefault(name, {'seeds': []})['seeds'].append({'seed': seed, **r})
-  for name, entry in out.items():
-    for key in keys:
-      values = [s[key] for s in entry['seeds']]
-      entry[key] = statistics.mean(values)
-      entry[key + '_std'] = statistics.stdev(values) if len(values) > 1 else 0.0
-  return out
+# The numbers of a row aggregated over seeds (harness.over_seeds).
+KEYS = ('bits_per_byte', 'average_span', 'max_span', 'attn_flops_trimmed', 'attn_flops_per_head',
+        'attn_flops_full_span', 'attn_peak_bytes', 'steps_per_sec', 'bottom_half_span',
+        'top_half_span')
 
 
 def plot(per_seed: dict[int, dict[str, dict]], limit: int, path: str, title: str) -> None:
@@ -177,7 +166,7 @@ def row(r: dict, spans: dict, tokens_per_step: int) -> dict:
 
 def analyze(per_seed: dict[int, dict[str, dict]], settings: dict) -> dict:
   """The JSON payload (without the command) from every (variant, seed)'s row."""
-  summary = summarize(per_seed)
+  summary = harness.over_seeds(per_seed, KEYS)
   lines = ['| variant | bits/byte | average span | top / bottom half span | attention FLOPs/token '
            '(as computed) | attn peak (MiB) | steps/s |', '|---|---:|---:|---:|---:|---:|---:|']
   for name, e in summary.items():

@@ -42,6 +42,7 @@ import contextlib
 import copy
 import dataclasses
 import importlib.util
+import math
 import os
 import re
 import signal
@@ -450,6 +451,48 @@ def measure(name: str, config, workdir: str) -> dict:
                    'train_loss': curves['train/loss'],
                    'train_tokens_per_sec': curves['train/tokens_per_sec']}
   return row
+
+
+# ---------------------------------------------------------------- over seeds
+
+
+def finite(x) -> bool:
+  """A number that is neither NaN nor infinite (a diverged run's loss is not)."""
+  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def seed_stats(values: Sequence) -> tuple[float | None, float]:
+  """(mean, sample standard deviation) of the finite values; (None, 0) when there are none,
+  a standard deviation of 0 for one."""
+  values = [v for v in values if finite(v)]
+  if not values:
+    return None, 0.0
+  return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def over_seeds(per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]],
+               keys: Sequence[str]) -> dict[str, dict]:
+  """Every experiment's rows aggregated over seeds, with one rule for what diverged.
+
+  Args:
+    per_seed: seed -> run name -> that run's row (metrics by name).
+    keys: the metrics to aggregate.
+
+  Returns:
+    run name -> {'seeds': [{'seed': S, **row}, ...], KEY: the mean over the seeds where KEY is
+    finite (None when it is nowhere), KEY + '_std': their sample standard deviation (0 for one
+    seed), 'diverged_seeds': the seeds whose row says 'diverged'}, runs in first-seen order.
+    A diverged seed's NaN never enters a mean; it is counted in 'diverged_seeds' instead.
+  """
+  out = {}
+  for seed, rows in per_seed.items():
+    for name, row in rows.items():
+      out.setdefault(name, {'seeds': []})['seeds'].append({'seed': seed, **row})
+  for entry in out.values():
+    for key in keys:
+      entry[key], entry[key + '_std'] = seed_stats([s.get(key) for s in entry['seeds']])
+    entry['diverged_seeds'] = [s['seed'] for s in entry['seeds'] if s.get('diverged')]
+  return out
 
 
 # ---------------------------------------------------------------- runs

@@ -72,10 +72,8 @@ A finished budget search of the same settings and checkpoint is read back, not r
 import argparse
 import copy
 import json
-import math
 import os
 import shlex
-import statistics
 import sys
 
 from absl import logging
@@ -141,31 +139,6 @@ PARTS = tuple(RUNS)
 
 
 # ------------------------------------------------------------------------------ helpers
-
-
-def _finite(x) -> bool:
-  return isinstance(x, (int, float)) and math.isfinite(x)
-
-
-def stats(values) -> tuple[float | None, float]:
-  """(mean, sample standard deviation) of the finite values; (None, 0) when there are none."""
-  values = [v for v in values if _finite(v)]
-  if not values:
-    return None, 0.0
-  return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
-def summarize(per_seed: dict[int, dict[str, dict]], keys) -> dict:
-  """Per variant: the per-seed rows, and the mean and spread over seeds of each of `keys`."""
-  out = {}
-  for seed, rows in per_seed.items():
-    for name, r in rows.items():
-      out.setdefault(name, {'seeds': []})['seeds'].append({'seed': seed, **r})
-  for entry in out.values():
-    for key in keys:
-      entry[key], entry[key + '_std'] = stats([s.get(key) for s in entry['seeds']])
-    entry['diverged_seeds'] = [s['seed'] for s in entry['seeds'] if s.get('diverged')]
-  return out
 
 
 def first_step_at(curve, threshold: float):
@@ -270,7 +243,7 @@ def compare_settings(args, base, seq_len: int, seed: int) -> dict:
 
 def lm_row(r: dict, batch: int, seq_len: int) -> dict:
   return {'variant': r['variant'], 'step': r['step'], 'bits_per_byte': r['bits_per_byte'],
-          'eval_loss': r['eval_loss'] if _finite(r['eval_loss']) else None,
+          'eval_loss': r['eval_loss'] if harness.finite(r['eval_loss']) else None,
           'diverged': bool(r.get('diverged')), 'params': r['params'],
           'steps_per_sec': r['tokens_per_sec'] / (batch * seq_len),
           'run_seconds': r['run_seconds'], 'curves': r['curves']}
@@ -348,7 +321,7 @@ def analyze_va(rows: list[dict], measured: dict, settings: dict, runs=VA_VARIANT
           'eval_accuracy_curve': accuracy, 'eval_loss_curve': r['curves']['eval_loss'],
           'steps_per_sec': r['tokens_per_sec'] / steps_per_row,
           'run_seconds': r['run_seconds']}
-  summary = summarize(per_seed, ('accuracy', 'loss', 'ood_accuracy', 'ood_loss'))
+  summary = harness.over_seeds(per_seed, ('accuracy', 'loss', 'ood_accuracy', 'ood_loss'))
   lines = ['| variant | accuracy | loss | OOD accuracy | OOD loss | first eval >= 99% |',
            '|---|---:|---:|---:|---:|---|']
   for name, e in summary.items():
@@ -437,7 +410,7 @@ def analyze_synthetic(rows: dict, measured: dict, settings: dict, runs=VA_VARIAN
             'first_step_99': first_step_at(m['accuracy_curve'], 0.99),
             'eval_accuracy_curve': m['accuracy_curve'],
             'eval_loss_curve': r['curves']['eval_loss'], 'run_seconds': r['run_seconds']}
-    tasks[task] = summary = summarize(per_seed, ('accuracy', 'loss'))
+    tasks[task] = summary = harness.over_seeds(per_seed, ('accuracy', 'loss'))
     for name, e in summary.items():
       lines.append(f'| {task} | {name} | {e["accuracy"]:.3f} ± {e["accuracy_std"]:.3f} | '
                    f'{e["loss"]:.4f} | {[s["first_step_99"] for s in e["seeds"]]} |')
@@ -477,7 +450,7 @@ def analyze_lm(rows: list[dict], runs: dict, settings: dict) -> dict:
   per_seed = {seed: {n: lm_row(r, settings['batch_size'], settings['seq_len'])
                      for n, r in by_name.items()}
               for seed, by_name in _by_seed(rows, runs).items()}
-  summary = summarize(per_seed, ('bits_per_byte', 'eval_loss', 'steps_per_sec'))
+  summary = harness.over_seeds(per_seed, ('bits_per_byte', 'eval_loss', 'steps_per_sec'))
   return {'settings': settings, 'variants': summary,
           'table': _table(summary, 'bits_per_byte', 'bits/byte')}
 
@@ -678,7 +651,7 @@ def analyze_kv(rows: dict[int, list[dict]], measured: dict[int, dict], settings:
                **measured[context][seed, r['variant']]}
         row.pop('curves')
         per_seed[seed][name] = row
-    out[str(context)] = summarize(per_seed, KV_KEYS)
+    out[str(context)] = harness.over_seeds(per_seed, KV_KEYS)
   return {'settings': settings, 'contexts': out, 'table': kv_table(out)}
 
 
@@ -768,7 +741,7 @@ def merge_kv(path: str, payload: dict) -> dict:
           per_seed.setdefault(row['seed'], {})[name] = {k: v for k, v in row.items()
                                                         if k != 'seed'}
     complete = {seed: rows for seed, rows in per_seed.items() if len(rows) == len(summary)}
-    contexts[context] = summarize(dict(sorted(complete.items())), KV_KEYS)
+    contexts[context] = harness.over_seeds(dict(sorted(complete.items())), KV_KEYS)
   seeds = sorted({s['seed'] for c in contexts.values() for e in c.values() for s in e['seeds']})
   settings = {**payload['settings'], 'contexts': sorted(int(c) for c in contexts),
               'seeds': seeds}

@@ -23,7 +23,6 @@ against wall-clock to --png.
 import argparse
 import os
 import shlex
-import statistics
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,25 +51,22 @@ def interpolate(curve, step: float) -> float:
 
 
 def summarize(per_seed: dict[int, list[dict]], steps: int, batch: int, seq_len: int) -> dict:
-  """Equal-steps and equal-wall-clock bits per byte per variant, per seed and over seeds."""
-  out = {}
-  for seed, rows in per_seed.items():
-    sps = {r['variant']: r['tokens_per_sec'] / (batch * seq_len) for r in rows}
+  """Equal-steps and equal-wall-clock bits per byte per variant, per seed and over seeds
+  (harness.over_seeds)."""
+  rows = {}
+  for seed, seed_rows in per_seed.items():
+    sps = {r['variant']: r['tokens_per_sec'] / (batch * seq_len) for r in seed_rows}
     budget = steps / max(sps.values())  # Seconds: the fastest variant's whole run.
-    for r in rows:
+    rows[seed] = {}
+    for r in seed_rows:
       curve = [tuple(p) for p in r['curves']['eval_bits_per_byte']]
       at = budget * sps[r['variant']]
-      out.setdefault(r['variant'], {'seeds': []})['seeds'].append({
-          'seed': seed, 'bits_per_byte': r['bits_per_byte'], 'steps_per_sec': sps[r['variant']],
+      rows[seed][r['variant']] = {
+          'bits_per_byte': r['bits_per_byte'], 'steps_per_sec': sps[r['variant']],
           'tokens_per_sec': r['tokens_per_sec'], 'wall_clock_budget_s': budget,
           'steps_at_budget': at, 'bits_per_byte_at_budget': interpolate(curve, at),
-          'attn_peak_bytes': r['attn_peak_bytes'], 'params': r['params']})
-  for variant, entry in out.items():
-    for key in ('bits_per_byte', 'bits_per_byte_at_budget', 'steps_per_sec'):
-      values = [s[key] for s in entry['seeds']]
-      entry[key] = statistics.mean(values)
-      entry[key + '_std'] = statistics.stdev(values) if len(values) > 1 else 0.0
-  return out
+          'attn_peak_bytes': r['attn_peak_bytes'], 'params': r['params']}
+  return harness.over_seeds(rows, ('bits_per_byte', 'bits_per_byte_at_budget', 'steps_per_sec'))
 
 
 def plot(rows: list[dict], batch: int, seq_len: int, path: str, title: str) -> None:

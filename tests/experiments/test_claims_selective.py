@@ -9,7 +9,7 @@ import json
 import pytest
 
 from experiments import claims_selective as claims
-from experiments import render, selective_experiments as sx
+from experiments import harness, render, selective_experiments as sx
 
 PASS = 'reproduces'
 DIRECTION = 'direction holds'
@@ -21,8 +21,8 @@ UNTESTABLE = 'not testable here'
 
 
 def _entry(per_seed: list[dict], keys) -> dict:
-  """A summarized variant (selective_experiments.summarize's layout) from per-seed rows."""
-  return sx.summarize({i: {'v': row} for i, row in enumerate(per_seed)}, keys)['v']
+  """A summarized variant (harness.over_seeds's layout) from per-seed rows."""
+  return harness.over_seeds({i: {'v': row} for i, row in enumerate(per_seed)}, keys)['v']
 
 
 def _va_variant(acc, ood, loss=0.5, first=None):
@@ -351,7 +351,7 @@ def test_kv_results_of_separate_commands_merge(tmp_path):
 def _kv_context(seed: int, reduction: float) -> dict:
   row = {'val_loss': 2.0, 'unpruned_loss': 2.0, 'pruned_loss': 2.0, 'reduction': reduction,
          'keep_reduction': reduction / 2, 'keep_loss': 2.0, 'bits_per_byte': 2.9}
-  return sx.summarize({seed: {'dense': {'val_loss': 2.1}, 'selective': row}}, sx.KV_KEYS)
+  return harness.over_seeds({seed: {'dense': {'val_loss': 2.1}, 'selective': row}}, sx.KV_KEYS)
 
 
 def test_kv_seeds_of_separate_commands_merge(tmp_path):

@@ -232,7 +232,7 @@ def test_a_failed_part_is_recorded_and_a_sigterm_stops_the_runner(tmp_path, monk
 
 
 def _va(sel, dense):
-  entry = lambda acc: selective.summarize(
+  entry = lambda acc: harness.over_seeds(
       {i: {'v': {'accuracy': a, 'ood_accuracy': a, 'loss': 1 - a, 'ood_loss': 1 - a,
                  'first_step_99': None}} for i, a in enumerate(acc)},
       ('accuracy', 'loss', 'ood_accuracy', 'ood_loss'))['v']
