@@ -22,9 +22,7 @@ from absl import logging
 
 import input_pipeline
 from models import transformer
-from models.attention import blockloop
-from training import (checkpoints, optimizer, run_config, settings, sharding, steps,
-                      xla_flags)
+from training import checkpoints, optimizer, run_config, settings, sharding, steps
 from training.state import Setup  # pylint: disable=unused-import (assembly.Setup: its old home)
 
 
@@ -162,9 +160,7 @@ def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None =
   # Segment memory has one row per batch row; parameters do not depend on the batch.
   rows = config.batch_size if model_config.uses_memory else 1
   init_model = lambda rng: model.init(rng, jnp.zeros((rows, seq_len), jnp.int32))
-  with blockloop.recording_loops() as loops:  # The forward at seq_len, traced.
-    abstract_params = jax.eval_shape(init_model, jax.random.key(0))['params']
-  compiler_options = xla_flags.program_options(mesh.devices.flat[0].platform, bool(loops))
+  abstract_params = jax.eval_shape(init_model, jax.random.key(0))['params']
   tx = optimizer.make_optimizer(config, transformer.param_bounds(model_config),
                                 abstract_params=abstract_params)
 
@@ -183,8 +179,7 @@ def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None =
                 seq_len=seq_len, mesh=mesh, rules=rules, tx=tx, schedule=schedule,
                 abstract_state=abstract_state,
                 state_sharding=state_sharding, batch_sharding=sharding.batch_sharding(mesh),
-                init_fn=lambda rng: nn.unbox(init_boxed(rng)), data_shard=shard,
-                compiler_options=compiler_options)
+                init_fn=lambda rng: nn.unbox(init_boxed(rng)), data_shard=shard)
   return setup
 
 

@@ -56,8 +56,6 @@ class Setup:
     data_shard: (index, count): this process's block of every batch's rows, as the batch
       sharding lays them out over the processes (sharding.data_shard); its data source reads
       that block.
-    compiler_options: XLA options of the run's train and eval steps (xla_flags.program_options:
-      the CPU matmul fusions, chosen by whether the model's attention loops over blocks).
   """
   config: ml_collections.ConfigDict
   model_config: transformer.TransformerConfig
@@ -73,7 +71,6 @@ class Setup:
   batch_sharding: jax.sharding.NamedSharding
   init_fn: Any
   data_shard: tuple[int, int] = (0, 1)
-  compiler_options: dict[str, str] = dataclasses.field(default_factory=dict)
 
   def global_rows(self, local_rows: int) -> int:
     """Rows of the global batch assembled from `local_rows` rows on each process."""

@@ -176,8 +176,7 @@ def jit_train_step(setup: Setup, model: transformer.Decoder | None = None):
                              setup.config.grad_accum_steps, setup.config.loss_chunk_len)
   replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
   return jax.jit(fn, in_shardings=(setup.state_sharding, setup.batch_sharding, replicated),
-                 out_shardings=(setup.state_sharding, replicated), donate_argnums=(0,),
-                 compiler_options=setup.compiler_options or None)
+                 out_shardings=(setup.state_sharding, replicated), donate_argnums=(0,))
 
 
 class EvalStep:
@@ -198,8 +197,7 @@ class EvalStep:
               else replicated)
     self._fn = jax.jit(make_eval_step(model, setup.config.loss_chunk_len),
                        in_shardings=(setup.state_sharding.params, setup.batch_sharding, memory),
-                       out_shardings=(replicated, memory),
-                       compiler_options=setup.compiler_options or None)
+                       out_shardings=(replicated, memory))
 
   def __call__(self, params, batch, memory):
     return self._fn(params, batch, memory)

@@ -29,18 +29,12 @@ THREADS_PER_FAKE_DEVICE = 8
 # products of 128 x 64 by 64 x 128) runs one matrix after another on one thread: 1.04 of 2
 # cores, 280 ms for 136 such steps on a 2-core AMD EPYC. As 'dot' fusions YNNPACK spreads the
 # same matmuls over the cores (1.91 cores, 159 ms), and a blocked causal attention layer's
-# forward and backward at 2K (batch 8, 2 heads of 64) takes 834 ms instead of 1,250. A program
-# without such loops pays for them instead: on a 2-core Intel Xeon the tiny recipe's train step
-# was 5-10% slower with 'dot' fusions and LSH's (vectorized chunks, no loop) 8% at 8K. So they
-# are given per program (`program_options`, XLA's compiler options of one jit), to the programs
-# whose attention loops over query blocks. Whole train steps: benchmarks/variant_speed.py,
-# docs/variant_speed.md. The option is experimental and an XLA that does not know it aborts,
-# so it is given only on the jaxlib releases it was checked on (YNN_DOTS_JAXLIB: the flag and
-# both fusion types are in the binaries of jaxlib 0.10.0-0.10.2, and 0.10.2 was measured;
-# 0.8.3-0.9.2 know the flag too, 0.8.0 not). XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=...
-# sets it for every program instead.
-YNN_FLAG = 'xla_cpu_experimental_ynn_fusion_type'
-YNN_DOTS = {YNN_FLAG: 'LIBRARY_FUSION_TYPE_DOT'}  # As --xla_cpu_...=+dot,-individual_dot.
+# forward and backward at 2K (batch 8, 2 heads of 64) takes 834 ms instead of 1,250. Whole
+# train steps: benchmarks/variant_speed.py, docs/variant_speed.md. The flag is experimental
+# and an XLA that does not know it aborts at start, so it is set only on the jaxlib releases
+# it was checked on (YNN_DOTS_JAXLIB: the flag and both fusion types are in the binaries of
+# jaxlib 0.10.0-0.10.2, and 0.10.2 was measured; 0.8.3-0.9.2 know the flag too, 0.8.0 not).
+YNN_DOTS = '--xla_cpu_experimental_ynn_fusion_type=+dot,-individual_dot'
 YNN_DOTS_JAXLIB = ((0, 10, 0), (0, 11, 0))  # [first, past the last) checked release.
 
 
@@ -87,14 +81,19 @@ def set_cpu_defaults() -> None:
 
   - On AVX-512 machines, element-wise fusions are vectorized 512 bits wide: it shortens the
     d=8 train step by a few percent on such a CPU (benchmarks/train_step.py).
+  - Matmuls as YNNPACK 'dot' fusions, which spread batched small matmuls over the cores
+    (YNN_DOTS says why and where), on the jaxlib releases where it was checked, unless
+    XLA_FLAGS sets the YNN fusion types.
   - With several fake host devices, the scheduler that does not overlap collectives and
     THREADS_PER_FAKE_DEVICE threads per device (PJRT_NPROC, unless set), so that collectives
     do not starve each other (the comment on FAKE_DEVICES_SAFE_SCHEDULER says why).
-  Other backends ignore these. The matmul fusions are chosen per program (`program_options`).
+  Other backends ignore these.
   """
   flags = os.environ.get('XLA_FLAGS', '')
   if 'xla_cpu_prefer_vector_width' not in flags and _cpu_has_avx512():
     flags += ' --xla_cpu_prefer_vector_width=512'
+  if 'xla_cpu_experimental_ynn_fusion_type' not in flags and _ynn_dots_known():
+    flags += ' ' + YNN_DOTS
   fake = re.search(r'xla_force_host_platform_device_count=(\d+)', flags)
   count = int(fake.group(1)) if fake else 1
   if count > 1 and 'xla_cpu_enable_concurrency_optimized_scheduler' not in flags:
@@ -102,24 +101,6 @@ def set_cpu_defaults() -> None:
   if count > 1:
     os.environ.setdefault('PJRT_NPROC', str(THREADS_PER_FAKE_DEVICE * count))
   os.environ['XLA_FLAGS'] = flags.strip()
-
-
-def program_options(platform: str, loops: bool) -> dict[str, str]:
-  """XLA compiler options of one program (jax.jit's compiler_options): YNNPACK 'dot' fusions
-  for a CPU program whose attention loops over query blocks (YNN_DOTS says why), on the jaxlib
-  releases where they were checked, unless XLA_FLAGS sets the fusion types for every program.
-
-  Args:
-    platform: the platform the program is compiled for.
-    loops: whether its attention loops over query blocks (blockloop.recording_loops).
-
-  Returns:
-    The options ({} for none).
-  """
-  if (platform != 'cpu' or not loops or not _ynn_dots_known()
-      or YNN_FLAG in os.environ.get('XLA_FLAGS', '')):
-    return {}
-  return dict(YNN_DOTS)
 
 
 # Device files whose presence means a machine may have an accelerator JAX should look for.

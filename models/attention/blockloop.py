@@ -41,7 +41,6 @@ scores' size; recomputing it would cost a pass over the earlier blocks.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -832,29 +831,7 @@ def query_block(platform: str, block_size: int, n: int, *, prefix: bool = False)
     block = 2 * block_size
   else:
     block = block_size
-  block = max(1, min(block, n))
-  if _RECORDING and n > block:
-    _RECORDING[-1].append((platform, n, block))
-  return block
-
-
-# The blocked paths traced inside `recording_loops` that loop over more than one query block.
-_RECORDING: list[list[tuple[str, int, int]]] = []
-
-
-@contextlib.contextmanager
-def recording_loops():
-  """Yields a list that gets (platform, n, block) for every blocked path traced inside the
-  block whose n queries take more than one query block, so loops over blocks (a row of one
-  block, the tiny recipe's, is computed in one piece; LSH's chunks and the CPU kernel never ask
-  for a block). training/assembly.py traces the model's init inside it to choose the
-  program's XLA:CPU matmul fusions (training/xla_flags.program_options)."""
-  found = []
-  _RECORDING.append(found)
-  try:
-    yield found
-  finally:
-    _RECORDING.remove(found)
+  return max(1, min(block, n))
 
 
 def step_keys(platform: str, block: int) -> int:

@@ -32,50 +32,16 @@ def test_an_explicit_scheduler_setting_wins(monkeypatch):
   assert _defaults(monkeypatch, given) == given
 
 
-def test_dot_fusions_are_given_per_program_on_the_checked_jaxlib_releases(monkeypatch):
+def test_matmuls_go_to_ynnpack_dot_fusions_on_the_checked_jaxlib_releases(monkeypatch):
   first, past = xla_flags.YNN_DOTS_JAXLIB
-  monkeypatch.setenv('XLA_FLAGS', '')
   for release in (first, (0, 10, 2)):  # 0.10.2: the release it was measured on.
-    monkeypatch.setattr(xla_flags, '_jaxlib_version', lambda r=release: r)
-    assert xla_flags.program_options('cpu', loops=True) == xla_flags.YNN_DOTS
-    assert xla_flags.program_options('cpu', loops=False) == {}
-    assert xla_flags.program_options('tpu', loops=True) == {}
-  # An XLA that does not know the option aborts: none outside the checked releases.
+    assert xla_flags.YNN_DOTS in _defaults(monkeypatch, '', release).split()
+  # An XLA that does not know the flag aborts at start: none outside the checked releases.
   for release in ((0, 9, 2), past, ()):
-    monkeypatch.setattr(xla_flags, '_jaxlib_version', lambda r=release: r)
-    assert xla_flags.program_options('cpu', loops=True) == {}
-  # The user's own fusion types, for every program, win; the process-wide defaults set none.
-  monkeypatch.setattr(xla_flags, '_jaxlib_version', lambda: first)
-  monkeypatch.setenv('XLA_FLAGS', '--xla_cpu_experimental_ynn_fusion_type=dot')
-  assert xla_flags.program_options('cpu', loops=True) == {}
-  assert 'ynn' not in _defaults(monkeypatch, '', first)
-
-
-@pytest.mark.parametrize('attention,impl,assignments,dots', [
-    ('dense', 'blocksparse', 100, True),    # Rows of 202: two query blocks of 128, a loop.
-    ('dense', 'blocksparse', 8, False),     # Rows of 18: one block, computed in one piece.
-    ('dense', 'cpu_kernel', 100, False),    # The C++ kernel: no loop in the XLA program.
-    ('adaptive_span', 'auto', 100, True),   # The blocked engine.
-    ('lsh', 'auto', 100, False),            # Sorted chunks, vectorized: no loop over blocks.
-])
-def test_a_run_gives_dot_fusions_to_its_steps_where_its_attention_loops(
-    harness, monkeypatch, attention, impl, assignments, dots):
-  # On a 2-core Intel Xeon 'dot' fusions made the tiny recipe's step 5-10% slower and LSH's
-  # 8% at 8K, where the blocked engine's loops at 2K ran 8% faster with them
-  # (docs/variant_speed.md): they were one process-wide flag until issue 47's table.
-  from training import assembly, steps  # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(xla_flags, '_ynn_dots_known', lambda: True)
-  config = harness.config({'model.attention': attention, 'model.attention_impl': impl,
-                           'data.num_assignments': assignments})
-  setup = assembly.build(config, data=False)
-  assert setup.compiler_options == (xla_flags.YNN_DOTS if dots else {})
-  given = {}
-  jit = steps.jax.jit
-  monkeypatch.setattr(steps.jax, 'jit', lambda fn, **kw: given.update(kw) or jit(fn, **kw))
-  steps.jit_train_step(setup)
-  assert given['compiler_options'] == (xla_flags.YNN_DOTS if dots else None)
-  steps.jit_eval_step(setup)
-  assert given['compiler_options'] == (xla_flags.YNN_DOTS if dots else None)
+    assert 'ynn' not in _defaults(monkeypatch, '', release)
+  # The user's own fusion types win.
+  given = '--xla_cpu_experimental_ynn_fusion_type=dot'
+  assert _defaults(monkeypatch, given, first) == given
 
 
 def test_the_installed_jaxlib_release_is_read():
