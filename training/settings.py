@@ -24,10 +24,9 @@ from training import run_config
 
 # dotted key -> the range a run-level setting must lie in, and what its 0 means where that is
 # not zero of it: from the one declaration of every run setting (configs/default.py).
-RANGES: dict[str, declare.Range] = {
-    key: setting.bounds for key, setting in declare.ranges(default.SETTINGS).items()}
-ZERO_MEANS = {key: setting.zero_means
-              for key, setting in declare.ranges(default.SETTINGS).items() if setting.zero_means}
+_RANGED = declare.ranges(default.SETTINGS)
+RANGES: dict[str, declare.Range] = {key: setting.bounds for key, setting in _RANGED.items()}
+ZERO_MEANS = {key: setting.zero_means for key, setting in _RANGED.items() if setting.zero_means}
 
 
 def _check(key: str, value: Any, allowed: declare.Range) -> None:
