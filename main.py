@@ -38,7 +38,7 @@ flags.DEFINE_list('allow_config_change', [],
                   'In a workdir that holds a run (WORKDIR/config.json, the source of truth for '
                   'resume, eval, inspect and pruning): config keys, or groups such as model, '
                   'whose --config overrides may change the recorded model or training (e.g. '
-                  'learning_rate,model.attention_options.window), or all. Run-time settings '
+                  'learning_rate,model.attention_options.local.window), or all. Run-time settings '
                   '(steps, eval, logging, checkpoints, mesh, data paths) never need it.')
 
 
@@ -55,12 +55,12 @@ def _bad_command_line(error: Exception, argv) -> None:
     what = str(error)
   overrides = [a for a in argv[1:] if a.startswith('--config.')]
   from training import run_config  # pylint: disable=g-import-not-at-top
-  renamed = [k for k in (a[len('--config.'):].partition('=')[0] for a in overrides)
-             if k in run_config.RENAMED]
-  if renamed:  # A key that was renamed: name the new one (run_config.RENAMED).
-    print('error: bad command line: ' + '; '.join(
-        f'--config.{k} was renamed --config.{run_config.RENAMED[k]}' for k in renamed),
-          file=sys.stderr)
+  given = dict(a[len('--config.'):].partition('=')[::2] for a in overrides)
+  variants = [v.strip() for v in given.get('model.attention', '').split(',') if v.strip()]
+  renamed = run_config.renamed_message(given, variants or None, prefix='--config.',
+                                       new_prefix='--config.')
+  if renamed:  # A key that was renamed: name the new one (run_config.renamed_keys).
+    print(f'error: bad command line: {renamed}', file=sys.stderr)
     sys.exit(1)
   print(f'error: bad command line ({what}); config overrides given: '
         f'{" ".join(overrides) or "none"}. Fields and their types are in the recipe and '

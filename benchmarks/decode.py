@@ -49,7 +49,7 @@ VARIANTS = {
     'local': {'window': 64},
     'strided': {'stride': 16},
     'fixed': {'stride': 16, 'summary': 4},
-    'adaptive_span': {'span_limit': 128},
+    'adaptive_span': {'limit': 128},
     'selective': {},
     'txl': {'mem_len': 128},
 }
@@ -60,7 +60,7 @@ def config(depth: int, attention: str = 'dense', options=None):
   position = 'none' if attention == 'txl' else 'learned'
   return transformer.TransformerConfig.from_config(dict(
       vocab_size=VOCAB, d_model=64 * depth, n_heads=depth, n_layers=depth, max_len=MAX_LEN,
-      attention=attention, attention_impl='xla', attention_options=options or {},
+      attention=attention, attention_impl='xla', attention_options={attention: options or {}},
       position_embedding=position, dtype='float32'))
 
 

@@ -36,7 +36,7 @@ for dtype in ('float32', 'bfloat16'):
     config.model.attention = name
     config.model.dtype = dtype
     config.model.position_embedding = 'none' if attention.get(name).RELATIVE_POSITIONS else 'learned'
-    config.model.attention_options.mem_len = 0  # Transformer-XL without a stream.
+    config.model.attention_options.txl.mem_len = 0  # Transformer-XL without a stream.
     try:
       setup = assembly.build(config)
       print(dtype, name, setup.model_config.target, transformer.implementations(setup.model_config))

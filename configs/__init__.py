@@ -60,8 +60,11 @@ def fingerprint(config: ml_collections.ConfigDict) -> str:
   from models import transformer  # pylint: disable=import-outside-toplevel
   settings = config.to_dict()
   for group, registry in transformer.OPTION_GROUPS.items():
-    own = {o for _, cls in registry.items() if cls.__module__.startswith('models.')
-           for o in options_lib.declared(cls)}
+    ours = {name for name, cls in registry.items() if cls.__module__.startswith('models.')}
+    if registry.per_entry:  # One group per entry.
+      settings['model'][group] = {k: v for k, v in settings['model'][group].items() if k in ours}
+      continue
+    own = {o for name in ours for o in options_lib.declared(registry.get(name))}
     settings['model'][group] = {k: v for k, v in settings['model'][group].items() if k in own}
   text = json.dumps(settings, sort_keys=True, default=str)
   return hashlib.sha256(text.encode()).hexdigest()[:16]

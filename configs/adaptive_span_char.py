@@ -5,7 +5,7 @@
   python main.py --config=configs/adaptive_span_char.py --workdir=/tmp/span --mode=inspect
   # The fixed-span baseline with the same S (every head attends S bytes back):
   python main.py --config=configs/adaptive_span_char.py --workdir=/tmp/fixed \
-      --config.model.attention_options.span_learned=False
+      --config.model.attention_options.adaptive_span.learned=False
 
 The paper's small model is 12 layers x 512 wide, 8 heads, S = 8192, 512-byte segments with
 the previous segments cached, Adagrad for 600K steps. Here: 4 layers x 256, 8 heads of 32,
@@ -31,12 +31,12 @@ def get_config():
   config.model.d_model = 256
   config.model.n_heads = 8
   config.model.n_layers = 4
-  opts = config.model.attention_options
-  opts.span_limit = 1024                # S.
-  opts.span_ramp = 32                   # R.
-  opts.span_penalty = 2e-6              # lambda.
-  opts.span_block = 64                  # Trimmed spans are multiples of this.
-  opts.span_memory = True               # Attend into the previous segments, up to S back.
+  opts = config.model.attention_options.adaptive_span
+  opts.limit = 1024                     # S.
+  opts.ramp = 32                        # R.
+  opts.penalty = 2e-6                   # lambda.
+  opts.block = 64                       # Trimmed spans are multiples of this.
+  opts.memory = True                    # Attend into the previous segments, up to S back.
 
   config.seq_len = 256
   config.batch_size = 16

@@ -2,7 +2,7 @@
 (Sukhbaatar et al., 2019, "Adaptive Attention Span in Transformers", section 4 and table 2;
 ../shared/papers/adaptive-attention-span.md). configs/adaptive_span_text8.py is the same
 model on text8 (table 1); configs/adaptive_span_char.py is this model scaled down for a CPU.
-The fixed-span baseline: --config.model.attention_options.span_learned=False.
+The fixed-span baseline: --config.model.attention_options.adaptive_span.learned=False.
 
 At the paper's scale, on a TPU slice (compiled ahead of time from a CPU host by
 `python -m benchmarks.tpu_compile --recipes adaptive_span_enwik8`, committed in
@@ -21,7 +21,7 @@ data.files names it and local_text cuts it 90M / 5M / 5M bytes into train / vali
 as the paper does.
 
 Tiny, on a CPU (the same code and data path, on any text file):
-  python main.py --config=configs/adaptive_span_enwik8.py --workdir=/tmp/span_tiny --config.data.files=/path/to/enwik8 --config.model.n_layers=2 --config.model.d_model=64 --config.model.mlp_dim=128 --config.model.n_heads=2 --config.model.dtype=float32 --config.model.remat=none --config.seq_len=64 --config.model.attention_options.span_limit=128 --config.batch_size=4 --config.total_steps=20 --config.eval_steps=2
+  python main.py --config=configs/adaptive_span_enwik8.py --workdir=/tmp/span_tiny --config.data.files=/path/to/enwik8 --config.model.n_layers=2 --config.model.d_model=64 --config.model.mlp_dim=128 --config.model.n_heads=2 --config.model.dtype=float32 --config.model.remat=none --config.seq_len=64 --config.model.attention_options.adaptive_span.limit=128 --config.batch_size=4 --config.total_steps=20 --config.eval_steps=2
 
 Where this differs from the paper, and why:
   - Optimizer. The paper: Adagrad, lr 0.07 (fixed after a 32K-step linear warm-up), batch 64,
@@ -66,12 +66,12 @@ def get_config():
   config.model.max_len = 0
   config.model.dtype = 'bfloat16'
   config.model.dropout_rate = 0.3       # "dropout with a rate of 0.3" (small models).
-  opts = config.model.attention_options
-  opts.span_limit = 8192                # Tables 1-2: S = 8192.
-  opts.span_ramp = 32                   # "R = 32".
-  opts.span_penalty = 0.5e-6            # "lambda is reduced to 0.5 x 10^-6 when S = 8192".
-  opts.span_init = 0.0                  # "z' ... is initialized to 0".
-  opts.span_memory = True               # Attend into the previous segments, up to S back.
+  opts = config.model.attention_options.adaptive_span
+  opts.limit = 8192                     # Tables 1-2: S = 8192.
+  opts.ramp = 32                        # "R = 32".
+  opts.penalty = 0.5e-6                 # "lambda is reduced to 0.5 x 10^-6 when S = 8192".
+  opts.init = 0.0                       # "z' ... is initialized to 0".
+  opts.memory = True                    # Attend into the previous segments, up to S back.
 
   config.seq_len = 512                  # "a block of 512 consecutive characters".
   config.batch_size = 64                # "a batch size of 64".

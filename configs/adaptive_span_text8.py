@@ -17,7 +17,7 @@ results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
       --config.data.files=gs://BUCKET/text8 --config.data.data_dir=gs://BUCKET/tfds
 
 Tiny, on a CPU (the same code and data path, on any text file):
-  python main.py --config=configs/adaptive_span_text8.py --workdir=/tmp/span8_tiny --config.data.files=/path/to/text8 --config.model.n_layers=2 --config.model.d_model=64 --config.model.mlp_dim=128 --config.model.n_heads=2 --config.model.dtype=float32 --config.model.remat=none --config.seq_len=64 --config.model.attention_options.span_limit=128 --config.batch_size=4 --config.total_steps=20 --config.eval_steps=2
+  python main.py --config=configs/adaptive_span_text8.py --workdir=/tmp/span8_tiny --config.data.files=/path/to/text8 --config.model.n_layers=2 --config.model.d_model=64 --config.model.mlp_dim=128 --config.model.n_heads=2 --config.model.dtype=float32 --config.model.remat=none --config.seq_len=64 --config.model.attention_options.adaptive_span.limit=128 --config.batch_size=4 --config.total_steps=20 --config.eval_steps=2
 """
 
 from configs import adaptive_span_enwik8

@@ -39,11 +39,12 @@ MODEL_SETTINGS = Group('The model.', change=MODEL, settings={
         128, "Query/key block length of 'blocksparse' (at least 512 on GPU/TPU; twice this for "
         "dense and selective attention's rows of >= 4,096 on a CPU).", change=RUNTIME),
     'attention_options': Options(
-        'attention_options', "Every variant's hyper-parameters, with the defaults each variant "
-        'declares next to its code (OPTIONS in models/attention/<family>.py: one-line docs '
-        'there), as --config.model.attention_options.<name>=<value>; e.g. stride (Sparse '
-        'Transformer l), summary (fixed c), window (local w), span_limit (adaptive span S), '
-        'selective_budgets (K_l).'),
+        'attention_options', "The variants' hyper-parameters, one group per variant, with the "
+        'defaults each variant declares next to its code (OPTIONS in '
+        'models/attention/<family>.py: one-line docs there), as '
+        '--config.model.attention_options.<variant>.<name>=<value>; a layer sees only its own '
+        "variant's. E.g. strided.stride (Sparse Transformer l), fixed.summary (c), local.window "
+        '(w), adaptive_span.limit (S), selective.budgets (K_l).'),
     'qk_norm': Setting(True, 'RMS-normalize queries and keys.'),
     'tied_embeddings': Setting(False, 'Share input embedding and output projection.'),
     'dropout_rate': Setting(0.0, 'Residual dropout (the paper states none).',

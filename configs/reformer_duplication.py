@@ -5,7 +5,7 @@
       --config.model.attention=dense
   # The LSH model trained with 1 round, evaluated with 4:
   python main.py --config=configs/reformer_duplication.py --workdir=/tmp/dup_lsh1 --mode=eval \
-      --config.model.attention_options.n_hashes=4
+      --config.model.attention_options.lsh.n_hashes=4
 
 Rows are `0 w 0 w` (after BOS), w of L random symbols; only the second copy is scored, and
 each of its tokens is the token L + 1 back, so a model must attend there. The paper: L = 511
@@ -30,7 +30,7 @@ def get_config():
   config.model.max_len = 0              # The task's sequence length.
   config.model.dtype = 'float32'
   config.model.attention = 'lsh'
-  opts = config.model.attention_options
+  opts = config.model.attention_options.lsh
   opts.n_buckets = 8
   opts.n_hashes = 1
   opts.chunk_len = 32

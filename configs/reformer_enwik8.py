@@ -19,10 +19,10 @@ results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
       --config.data.files=gs://BUCKET/enwik8 --config.data.data_dir=gs://BUCKET/tfds
   # More hash rounds at evaluation (section 5: more rounds help at eval; no retraining):
   python main.py --config=configs/reformer_enwik8.py --workdir=gs://BUCKET/runs/reformer \
-      --mode=eval --config.model.attention_options.n_hashes=8
+      --mode=eval --config.model.attention_options.lsh.n_hashes=8
 
 Tiny, on a CPU (the same code and data path, on any text file):
-  python main.py --config=configs/reformer_enwik8.py --workdir=/tmp/reformer_tiny --config.data.files=/path/to/enwik8 --config.model.n_layers=2 --config.model.d_model=64 --config.model.mlp_dim=128 --config.model.n_heads=2 --config.model.dtype=float32 --config.seq_len=256 --config.model.max_len=256 --config.model.ff_chunk_len=64 --config.model.attention_options.chunk_len=32 --config.model.attention_options.n_buckets=16 --config.batch_size=2 --config.total_steps=20 --config.eval_steps=2
+  python main.py --config=configs/reformer_enwik8.py --workdir=/tmp/reformer_tiny --config.data.files=/path/to/enwik8 --config.model.n_layers=2 --config.model.d_model=64 --config.model.mlp_dim=128 --config.model.n_heads=2 --config.model.dtype=float32 --config.seq_len=256 --config.model.max_len=256 --config.model.ff_chunk_len=64 --config.model.attention_options.lsh.chunk_len=32 --config.model.attention_options.lsh.n_buckets=16 --config.batch_size=2 --config.total_steps=20 --config.eval_steps=2
 
 Where this differs from the paper, and why:
   - Optimizer: the paper's Adafactor (no settings given); the zoo's AdamW at the authors'
@@ -64,7 +64,7 @@ def get_config():
   config.model.vocab_size = 384         # 256 bytes + pad/bos/eos, padded to a multiple of 128.
   config.model.max_len = 65_536
   config.model.dtype = 'bfloat16'
-  opts = config.model.attention_options
+  opts = config.model.attention_options.lsh
   opts.chunk_len = 128                  # 5: "chunks of 128 tokens after hashing and sorting".
   opts.n_buckets = 1024                 # 2: m = 2 l / n_buckets, l = 65,536.
   opts.n_hashes = 2                     # See above.

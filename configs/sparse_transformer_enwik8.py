@@ -18,7 +18,7 @@ results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
       --config.data.files=gs://BUCKET/enwik8 --config.data.data_dir=gs://BUCKET/tfds
 
 Tiny, on a CPU (the same code and data path, on any text file):
-  python main.py --config=configs/sparse_transformer_enwik8.py --workdir=/tmp/st_tiny --config.data.files=/path/to/enwik8 --config.model.n_layers=2 --config.model.d_model=64 --config.model.mlp_dim=128 --config.model.n_heads=2 --config.model.dtype=float32 --config.model.remat=none --config.seq_len=256 --config.model.attention_options.stride=16 --config.model.attention_options.summary=4 --config.batch_size=4 --config.total_steps=20 --config.eval_steps=2
+  python main.py --config=configs/sparse_transformer_enwik8.py --workdir=/tmp/st_tiny --config.data.files=/path/to/enwik8 --config.model.n_layers=2 --config.model.d_model=64 --config.model.mlp_dim=128 --config.model.n_heads=2 --config.model.dtype=float32 --config.model.remat=none --config.seq_len=256 --config.model.attention_options.fixed.stride=16 --config.model.attention_options.fixed.summary=4 --config.batch_size=4 --config.total_steps=20 --config.eval_steps=2
 
 Where this differs from the paper, and why:
   - Batch and learning rate: section 7.2 states neither. 16 rows of 12,288 bytes per step
@@ -56,7 +56,7 @@ def get_config():
   config.model.dropout_rate = 0.4       # and a dropout rate of 0.40" (5.4: at the end of each
                                         # residual addition, as the zoo's residual dropout).
   config.model.mlp_dim = 1344           # 5.2: a 4 d = 2,048 GELU layer (SwiGLU: see above).
-  opts = config.model.attention_options
+  opts = config.model.attention_options.fixed
   opts.stride = 128                     # 7.2: "a stride of 128,
   opts.summary = 32                     # c = 32,
   opts.factorization = 'merged'         # and merged the factorized attention heads".

@@ -4,7 +4,7 @@
       --config.data.files=/path/to/any.txt
   # Evaluate the same checkpoint with a 4x longer memory than training used:
   python main.py --config=configs/transformer_xl_char.py --workdir=/tmp/txl --mode=eval \
-      --config.model.attention_options.eval_mem_len=512
+      --config.model.attention_options.txl.eval_mem_len=512
   # GTrXL's gated residual instead of Pre-LN (Parisotto et al., 2019):
   python main.py --config=configs/transformer_xl_char.py --workdir=/tmp/gtrxl \
       --config.model.block=gtrxl
@@ -32,7 +32,7 @@ def get_config():
   config.model.d_model = 128
   config.model.n_heads = 4
   config.model.n_layers = 4
-  opts = config.model.attention_options
+  opts = config.model.attention_options.txl
   opts.mem_len = 128                    # M.
   opts.eval_mem_len = 0                 # 0: M; a longer memory at eval needs no retraining.
 

@@ -22,7 +22,7 @@ results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
       --mode=eval --config.eval_steps=0
 
 Tiny, on a CPU (the same code and data path, on any text file):
-  python main.py --config=configs/transformer_xl_enwik8.py --workdir=/tmp/txl_tiny --config.data.files=/path/to/enwik8 --config.model.n_layers=2 --config.model.d_model=64 --config.model.mlp_dim=128 --config.model.n_heads=2 --config.model.dtype=float32 --config.seq_len=64 --config.model.attention_options.mem_len=64 --config.model.attention_options.eval_mem_len=128 --config.model.attention_options.clamp_len=0 --config.batch_size=4 --config.total_steps=20 --config.eval_steps=2 --config.mesh.data=-1 --config.mesh.tensor=1
+  python main.py --config=configs/transformer_xl_enwik8.py --workdir=/tmp/txl_tiny --config.data.files=/path/to/enwik8 --config.model.n_layers=2 --config.model.d_model=64 --config.model.mlp_dim=128 --config.model.n_heads=2 --config.model.dtype=float32 --config.seq_len=64 --config.model.attention_options.txl.mem_len=64 --config.model.attention_options.txl.eval_mem_len=128 --config.model.attention_options.txl.clamp_len=0 --config.batch_size=4 --config.total_steps=20 --config.eval_steps=2 --config.mesh.data=-1 --config.mesh.tensor=1
 
 Where this differs from the paper, and why:
   - Evaluation memory: the base scripts evaluate with a memory of 2,100 and clamp_len 820.
@@ -61,7 +61,7 @@ def get_config():
   config.model.vocab_size = 384         # 256 bytes + pad/bos/eos, padded to a multiple of 128.
   config.model.max_len = 0
   config.model.dtype = 'bfloat16'
-  opts = config.model.attention_options
+  opts = config.model.attention_options.txl
   opts.mem_len = 512                    # --mem_len 512
   opts.eval_mem_len = 2100              # eval: --mem_len 2100
   opts.clamp_len = 820                  # eval: --clamp_len 820 (also in training: distances

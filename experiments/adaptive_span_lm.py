@@ -11,7 +11,7 @@ R = 32, lambda = 2e-6, segments attending into the cached previous ones up to S 
 
 - adaptive: 'adaptive_span', z = S z' per head, z' learned from 0 (section 2.2);
 - dynamic: 'dynamic_span', z_t = S sigmoid(v . x_t + b) per token and head, b = -4 at init;
-- fixed: 'adaptive_span:span_learned=False', every head's span z = S (the paper's fixed-span
+- fixed: 'adaptive_span:learned=False', every head's span z = S (the paper's fixed-span
   baseline: the same model, mask and relative positions, all S keys).
 
 After training, each run's spans per layer and head are read by `main.py --mode=inspect`'s
@@ -43,7 +43,7 @@ from benchmarks import common  # noqa: E402
 RECIPE = os.path.join(REPO, 'configs', 'adaptive_span_char.py')
 # name in the JSON -> the harness's variant spec.
 RUNS = {'adaptive': 'adaptive_span', 'dynamic': 'dynamic_span',
-        'fixed': 'adaptive_span:span_learned=False'}
+        'fixed': 'adaptive_span:learned=False'}
 TIME_STEPS = 3  # Steps per run per round of the round-robin timing (--time_rounds rounds).
 
 
@@ -141,7 +141,8 @@ def base_config(args):
           'batch_size': args.batch_size, 'eval_steps': args.eval_steps,
           'learning_rate': args.learning_rate, 'data.chunk_bytes': 16384,
           'model.n_layers': args.layers, 'model.n_heads': args.heads,
-          'model.d_model': args.d_model, 'model.attention_options.span_limit': args.span_limit})
+          'model.d_model': args.d_model, 'model.attention_options.adaptive_span.limit':
+          args.span_limit, 'model.attention_options.dynamic_span.limit': args.span_limit})
 
 
 def row(r: dict, spans: dict, tokens_per_step: int) -> dict:
@@ -204,7 +205,7 @@ def main(argv=None) -> dict:
       'text': os.path.basename(args.text), 'seeds': seeds, 'steps': args.steps,
       'layers': args.layers, 'heads': args.heads, 'd_model': args.d_model,
       'seq_len': args.seq_len, 'batch_size': args.batch_size, 'span_limit': args.span_limit,
-      'span_ramp': base.model.attention_options.span_ramp,
+      'span_ramp': base.model.attention_options.adaptive_span.ramp,
       'learning_rate': args.learning_rate, 'eval_steps': args.eval_steps,
       'variants': {n: RUNS[n] for n in names},
       'harness': {'recipe': os.path.relpath(RECIPE, REPO), **harness.describe(base),

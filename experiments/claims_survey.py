@@ -251,7 +251,7 @@ def dup_eval_rounds(results):
   if all(gains[r] >= paper[r] / 2 for r in rows):
     return ours, 'reproduces', f'rises in every row, by at least half the paper\'s ({sizes} points)'
   seq = data['settings']['seq_len']
-  chunk = data['runs']['lsh1']['overrides']['model.attention_options.chunk_len']
+  chunk = data['runs']['lsh1']['overrides']['model.attention_options.lsh.chunk_len']
   return ours, 'direction holds', (
       f'rises with rounds in every row, but the LSH-1 → LSH-4 gains are less than half the '
       f'paper\'s (ours vs paper: {sizes} points). Rows of {seq} against {PAPER_DUP_SEQ}: a '

@@ -179,18 +179,28 @@ def describe(base: ml_collections.ConfigDict) -> dict:
           'files': [os.path.basename(f) for f in data.get('files', '').split(',') if f]}
 
 
-def option_key(config, key: str) -> str:
-  """The dotted config key a spec option names: an attention, stack or block option, a model
-  field, or a dotted (or top-level) config key."""
+def option_keys(config, key: str) -> list[str]:
+  """The dotted config keys a spec option names: an option of the attention variants in use
+  (model.attention_options.<variant>.<key>, for each that declares it), a stack or block
+  option, a model field, or a dotted (or top-level) config key."""
+  variants = list(dict.fromkeys(n.strip() for n in config.model.attention.split(',')))
+  found = [f'model.attention_options.{v}.{key}' for v in variants
+           if v in attention.known() and key in attention.options(v)]
+  if found:
+    return found
   for group, registry in transformer.OPTION_GROUPS.items():
-    if key in registry.options():
-      return f'model.{group}.{key}'
+    if not registry.per_entry and key in registry.options():
+      return [f'model.{group}.{key}']
   if key in config.model and not isinstance(config.model[key], ml_collections.ConfigDict):
-    return f'model.{key}'
+    return [f'model.{key}']
   if key in flatten(config):
-    return key
-  raise ValueError(f'{key!r} is neither an attention option, a stack or block option, a '
-                   'model field nor a config key')
+    return [key]
+  renamed = run_config.renamed_keys(f'model.attention_options.{key}', variants)
+  if renamed:
+    raise ValueError(f'{key} was renamed {renamed[0].split(".")[-1]} '
+                     f'({", ".join(renamed)})')
+  raise ValueError(f'{key!r} is neither an attention option of {", ".join(variants)}, a stack '
+                   'or block option, a model field nor a config key')
 
 
 def parse_spec(spec: str) -> tuple[str, list[tuple[str, str]]]:
@@ -223,19 +233,21 @@ def variant_config(base: ml_collections.ConfigDict,
     config = override(base, given)
     texts = []
     for key, text in pairs:
-      dotted = option_key(config, key)
-      given[dotted] = None
-      texts.append(f'{dotted}={text}')
+      for dotted in option_keys(config, key):
+        given[dotted] = None
+        texts.append(f'{dotted}={text}')
     try:
       config = override(config, texts)
     except ValueError as e:
       raise ValueError(f'variant {spec!r}: {e}') from e
   names = [n.strip() for n in config.model.attention.split(',') if n.strip()]
   classes = [attention.get(n) for n in names]
-  options = attention.resolve_options(dict(config.model.attention_options), names)
+  options = attention.resolve_options(
+      {k: dict(v) for k, v in config.model.attention_options.items()}, names)
   if any(c.RELATIVE_POSITIONS for c in classes) and 'model.position_embedding' not in given:
     config.model.position_embedding = 'none'
-  if any(c.uses_memory(options) for c in classes) and 'data.packing' not in given:
+  if any(c.uses_memory(options[n]) for n, c in zip(names, classes)) and (
+      'data.packing' not in given):
     config.data.packing = 'stream'  # Memory carries a row's previous segment to the next batch.
   return config
 
@@ -310,7 +322,7 @@ class _OneAttentionLayer(nn.Module):
   def __call__(self, x, positions, segment_ids):
     cfg = self.config
     variant = cfg.attention[self.index]
-    specs = attention.get(variant).shared_params(dict(cfg.attention_options), cfg.n_heads,
+    specs = attention.get(variant).shared_params(cfg.options_of(variant), cfg.n_heads,
                                                  cfg.head_dim)
     shared = (transformer.SharedParams(specs, cfg.param_dtype, name=f'{variant}_shared')()
               if specs else None)

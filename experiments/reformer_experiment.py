@@ -44,7 +44,7 @@ RECIPES = {'dup': os.path.join(REPO, 'configs', 'reformer_duplication.py'),
            'bytes': os.path.join(REPO, 'configs', 'local_text.py')}
 METRIC = {'dup': 'accuracy', 'bytes': 'bits_per_byte'}
 SEQ = 256
-LSH = {'model.attention_options.n_buckets': 8, 'model.attention_options.chunk_len': 32}
+LSH = {'model.attention_options.lsh.n_buckets': 8, 'model.attention_options.lsh.chunk_len': 32}
 HASHES = (1, 2, 4)
 
 
@@ -52,9 +52,10 @@ def dup_evals(seq: int = SEQ, lsh: dict = None, hashes=HASHES) -> list[tuple[str
   """Evaluations of every shared-QK model of rows of `seq` tokens: full attention (one bucket,
   one chunk), then LSH (`lsh`: its buckets and chunks) with each of `hashes` rounds."""
   lsh = LSH if lsh is None else lsh
-  full = {'model.attention_options.n_buckets': 1, 'model.attention_options.chunk_len': seq,
-          'model.attention_options.n_hashes': 1}
-  return [('full', full)] + [(f'lsh{h}', {**lsh, 'model.attention_options.n_hashes': h})
+  full = {'model.attention_options.lsh.n_buckets': 1,
+          'model.attention_options.lsh.chunk_len': seq,
+          'model.attention_options.lsh.n_hashes': 1}
+  return [('full', full)] + [(f'lsh{h}', {**lsh, 'model.attention_options.lsh.n_hashes': h})
                              for h in hashes]
 
 
@@ -101,10 +102,10 @@ def dup_seq(args) -> int:
 
 def dup_lsh(args) -> dict:
   """The LSH settings of --n_buckets and --chunk_len (default: LSH's)."""
-  return {'model.attention_options.n_buckets': getattr(args, 'n_buckets', None) or
-          LSH['model.attention_options.n_buckets'],
-          'model.attention_options.chunk_len': getattr(args, 'chunk_len', None) or
-          LSH['model.attention_options.chunk_len']}
+  return {'model.attention_options.lsh.n_buckets': getattr(args, 'n_buckets', None) or
+          LSH['model.attention_options.lsh.n_buckets'],
+          'model.attention_options.lsh.chunk_len': getattr(args, 'chunk_len', None) or
+          LSH['model.attention_options.lsh.chunk_len']}
 
 
 def dup_plan(args) -> tuple[tuple, dict]:

@@ -123,7 +123,7 @@ EXPERIMENTS = (
 )
 _COMPARE_VARIANTS = ('dense,strided:stride=16,fixed:stride=32:summary=4,local:window=32,'
                      'block_local:local_block=32:block_memory=32,local_global:window=32,'
-                     'adaptive_span:span_limit=256,dynamic_span:span_limit=256,lsh,selective,'
+                     'adaptive_span:limit=256,dynamic_span:limit=256,lsh,selective,'
                      'txl,gtrxl,reformer,universal')
 
 # The runs quoted on a docs/ page rather than in RESULTS.md (no row reads them): `run NAME`

@@ -40,8 +40,8 @@ context 256 train dense and selective in the same folders.
 - ablations (appendices A.3-A.5): the same LM runs for selective attention without the shift
   (A.4), without the ReLU, with <BOS> maskable, with the diagonal unmasked (A.5), with a
   separate bilinear form (A.3); dense and selective for reference. Each is an option of
-  models/attention/selective.py (selective_shift, selective_relu, selective_mask_bos,
-  selective_mask_diag, selective_separate_bilinear).
+  models/attention/selective.py (shift, relu, mask_bos, mask_diag, separate_bilinear:
+  model.attention_options.selective.<name>).
 - kv (section 4, section 6.2, figure 6): at each context of --contexts (the paper's 512,
   1,024, 2,048 scaled to 128, 256, 512), dense, selective and selective with L_mem (eps 0.1,
   eq. 2). For each selective model: training/pruning.py's greedy per-layer budgets (C =
@@ -94,15 +94,15 @@ VA_VARIANTS = {'dense': 'dense', 'selective': 'selective'}
 WINDOWS = '16,64,240'  # --windows' default.
 ABLATIONS = {
     'selective': 'selective',
-    'no_shift': 'selective:selective_shift=False',
-    'no_relu': 'selective:selective_relu=False',
-    'bos_maskable': 'selective:selective_mask_bos=False',
-    'diag_unmasked': 'selective:selective_mask_diag=False',
-    'separate_bilinear': 'selective:selective_separate_bilinear=True',
+    'no_shift': 'selective:shift=False',
+    'no_relu': 'selective:relu=False',
+    'bos_maskable': 'selective:mask_bos=False',
+    'diag_unmasked': 'selective:mask_diag=False',
+    'separate_bilinear': 'selective:separate_bilinear=True',
     'dense': 'dense',
 }
 KV_VARIANTS = {'dense': 'dense', 'selective': 'selective',
-               'selective_lmem': 'selective:selective_lmem_eps=0.1'}
+               'selective_lmem': 'selective:lmem_eps=0.1'}
 KV_KEYS = ('val_loss', 'bits_per_byte', 'reduction', 'pruned_loss', 'keep_reduction',
            'keep_loss')
 # docs/selective_attention.md: the byte LM's evaluations, and how much longer the long dense

@@ -35,14 +35,14 @@ BATCH_SIZE, SEQ_LEN = 16, 128  # The recipe's (the settings of the JSON say so).
 RUNS = (
     harness.Run('dense', {'model.attention': 'dense', 'model.position_embedding': 'learned',
                           'data.packing': 'concat'}),
-    harness.Run('txl_mem0', {'model.attention_options.mem_len': 0}),
+    harness.Run('txl_mem0', {'model.attention_options.txl.mem_len': 0}),
     harness.Run('txl', {}),
     harness.Run('txl_gtrxl', {'model.block': 'gtrxl'}),
 )
 # Each evaluation is on the whole validation split; a run's evaluations: [(tag, eval-time
 # overrides)], [('eval', {})] for a run not named here.
 EVAL_ALL = {'eval_steps': 0}
-LONG_MEMORY = {'model.attention_options.eval_mem_len': 512}
+LONG_MEMORY = {'model.attention_options.txl.eval_mem_len': 512}
 EVALS = {name: [('eval_mem128', {}), ('eval_mem512', LONG_MEMORY)]
          for name in ('txl', 'txl_gtrxl')}
 

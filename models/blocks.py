@@ -66,14 +66,14 @@ def make_attention(config, variant: str, layer_index: int, **kwargs) -> nn.Modul
   cls = attention.get(variant)
   platform, devices = config.target
   impl = cls.implementation(
-      config.attention_impl, options=dict(config.attention_options), head_dim=config.head_dim,
+      config.attention_impl, options=config.options_of(variant), head_dim=config.head_dim,
       backend=platform, dtype=config.dtype, block_size=config.attention_block_size,
       devices=devices, layer_index=layer_index)
   return cls(
       num_heads=config.n_heads, head_dim=config.head_dim, qk_norm=config.qk_norm,
       impl=impl, block_size=config.attention_block_size,
       layer_index=layer_index, max_len=config.max_len, num_layers=config.n_layers,
-      options=config.attention_options, dtype=config.dtype, param_dtype=config.param_dtype,
+      options=tuple(sorted(config.options_of(variant).items())), dtype=config.dtype, param_dtype=config.param_dtype,
       platform=platform, **kwargs)
 
 
@@ -275,9 +275,9 @@ class Reversible(BlockBase):
     if config.uses_memory:
       raise ValueError(
           "model.block='reversible' cannot carry segment memory (Transformer-XL's mem_len, "
-          "adaptive span's span_memory): its training path rebuilds each layer's input and does "
-          'not update the memory collection. Set mem_len=0 / span_memory=False, or use '
-          "model.block='pre_ln'")
+          "adaptive span's memory): its training path rebuilds each layer's input and does not "
+          'update the memory collection. Set model.attention_options.txl.mem_len=0 / '
+          "model.attention_options.adaptive_span.memory=False, or use model.block='pre_ln'")
 
   @classmethod
   def split(cls, x):

@@ -2,8 +2,9 @@
 
 An attention variant, a block or a stack lists its own hyper-parameters in a class attribute
 `OPTIONS` (name -> Option; a subclass inherits its parents'). Each registry (models/registry.py)
-collects the options of its entries into one flat config group: config.model.attention_options,
-config.model.block_options and config.model.stack_options. Each option carries its default,
+collects the options of its entries into one config group: config.model.attention_options
+(one sub-group per variant: attention_options.<variant>.<name>), config.model.block_options
+and config.model.stack_options (flat). Each option carries its default,
 its type (the default's), a one-line doc and what a change of it on a recorded run is
 (training/run_config.py reads `change` from the registry; nothing is listed there by hand).
 """
@@ -19,9 +20,10 @@ CHANGES = ('model', 'training', 'runtime')
 class Option:
   """One hyper-parameter of a registered component: config.model.<group>.<name>.
 
-  Options of one registry share one flat namespace; a component declares its own in `OPTIONS`
-  (the registry refuses a name two components declare separately) and checks their values
-  together (an attention variant's `validate`, a block's or a stack's `check`).
+  A component declares its own in `OPTIONS` and checks their values together (an attention
+  variant's `validate`, a block's or a stack's `check`). Each attention variant has its own
+  group; blocks and stacks share one flat namespace per registry (which refuses a name two
+  components declare separately).
 
   Attributes:
     default: the value configs start from; its type is the type the option must have

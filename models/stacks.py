@@ -60,8 +60,8 @@ def _scan(body, length: int):
 
 def layer_periods(config) -> list[int | None]:
   """Each layer's period (MultiHeadAttention.layer_period) under `config`."""
-  options = dict(config.attention_options)
-  return [attention.get(name).layer_period(options, config.n_layers) for name in config.attention]
+  return [attention.get(name).layer_period(config.options_of(name), config.n_layers)
+          for name in config.attention]
 
 
 def cycle_length(config) -> int | None:

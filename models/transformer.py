@@ -20,7 +20,9 @@ POSITION_EMBEDDINGS = ('learned', 'sinusoidal', 'none')
 REMAT_POLICIES = stacks.REMAT_POLICIES
 
 # The option groups of config.model: field -> the registry whose entries declare them
-# (models/options.py). Each is one flat namespace; TransformerConfig holds it resolved.
+# (models/options.py). The attention variants' group has one sub-group per variant
+# (attention_options.<variant>.<name>); the blocks' and stacks' are flat. TransformerConfig
+# holds them resolved.
 OPTION_GROUPS = {
     'attention_options': attention.registry.VARIANTS,
     'block_options': blocks.BLOCKS,
@@ -29,8 +31,8 @@ OPTION_GROUPS = {
 
 
 def default_options(group: str) -> dict:
-  """name -> default of every user-facing option of `group` (a key of OPTION_GROUPS): what
-  configs/default.py starts from."""
+  """The defaults of every user-facing option of `group` (a key of OPTION_GROUPS): what
+  configs/default.py starts from (per variant for attention_options: {variant: {name: v}})."""
   return OPTION_GROUPS[group].default_options()
 
 
@@ -52,8 +54,11 @@ class TransformerConfig:
     attention: registry name per layer (a tuple of length n_layers).
     attention_impl: implementation switch, one of attention.IMPLEMENTATIONS.
     attention_block_size: block length of the 'blocksparse' implementation.
-    attention_options: variant hyper-parameters, sorted (name, value) pairs; every option a
-      registered variant declares, defaults filled in (models/attention/registry.py).
+    attention_options: the hyper-parameters of the variants in use, sorted (variant, options)
+      pairs, each variant's options sorted (name, value) pairs with every option it declares,
+      defaults filled in (models/attention/registry.py); given as {variant: {name: value}}
+      too, with groups of other registered variants (checked, then dropped). Read a
+      variant's with `options_of`.
     qk_norm: RMS-normalize queries and keys.
     tied_embeddings: reuse the input embedding as output projection.
     dropout_rate: residual dropout (0 in the paper).
@@ -113,10 +118,13 @@ class TransformerConfig:
                        f'{self.n_layers}')
     for name in sorted(set(self.attention)):
       attention.get(name)  # An unknown variant name is the first error reported.
-    options = attention.resolve_options(dict(self.attention_options), self.attention)
-    object.__setattr__(self, 'attention_options', tuple(sorted(options.items())))
+    options = attention.resolve_options(_per_variant(self.attention_options), self.attention)
+    object.__setattr__(self, 'attention_options', _pairs(options))
     for name in sorted(set(self.attention)):
-      attention.get(name).validate(options, self.n_heads, self.n_layers)
+      try:  # A variant's checks name its options; the message says whose they are.
+        attention.get(name).validate(options[name], self.n_heads, self.n_layers)
+      except ValueError as e:
+        raise ValueError(f'model.attention_options.{name}: {e}') from None
     if self.attention_impl not in attention.IMPLEMENTATIONS:
       raise ValueError(f'unknown model.attention_impl {self.attention_impl!r}; known: '
                        f'{", ".join(attention.IMPLEMENTATIONS)}')
@@ -146,6 +154,24 @@ class TransformerConfig:
     if self.stack != 'auto':
       stacks.get(self.stack).check(self)
 
+  def options_of(self, variant: str) -> dict:
+    """{name: value} of the options of `variant`, a variant in use
+    (config.model.attention_options.<variant>)."""
+    for name, pairs in self.attention_options:
+      if name == variant:
+        return dict(pairs)
+    raise ValueError(f'attention variant {variant!r} is not in use (model.attention: '
+                     f'{", ".join(dict.fromkeys(self.attention))})')
+
+  def with_options(self, updates: dict[str, dict]) -> 'TransformerConfig':
+    """This config with {variant: {name: value}} set in the options of the variants in use;
+    the same object when nothing changes (a compiled step keyed on the config is reused)."""
+    options = {name: {**dict(pairs), **updates.get(name, {})}
+               for name, pairs in self.attention_options}
+    if _pairs(options) == self.attention_options:
+      return self
+    return dataclasses.replace(self, attention_options=_pairs(options))
+
   def block_option(self, name: str):
     """The block option `name` (config.model.block_options; its default when not given)."""
     return options.lookup(self.block_options, name, 'model.block_options')
@@ -169,8 +195,8 @@ class TransformerConfig:
   @property
   def uses_memory(self) -> bool:
     """True if some layer carries previous-segment state (the 'memory' collection)."""
-    options = dict(self.attention_options)
-    return any(attention.get(name).uses_memory(options) for name in set(self.attention))
+    return any(attention.get(name).uses_memory(self.options_of(name))
+               for name in set(self.attention))
 
   @property
   def stack_name(self) -> str:
@@ -221,7 +247,7 @@ class TransformerConfig:
         position_embedding=m.get('position_embedding', 'learned'),
         attention_impl=m.get('attention_impl', 'xla'),
         attention_block_size=m.get('attention_block_size', 128),
-        attention_options=tuple(sorted(dict(m.get('attention_options') or {}).items())),
+        attention_options=m.get('attention_options') or {},
         qk_norm=m.get('qk_norm', True),
         tied_embeddings=m.get('tied_embeddings', False), dropout_rate=m.get('dropout_rate', 0.0),
         dtype=jnp.dtype(m.get('dtype', 'float32')), param_dtype=jnp.dtype(m.get('param_dtype', 'float32')),
@@ -279,10 +305,10 @@ class Decoder(nn.Module):
     """{variant: {name: parameter}} of the variants that share parameters across layers
     (MultiHeadAttention.shared_params), created here as '<variant>_shared/<name>'."""
     cfg = self.config
-    options = dict(cfg.attention_options)
     shared = {}
     for variant in dict.fromkeys(cfg.attention):
-      specs = attention.get(variant).shared_params(options, cfg.n_heads, cfg.head_dim)
+      specs = attention.get(variant).shared_params(cfg.options_of(variant), cfg.n_heads,
+                                                   cfg.head_dim)
       if specs:
         shared[variant] = SharedParams(specs, cfg.param_dtype, name=f'{variant}_shared')()
     return shared
@@ -395,14 +421,8 @@ class SharedParams(nn.Module):
 def for_eval(config: TransformerConfig) -> TransformerConfig:
   """`config` with the option values its variants use at evaluation
   (MultiHeadAttention.eval_options); the same object when none differ."""
-  options = dict(config.attention_options)
-  updates = {}
-  for cls in variant_classes(config):
-    updates.update(cls.eval_options(options))
-  merged = {**options, **updates}
-  if merged == options:
-    return config
-  return dataclasses.replace(config, attention_options=tuple(sorted(merged.items())))
+  return config.with_options({name: attention.get(name).eval_options(config.options_of(name))
+                             for name in dict.fromkeys(config.attention)})
 
 
 def count_params(config: TransformerConfig) -> int:
@@ -423,32 +443,27 @@ def specialized(config: TransformerConfig, params) -> TransformerConfig:
   per-layer trimmed spans); the same object when nothing changes, so a compiled step keyed on
   the config is reused."""
   stack = stacks.of(config)
-  updates = {}
-  for cls in variant_classes(config):
-    updates.update(cls.specialize(config, lambda i: stack.layer_tree(config, params, i)) or {})
-  options = {**dict(config.attention_options), **updates}
-  if not updates or tuple(sorted(options.items())) == config.attention_options:
-    return config
-  return dataclasses.replace(config, attention_options=tuple(sorted(options.items())))
+  return config.with_options({
+      name: attention.get(name).specialize(config, lambda i: stack.layer_tree(config, params, i))
+      or {} for name in dict.fromkeys(config.attention)})
 
 
 def row_periods(config: TransformerConfig) -> dict[str, int]:
   """{variant: p} for the variants whose blocks are anchored to multiples of p in the row."""
-  options = dict(config.attention_options)
   return {name: p for name in dict.fromkeys(config.attention)
-          if (p := attention.get(name).row_period(options))}
+          if (p := attention.get(name).row_period(config.options_of(name)))}
 
 
 def param_bounds(config: TransformerConfig) -> dict[str, tuple[float, float]]:
   """{parameter name: (lo, hi)} the optimizer keeps in a box, from the variants in use."""
-  options = dict(config.attention_options)
-  return {k: v for cls in variant_classes(config) for k, v in cls.param_bounds(options).items()}
+  return {k: v for name in dict.fromkeys(config.attention)
+          for k, v in attention.get(name).param_bounds(config.options_of(name)).items()}
 
 
 def rng_streams(config: TransformerConfig) -> tuple[str, ...]:
   """Random streams a training forward pass draws from: 'dropout' and the variants' own."""
-  options = dict(config.attention_options)
-  extra = [s for cls in variant_classes(config) for s in cls.rng_streams(options)]
+  extra = [s for name in dict.fromkeys(config.attention)
+           for s in attention.get(name).rng_streams(config.options_of(name))]
   return ('dropout', *dict.fromkeys(s for s in extra if s != 'dropout'))
 
 
@@ -466,3 +481,21 @@ def implementations(config: TransformerConfig) -> list[str]:
     except ValueError as e:
       raise ValueError(f'model.attention {name!r} (layer {i}): {e}') from None
   return out
+
+
+def _per_variant(options) -> dict:
+  """attention_options as {variant: {name: value}}, from that form or from sorted
+  (variant, pairs) pairs (a resolved config's)."""
+  if isinstance(options, tuple):
+    try:
+      return {name: dict(pairs) for name, pairs in options}
+    except (TypeError, ValueError):
+      raise ValueError(f'model.attention_options must be {{variant: {{name: value}}}} (each '
+                       f'variant has its own options), got {options!r}') from None
+  return {name: dict(values) if hasattr(values, 'items') else values
+          for name, values in dict(options).items()}
+
+
+def _pairs(options: dict) -> tuple:
+  """{variant: {name: value}} -> sorted (variant, sorted (name, value) pairs) pairs."""
+  return tuple((name, tuple(sorted(values.items()))) for name, values in sorted(options.items()))

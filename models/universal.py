@@ -271,8 +271,8 @@ class Universal(stacks.Stack):
           f"model.stack='universal': {config.attention[0]} attention alternates its pattern "
           f"with the layer index (period {period}), but the universal stack applies one block "
           f"at every step, which would only ever use the first pattern. Use a factorization "
-          f"that does not depend on the layer (model.attention_options.factorization="
-          f"'merged' or 'multihead'), or a layered stack")
+          f"that does not depend on the layer (model.attention_options."
+          f"{config.attention[0]}.factorization='merged' or 'multihead'), or a layered stack")
     # Their types are checked where they are resolved (Option.check): the ranges here.
     for name in ('steps', 'max_steps'):
       value = config.stack_option(name)

@@ -194,7 +194,7 @@ def evaluate_budgets(config, workdir: str, request: run_config.Request | None = 
   setup, step, params = _restore(config, workdir)
   unpruned = evaluation.score(setup, steps.jit_eval_step(setup), params)
   pruned_config = copy.deepcopy(config)
-  pruned_config.model.attention_options.selective_budgets = budgets
+  pruned_config.model.attention_options.selective.budgets = budgets
   pruned_setup = assembly.build(pruned_config, workdir=workdir)
   try:
     pruned = evaluation.score(pruned_setup, steps.jit_eval_step(pruned_setup), params)

@@ -42,6 +42,13 @@ A config key renamed since a run was recorded (RENAMED) is read under its new na
 record is read: config.json and the history lines (their changes, overrides and replaced
 records); `migrate` does the same for any other flat mapping of an older file, such as an eval
 result's `config_overrides`. The old name given now is refused with the new one.
+
+The attention options were one flat group (model.attention_options.<name>, some with a
+variant's prefix: span_limit, selective_relu) and are now per variant
+(model.attention_options.<variant>.<name>: adaptive_span.limit, selective.relu). A recorded
+flat option is read as the option of every variant that declares it (OPTION_RENAMED gives the
+names that lost their prefix), so the variant the run used has its value; the old key given
+now is refused with the new one (`renamed_keys`).
 """
 
 from __future__ import annotations
@@ -60,7 +67,8 @@ from absl import logging
 from etils import epath
 
 from configs import declare, default
-from models import transformer
+from models import attention, transformer
+from models import options as options_lib
 from training import sharding
 
 RECORD = 'config.json'
@@ -97,8 +105,30 @@ RENAMED = {
 
 # Prefix of the attention options' keys.
 OPTIONS_GROUP = 'model.attention_options.'
+
+# Attention options that lost their variant's prefix when each variant got its own group
+# (model.attention_options.span_limit -> model.attention_options.adaptive_span.limit, and
+# dynamic_span.limit): old flat name -> name in the variant's group. Every other flat option
+# kept its name. Add a line here when an attention option is renamed.
+OPTION_RENAMED = {
+    **{f'span_{n}': n for n in ('limit', 'ramp', 'init', 'penalty', 'block', 'learned',
+                                'memory', 'trim')},
+    'dynamic_span_bias': 'bias',
+    **{f'selective_{n}': n for n in ('shift', 'relu', 'mask_bos', 'mask_diag',
+                                     'separate_bilinear', 'lmem_eps', 'lmem_tau', 'budgets')},
+}
 # Prefix of each option group's keys -> the registry that declares its options.
 OPTION_GROUPS = {f'model.{group}.': reg for group, reg in transformer.OPTION_GROUPS.items()}
+
+
+def _declared_option(reg, rest: str):
+  """The Option that `rest` (a key below the group of registry `reg`) names, or None."""
+  if not reg.per_entry:
+    return reg.options().get(rest.split('.')[0])
+  entry, _, name = rest.partition('.')
+  if entry not in reg.known():
+    return None
+  return options_lib.declared(reg.get(entry)).get(name.split('.')[0])
 
 
 def kind(key: str) -> str:
@@ -106,7 +136,7 @@ def kind(key: str) -> str:
   stack option (the registry's Option.change), else KINDS' (MODEL when no entry covers it)."""
   for prefix, reg in OPTION_GROUPS.items():
     if key.startswith(prefix):
-      option = reg.options().get(key[len(prefix):].split('.')[0])
+      option = _declared_option(reg, key[len(prefix):])
       if option is not None:
         return option.change
   parts = key.split('.')
@@ -182,22 +212,80 @@ class Resolved:
   request: Request
 
 
+def _flat_option(key: str) -> str | None:
+  """The option name of a key of the old flat attention group
+  (model.attention_options.<name>), or None for any other key."""
+  if not key.startswith(OPTIONS_GROUP):
+    return None
+  name = key[len(OPTIONS_GROUP):]
+  return None if '.' in name or name in attention.known() else name
+
+
+def option_keys(name: str, variants=None) -> list[str]:
+  """The keys of an option of the old flat attention group, `name`, in the per-variant
+  groups: model.attention_options.<variant>.<new name> for each of `variants` (default: every
+  registered variant) that declares it."""
+  new = OPTION_RENAMED.get(name, name)
+  return [f'{OPTIONS_GROUP}{v}.{new}' for v in (variants or attention.known())
+          if v in attention.known() and new in attention.options(v)]
+
+
+def renamed_keys(key: str, variants=None) -> list[str]:
+  """The new keys of dotted `key` if it was renamed (RENAMED; an old flat attention option:
+  `option_keys` for `variants`, the variants in use where known; an old prefixed name in a
+  variant's group, e.g. model.attention_options.selective.selective_relu), else []."""
+  if key in RENAMED:
+    return [RENAMED[key]]
+  name = _flat_option(key)
+  if name is not None:
+    return option_keys(name, variants) or option_keys(name)
+  if key.startswith(OPTIONS_GROUP):
+    variant, _, name = key[len(OPTIONS_GROUP):].partition('.')
+    new = OPTION_RENAMED.get(name)
+    if new and variant in attention.known() and new in attention.options(variant):
+      return [f'{OPTIONS_GROUP}{variant}.{new}']
+  return []
+
+
 def migrate(flat: dict[str, Any]) -> dict[str, Any]:
   """`flat` (dotted key -> value, e.g. a record's changes, overrides or an eval result's
-  config_overrides) with every RENAMED key under its new name (a new key present wins)."""
+  config_overrides) with every RENAMED key under its new name, and an old flat attention
+  option under each variant's key that declares it (a new key present wins)."""
   out = {}
   for key, value in flat.items():
-    new = RENAMED.get(key)
-    if new is None:
+    if key in RENAMED:
+      new = [RENAMED[key]]
+    elif _flat_option(key) is not None:
+      new = option_keys(_flat_option(key))
+    else:
       out[key] = value
-    elif new not in flat:
-      out[new] = value
+      continue
+    out.update({k: value for k in new if k not in flat})
   return out
+
+
+def _migrate_options(tree: dict) -> None:
+  """A record's flat model.attention_options (a run recorded before each variant had its own
+  group) as per-variant groups, in place: each option under every variant that declares it."""
+  model = tree.get('model')
+  group = model.get('attention_options') if isinstance(model, dict) else None
+  if not isinstance(group, dict) or all(isinstance(v, dict) for v in group.values()):
+    return
+  nested = {v: {} for v in attention.known()}
+  for name, value in group.items():
+    if isinstance(value, dict):  # A variant's group already.
+      nested.setdefault(name, {}).update(value)
+      continue
+    for key in option_keys(name):
+      variant, option = key[len(OPTIONS_GROUP):].split('.')
+      nested[variant].setdefault(option, value)
+  model['attention_options'] = nested
 
 
 def _migrate_tree(tree: dict) -> dict:
   """A nested record (config.json) with every RENAMED key moved to its new place."""
   tree = copy.deepcopy(tree)
+  _migrate_options(tree)
   for old, new in RENAMED.items():
     *parents, leaf = old.split('.')
     node = tree
@@ -214,12 +302,25 @@ def _migrate_tree(tree: dict) -> dict:
   return tree
 
 
-def check_renamed(keys) -> None:
-  """Raises ValueError naming the new key of each RENAMED key among dotted `keys` (a config
+def renamed_message(keys, variants=None, prefix: str = 'config key ', new_prefix: str = ''
+                    ) -> str:
+  """'PREFIX<old> was renamed NEW_PREFIX<new>' for each renamed key among dotted `keys`,
+  joined with '; ' ('' when none is); `variants`: the attention variants in use, where known."""
+  out = []
+  for key in sorted(keys):
+    new = renamed_keys(key, variants)
+    if new:
+      out.append(f'{prefix}{key} was renamed ' + ' or '.join(f'{new_prefix}{k}' for k in new)
+                 + (' (the variant in use)' if len(new) > 1 else ''))
+  return '; '.join(out)
+
+
+def check_renamed(keys, variants=None) -> None:
+  """Raises ValueError naming the new key of each renamed key among dotted `keys` (a config
   given now, or the --config overrides of a command line)."""
-  old = sorted(k for k in keys if k in RENAMED)
-  if old:
-    raise ValueError('; '.join(f'config key {k} was renamed {RENAMED[k]}' for k in old))
+  message = renamed_message(keys, variants)
+  if message:
+    raise ValueError(message)
 
 
 def flatten(tree: dict, prefix: str = '') -> dict[str, Any]:
@@ -274,8 +375,9 @@ def read_history(workdir: str) -> list[dict]:
     except ValueError:
       logging.warning('%s line %d is not JSON; skipped', path, n)
       continue
-    for change in entry.get('changes') or []:
-      change['key'] = RENAMED.get(change.get('key'), change.get('key'))
+    if isinstance(entry.get('changes'), list):
+      entry['changes'] = [{**change, 'key': key} for change in entry['changes']
+                          for key in (migrate({change.get('key'): None}) or [change.get('key')])]
     if isinstance(entry.get('overrides'), dict):
       entry['overrides'] = migrate(entry['overrides'])
     if isinstance(entry.get('replaced_record'), dict):

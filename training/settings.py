@@ -46,7 +46,8 @@ def check(config: ml_collections.ConfigDict) -> None:
     config: the run config (a run record may lack keys added since: they are skipped).
   """
   flat = run_config.as_flat_json(config)
-  run_config.check_renamed(flat)  # An old key would be ignored silently.
+  variants = [v.strip() for v in str(flat.get('model.attention', '')).split(',') if v.strip()]
+  run_config.check_renamed(flat, variants or None)  # An old key would be ignored silently.
   for key, value in flat.items():
     if isinstance(value, float) and not math.isfinite(value):
       raise ValueError(f'{key} must be a finite number, got {value!r}')

@@ -15,15 +15,15 @@ token and head, b initialized to -4. Both sow the L1 penalty (lambda / M) sum_i 
 'losses' (M = heads per layer; the dynamic penalty averages z_t over the scored tokens).
 
 Trimmed compute: a key at distance x >= R + z has weight 0, so only the last T keys are
-computed, T = ceil(max_h z_h + R) rounded up to `span_block` (`trimmed_span`). T is static:
+computed, T = ceil(max_h z_h + R) rounded up to the option `block` (`trimmed_span`). T is static:
 the training loop reads z at its log and eval steps (where the host waits for the device
-anyway) and recompiles only when a layer's T changes (attention_options.span_trim carries the
+anyway) and recompiles only when a layer's T changes (the option trim carries the
 per-layer T; absent, T = S). A step whose z outgrew T since computes all S keys instead
 (`lax.cond`), so the trim never changes the model. The queries of a block only multiply the
 keys within T of them, so the work is n T instead of n^2; no row computes past its own
 length.
 
-Segment cache (Dai et al., 2019): with `span_memory`, each layer keeps the last S inputs of the
+Segment cache (Dai et al., 2019): with the option `memory`, each layer keeps the last S inputs of the
 previous segment in the 'memory' collection (stop-gradient) and attends into them, so queries
 see up to S tokens back across segment boundaries; data.packing='stream' gives consecutive
 segments of one text to each batch row, and the training loop carries the collection.
@@ -144,8 +144,9 @@ def span_report(config, head_spans: np.ndarray) -> dict:
     token: `per_head` lets each head stop at z + R; `trimmed` computes a layer's heads
     together up to its trimmed span T (what this code does); `full_span` uses S everywhere.
   """
-  opts = dict(config.attention_options)
-  limit, ramp, block = opts['span_limit'], opts['span_ramp'], opts['span_block']
+  opts = config.options_of(next(n for n in config.attention
+                                 if issubclass(registry.get(n), AdaptiveSpanAttention)))
+  limit, ramp, block = opts['limit'], opts['ramp'], opts['block']
   d = config.head_dim
   reach = np.minimum(head_spans + ramp, limit)  # Keys with a non-zero mask.
   trims = [trimmed_span(float(z.max()), ramp=ramp, limit=limit, block=block) for z in head_spans]
@@ -167,25 +168,25 @@ def span_report(config, head_spans: np.ndarray) -> dict:
 class AdaptiveSpanAttention(base.MultiHeadAttention):
   """Per-head learned span z = S z' (section 2.2).
 
-  Options (config.model.attention_options): span_limit S, span_ramp R, span_init (z' at
-  init), span_penalty lambda, span_block (trim granularity), span_learned (False: z = S, a
-  fixed-span baseline with the same machinery), span_memory (segment cache), span_trim
+  Options (config.model.attention_options.adaptive_span; dynamic_span's has them too): limit
+  S, ramp R, init (z' at init), penalty lambda, block (trim granularity), learned (False:
+  z = S, a fixed-span baseline with the same machinery), memory (segment cache), trim
   (per-layer T, set by the training loop).
   """
   TEST_CONFIG = {'position_embedding': 'none',
-                 'attention_options': {'span_limit': 16, 'span_ramp': 4, 'span_block': 4}}
+                 'attention_options': {'limit': 16, 'ramp': 4, 'block': 4}}
   dynamic: ClassVar[bool] = False
   OPTIONS = {
-      'span_limit': base.Option(1024, 'S: the longest span a head may learn'),
-      'span_ramp': base.Option(32, "R: width of the soft mask's ramp"),
-      'span_init': base.Option(0.0, "z' = z / S at init (paper: 0)"),
-      'span_penalty': base.Option(2e-6, 'lambda of the L1 penalty (lambda / M) sum z'),
-      'span_block': base.Option(64, 'the trimmed span T is rounded up to a multiple of this'),
-      'span_learned': base.Option(True, 'False: z = S for every head (fixed-span baseline)'),
-      'span_memory': base.Option(False, "attend into the previous segment (needs data.packing="
-                                 "'stream'; the loop carries the 'memory' collection)"),
-      'span_trim': base.Option(None, 'per-layer trimmed span T, set by the training loop from '
-                               "the learned z'", internal=True),
+      'limit': base.Option(1024, 'S: the longest span a head may learn'),
+      'ramp': base.Option(32, "R: width of the soft mask's ramp"),
+      'init': base.Option(0.0, "z' = z / S at init (paper: 0)"),
+      'penalty': base.Option(2e-6, 'lambda of the L1 penalty (lambda / M) sum z'),
+      'block': base.Option(64, 'the trimmed span T is rounded up to a multiple of this'),
+      'learned': base.Option(True, 'False: z = S for every head (fixed-span baseline)'),
+      'memory': base.Option(False, "attend into the previous segment (needs data.packing="
+                            "'stream'; the loop carries the 'memory' collection)"),
+      'trim': base.Option(None, 'per-layer trimmed span T, set by the training loop from '
+                          "the learned z'", internal=True),
   }
 
   @classmethod
@@ -230,74 +231,71 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
 
   @classmethod
   def specialize(cls, config, layer_params):
-    """span_trim: each layer's T from the current z' (a device-to-host copy of one (heads,)
+    """trim: each layer's T from the current z' (a device-to-host copy of one (heads,)
     vector per learned-span layer, gathered from every process where the heads are split
     across hosts); layers without a learned span keep T = S."""
-    opts = dict(config.attention_options)
-    if not opts['span_learned']:
-      return None
     layers = [i for i, name in enumerate(config.attention) if registry.get(name) is cls]
     if not layers:
       return None
-    limit = opts['span_limit']
+    opts = config.options_of(config.attention[layers[0]])
+    if not opts['learned']:
+      return None
+    limit = opts['limit']
     fractions = host.to_host([layer_params(i)['attention']['span_fraction'] for i in layers])
     trims = [limit] * config.n_layers
     for i, frac in zip(layers, fractions):
-      trims[i] = trimmed_span(limit * float(np.max(frac)), ramp=opts['span_ramp'], limit=limit,
-                              block=opts['span_block'])
-    return {'span_trim': tuple(trims)}
+      trims[i] = trimmed_span(limit * float(np.max(frac)), ramp=opts['ramp'], limit=limit,
+                              block=opts['block'])
+    return {'trim': tuple(trims)}
 
   @classmethod
   def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
     del n_heads
-    limit, ramp = options.get('span_limit', 0), options.get('span_ramp', 0)
+    limit, ramp = options['limit'], options['ramp']
     if limit < 1:
-      raise ValueError(f'attention_options.span_limit (S) must be >= 1, got {limit}')
+      raise ValueError(f'limit (S) must be >= 1, got {limit}')
     if ramp < 1:
-      raise ValueError(f'attention_options.span_ramp (R) must be >= 1, got {ramp}')
-    if not 0.0 <= options.get('span_init', 0.0) <= 1.0:
-      raise ValueError(f'attention_options.span_init (z\' at init) must be in [0, 1], got '
-                       f'{options.get("span_init")}')
-    if options.get('span_penalty', 0.0) < 0:
-      raise ValueError(f'attention_options.span_penalty must be >= 0, got '
-                       f'{options.get("span_penalty")}')
-    if options.get('span_block', 0) < 1:
-      raise ValueError(f'attention_options.span_block must be >= 1, got '
-                       f'{options.get("span_block")}')
-    trim = options.get('span_trim')
+      raise ValueError(f'ramp (R) must be >= 1, got {ramp}')
+    if not 0.0 <= options['init'] <= 1.0:
+      raise ValueError(f'init (z\' at init) must be in [0, 1], got {options["init"]}')
+    if options['penalty'] < 0:
+      raise ValueError(f'penalty must be >= 0, got {options["penalty"]}')
+    if options['block'] < 1:
+      raise ValueError(f'block must be >= 1, got {options["block"]}')
+    trim = options['trim']
     if trim is not None and (len(trim) != n_layers or any(not 1 <= t <= limit for t in trim)):
-      raise ValueError(f'attention_options.span_trim={trim} must give each of the {n_layers} '
-                       f'layers a span in [1, span_limit={limit}]')
+      raise ValueError(f'trim={trim} must give each of the {n_layers} layers a span in '
+                       f'[1, limit={limit}]')
 
   @property
   def limit(self) -> int:
-    return self.option('span_limit')
+    return self.option('limit')
 
   @property
   def trim(self) -> int:
     """T of this layer: the keys computed per query."""
     for key, value in self.options:
-      if key == 'span_trim' and value is not None:
+      if key == 'trim' and value is not None:
         return value[self.layer_index]
     return self.limit
 
   @classmethod
   def uses_memory(cls, options: dict) -> bool:
-    return bool(options.get('span_memory'))
+    return bool(options.get('memory'))
 
   def spans(self, x, segment_ids):
     """z: (heads,) here; (batch, n, heads) for the dynamic span. Sows the L1 penalty."""
     del x
-    init = self.option('span_init')
+    init = self.option('init')
     z_frac = self.param('span_fraction', nn.with_logical_partitioning(
         nn.initializers.constant(init), ('heads',)), (self.num_heads,), jnp.float32)
-    if not self.option('span_learned'):
+    if not self.option('learned'):
       z = jnp.full((self.num_heads,), float(self.limit))
       self.sow('intermediates', 'head_spans', z)
       return z
     z = self.limit * z_frac
     # L = -log P + (lambda / M) sum_i z_i  (section 2.2)
-    self.sow('losses', 'span_penalty', self.option('span_penalty') / self.num_heads * jnp.sum(z))
+    self.sow('losses', 'span_penalty', self.option('penalty') / self.num_heads * jnp.sum(z))
     self.sow('metrics', 'span_mean', jnp.mean(z))
     self.sow('metrics', 'span_max', jnp.max(z))
     self.sow('intermediates', 'head_spans', z)
@@ -313,7 +311,7 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
     return z, rel
 
   def memory_spec(self):
-    """With span_memory: keep the last S inputs, attend into the last T of them."""
+    """With the option memory: keep the last S inputs, attend into the last T of them."""
     if not self.uses_memory(dict(self.options)):
       return None
     return memory.Spec(keep=self.limit, use=self.trim)
@@ -328,7 +326,7 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
     accelerator = self.target_platform() != 'cpu'
     if key_segment_ids is None:
       key_segment_ids = segment_ids
-    ramp = self.option('span_ramp')
+    ramp = self.option('ramp')
     attend = functools.partial(span_attention, q, k, v, segment_ids, key_segment_ids, rel, z,
                                ramp=ramp, block=impl_block, scale=self.head_dim ** -0.5,
                                dtype=self.dtype, gather=accelerator)
@@ -369,7 +367,7 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
     live = (pos.value >= 0)[None, None, :]
     z = jnp.asarray(z, jnp.float32)
     z = z[None, :, None] if z.ndim == 1 else z[:, 0, :, None]  # (b or 1, h, 1)
-    live = live & (x[None, None, :] < self.option('span_ramp') + z)
+    live = live & (x[None, None, :] < self.option('ramp') + z)
     qp = jnp.einsum('bhd,xd->bhx', q[:, 0], rel[:trim].astype(q.dtype),
                     preferred_element_type=jnp.float32)
     slot_distance = jnp.clip(x.astype(jnp.int32) - 1, 0, trim - 1)
@@ -377,7 +375,7 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
               + qp[:, :, slot_distance]) * d ** -0.5
     logits = jnp.where(live, logits, base.NEG_INF)
     top = jnp.max(logits, axis=-1, keepdims=True)
-    w = jnp.where(live, soft_mask(x[None, None], z, self.option('span_ramp'))
+    w = jnp.where(live, soft_mask(x[None, None], z, self.option('ramp'))
                   * jnp.exp(logits - top), 0.0)
     s = jnp.sum(w, axis=-1, keepdims=True)
     out = jnp.einsum('bhc,bhcd->bhd', (w / jnp.where(s > 0, s, 1.0)).astype(self.dtype), cv.value)
@@ -408,7 +406,7 @@ class DynamicSpanAttention(AdaptiveSpanAttention):
   keys before it (still n S work, not n^2).
   """
   dynamic: ClassVar[bool] = True
-  OPTIONS = {'dynamic_span_bias': base.Option(-4.0, 'b at init (z_t = S sigmoid(v . x_t + b))')}
+  OPTIONS = {'bias': base.Option(-4.0, 'b at init (z_t = S sigmoid(v . x_t + b))')}
 
   @classmethod
   def specialize(cls, config, layer_params):
@@ -426,14 +424,14 @@ class DynamicSpanAttention(AdaptiveSpanAttention):
     w = self.param('span_v', nn.with_logical_partitioning(
         nn.initializers.zeros, ('embed', 'heads')), (x.shape[-1], self.num_heads), jnp.float32)
     bias = self.param('span_b', nn.with_logical_partitioning(
-        nn.initializers.constant(self.option('dynamic_span_bias')), ('heads',)),
+        nn.initializers.constant(self.option('bias')), ('heads',)),
         (self.num_heads,), jnp.float32)
     z = self.limit * jax.nn.sigmoid(
         jnp.einsum('bnd,dh->bnh', x.astype(jnp.float32), w) + bias)  # z_t = S sigma(v.x_t + b)
     real = (segment_ids > 0).astype(jnp.float32)[..., None]
     mean_z = jnp.sum(z * real, axis=(0, 1)) / jnp.maximum(jnp.sum(real), 1.0)  # (h,)
     self.sow('losses', 'span_penalty',
-             self.option('span_penalty') / self.num_heads * jnp.sum(mean_z))
+             self.option('penalty') / self.num_heads * jnp.sum(mean_z))
     self.sow('metrics', 'span_mean', jnp.mean(mean_z))
     self.sow('metrics', 'span_max', jnp.max(jnp.where(real > 0, z, 0.0)))
     self.sow('intermediates', 'head_spans', mean_z)

@@ -185,8 +185,8 @@ class MultiHeadAttention(nn.Module):
       `layer_period` declares (models/stacks.py).
     max_len: longest sequence (the position table); sizes decoding caches.
     num_layers: layers of the decoder (selective attention's L_mem divides by it).
-    options: variant hyper-parameters as sorted (name, value) pairs (config.model.
-      attention_options); read them with `option(name)`.
+    options: the variant's own hyper-parameters as sorted (name, value) pairs (config.model.
+      attention_options.<variant>); read them with `option(name)`.
     shared: {name: array} of the parameters the variant shares across layers
       (`shared_params`), created by the Decoder; None for variants without.
     platform: the platform the program is compiled for (TransformerConfig.target); '' =
@@ -211,9 +211,9 @@ class MultiHeadAttention(nn.Module):
   # The variant's own hyper-parameters (name -> Option); subclasses inherit their parents'.
   OPTIONS: ClassVar[dict[str, Option]] = {}
   # A small model of this variant for the tests that cover every registered variant (e.g.
-  # tests/models/test_generate.py): model config overrides, 'attention_options' among them,
-  # for d_model 32, 4 heads, 2 layers and sequences of 24 tokens. A new variant is covered
+  # tests/models/test_generate.py): model config overrides, for d_model 32, 4 heads, 2 layers and sequences of 24 tokens. A new variant is covered
   # by them without a line of test code; its own file keeps its paper-formula tests.
+  # 'attention_options' there holds the variant's own options ({name: value}).
   TEST_CONFIG: ClassVar[dict[str, Any]] = {}
   # True for a variant that encodes positions itself, relative to each query, and is meant
   # to run without absolute position embeddings (model.position_embedding='none').
@@ -231,7 +231,8 @@ class MultiHeadAttention(nn.Module):
   def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
     """Raises ValueError for hyper-parameters the variant cannot use (before any compute).
 
-    `options` holds every declared option (defaults filled in), each of its declared type.
+    `options` holds the variant's own declared options (defaults filled in), each of its
+    declared type; every classmethod below that takes `options` gets the same.
     """
     del options, n_heads, n_layers
 
@@ -251,7 +252,8 @@ class MultiHeadAttention(nn.Module):
       layer_params: i -> layer i's parameters (host or device arrays).
 
     Returns:
-      {option name: value} to set in config.attention_options, or None.
+      {option name: value} of the variant's own options to set
+      (config.model.attention_options.<variant>), or None.
     """
     del config, layer_params
 
@@ -331,7 +333,7 @@ class MultiHeadAttention(nn.Module):
 
     Args:
       impl: one of IMPLEMENTATIONS.
-      options: the resolved config.model.attention_options.
+      options: the variant's resolved options (config.model.attention_options.<variant>).
       head_dim: width of each head.
       backend: the platform the program is compiled for (TransformerConfig.target): 'cpu',
         'gpu' or 'tpu'.
@@ -374,15 +376,15 @@ class MultiHeadAttention(nn.Module):
     return impl if impl == 'xla' else 'blocksparse'
 
   def option(self, name: str):
-    """The variant hyper-parameter `name` from config.model.attention_options (its declared
-    default when the options leave it out)."""
+    """The variant's hyper-parameter `name` (config.model.attention_options.<variant>.<name>;
+    its declared default when the options leave it out)."""
     for key, value in self.options:
       if key == name:
         return value
     declared = self.declared_options()
     if name not in declared:
-      raise ValueError(f'{type(self).__name__} reads model.attention_options.{name}, which it '
-                       f'does not declare in OPTIONS')
+      raise ValueError(f'{type(self).__name__} reads option {name!r}, which it does not '
+                       f'declare in OPTIONS')
     return declared[name].default
 
   @nn.compact

@@ -30,7 +30,7 @@ from models.attention import (blockloop, blocksparse, cpu_choice, cpu_kernel, pa
                               reference, splash)
 
 # The options of the 'blocksparse' path of a static pattern (config.model.
-# attention_options.<name>); PatternAttention declares them, and a variant that declares
+# attention_options.<variant>.<name>); PatternAttention declares them, and a variant that declares
 # none gets these defaults.
 KEY_BLOCK, BAND_BLOCK = 16, 64
 

@@ -220,11 +220,11 @@ class LSHAttention(base.MultiHeadAttention):
     del n_heads, n_layers
     b = options['n_buckets']
     if b < 1 or (b > 1 and b % 2):
-      raise ValueError(f'attention_options.n_buckets must be 1 or an even number (the hash '
+      raise ValueError(f'n_buckets must be 1 or an even number (the hash '
                        f'is an argmax over [xR; -xR], R of b/2 columns), got {b}')
     for name in ('n_hashes', 'chunk_len'):
       if options[name] < 1:
-        raise ValueError(f'attention_options.{name} must be >= 1, got {options[name]}')
+        raise ValueError(f'{name} must be >= 1, got {options[name]}')
 
   @classmethod
   def rng_streams(cls, options: dict) -> tuple[str, ...]:

@@ -57,7 +57,7 @@ class Strided:
   part: str = 'union'
 
   def __post_init__(self):
-    _check('attention_options.stride (l)', self.l, 1)
+    _check('stride (l)', self.l, 1)
     if self.part not in PARTS:
       raise ValueError(f'part must be one of {PARTS}, got {self.part!r}')
 
@@ -83,10 +83,10 @@ class Fixed:
   distinct_heads: bool = False
 
   def __post_init__(self):
-    _check('attention_options.stride (block length l)', self.l, 1)
-    _check('attention_options.summary (c)', self.c, 1)
+    _check('stride (block length l)', self.l, 1)
+    _check('summary (c)', self.c, 1)
     if self.c > self.l:
-      raise ValueError(f'fixed attention needs c <= l (attention_options.summary <= stride), got '
+      raise ValueError(f'fixed attention needs c <= l (summary <= stride), got '
                        f'c={self.c} > l={self.l}')
     if self.part not in PARTS:
       raise ValueError(f'part must be one of {PARTS}, got {self.part!r}')
@@ -110,7 +110,7 @@ class Local:
   w: int
 
   def __post_init__(self):
-    _check('attention_options.window (w)', self.w, 1)
+    _check('window (w)', self.w, 1)
 
   def allowed(self, i, j, head: int = 0):
     del head
@@ -125,8 +125,8 @@ class BlockLocal:
   m: int
 
   def __post_init__(self):
-    _check('attention_options.local_block (b)', self.b, 1)
-    _check('attention_options.block_memory (m)', self.m, 0)
+    _check('local_block (b)', self.b, 1)
+    _check('block_memory (m)', self.m, 0)
 
   def allowed(self, i, j, head: int = 0):
     del head

@@ -42,16 +42,17 @@ from models.attention import base, blockloop, dispatch
 from models.attention.registry import register
 
 Option = base.Option
-# attention_options read by this module and their defaults (the paper's setting).
+# Its options (config.model.attention_options.selective) and their defaults (the paper's
+# setting).
 OPTIONS = {
-    'selective_shift': Option(True, 'F_ij = sum_{k<=i-1} S_kj: no self-impact (A.4)'),
-    'selective_relu': Option(True, 'constraint 1: S = relu(S) (A.5)'),
-    'selective_mask_bos': Option(True, "constraint 2: a document's <BOS> is never masked (A.5)"),
-    'selective_mask_diag': Option(True, 'constraint 3: a token never masks itself (A.5)'),
-    'selective_separate_bilinear': Option(False, 'S from its own bilinear form, not head 0 (A.3)'),
-    'selective_lmem_eps': Option(0.0, 'eps of L_mem (eq. 2); 0 = off (paper: 0.1)'),
-    'selective_lmem_tau': Option(1.0, "tau of L_mem's M^l_i (the clamp of F)"),
-    'selective_budgets': Option((), 'K_l per layer (context pruning); () = keep everything'),
+    'shift': Option(True, 'F_ij = sum_{k<=i-1} S_kj: no self-impact (A.4)'),
+    'relu': Option(True, 'constraint 1: S = relu(S) (A.5)'),
+    'mask_bos': Option(True, "constraint 2: a document's <BOS> is never masked (A.5)"),
+    'mask_diag': Option(True, 'constraint 3: a token never masks itself (A.5)'),
+    'separate_bilinear': Option(False, 'S from its own bilinear form, not head 0 (A.3)'),
+    'lmem_eps': Option(0.0, 'eps of L_mem (eq. 2); 0 = off (paper: 0.1)'),
+    'lmem_tau': Option(1.0, "tau of L_mem's M^l_i (the clamp of F)"),
+    'budgets': Option((), 'K_l per layer (context pruning); () = keep everything'),
 }
 # Eviction score of what may not be evicted (<BOS>, empty slots, other documents).
 _NEG = -jnp.inf
@@ -244,7 +245,7 @@ def _sums_over_queries(s, *, exclusive: bool):
 
 @register('selective')
 class SelectiveAttention(base.MultiHeadAttention):
-  """Selective attention; options `selective_*` (OPTIONS above). Context pruning (section 5 of
+  """Selective attention; its options are OPTIONS above. Context pruning (section 5 of
   the paper) is main.py's --mode=allocate_budgets and --mode=eval_budgets."""
   OPTIONS = OPTIONS
 
@@ -257,21 +258,18 @@ class SelectiveAttention(base.MultiHeadAttention):
   @classmethod
   def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
     del n_heads
-    eps = options.get('selective_lmem_eps', 0.0)
+    eps = options.get('lmem_eps', 0.0)
     if not isinstance(eps, (int, float)) or eps < 0:
-      raise ValueError(f'attention_options.selective_lmem_eps (eps of L_mem) must be >= 0, got '
-                       f'{eps!r}')
-    tau = options.get('selective_lmem_tau', 1.0)
+      raise ValueError(f'lmem_eps (eps of L_mem) must be >= 0, got {eps!r}')
+    tau = options.get('lmem_tau', 1.0)
     if not isinstance(tau, (int, float)) or tau <= 0:
-      raise ValueError(f'attention_options.selective_lmem_tau (tau of L_mem) must be > 0, got '
-                       f'{tau!r}')
-    budgets = options.get('selective_budgets') or ()
+      raise ValueError(f'lmem_tau (tau of L_mem) must be > 0, got {tau!r}')
+    budgets = options.get('budgets') or ()
     if budgets and (not isinstance(budgets, tuple) or len(budgets) != n_layers
                     or any(isinstance(k, bool) or not isinstance(k, int) or k < 2
                            for k in budgets)):
-      raise ValueError(f'attention_options.selective_budgets={budgets!r} must be a tuple of '
-                       f'{n_layers} integers K_l >= 2 (one per layer; <BOS> and the current '
-                       f'token), or () for no pruning')
+      raise ValueError(f'budgets={budgets!r} must be a tuple of {n_layers} integers K_l >= 2 (one '
+                       f'per layer; <BOS> and the current token), or () for no pruning')
 
   @classmethod
   def inspect(cls, config, layers, batch, source):
@@ -296,13 +294,13 @@ class SelectiveAttention(base.MultiHeadAttention):
   @property
   def budget(self) -> int:
     """K_l of this layer (static); 0 = unlimited."""
-    budgets = self.option('selective_budgets') or ()
+    budgets = self.option('budgets') or ()
     return int(budgets[self.layer_index]) if budgets else 0
 
   def features(self, x, segment_ids):
     """The separate bilinear form's (q_s, k_s) of appendix A.3, or None (S from head 0)."""
     del segment_ids
-    return self.selection_projection(x) if self.option('selective_separate_bilinear') else None
+    return self.selection_projection(x) if self.option('separate_bilinear') else None
 
   def selection_projection(self, x):
     """(q_s, k_s): (batch, n, head_dim) each, the separate bilinear form of appendix A.3."""
@@ -319,13 +317,13 @@ class SelectiveAttention(base.MultiHeadAttention):
     return qs, ks
 
   def _constrain(self, s, mask, bos_k, i, j):
-    return constrain(s, mask, bos_k, i, j, relu=self.option('selective_relu'),
-                     mask_bos=self.option('selective_mask_bos'),
-                     mask_diag=self.option('selective_mask_diag'))
+    return constrain(s, mask, bos_k, i, j, relu=self.option('relu'),
+                     mask_bos=self.option('mask_bos'),
+                     mask_diag=self.option('mask_diag'))
 
   def _sow_memory_loss(self, doc_max_total, segment_ids):
     """eq. 2: eps sum_l max_i M^l_i / (L n_{!=pad}), this layer's share, into 'losses'."""
-    eps = float(self.option('selective_lmem_eps'))
+    eps = float(self.option('lmem_eps'))
     n_real = jnp.maximum(jnp.sum(segment_ids > 0), 1).astype(jnp.float32)
     self.sow('losses', 'selective_lmem', eps * doc_max_total / (self.num_layers * n_real))
 
@@ -348,9 +346,9 @@ class SelectiveAttention(base.MultiHeadAttention):
       s = jnp.einsum('bqd,bkd->bqk', *selection, preferred_element_type=jnp.float32) * scale
     bos = bos_flags(segment_ids)
     f, e = self._accumulate(s, mask, bos)
-    if self.option('selective_lmem_eps') > 0:
+    if self.option('lmem_eps') > 0:
       self._sow_memory_loss(memory_term(f, mask, segment_ids,
-                                        tau=float(self.option('selective_lmem_tau'))), segment_ids)
+                                        tau=float(self.option('lmem_tau'))), segment_ids)
     if self.is_mutable_collection('intermediates'):
       self.sow('intermediates', 'selection_F', f[0])
     if pruning:  # Section 4: the keys a budget of K_l would keep.
@@ -373,7 +371,7 @@ class SelectiveAttention(base.MultiHeadAttention):
     s = self._constrain(s, mask, bos, i, j)
     f = jnp.cumsum(s, axis=1)                                # F = sum_{k <= i} S_{k,j}
     e = f - s                                                # sum_{k <= i-1} S_{k,j}
-    return (e if self.option('selective_shift') else f), e
+    return (e if self.option('shift') else f), e
 
   def _attend_blocks(self, q, k, v, segment_ids, selection, scale):
     """The 'blocksparse' path: eq. 1 on the blocked engine (blockloop.attention, dense's
@@ -383,18 +381,18 @@ class SelectiveAttention(base.MultiHeadAttention):
     if self.block_size < 1:
       raise ValueError(f'attention block size must be >= 1, got {self.block_size}')
     batch, n = q.shape[:2]
-    lmem = self.option('selective_lmem_eps') > 0
+    lmem = self.option('lmem_eps') > 0
     # At most n (a short row is one block of its own length); its blocks read every earlier
     # key, as dense's do, so a CPU's long rows take dense's larger block.
     block = self.loop_block(n, prefix=True)
     nq = -(-n // block)
     table = blockloop.Table.runs(np.zeros(nq), np.arange(1, nq + 1), block)
     score = _blocked_score(scale=scale, separate=selection is not None,
-                           shift=bool(self.option('selective_shift')),
-                           relu=bool(self.option('selective_relu')),
-                           mask_bos=bool(self.option('selective_mask_bos')),
-                           mask_diag=bool(self.option('selective_mask_diag')),
-                           tau=float(self.option('selective_lmem_tau')) if lmem else None)
+                           shift=bool(self.option('shift')),
+                           relu=bool(self.option('relu')),
+                           mask_bos=bool(self.option('mask_bos')),
+                           mask_diag=bool(self.option('mask_diag')),
+                           tau=float(self.option('lmem_tau')) if lmem else None)
     qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
     if selection is not None:  # The separate form as one more (one-head) query and key.
       qh, kh = (qh, selection[0][:, None]), (kh, selection[1][:, None])
@@ -467,15 +465,15 @@ class SelectiveAttention(base.MultiHeadAttention):
       s = jnp.einsum('bd,bcd->bc', selection[0][:, 0], cks.value,
                      preferred_element_type=jnp.float32) * scale
     s = jnp.where(live, s, 0.0)
-    if self.option('selective_relu'):
+    if self.option('relu'):
       s = jax.nn.relu(s)
-    if self.option('selective_mask_bos'):
+    if self.option('mask_bos'):
       s = jnp.where(pos.value == 0, 0.0, s)
-    if self.option('selective_mask_diag'):
+    if self.option('mask_diag'):
       s = jnp.where(pos.value == step, 0.0, s)
-    if not self.option('selective_shift'):
+    if not self.option('shift'):
       f = f + s                       # F_{t,j} = sum_{k <= t} S_{k,j}
     probs = base.masked_softmax(logits - f[:, None], live[:, None], self.dtype)
     out = jnp.einsum('bhc,bhcd->bhd', probs, cv.value)
-    fc.value = f + s if self.option('selective_shift') else f  # F_{t+1,j} for the next token
+    fc.value = f + s if self.option('shift') else f  # F_{t+1,j} for the next token
     return out[:, None].astype(self.dtype)

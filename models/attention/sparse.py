@@ -2,11 +2,11 @@
 
 Which keys a query sees comes only from models/attention/patterns.py; this file decides which
 pattern each layer and head uses. How it is computed (the dense reference, the block-sparse
-path over `attention_options.key_block` key blocks, the C++ tile kernel, the TPU splash
+path over the option `key_block`'s key blocks, the C++ tile kernel, the TPU splash
 kernel) is models/attention/dispatch.py's choice, the same for every static pattern.
 
 The Sparse Transformer's three ways to use a factorized pattern (A1, A2) are
-`attention_options.factorization`:
+the option `factorization`:
   'interleave'  layer 2k uses A1, layer 2k + 1 uses A2 (all heads);
   'merged'      every head attends to A1 | A2;
   'multihead'   the first half of the heads use A1, the second half A2.
@@ -56,7 +56,7 @@ def _factorized_part(layer: int, head: int, heads: int, factorization: str) -> s
 def _check_factorization(options: dict, n_heads: int) -> None:
   f = options.get('factorization')
   if f not in FACTORIZATIONS:
-    raise ValueError(f'model.attention_options.factorization must be one of {FACTORIZATIONS}, '
+    raise ValueError(f'factorization must be one of {FACTORIZATIONS}, '
                      f'got {f!r}')
   if f == 'multihead' and n_heads < 2:
     raise ValueError("factorization='multihead' splits heads between A1 and A2: it needs "
@@ -67,7 +67,7 @@ def _check_blocks(options: dict) -> None:
   for name, minimum in (('key_block', 1), ('band_block', 0)):
     value = options.get(name)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-      raise ValueError(f'model.attention_options.{name} must be an integer >= {minimum}, '
+      raise ValueError(f'{name} must be an integer >= {minimum}, '
                        f'got {value!r}')
 
 
@@ -211,5 +211,5 @@ class LocalGlobalAttention(PatternAttention):
     patterns.Local(options.get('window'))
     k = options.get('global_every')
     if not isinstance(k, int) or k < 1:
-      raise ValueError(f'model.attention_options.global_every must be an integer >= 1, '
+      raise ValueError(f'global_every must be an integer >= 1, '
                        f'got {k!r}')

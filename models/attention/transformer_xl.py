@@ -153,12 +153,12 @@ class TransformerXLAttention(base.MultiHeadAttention):
     del n_heads, n_layers
     for name in ('mem_len', 'eval_mem_len', 'clamp_len', 'attn_window'):
       if options[name] < 0:
-        raise ValueError(f'attention_options.{name} must be >= 0, got {options[name]}')
+        raise ValueError(f'{name} must be >= 0, got {options[name]}')
     if options['same_length'] and options['mem_len'] < 1:
-      raise ValueError('attention_options.same_length limits each query to the keys fewer '
+      raise ValueError('same_length limits each query to the keys fewer '
                        'than mem_len back: it needs mem_len >= 1')
     if options['eval_mem_len'] and not options['mem_len']:
-      raise ValueError('attention_options.eval_mem_len needs a model with segment memory '
+      raise ValueError('eval_mem_len needs a model with segment memory '
                        '(mem_len >= 1): the memory is carried only when training uses one')
 
   @classmethod

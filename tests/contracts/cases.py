@@ -66,7 +66,7 @@ def model_settings(variant: str, block: str, stack: str) -> dict:
   stack_name, stack_options = stack_settings()[stack]
   declared = dict(attention.get(variant).TEST_CONFIG)
   m = dict(d=0, d_model=32, n_heads=4, n_layers=2, attention=variant,
-           attention_options=declared.pop('attention_options', {}), block=block,
+           attention_options={variant: declared.pop('attention_options', {})}, block=block,
            stack=stack_name, dtype='float32')
   m.update(declared)
   m.update(stacks.get(stack_name).TEST_CONFIG)
@@ -91,7 +91,9 @@ def run_config(case: Case, **model):
   from configs import default  # pylint: disable=import-outside-toplevel
   config = default.get_config()
   settings = model_settings(case.variant, case.block, case.stack)
-  for group in ('attention_options', 'stack_options', 'block_options'):
+  for variant, values in settings.pop('attention_options').items():
+    config.model.attention_options[variant].update(values)
+  for group in ('stack_options', 'block_options'):
     for key, value in settings.pop(group, {}).items():
       config.model[group][key] = value
   config.model.update(vocab_size=0, max_len=0, **{**settings, **model})

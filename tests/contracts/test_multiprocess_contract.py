@@ -119,7 +119,7 @@ def corpus(tmp_path_factory, harness):
 def _memory_flags(corpus_flags: dict) -> dict:
   """Transformer-XL with segment memory on the text stream (the issue's run)."""
   return {**COMMON, **corpus_flags, **_model_flags('txl', *cases.BASELINE),
-          'model.attention_options.mem_len': MEM_LEN, 'generate.prompt': 'the cat'}
+          'model.attention_options.txl.mem_len': MEM_LEN, 'generate.prompt': 'the cat'}
 
 
 def _eval_loss(text: str, step: int = TOTAL) -> float:

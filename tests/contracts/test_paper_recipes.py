@@ -99,12 +99,13 @@ def test_docs_tpu_md_has_the_committed_table():
 
 def test_the_fingerprint_sees_the_recipes_settings_and_not_run_time_variants():
   """A variant registered at run time (tests/models/test_adding_a_variant.py registers one in
-  its process) adds its options to every config: they must not change the fingerprint."""
+  its process) adds its group to every config's options: it must not change the
+  fingerprint."""
   config = configs.load('selective_c4')
   before = configs.fingerprint(config)
-  config.model.attention_options['someones_own_option'] = 3
+  config.model.attention_options['someones_own_variant'] = {'its_option': 3}
   assert configs.fingerprint(config) == before
-  config.model.attention_options.span_limit += 1
+  config.model.attention_options.selective.lmem_tau += 1
   assert configs.fingerprint(config) != before
   config = configs.load('selective_c4')
   config.batch_size = 128

@@ -99,16 +99,18 @@ ADAM_EPS = 1e-3
 # 8), selective attention's L_mem on (an auxiliary loss summed over the batch), and
 # block_local's m = 4 earlier positions (sparse on a 32-position row), and LSH's 2 rounds of 4
 # buckets in chunks of 8.
+# Each is given to every variant that declares an option of that name.
 OPTIONS = {'stride': 4, 'summary': 2, 'window': 8, 'local_block': 8, 'block_memory': 4,
-           'key_block': 4, 'span_limit': 16, 'span_ramp': 4, 'span_block': 4, 'span_init': 0.25,
-           'selective_lmem_eps': 0.1, 'chunk_len': 8, 'n_buckets': 4, 'n_hashes': 2}
+           'key_block': 4, 'limit': 16, 'ramp': 4, 'block': 4, 'init': 0.25, 'lmem_eps': 0.1,
+           'chunk_len': 8, 'n_buckets': 4, 'n_hashes': 2}
 # Dotted config keys applied on top of configs/tiny.py.
 CONFIG = {
     'data.name': 'copy', 'data.num_symbols': 28, 'data.max_length': 15,  # seq 32, 32 ids.
     'model.d_model': 32, 'model.n_heads': 4, 'model.n_layers': 2, 'model.vocab_size': 32,
     'model.dtype': 'float32', 'model.param_dtype': 'float32', 'model.attention_block_size': 8,
     'batch_size': 8, 'warmup_steps': 0, 'adam_eps': ADAM_EPS, 'peak_tflops_per_device': 1.0,
-    **{f'model.attention_options.{k}': v for k, v in OPTIONS.items()},
+    **{f'model.attention_options.{variant}.{k}': v for variant in attention.known()
+       for k, v in OPTIONS.items() if k in attention.options(variant)},
 }
 
 # Cases beyond one per variant: each block wiring and stack setting, on dense attention, with
@@ -120,7 +122,7 @@ CASES = VARIANTS + EXTRA_CASES
 # itself, and the Copy task is not a stream, so its layers attend within the segment (the
 # relative score alone).
 CASE_CONFIG = {
-    'txl': {'model.position_embedding': 'none', 'model.attention_options.mem_len': 0},
+    'txl': {'model.position_embedding': 'none', 'model.attention_options.txl.mem_len': 0},
     **{label: {**keys, 'model.dropout_rate': 0.1}
        for label, keys in cases.component_cases().items()},
 }

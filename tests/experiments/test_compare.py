@@ -27,18 +27,18 @@ def test_variant_config_adds_only_the_variant_and_what_it_needs():
   base = _base()
   assert harness.own_keys(base, harness.variant_config(base, 'dense')) == {}
   assert harness.own_keys(base, harness.variant_config(base, 'local:window=64')) == {
-      'model.attention': 'local', 'model.attention_options.window': 64}
+      'model.attention': 'local', 'model.attention_options.local.window': 64}
   # Relative positions and segment memory bring their own position and packing settings.
   assert harness.own_keys(base, harness.variant_config(base, 'txl')) == {
       'model.attention': 'txl', 'model.position_embedding': 'none', 'data.packing': 'stream'}
   assert harness.own_keys(base, harness.variant_config(base, 'txl:mem_len=0')) == {
       'model.attention': 'txl', 'model.position_embedding': 'none',
-      'model.attention_options.mem_len': 0}
+      'model.attention_options.txl.mem_len': 0}
   gtrxl = harness.own_keys(base, harness.variant_config(base, 'gtrxl'))
   assert gtrxl['model.block'] == 'gtrxl' and gtrxl['data.packing'] == 'stream'
   assert harness.own_keys(base, harness.variant_config(base, 'reformer:n_hashes=2')) == {
       'model.attention': 'lsh', 'model.block': 'reversible',
-      'model.attention_options.n_hashes': 2}
+      'model.attention_options.lsh.n_hashes': 2}
   # A stack option (model.stack_options) and a block option (model.block_options).
   universal = harness.variant_config(base, 'universal:act=true')
   assert (universal.model.stack, universal.model.stack_options.steps,
@@ -53,7 +53,9 @@ def test_variant_config_adds_only_the_variant_and_what_it_needs():
 
 @pytest.mark.parametrize('spec, message', [
     ('nope', 'neither a registered attention variant'),
-    ('local:windw=3', 'neither an attention option'),
+    ('local:windw=3', 'neither an attention option of local'),
+    ('adaptive_span:span_limit=64', r'span_limit was renamed limit \(model\.attention_options\.'
+                                    r'adaptive_span\.limit\)'),
     ('local:window', 'KEY=VALUE'),
     ('local:window=wide', 'window=wide'),
     ('universal:act=maybe', 'act=maybe'),
@@ -82,9 +84,9 @@ def test_overrides_are_ml_collections_own():
   base = _base()
   # Strings are read as main.py reads --config.KEY=VALUE: by the field's type.
   config = harness.override(base, ['seq_len=64', 'model.dtype=bfloat16',
-                                   'model.attention_options.window=8'])
-  assert (config.seq_len, config.model.dtype, config.model.attention_options.window) == (
-      64, 'bfloat16', 8)
+                                   'model.attention_options.local.window=8'])
+  assert (config.seq_len, config.model.dtype,
+          config.model.attention_options.local.window) == (64, 'bfloat16', 8)
   assert base.seq_len != 64  # A copy.
   # Typed values, as a script passes them.
   assert harness.override(base, {'learning_rate': 1e-3}).learning_rate == 1e-3

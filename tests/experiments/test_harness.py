@@ -65,7 +65,7 @@ def test_runs_over_seeds_in_their_folders_then_kept(tmp_path):
   base = _base(tmp_path)
   out = str(tmp_path / 'runs')
   runs = ['dense', harness.Run('wide_window', {'model.attention': 'local',
-                                               'model.attention_options.window': 16})]
+                                               'model.attention_options.local.window': 16})]
   seen = []
   rows = harness.run(runs, base, [0, 1], out, time_rounds=1, time_steps=1, progress=True,
                      on_row=lambda r: seen.append((r['variant'], r['seed'])))
@@ -76,7 +76,7 @@ def test_runs_over_seeds_in_their_folders_then_kept(tmp_path):
     assert r['step'] == 2 and math.isfinite(r['eval_loss']) and r['bits_per_byte'] > 0
     assert len(r['timed_tokens_per_sec']['rounds']) == 1 and not r['already_trained']
   assert rows[1]['own_keys'] == {'model.attention': 'local',
-                                 'model.attention_options.window': 16}
+                                 'model.attention_options.local.window': 16}
   # The seed is the model's: different initial losses.
   assert rows[0]['curves']['train_loss'][0][1] != rows[2]['curves']['train_loss'][0][1]
   again = harness.run(runs[:1], base, [0], out, progress=False)

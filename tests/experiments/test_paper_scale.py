@@ -73,10 +73,10 @@ def test_the_device_profile_is_the_papers_size():
   trained = [r.name for r in runs if r.name in a.runs.split(',')]
   assert trained == ['full', 'lsh1', 'lsh2', 'lsh4']
   assert all([tag for tag, _ in evals[name]] == trained for name in trained)
-  assert dict(evals['lsh1'])['full']['model.attention_options.chunk_len'] == 1024
-  assert dict(evals['full'])['lsh4'] == {'model.attention_options.n_buckets': 16,
-                                         'model.attention_options.chunk_len': 64,
-                                         'model.attention_options.n_hashes': 4}
+  assert dict(evals['lsh1'])['full']['model.attention_options.lsh.chunk_len'] == 1024
+  assert dict(evals['full'])['lsh4'] == {'model.attention_options.lsh.n_buckets': 16,
+                                         'model.attention_options.lsh.chunk_len': 64,
+                                         'model.attention_options.lsh.n_hashes': 4}
   # The UT paper: copy trained on up to 40 symbols, tested on up to 400; a fixed 8-layer stack
   # against the UT with 8 fixed steps and with ACT.
   a = universal.parse_args(_args(parts['universal']))

@@ -107,8 +107,8 @@ def test_reformer_sizes_are_recorded_only_where_they_differ_from_the_recipe():
   runs, evals = reformer_experiment.dup_plan(args)
   assert [r.name for r in runs] == ['dense', 'full', 'lsh1', 'lsh4']
   assert [tag for tag, _ in evals['lsh4']] == ['full', 'lsh1', 'lsh4']
-  assert dict(evals['lsh1'])['full']['model.attention_options.chunk_len'] == 1024
-  assert dict(runs[3].overrides)['model.attention_options.chunk_len'] == 64
+  assert dict(evals['lsh1'])['full']['model.attention_options.lsh.chunk_len'] == 1024
+  assert dict(runs[3].overrides)['model.attention_options.lsh.chunk_len'] == 64
   base = reformer_experiment.base_config('dup', args)
   assert (base.data.dup_length, base.model.d_model, base.model.mlp_dim) == (511, 256, 256)
 
@@ -127,13 +127,14 @@ def test_reformer_dup_trains_evaluates_as_main_py_and_keeps_its_run(tmp_path):
   assert list(first) == ['bytes', 'dup'] and first['bytes'] == other
   entry = first['dup']['runs']['full']
   assert list(entry['evals']) == ['full', 'lsh1', 'lsh2', 'lsh4']
-  assert entry['overrides']['model.attention_options.chunk_len'] == 64  # The whole row.
+  assert entry['overrides']['model.attention_options.lsh.chunk_len'] == 64  # The whole row.
   assert entry['overrides']['data.dup_length'] == 31
   # As main.py --mode=eval gives it: the recorded run, the keys asked for changed on top.
   assert 'config_overrides' not in entry['evals']['full']
   assert entry['evals']['lsh1']['config_overrides'] == {
-      'model.attention_options.chunk_len': 32, 'model.attention_options.n_buckets': 8}
-  assert entry['evals']['lsh4']['config_overrides']['model.attention_options.n_hashes'] == 4
+      'model.attention_options.lsh.chunk_len': 32, 'model.attention_options.lsh.n_buckets': 8}
+  lsh4 = entry['evals']['lsh4']['config_overrides']
+  assert lsh4['model.attention_options.lsh.n_hashes'] == 4
   assert all(e['step'] == 2 and 0 <= e['accuracy'] <= 1 for e in entry['evals'].values())
   assert [s for s, _ in entry['train_loss']] and (tmp_path / 'curves.png').exists()
   with open(path) as f:

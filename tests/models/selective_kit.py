@@ -4,15 +4,16 @@ import jax
 
 from models import transformer
 
-ALL_ON = dict(selective_shift=True, selective_relu=True, selective_mask_bos=True,
-              selective_mask_diag=True)
+# Its options (config.model.attention_options.selective) with every constraint switch on.
+ALL_ON = dict(shift=True, relu=True, mask_bos=True, mask_diag=True)
 
 
 def model(max_len=24, impl='xla', **opts):
+  """A 2-layer selective model; `opts`: its own options (bare names, e.g. budgets=(4, 6))."""
   cfg = transformer.TransformerConfig.from_config(dict(
       d=0, d_model=32, n_heads=2, n_layers=2, vocab_size=40, max_len=max_len,
       attention='selective', attention_impl=impl, attention_block_size=8,
-      attention_options={**ALL_ON, **opts}))
+      attention_options={'selective': {**ALL_ON, **opts}}))
   return transformer.Decoder(cfg)
 
 
@@ -25,7 +26,7 @@ _PARAMS = {}
 
 def params(model, tokens):
   """Parameters shared by the tests (one init per parameter structure: it compiles slowly)."""
-  key = dict(model.config.attention_options).get('selective_separate_bilinear', False)
+  key = model.config.options_of('selective')['separate_bilinear']
   if key not in _PARAMS:
     fresh = jax.jit(model.init)(jax.random.key(0), tokens[:, :8])['params']
     # Larger q/k weights make head 0 select strongly (F of order 1-10), as a trained model does.

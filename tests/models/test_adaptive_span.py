@@ -17,8 +17,10 @@ from models.attention import adaptive_span as A, blockloop
 from training import optimizer, steps
 
 S, R = 24, 4
-OPTIONS = dict(span_limit=S, span_ramp=R, span_init=0.0, span_penalty=2e-6, span_block=4,
-               span_learned=True, span_memory=False, dynamic_span_bias=-4.0)
+# adaptive_span's options (config.model.attention_options.adaptive_span); dynamic_span has
+# them too, and its own b at init.
+OPTIONS = dict(limit=S, ramp=R, init=0.0, penalty=2e-6, block=4, learned=True, memory=False)
+DYNAMIC_OPTIONS = {**OPTIONS, 'bias': -4.0}
 
 
 def _brute(q, k, v, q_seg, k_seg, rel, z, scale):
@@ -154,10 +156,11 @@ def test_trimmed_span_rounds_up_to_blocks():
 
 
 def _model(name='adaptive_span', memory=False, max_len=48, **extra):
+  own = DYNAMIC_OPTIONS if name == 'dynamic_span' else OPTIONS
   cfg = transformer.TransformerConfig.from_config(dict(
       d=0, d_model=32, n_heads=2, n_layers=2, vocab_size=40, max_len=max_len, attention=name,
       position_embedding='none', attention_impl='blocksparse', attention_block_size=8,
-      attention_options={**OPTIONS, 'span_memory': memory, **extra}, stack='unrolled'))
+      attention_options={name: {**own, 'memory': memory, **extra}}, stack='unrolled'))
   return transformer.Decoder(cfg)
 
 
@@ -174,7 +177,7 @@ def test_penalty_equals_its_formula_and_spans_are_logged():
   params = _set_spans(model.init(jax.random.key(0), tokens)['params'],
                       [[0.25, 0.5], [0.0, 1.0]])
   _, sown = model.apply({'params': params}, tokens, mutable=['losses', 'metrics'])
-  lam, m = OPTIONS['span_penalty'], 2
+  lam, m = OPTIONS['penalty'], 2
   expected = lam / m * S * (0.25 + 0.5) + lam / m * S * (0.0 + 1.0)  # (lambda / M) sum_i z_i
   np.testing.assert_allclose(float(steps.sum_collection(sown['losses'])), expected, rtol=1e-6)
   logged = steps.sown_metrics(sown['metrics'])
@@ -203,7 +206,7 @@ def test_with_trims_follows_the_largest_span_per_layer():
   model = _model()
   params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))['params']
   cfg = transformer.specialized(model.config, _set_spans(params, [[0.1, 0.2], [0.0, 0.0]]))
-  assert dict(cfg.attention_options)['span_trim'] == (12, 4)  # ceil(4.8 + 4) -> 12; R -> 4
+  assert cfg.options_of('adaptive_span')['trim'] == (12, 4)  # ceil(4.8 + 4) -> 12; R -> 4
   same = transformer.specialized(model.config, _set_spans(params, [[0.1, 0.3], [0.0, 0.0]]))
   assert same == cfg  # 7.2 + 4 still rounds to 12: the compiled step is reused.
   assert transformer.specialized(model.config, _set_spans(params, [[0.1, 0.34], [0.0, 0.0]])) != cfg
@@ -214,7 +217,7 @@ def test_trimmed_model_equals_untrimmed_model():
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 40)))
   params = _set_spans(model.init(jax.random.key(0), tokens)['params'], [[0.1, 0.3], [0.0, 0.5]])
   trimmed = transformer.Decoder(transformer.specialized(model.config, params))
-  assert dict(trimmed.config.attention_options)['span_trim'] == (12, 16)
+  assert trimmed.config.options_of('adaptive_span')['trim'] == (12, 16)
   np.testing.assert_allclose(trimmed.apply({'params': params}, tokens),
                              model.apply({'params': params}, tokens), atol=2e-5)
 
@@ -227,7 +230,7 @@ def test_a_stale_trim_computes_the_full_span():
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 40)))
   small = _set_spans(model.init(jax.random.key(0), tokens)['params'], [[0.1, 0.2], [0.0, 0.0]])
   stale = transformer.Decoder(transformer.specialized(model.config, small))
-  assert dict(stale.config.attention_options)['span_trim'] == (12, 4)
+  assert stale.config.options_of('adaptive_span')['trim'] == (12, 4)
   grown = _set_spans(small, [[0.1, 0.6], [0.0, 0.5]])  # z + R: 13.6 > 12 and 12 > 4
 
   def loss(m, p):
@@ -315,10 +318,11 @@ def test_dynamic_span_starts_small_and_varies_per_token():
 
 
 def test_invalid_span_options_are_rejected():
-  for bad, match in [({'span_limit': 0}, 'span_limit'), ({'span_ramp': 0}, 'span_ramp'),
-                     ({'span_init': 1.5}, 'span_init'), ({'span_penalty': -1.0}, 'penalty'),
-                     ({'span_block': 0}, 'span_block'), ({'span_trim': (4,)}, 'span_trim')]:
-    with pytest.raises(ValueError, match=match):
+  group = 'model.attention_options.adaptive_span: '
+  for bad, match in [({'limit': 0}, 'limit'), ({'ramp': 0}, 'ramp'), ({'init': 1.5}, 'init'),
+                     ({'penalty': -1.0}, 'penalty'), ({'block': 0}, 'block'),
+                     ({'trim': (4,)}, 'trim')]:
+    with pytest.raises(ValueError, match=group + match):
       _model(**bad)
 
 
@@ -339,7 +343,7 @@ def test_the_relative_term_is_gathered_on_accelerators_and_for_short_spans():
     cfg = transformer.TransformerConfig.from_config(dict(
         d=0, d_model=32, n_heads=2, n_layers=1, vocab_size=40, max_len=n,
         attention='adaptive_span', position_embedding='none', attention_impl='blocksparse',
-        attention_options={**OPTIONS, 'span_limit': limit}, stack='unrolled',
+        attention_options={'adaptive_span': {**OPTIONS, 'limit': limit}}, stack='unrolled',
         attention_block_size=16, target_platform=platform))
     model = transformer.Decoder(cfg)
     tokens = jnp.zeros((1, n), jnp.int32)

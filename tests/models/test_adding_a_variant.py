@@ -44,9 +44,10 @@ if NAME not in attention.known():
 
 
 def _config():
-  config = tiny.get_config()  # Built after the registration: the options are there.
+  config = tiny.get_config()  # Built after the registration: the variant's group is there.
   config.model.attention = NAME  # attention_impl 'auto': the kernel the target runs.
-  config.model.attention_options.test_dilation = 3
+  assert NAME in config.model.attention_options
+  config.model.attention_options[NAME].test_dilation = 3
   config.batch_size, config.peak_tflops_per_device = 8, 1.0
   config.data.num_assignments = 2
   return config
@@ -54,7 +55,7 @@ def _config():
 
 def test_new_variant_trains_through_the_production_loop(tmp_path):
   setup = assembly.build(_config(), workdir=str(tmp_path))
-  assert dict(setup.model_config.attention_options)['test_dilation'] == 3
+  assert setup.model_config.options_of(NAME)['test_dilation'] == 3
   assert setup.model_config.stack_name == 'scan'  # Layer-independent: scanned by default.
   state = assembly.init_state(setup, seed=0)
   batches = setup.data.train_iter(0, None)
@@ -72,7 +73,7 @@ def test_new_variant_trains_through_the_production_loop(tmp_path):
 def test_new_variant_decodes_through_its_pattern_and_is_inspected(tmp_path):
   cfg = transformer.TransformerConfig.from_config(
       {'vocab_size': 16, 'd_model': 16, 'n_heads': 2, 'n_layers': 2, 'max_len': 12,
-       'attention': NAME, 'attention_options': {'test_dilation': 2}})
+       'attention': NAME, 'attention_options': {NAME: {'test_dilation': 2}}})
   model = transformer.Decoder(cfg)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 16, (2, 12)), jnp.int32)
   params = model.init(jax.random.key(0), tokens)['params']
@@ -99,7 +100,8 @@ def test_new_variant_runs_every_kernel_of_its_pattern():
   for impl in ('xla', 'blocksparse', 'auto'):
     cfg = transformer.TransformerConfig.from_config(
         {'vocab_size': 16, 'd_model': 32, 'n_heads': 2, 'n_layers': 2, 'max_len': 24,
-         'attention': NAME, 'attention_impl': impl, 'attention_options': {'test_dilation': 2}})
+         'attention': NAME, 'attention_impl': impl,
+         'attention_options': {NAME: {'test_dilation': 2}}})
     names = transformer.implementations(cfg)
     assert names == [names[0]] * 2 and names[0] != 'auto'
     if impl != 'auto':

@@ -315,7 +315,7 @@ def test_prefix_layers_take_the_long_row_block(monkeypatch, variant, block):
       d_model=32, n_heads=2, n_layers=1, vocab_size=16, max_len=n, attention=variant,
       attention_impl='blocksparse', target_platform='cpu',
       position_embedding='none' if variant == 'txl' else 'learned',
-      attention_options={'mem_len': 0} if variant == 'txl' else {}))
+      attention_options={'txl': {'mem_len': 0}} if variant == 'txl' else {}))
   tokens = jax.ShapeDtypeStruct((1, n), jnp.int32)
   jax.eval_shape(lambda t: transformer.Decoder(cfg).init(jax.random.key(0), t), tokens)
   assert seen and set(seen) == {block}, seen
@@ -336,7 +336,7 @@ def test_accelerator_block_sizes_give_the_same_model(variant):
         d_model=32, n_heads=2, n_layers=1, vocab_size=16, max_len=n, attention=variant,
         attention_impl='blocksparse', target_platform=platform,
         position_embedding='none' if variant == 'txl' else 'learned',
-        attention_options={'mem_len': 0} if variant == 'txl' else {}))
+        attention_options={'txl': {'mem_len': 0}} if variant == 'txl' else {}))
     return transformer.Decoder(cfg)
 
   params = model('cpu').init(jax.random.key(0), tokens)['params']

@@ -255,10 +255,12 @@ def test_module_with_kernel_matches_dense_reference(name, layer, heads, override
   pos = jnp.broadcast_to(jnp.arange(n), (2, n))
   q, k, v = (jnp.asarray(rng.normal(size=(2, n, heads, d)), jnp.float32) for _ in range(3))
 
+  own = {k: v for k, v in OPTIONS.items() if k in attention.options(name)}  # Its own options.
+
   def module(impl):
     return attention.get(name)(num_heads=heads, head_dim=d, impl=impl, block_size=16,
                                layer_index=layer,
-                               options=tuple(sorted({**OPTIONS, **overrides}.items())))
+                               options=tuple(sorted({**own, **overrides}.items())))
 
   kernel_module = module('cpu_kernel')
 

@@ -11,15 +11,24 @@ import pytest
 from models import decode, transformer
 from models.attention import patterns
 
-_OPTIONS = dict(stride=8, summary=3, factorization='interleave', distinct_heads=True, window=6,
-                local_block=8, block_memory=5, global_every=2, key_block=4, band_block=4)
+# Each pattern variant's options (config.model.attention_options.<variant>).
+_BLOCKS = dict(key_block=4, band_block=4)
+_OPTIONS = {
+    'fixed': dict(stride=8, summary=3, factorization='interleave', distinct_heads=True,
+                  **_BLOCKS),
+    'strided': dict(stride=8, factorization='interleave', **_BLOCKS),
+    'local': dict(window=6, **_BLOCKS),
+    'block_local': dict(local_block=8, block_memory=5, **_BLOCKS),
+    'local_global': dict(window=6, global_every=2, **_BLOCKS),
+}
 _MAX_LEN = 40
 
 
 def _model(name, scan, **extra):
   cfg = transformer.TransformerConfig.from_config(dict(
       d=0, d_model=32, n_heads=4, n_layers=2, vocab_size=50, max_len=_MAX_LEN, attention=name,
-      attention_options={**_OPTIONS, **extra}, stack='auto' if scan else 'unrolled'))
+      attention_options={**_OPTIONS, name: {**_OPTIONS.get(name, {}), **extra}},
+      stack='auto' if scan else 'unrolled'))
   return transformer.Decoder(cfg)
 
 

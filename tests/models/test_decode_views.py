@@ -81,7 +81,7 @@ LONG = 150
     ('dense', dict(attention_impl='blocksparse')),
     # One chunk (chunk_len >= the length): the forward pass attends to the whole bucket, as
     # decoding does (tests/models/test_lsh_decode.py).
-    ('lsh', dict(attention_options=dict(chunk_len=160, n_buckets=4, n_hashes=2)))])
+    ('lsh', dict(attention_options={'lsh': dict(chunk_len=160, n_buckets=4, n_hashes=2)}))])
 def test_decoding_past_several_chunks_equals_the_forward_pass(plain_jax, name, extra):
   model = _model(name, LONG, **extra)
   tokens = jnp.asarray(np.random.default_rng(3).integers(3, VOCAB, (2, LONG)), jnp.int32)
@@ -106,8 +106,8 @@ def _step_program_chars(model) -> int:
 @pytest.mark.parametrize('name, small, large', [
     # Caches of 128 and 2048 slots (the same max_len: the same cache-plan tables); one cache
     # view per power of two gave 1.36x.
-    ('local', dict(max_len=2048, attention_options=dict(window=128)),
-     dict(max_len=2048, attention_options=dict(window=2048))),
+    ('local', dict(max_len=2048, attention_options={'local': dict(window=128)}),
+     dict(max_len=2048, attention_options={'local': dict(window=2048)})),
     ('lsh', dict(max_len=128), dict(max_len=16384)),  # Was 1.73x.
 ])
 def test_the_step_program_does_not_grow_with_the_capacity(plain_jax, name, small, large):

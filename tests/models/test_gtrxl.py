@@ -69,11 +69,12 @@ def test_gate_starts_near_the_identity():
 
 
 def _config(attention='dense', block='gtrxl', stack='unrolled', n_layers=2, **options):
+  """`options`: the variant's own (config.model.attention_options.<attention>)."""
   extra = {'position_embedding': 'none'} if attention == 'txl' else {}
   return transformer.TransformerConfig.from_config(dict(
       d=0, d_model=D * 2, n_heads=2, n_layers=n_layers, vocab_size=40, max_len=32,
       attention=attention, attention_impl='xla', attention_block_size=4, block=block,
-      stack=stack, attention_options=options, **extra))
+      stack=stack, attention_options={attention: options}, **extra))
 
 
 def test_block_equals_the_wiring_by_hand():
@@ -114,7 +115,7 @@ def test_block_equals_the_wiring_by_hand():
     ('dense', 'unrolled', {}),
     ('local', 'auto', {'window': 4}),
     ('strided', 'scan_cycle', {'stride': 4}),
-    ('adaptive_span', 'auto', {'span_limit': 8, 'span_ramp': 2}),
+    ('adaptive_span', 'auto', {'limit': 8, 'ramp': 2}),
     ('selective', 'auto', {}),
     ('txl', 'auto', {'mem_len': 4}),
 ])

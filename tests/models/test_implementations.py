@@ -30,13 +30,18 @@ from training import train
 
 STATIC = ('dense', 'strided', 'fixed', 'local', 'block_local', 'local_global')
 LEARNED = ('selective', 'adaptive_span', 'dynamic_span')  # No static pattern.
-OPTIONS = dict(stride=4, summary=2, factorization='merged', window=5, global_every=2,
-               key_block=4, band_block=4)
+# The static variants' options (config.model.attention_options.<variant>).
+_BLOCKS = dict(key_block=4, band_block=4)
+OPTIONS = {'strided': dict(stride=4, factorization='merged', **_BLOCKS),
+           'fixed': dict(stride=4, summary=2, factorization='merged', **_BLOCKS),
+           'local': dict(window=5, **_BLOCKS),
+           'local_global': dict(window=5, global_every=2, **_BLOCKS),
+           'block_local': dict(_BLOCKS)}
 
 
 def _auto(name, backend, *, head_dim=64, dtype=jnp.float32, block_size=128, devices=1):
   return attention.get(name).implementation(
-      'auto', options=attention.resolve_options({}, [name]), head_dim=head_dim,
+      'auto', options=attention.resolve_options({}, [name])[name], head_dim=head_dim,
       backend=backend, dtype=dtype, block_size=block_size, devices=devices)
 
 
@@ -140,14 +145,15 @@ def test_an_explicit_name_is_kept_where_it_runs(impl, kernel_builds):
   backend = 'gpu' if impl == 'cudnn' else 'cpu'
   name = 'dense' if impl in ('fused', 'cudnn') else 'strided'
   assert attention.get(name).implementation(
-      impl, options=attention.resolve_options({}, [name]), head_dim=64,
+      impl, options=attention.resolve_options({}, [name])[name], head_dim=64,
       backend=backend) == impl
 
 
 def test_fused_and_cudnn_name_what_runs_for_a_sparse_pattern():
   """jax.nn.dot_product_attention computes a sparse pattern as the masked reference, and the log
   says so; cuDNN's flash kernel cannot compute it at all."""
-  args = dict(options=attention.resolve_options({}, ['strided']), head_dim=64, backend='gpu')
+  args = dict(options=attention.resolve_options({}, ['strided'])['strided'], head_dim=64,
+              backend='gpu')
   assert attention.get('strided').implementation('fused', **args) == 'xla'
   with pytest.raises(ValueError, match='dense causal attention only'):
     attention.get('strided').implementation('cudnn', **args)
@@ -159,7 +165,8 @@ def test_a_kernel_of_another_platform_is_refused_for_the_target(impl, backend, k
   del kernel_builds
   with pytest.raises(ValueError, match=f'{impl}.*cannot run here|StridedAttention.*{impl}'):
     attention.get('strided').implementation(
-        impl, options=attention.resolve_options({}, ['strided']), head_dim=64, backend=backend)
+        impl, options=attention.resolve_options({}, ['strided'])['strided'], head_dim=64,
+        backend=backend)
 
 
 @pytest.mark.cpu_only  # What the real backend resolves to on one CPU device.
@@ -196,8 +203,8 @@ def test_explicit_cpu_kernel_without_a_compiler_is_refused_at_config_time(no_com
 ])
 def test_explicit_cpu_kernel_where_it_cannot_run_says_why(kwargs, match, kernel_builds):
   del kernel_builds
-  args = dict(options=attention.resolve_options({}, ['local']), head_dim=64, backend='cpu',
-              devices=1)
+  args = dict(options=attention.resolve_options({}, ['local'])['local'], head_dim=64,
+              backend='cpu', devices=1)
   with pytest.raises(ValueError, match=match):
     attention.get('local').implementation('cpu_kernel', **{**args, **kwargs})
 
@@ -317,7 +324,7 @@ def test_local_globals_global_layers_run_denses_kernel_on_a_gpu(global_every, n_
   """A global layer of local_global is dense causal attention: on a GPU, in bf16, 'auto' gives
   it cuDNN's flash kernel as it gives dense (the blocked engine was 6.4x slower there at 16K:
   docs/variant_speed_gpu.md); the window layers stay on the blocked engine."""
-  options = {**OPTIONS, 'global_every': global_every}
+  options = {**OPTIONS, 'local_global': {**OPTIONS['local_global'], 'global_every': global_every}}
   cfg = transformer.TransformerConfig.from_config(dict(
       d_model=64, n_heads=2, n_layers=n_layers, vocab_size=16, max_len=24,
       attention='local_global', attention_impl='auto', attention_options=options,
@@ -358,7 +365,7 @@ def test_training_log_says_each_layers_implementation(monkeypatch, tmp_path, cap
   del kernel_builds  # Measured faster here for every static variant.
   config = tiny.get_config()
   config.model.attention = 'dense,strided'
-  config.model.attention_options.stride = 4
+  config.model.attention_options.strided.stride = 4
   config.peak_tflops_per_device = 1.0  # No matmul peak measurement.
 
   def stop(*args, **kwargs):  # Right after the model lines: nothing is compiled.

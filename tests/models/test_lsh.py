@@ -176,8 +176,8 @@ def _model(n_buckets=4, n_hashes=2, chunk_len=4, n_layers=2, stack='unrolled'):
   cfg = transformer.TransformerConfig(
       vocab_size=16, d_model=32, n_heads=2, n_layers=n_layers, head_dim=16, mlp_dim=64,
       max_len=32, attention=('lsh',) * n_layers, stack=stack,
-      attention_options=(('chunk_len', chunk_len), ('n_buckets', n_buckets),
-                         ('n_hashes', n_hashes)))
+      attention_options=(('lsh', (('chunk_len', chunk_len), ('n_buckets', n_buckets),
+                                  ('n_hashes', n_hashes))),))
   return transformer.Decoder(cfg)
 
 
@@ -328,9 +328,10 @@ def test_init_with_decoding_makes_the_caches():
 
 
 @pytest.mark.parametrize('options,match', [
-    ((('n_buckets', 3),), 'n_buckets must be 1 or an even'),
-    ((('n_hashes', 0),), 'n_hashes must be >= 1'),
-    ((('chunk_len', 0),), 'chunk_len must be >= 1'),
+    ((('lsh', (('n_buckets', 3),)),),
+     'model.attention_options.lsh: n_buckets must be 1 or an even'),
+    ((('lsh', (('n_hashes', 0),)),), 'model.attention_options.lsh: n_hashes must be >= 1'),
+    ((('lsh', (('chunk_len', 0),)),), 'model.attention_options.lsh: chunk_len must be >= 1'),
 ])
 def test_bad_options_are_refused(options, match):
   with pytest.raises(ValueError, match=match):

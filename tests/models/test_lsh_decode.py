@@ -25,8 +25,9 @@ ONE_CHUNK = 32  # >= MAX_LEN: every forward pass here is one chunk.
 
 def _model(n_hashes=2, n_buckets=4, chunk_len=ONE_CHUNK, **extra):
   m = dict(d=0, d_model=32, n_heads=2, n_layers=2, vocab_size=VOCAB, max_len=MAX_LEN,
-           attention='lsh', attention_options=dict(n_hashes=n_hashes, n_buckets=n_buckets,
-                                                   chunk_len=chunk_len),
+           attention='lsh',
+           attention_options={'lsh': dict(n_hashes=n_hashes, n_buckets=n_buckets,
+                                          chunk_len=chunk_len)},
            stack='unrolled', dtype='float32')
   m.update(extra)
   model = transformer.Decoder(transformer.TransformerConfig.from_config(m))

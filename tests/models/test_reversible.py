@@ -115,14 +115,14 @@ def _value_and_grad(cfg, params, batch, rng, custom_vjp=True):
 
 @pytest.mark.parametrize('attention,stack,options,dropout', [
     ('dense', 'unrolled', {}, 0.1),
-    ('dense,local,dense,local', 'scan_cycle', {'window': 4}, 0.1),
+    ('dense,local,dense,local', 'scan_cycle', {'local': {'window': 4}}, 0.1),
     # Sows its L1 penalty into 'losses' (lambda large, so the loss matters in the gradient).
-    ('adaptive_span', 'unrolled', {'span_limit': 8, 'span_ramp': 2, 'span_init': 0.5,
-                                   'span_penalty': 0.5}, 0.0),
+    ('adaptive_span', 'unrolled', {'adaptive_span': {'limit': 8, 'ramp': 2, 'init': 0.5,
+                                                     'penalty': 0.5}}, 0.0),
     # u, v shared by every layer (LayerContext.shared); a scanned stack.
-    ('txl', 'scan', {'mem_len': 0}, 0.1),
+    ('txl', 'scan', {'txl': {'mem_len': 0}}, 0.1),
     # Reformer: random rotations from the 'lsh' stream, replayed in the backward pass.
-    ('lsh', 'scan', {'n_buckets': 4, 'n_hashes': 2, 'chunk_len': 4}, 0.0),
+    ('lsh', 'scan', {'lsh': {'n_buckets': 4, 'n_hashes': 2, 'chunk_len': 4}}, 0.0),
 ])
 def test_custom_vjp_equals_autodiff(attention, stack, options, dropout):
   """Loss, sown loss and every gradient (the input embedding's included) of the training path
@@ -153,7 +153,7 @@ def test_custom_vjp_equals_autodiff(attention, stack, options, dropout):
 
 @pytest.mark.parametrize('attention,stack,options', [
     ('dense', 'scan', {}),
-    ('adaptive_span', 'unrolled', {'span_limit': 8, 'span_ramp': 2, 'span_init': 0.5}),
+    ('adaptive_span', 'unrolled', {'adaptive_span': {'limit': 8, 'ramp': 2, 'init': 0.5}}),
 ])
 def test_training_path_equals_the_module_path(attention, stack, options):
   """Without dropout, the training path (reversible.run) computes what the blocks compute as
@@ -280,9 +280,9 @@ def test_flops_and_parameters_are_those_of_pre_ln():
     ({'block': 'nope'}, "unknown block 'nope'; known blocks: gtrxl, pre_ln, reversible$"),
     ({'ff_chunk_len': -1}, r'model.ff_chunk_len must be an integer >= 0 .* got -1'),
     ({'ff_chunk_len': 2.5}, r'model.ff_chunk_len must be an integer >= 0 .* got 2.5'),
-    ({'attention': 'txl', 'attention_options': {'mem_len': 4}},
+    ({'attention': 'txl', 'attention_options': {'txl': {'mem_len': 4}}},
      "block='reversible' cannot carry segment memory"),
-    ({'attention': 'adaptive_span', 'attention_options': {'span_memory': True}},
+    ({'attention': 'adaptive_span', 'attention_options': {'adaptive_span': {'memory': True}}},
      "block='reversible' cannot carry segment memory"),
 ])
 def test_bad_config_is_reported(overrides, message):

@@ -16,8 +16,7 @@ from selective_kit import ALL_ON, forward as _forward, model as _model, params a
 from models import transformer
 from models.attention import selective as SEL
 
-ABLATIONS = [{}, {'selective_shift': False}, {'selective_relu': False},
-             {'selective_mask_bos': False}, {'selective_mask_diag': False}]
+ABLATIONS = [{}, {'shift': False}, {'relu': False}, {'mask_bos': False}, {'mask_diag': False}]
 
 
 def _sketch(q, k, v, *, shift=True, relu=True, mask_bos=True, mask_diag=True, qs=None, ks=None):
@@ -71,7 +70,7 @@ def test_equals_the_figure_2_sketch(impl, ablation):
   q, k, v = _qkv()
   seg = jnp.ones(q.shape[:2], jnp.int32)
   out, sown = _attend(q, k, v, seg, impl=impl, **ablation)
-  switches = {key.replace('selective_', ''): val for key, val in {**ALL_ON, **ablation}.items()}
+  switches = {**ALL_ON, **ablation}
   want, f = _sketch(q, k, v, **switches)
   np.testing.assert_allclose(out, want, atol=2e-5)
   np.testing.assert_allclose(sown['intermediates']['selection_F'][0], f[0], rtol=1e-5,
@@ -112,17 +111,17 @@ def test_packed_documents_select_only_inside_themselves():
   np.testing.assert_allclose(out[1, :11], first[0], atol=2e-5)
   # Without the document start as <BOS>, the second document's output would differ.
   unmasked, _ = _attend(q[1:, 11:25], k[1:, 11:25], v[1:, 11:25], jnp.ones((1, 14), jnp.int32),
-                        selective_mask_bos=False)
+                        mask_bos=False)
   assert np.abs(unmasked[0] - alone[0]).max() > 1e-3
 
 
-@pytest.mark.parametrize('ablation', [{}, {'selective_shift': False}], ids=['shift', 'noshift'])
+@pytest.mark.parametrize('ablation', [{}, {'shift': False}], ids=['shift', 'noshift'])
 def test_blocksparse_equals_reference_values_and_gradients(ablation):
   q, k, v = _qkv()
   seg = _packed()
   rng = np.random.default_rng(3)
   qs, ks = (jnp.asarray(rng.normal(size=(2, 29, 8)), jnp.float32) for _ in 'qk')
-  opts = {'selective_lmem_eps': 0.1, **ablation}
+  opts = {'lmem_eps': 0.1, **ablation}
 
   def loss(impl, q, k, v, qs, ks):
     out, sown = _attend(q, k, v, seg, impl=impl, selection=(qs, ks), **opts)
@@ -163,7 +162,7 @@ def test_memory_loss_equals_eq_2_on_a_hand_built_f():
     got = SEL.memory_term(jnp.asarray(f), jnp.asarray(mask), jnp.asarray(seg), tau=tau)
     np.testing.assert_allclose(float(got), _m_loop(f, seg, tau), rtol=1e-6)
   # Through the model: eps sum_l max_i M^l_i / (L n_{!=pad}) with each layer's F.
-  model = _model(selective_lmem_eps=0.1)
+  model = _model(lmem_eps=0.1)
   tokens = jnp.asarray(rng.integers(0, 40, (2, 8)))
   params = _params(model, tokens)
   _, sown = jax.jit(lambda p: model.apply({'params': p}, tokens, segment_ids=jnp.asarray(seg),
@@ -184,11 +183,12 @@ def test_memory_loss_equals_eq_2_on_a_hand_built_f():
 
 
 def test_invalid_options_are_rejected():
-  for bad, match in [({'selective_shift': 1}, 'selective_shift'),
-                     ({'selective_lmem_eps': -0.1}, 'eps'),
-                     ({'selective_lmem_tau': 0.0}, 'tau'),
-                     ({'selective_budgets': (8,)}, 'selective_budgets'),
-                     ({'selective_budgets': (8, 1)}, 'selective_budgets')]:
+  group = r'model.attention_options.selective'
+  for bad, match in [({'shift': 1}, group + r'.shift \(.*\) must be True or False, got 1'),
+                     ({'lmem_eps': -0.1}, group + ': lmem_eps'),
+                     ({'lmem_tau': 0.0}, group + ': lmem_tau'),
+                     ({'budgets': (8,)}, group + r': budgets=\(8,\)'),
+                     ({'budgets': (8, 1)}, group + r': budgets=\(8, 1\)')]:
     with pytest.raises(ValueError, match=match):
       _model(**bad)
   with pytest.raises(ValueError, match='splash'):
@@ -217,9 +217,8 @@ def test_every_switch_combination_in_the_model_config_follows_the_sketch():
       logits[combo], sown = _model(**opts).apply({'params': params}, tokens,
                                                  mutable=['intermediates'])
     assert sorted(layer for layer, _, _ in seen) == [0, 1], opts
-    switches = {key.replace('selective_', ''): val for key, val in opts.items()}
     for layer, (q, k, v), out in seen:
-      want, f = _sketch(q, k, v, **switches)
+      want, f = _sketch(q, k, v, **opts)
       np.testing.assert_allclose(out, want, atol=2e-5, err_msg=f'{opts} layer {layer}')
       got_f = sown['intermediates'][f'block_{layer}']['attention']['selection_F'][0]
       np.testing.assert_allclose(got_f, f[0], rtol=1e-5, atol=1e-4, err_msg=f'{opts}')
@@ -230,7 +229,7 @@ def test_every_switch_combination_in_the_model_config_follows_the_sketch():
 def test_separate_bilinear_adds_counted_parameters():
   tokens = jnp.zeros((1, 8), jnp.int32)
   for bilinear in (False, True):
-    model = _model(selective_separate_bilinear=bilinear)
+    model = _model(separate_bilinear=bilinear)
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens))['params']
     count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     assert count == model.config.num_params()

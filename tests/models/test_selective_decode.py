@@ -30,8 +30,7 @@ def _decode_all(model, params, tokens, inspect_cache=None):
   return jnp.stack(out, 1), cache
 
 
-@pytest.mark.parametrize('opts', [{}, {'selective_shift': False},
-                                  {'selective_separate_bilinear': True}],
+@pytest.mark.parametrize('opts', [{}, {'shift': False}, {'separate_bilinear': True}],
                          ids=['paper', 'noshift', 'bilinear'])
 def test_decoding_with_unlimited_budget_equals_the_full_forward(opts):
   model = _model(**opts)
@@ -43,7 +42,7 @@ def test_decoding_with_unlimited_budget_equals_the_full_forward(opts):
   if opts:
     return
   # A budget of at least the context length changes nothing.
-  big = _model(selective_budgets=(24, 30), **opts)
+  big = _model(budgets=(24, 30), **opts)
   np.testing.assert_allclose(_decode_all(big, params, tokens)[0], full, atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(_forward(big, params, tokens), full, atol=1e-5)
 
@@ -51,7 +50,7 @@ def test_decoding_with_unlimited_budget_equals_the_full_forward(opts):
 def test_pruned_decoding_respects_budgets_never_evicts_bos_and_evicts_the_highest_f():
   budgets = (4, 6)
   # Without the <BOS> constraint the <BOS> can get the highest F: it must still stay.
-  model = _model(selective_budgets=budgets, selective_mask_bos=False)
+  model = _model(budgets=budgets, mask_bos=False)
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, 40, (2, 24)))
   params = _params(model, tokens)
   seen = {'evictions': 0, 'bos_top': 0}
@@ -86,7 +85,7 @@ def test_pruned_decoding_respects_budgets_never_evicts_bos_and_evicts_the_highes
   assert seen['bos_top'] > 0  # <BOS> had the highest F at least once and was kept.
   # The pruned full forward (the kept mask) gives what decoding gives.
   np.testing.assert_allclose(_forward(model, params, tokens), stepped, atol=1e-4, rtol=1e-4)
-  full = _forward(_model(selective_mask_bos=False), params, tokens)
+  full = _forward(_model(mask_bos=False), params, tokens)
   assert float(jnp.abs(full - stepped).max()) > 1e-3  # pruning changed something
   # The KV cache shrinks by the reported factor sum_l N / sum_l K_l (48 / 10).
   unlimited = decode.cache_bytes(decode.init_cache(_model(), params, 2))
@@ -121,5 +120,5 @@ def test_budgets_through_the_pruning_collection_equal_static_budgets():
              for i, k in enumerate((5, 3))}
   dynamic = jax.jit(lambda p, r: model.apply({'params': p, 'pruning': r}, tokens))(
       params, pruning)
-  static = _forward(_model(selective_budgets=(5, 3)), params, tokens)
+  static = _forward(_model(budgets=(5, 3)), params, tokens)
   np.testing.assert_allclose(dynamic, static, atol=1e-6)

@@ -11,12 +11,9 @@ from selective_kit import ALL_ON
 from models.attention import blockloop
 from models.attention import selective as SEL
 
-SWITCHES = [{}, {'selective_shift': False}, {'selective_relu': False},
-            {'selective_mask_bos': False}, {'selective_mask_diag': False},
-            {'selective_shift': False, 'selective_relu': False, 'selective_mask_bos': False,
-             'selective_mask_diag': False},
-            {'selective_lmem_eps': 0.1}, {'selective_lmem_eps': 0.1, 'selective_lmem_tau': 0.5,
-                                          'selective_shift': False}]
+SWITCHES = [{}, {'shift': False}, {'relu': False}, {'mask_bos': False}, {'mask_diag': False},
+            {'shift': False, 'relu': False, 'mask_bos': False, 'mask_diag': False},
+            {'lmem_eps': 0.1}, {'lmem_eps': 0.1, 'lmem_tau': 0.5, 'shift': False}]
 
 
 def _inputs(n, separate, b=2, h=3, d=8, seed=0):
@@ -49,7 +46,7 @@ def _loss(impl, block, seg, mutable, opts):
 
 @pytest.mark.parametrize('separate', [False, True], ids=['head0', 'separate'])
 @pytest.mark.parametrize('opts', SWITCHES, ids=lambda o: ','.join(
-    f'{k[10:]}={v}' for k, v in o.items()) or 'paper')
+    f'{k}={v}' for k, v in o.items()) or 'paper')
 def test_loop_values_and_gradients_equal_the_dense_path(opts, separate):
   n = 40  # 3 blocks of 16, the last one padded
   q, k, v, sel, seg = _inputs(n, separate)
@@ -61,7 +58,7 @@ def test_loop_values_and_gradients_equal_the_dense_path(opts, separate):
   (want, want_sown), want_g = grads['xla']
   (got, got_sown), got_g = grads['blocksparse']
   np.testing.assert_allclose(got, want, rtol=1e-5)
-  if opts.get('selective_lmem_eps'):
+  if opts.get('lmem_eps'):
     np.testing.assert_allclose(got_sown['losses']['selective_lmem'],
                                want_sown['losses']['selective_lmem'], rtol=1e-5)
   for a, b in zip(jax.tree.leaves(want_g), jax.tree.leaves(got_g)):
@@ -75,7 +72,7 @@ def test_loop_f_and_output_equal_the_dense_path(n, block):
   outs = {}
   for impl in ('xla', 'blocksparse'):
     outs[impl] = jax.jit(lambda q, k, v, impl=impl: _loss(
-        impl, block, seg, ['losses', 'intermediates'], {'selective_lmem_eps': 0.1})(
+        impl, block, seg, ['losses', 'intermediates'], {'lmem_eps': 0.1})(
             q, k, v, None))(q, k, v)
   (want, want_sown), (got, got_sown) = outs['xla'], outs['blocksparse']
   np.testing.assert_allclose(got, want, rtol=1e-5)
@@ -97,7 +94,7 @@ def test_program_does_not_grow_with_the_sequence_length():
     seg = jax.ShapeDtypeStruct((b, n), jnp.int32)
 
     def loss(q, k, v, sel, seg):
-      return _loss('blocksparse', 64, seg, ['losses'], {'selective_lmem_eps': 0.1})(
+      return _loss('blocksparse', 64, seg, ['losses'], {'lmem_eps': 0.1})(
           q, k, v, sel)[0]
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(q, q, q, sel, seg).as_text()

@@ -25,7 +25,8 @@ from models.attention import blocksparse, patterns, sparse, splash
 FAST_COMPILE = {'xla_backend_optimization_level': 0, 'xla_llvm_disable_expensive_passes': True}
 NAMES = ('strided', 'fixed', 'local', 'block_local', 'local_global')
 D_MODEL, HEAD_DIM = 8, 4
-# Small pattern sizes so that n = 50 holds many blocks, strides and windows.
+# Small pattern sizes so that n = 50 holds many blocks, strides and windows; each variant
+# gets those it declares (`_own`: config.model.attention_options.<variant>).
 OPTIONS = dict(stride=4, summary=2, factorization='interleave', distinct_heads=False, window=5,
                local_block=8, block_memory=3, global_every=2, key_block=4, band_block=4)
 
@@ -68,10 +69,17 @@ def _options(**overrides):
   return {**OPTIONS, **overrides}
 
 
+def _own(name, options, **overrides):
+  """Variant `name`'s options: those of `options` it declares, then `overrides` (all of them:
+  an option it does not declare stays an error)."""
+  declared = attention.options(name)
+  return {**{k: v for k, v in options.items() if k in declared}, **overrides}
+
+
 def _module(name, impl, *, layer=0, heads=2, block=Q_BLOCK, **overrides):
   return attention.get(name)(num_heads=heads, head_dim=HEAD_DIM, impl=impl, block_size=block,
                              layer_index=layer,
-                             options=tuple(sorted(_options(**overrides).items())))
+                             options=tuple(sorted(_own(name, OPTIONS, **overrides).items())))
 
 
 def _packed(n, docs):
@@ -264,7 +272,8 @@ def test_splash_decoder_builds_and_matches_xla(scan, fresh_splash_kernels):
   tokens = jnp.asarray(np.random.default_rng(60).integers(0, 16, (2, n)), jnp.int32)
   models = {impl: transformer.Decoder(transformer.TransformerConfig.from_config(dict(
       vocab_size=16, max_len=n, d_model=16, n_heads=2, n_layers=2, attention='local',
-      attention_impl=impl, attention_block_size=128, attention_options=_options(),
+      attention_impl=impl, attention_block_size=128,
+      attention_options={'local': _own('local', OPTIONS)},
       stack='auto' if scan else 'unrolled'))) for impl in ('xla', 'splash')}
   assert models['splash'].config.stack_name == ('scan' if scan else 'unrolled')
   init = lambda impl: models[impl].init(jax.random.PRNGKey(0), tokens)['params']
@@ -346,8 +355,8 @@ FLOP_Q_BLOCK = 128
 def _head_parts(name, layer, heads, overrides, head, options=None):
   module = attention.get(name)(num_heads=heads, head_dim=HEAD_DIM, impl='blocksparse',
                                layer_index=layer,
-                               options=tuple(sorted({**(options or OPTIONS),
-                                                     **overrides}.items())))
+                               options=tuple(sorted(
+                                   _own(name, options or OPTIONS, **overrides).items())))
   return module.parts(head)
 
 
@@ -514,7 +523,8 @@ def test_computed_pairs_dense_counts_the_causal_blocks():
 
 def _model_config(name, n_heads=2, **overrides):
   return {'vocab_size': 16, 'max_len': 16, 'd_model': 8, 'n_heads': n_heads, 'n_layers': 2,
-          'attention': name, 'attention_options': _options(**overrides)}
+          'attention': name,
+          'attention_options': {v: _own(v, OPTIONS, **overrides) for v in name.split(',')}}
 
 
 @pytest.mark.parametrize('name', NAMES)
@@ -522,10 +532,12 @@ def test_valid_options_resolve(name):
   cfg = transformer.TransformerConfig.from_config(_model_config(name))
   assert cfg.attention == (name, name)
   # The given options win; every other declared option takes its declared default.
-  resolved = dict(cfg.attention_options)
-  assert {k: resolved[k] for k in OPTIONS} == OPTIONS
-  assert resolved == {k: o.default for k, o in attention.options().items()} | OPTIONS
-  assert [k for k, _ in cfg.attention_options] == sorted(resolved)
+  given = _own(name, OPTIONS)
+  resolved = cfg.options_of(name)
+  assert given and {k: resolved[k] for k in given} == given
+  assert resolved == {k: o.default for k, o in attention.options(name).items()} | given
+  # Held as sorted (variant, sorted (name, value) pairs) pairs, for the variant in use only.
+  assert cfg.attention_options == ((name, tuple(sorted(resolved.items()))),)
 
 
 INVALID = [
@@ -545,7 +557,8 @@ INVALID = [
     ('fixed', 1, {'factorization': 'multihead'}, r'at least 2 heads'),
 ] + [(name, 2, {'key_block': 0}, r'key_block') for name in NAMES] + [
     # The kernel is attention_impl='cpu_kernel' now, not an option.
-    (name, 2, {'cpu_kernel': True}, r'unknown model.attention_options cpu_kernel')
+    (name, 2, {'cpu_kernel': True},
+     rf'unknown model.attention_options.{name}.cpu_kernel; {name} declares: ')
     for name in NAMES] + [
     (name, 2, {'band_block': -1}, r'band_block') for name in NAMES]
 
@@ -559,6 +572,8 @@ def test_invalid_options_raise_at_config_time(name, n_heads, overrides, match):
 
 
 def test_invalid_options_raise_for_a_per_layer_list():
-  with pytest.raises(ValueError, match='window'):
+  with pytest.raises(ValueError, match=r'model.attention_options.local: window'):
     transformer.TransformerConfig.from_config(
-        {**_model_config('strided,local'), 'attention_options': _options(window=0)})
+        {**_model_config('strided,local'),
+         'attention_options': {'strided': _own('strided', OPTIONS),
+                               'local': _own('local', OPTIONS, window=0)}})

@@ -8,9 +8,15 @@ import pytest
 from models import blocks, stacks, transformer
 
 VOCAB = 32
-SPARSE = {'stride': 4, 'summary': 2, 'factorization': 'interleave', 'window': 4,
-          'global_every': 3, 'key_block': 4, 'band_block': 0,
-          'distinct_heads': False}
+# The pattern variants' options (config.model.attention_options.<variant>).
+_BLOCKS = {'key_block': 4, 'band_block': 0}
+SPARSE = {'strided': {'stride': 4, 'factorization': 'interleave', **_BLOCKS},
+          'fixed': {'stride': 4, 'summary': 2, 'factorization': 'interleave',
+                    'distinct_heads': False, **_BLOCKS},
+          'local': {'window': 4, **_BLOCKS},
+          'local_global': {'window': 4, 'global_every': 3, **_BLOCKS},
+          'block_local': dict(_BLOCKS)}
+MERGED = {**SPARSE, 'strided': {**SPARSE['strided'], 'factorization': 'merged'}}
 
 
 def _config(**overrides):
@@ -65,8 +71,8 @@ def test_scan_cycle_computes_the_unrolled_model(attention, n_layers, cycle):
   # The layers of a cycle really differ (a cycle of one repeated layer would fail above only
   # if A1 and A2 gave different outputs on these inputs).
   if attention == 'strided':
-    wrong = _config(attention=attention, n_layers=n_layers, attention_options={
-        **SPARSE, 'factorization': 'merged'}, stack='unrolled')
+    wrong = _config(attention=attention, n_layers=n_layers, attention_options=MERGED,
+                    stack='unrolled')
     other, _ = _logits_and_grads(wrong, _to_unrolled(cfg, params))
     assert np.abs(other - ref_logits).max() > 1e-3
 
@@ -109,8 +115,7 @@ def test_auto_scans_only_identical_layer_independent_layers():
   assert _config(attention='dense').stack_name == 'scan'
   assert _config(attention='local').stack_name == 'scan'
   assert _config(attention='strided').stack_name == 'unrolled'
-  assert _config(attention='strided', attention_options={
-      **SPARSE, 'factorization': 'merged'}).stack_name == 'scan'
+  assert _config(attention='strided', attention_options=MERGED).stack_name == 'scan'
   assert _config(attention='dense,local,dense,local').stack_name == 'unrolled'
 
 

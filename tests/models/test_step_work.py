@@ -21,7 +21,7 @@ from training import aot, assembly, hlo_cost
 VARIANTS = [n for n in attention.known() if attention.get(n).__module__.startswith('models.')]
 WORK_RATIO = 1.5
 # What a variant needs to build on the tiny recipe's task (segment memory needs a text stream).
-EXTRA = {'txl': {'position_embedding': 'none', 'attention_options': {'mem_len': 0}}}
+EXTRA = {'txl': {'position_embedding': 'none', 'attention_options': {'txl': {'mem_len': 0}}}}
 
 
 def _work(variant: str, impl: str | None = None) -> hlo_cost.Work:

@@ -233,9 +233,9 @@ def test_num_params_matches_the_backbone_formula(overrides):
 
 def test_num_params_counts_a_variants_own_parameters():
   # Adaptive span adds p_1..p_S (S x head_dim) and z' (one per head) to every layer.
-  span = {'span_limit': 8, 'span_ramp': 2, 'span_init': 0.0, 'span_penalty': 0.0,
-          'span_block': 4, 'span_learned': True, 'span_memory': False}
-  cfg = _config(attention='adaptive_span', attention_options=span)
+  span = {'limit': 8, 'ramp': 2, 'init': 0.0, 'penalty': 0.0, 'block': 4, 'learned': True,
+          'memory': False}
+  cfg = _config(attention='adaptive_span', attention_options={'adaptive_span': span})
   assert cfg.num_params() == _backbone_params(cfg) + cfg.n_layers * (8 * cfg.head_dim + cfg.n_heads)
   # The test variant's scalar aux_w, in one of two layers.
   assert _config(attention=f'dense,{AUX_NAME}').num_params() == _backbone_params(_config()) + 1

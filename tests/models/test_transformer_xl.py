@@ -163,7 +163,7 @@ def _model(mem_len=0, max_len=32, stack='auto', **extra):
   cfg = transformer.TransformerConfig.from_config(dict(
       d=0, d_model=32, n_heads=2, n_layers=2, vocab_size=40, max_len=max_len, attention='txl',
       position_embedding='none', attention_impl=options.pop('impl', 'blocksparse'),
-      attention_block_size=4, attention_options=options, stack=stack))
+      attention_block_size=4, attention_options={'txl': options}, stack=stack))
   return transformer.Decoder(cfg)
 
 
@@ -217,9 +217,10 @@ def test_position_embedding_must_be_none():
 
 
 @pytest.mark.parametrize('options,match', [
-    ({'mem_len': -1}, 'mem_len must be >= 0'),
-    ({'mem_len': 0, 'same_length': True}, 'needs mem_len >= 1'),
-    ({'mem_len': 0, 'eval_mem_len': 8}, 'eval_mem_len needs'),
+    ({'mem_len': -1}, 'model.attention_options.txl: mem_len must be >= 0'),
+    ({'mem_len': 0, 'same_length': True},
+     'model.attention_options.txl: same_length .* needs mem_len >= 1'),
+    ({'mem_len': 0, 'eval_mem_len': 8}, 'model.attention_options.txl: eval_mem_len needs'),
 ])
 def test_bad_options_are_refused(options, match):
   with pytest.raises(ValueError, match=match):
@@ -234,7 +235,7 @@ def test_kernels_are_refused_by_name():
 def test_eval_options_lengthen_the_memory():
   model = _model(mem_len=4, eval_mem_len=12)
   config = transformer.for_eval(model.config)
-  assert dict(config.attention_options)['mem_len'] == 12
+  assert config.options_of('txl')['mem_len'] == 12
   shapes = jax.eval_shape(lambda: transformer.Decoder(config).init(
       jax.random.key(0), jnp.zeros((2, 8), jnp.int32)))['memory']
   assert nn.unbox(shapes)['blocks']['attention']['hidden'].shape == (2, 2, 12, 32)

@@ -226,7 +226,7 @@ def test_decoding_equals_the_forward_pass(act, attention, block):
   weights set so that the tokens halt at different steps; the universal stack with fixed steps
   and with ACT, with every block and variant, decodes in tests/contracts/test_model_contract.py)."""
   config = _config(act=act, attention=attention, block=block,
-                   attention_options={'window': 5} if attention == 'local' else {})
+                   attention_options={'local': {'window': 5}} if attention == 'local' else {})
   params = _params(config, seed=1)
   if act:
     params = _with_halting(params, kernel_scale=3.0, bias=-0.5)
@@ -292,7 +292,7 @@ def test_coordinates_are_position_plus_step_sinusoids():
 def test_relative_position_attention_gets_only_the_step_signal():
   """Transformer-XL encodes positions itself: its universal stack adds the step sinusoid
   only, so shifting every position leaves the logits unchanged."""
-  config = _config(attention='txl', attention_options={'mem_len': 0})
+  config = _config(attention='txl', attention_options={'txl': {'mem_len': 0}})
   params = _params(config)
   x = _tokens()
   model = transformer.Decoder(config)
@@ -334,7 +334,7 @@ def test_universal_stack_defaults_to_one_layer():
 def test_segment_memory_is_kept_per_step():
   """Transformer-XL's memory under the universal stack: one memory per step (step t's memory
   holds the previous segment's inputs to step t), carried into the next segment."""
-  config = _config(attention='txl', act=True, attention_options={'mem_len': N})
+  config = _config(attention='txl', act=True, attention_options={'txl': {'mem_len': N}})
   model = transformer.Decoder(config)
   variables = model.init(jax.random.key(0), _tokens())
   params = nn.unbox(variables['params'])

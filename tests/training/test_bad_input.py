@@ -32,8 +32,9 @@ _BAD_CONFIGS = {
     # Numbers: finite, and in range, each named (issue 35: a NaN learning rate trained).
     'learning_rate_nan': ({'learning_rate': float('nan')},
                           r'^learning_rate must be a finite number, got nan$'),
-    'nested_float_inf': ({'model.attention_options.span_penalty': float('inf')},
-                         r'^model\.attention_options\.span_penalty must be a finite number'),
+    'nested_float_inf': ({'model.attention_options.adaptive_span.penalty': float('inf')},
+                         r'^model\.attention_options\.adaptive_span\.penalty must be a finite '
+                         r'number'),
     'warmup_negative': ({'warmup_steps': -5}, r'^warmup_steps must be an integer >= 0, got -5$'),
     'eval_every_negative': ({'eval_every_steps': -1},
                             r'^eval_every_steps must be an integer >= 0 \(0 = no periodic '

@@ -211,7 +211,7 @@ def test_a_variant_that_cannot_decode_is_a_clear_error_before_any_restore(tmp_pa
                                                 r'generate: NoDecodeAttention cannot decode'):
     sampling.sample_checkpoint(config, str(tmp_path))  # No checkpoint: it fails before looking.
   lsh = _synthetic_config(attention='lsh')  # Decodes: it gets as far as the checkpoint.
-  lsh.model.attention_options.update(chunk_len=4, n_buckets=4)
+  lsh.model.attention_options.lsh.update(chunk_len=4, n_buckets=4)
   lsh.generate.update(prompt='1 4 5', max_new_tokens=4)
   with pytest.raises(FileNotFoundError, match='train a model first'):
     sampling.sample_checkpoint(lsh, str(tmp_path / 'lsh'))
@@ -271,7 +271,7 @@ def test_eval_samples_are_written_as_tensorboard_text(text_run, tmp_path, no_dec
   # LSH decodes (whole buckets): an untrained LSH model writes its samples too.
   lsh = _text_config(tmp)
   lsh.model.attention = 'lsh'
-  lsh.model.attention_options.update(chunk_len=8, n_buckets=4)
+  lsh.model.attention_options.lsh.update(chunk_len=8, n_buckets=4)
   lsh = assembly.build(lsh, workdir=str(tmp_path / 'lsh'))
   lsh.data.close()
   lsh_samples = sampling.eval_samples(lsh, lsh.model, assembly.init_state(lsh, 0).params, 4)

@@ -50,9 +50,9 @@ def _config(name, layers, heads, overrides):
   config.model.d = 0
   config.model.d_model, config.model.n_heads, config.model.n_layers = 16 * heads, heads, layers
   config.model.attention = name
-  unknown = set(overrides) - set(config.model.attention_options)
-  assert not unknown, f'not attention options: {unknown}'  # A typo would test the defaults.
-  config.model.attention_options.update(overrides)
+  unknown = set(overrides) - set(config.model.attention_options[name])
+  assert not unknown, f'not {name} options: {unknown}'  # A typo would test the defaults.
+  config.model.attention_options[name].update(overrides)
   config.inspect_len = N
   return config
 
@@ -64,7 +64,7 @@ def test_inspect_masks_equal_the_definitions(case, tmp_path):
   paths = attention_maps.write_maps(config, str(tmp_path))
   masks = np.load(paths['npz'])
   assert sorted(masks) == sorted(f'layer{l}_head{h}' for l in range(layers) for h in range(heads))
-  options = dict(config.model.attention_options)
+  options = dict(config.model.attention_options[name])
   for layer in range(layers):
     for head in range(heads):
       want = bp.matrix(lambda i, layer=layer, head=head: bp.layer_keys(

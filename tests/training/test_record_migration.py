@@ -58,6 +58,8 @@ def test_stack_and_block_options_declare_their_change_kind():
   # GTrXL's gate bias only sets an initializer.
   assert run_config.kind('model.block_options.gate_bias') == run_config.TRAINING
   for group, registry in transformer.OPTION_GROUPS.items():
+    if registry.per_entry:  # model.attention_options.<variant>: tests/training/test_run_config.py
+      continue
     for name, option in registry.options().items():
       assert run_config.kind(f'model.{group}.{name}') == option.change, (group, name)
   # Nothing about them is listed by hand in training/.
@@ -133,3 +135,101 @@ def test_a_run_recorded_with_the_old_keys_evaluates_and_resumes_the_same(tmp_pat
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # config.json is never rewritten: the old record keeps its keys and is read as before.
   assert 'universal_act' in json.loads((old / 'config.json').read_text())['model']
+
+
+# The attention options were one flat group; now each variant has its own (issue 49).
+SPAN = {'limit': 16, 'ramp': 4, 'block': 4, 'init': 0.25}
+
+
+def _span_config(harness, total_steps: int):
+  """The tiny recipe with adaptive span (options that lost their prefix), 2 steps a save."""
+  return harness.config({
+      'model.attention': 'adaptive_span', 'model.position_embedding': 'none',
+      'total_steps': total_steps, 'checkpoint_every_steps': 2, 'model.attention_block_size': 8,
+      **{f'model.attention_options.adaptive_span.{k}': v for k, v in SPAN.items()}})
+
+
+def _write_flat_record(workdir) -> None:
+  """Rewrites WORKDIR/config.json as a run recorded with one flat attention group wrote it:
+  every variant's options in one namespace, the span and selective options with their prefix,
+  the variant in use winning where two declare a name."""
+  path = workdir / 'config.json'
+  record = json.loads(path.read_text())
+  old_name = {new: old for old, new in run_config.OPTION_RENAMED.items()}
+  groups = record['model']['attention_options']
+  in_use = record['model']['attention']
+  flat = {}
+  for variant in sorted(groups, key=lambda v: v == in_use):
+    for name, value in groups[variant].items():
+      flat[old_name.get(name, name)] = value
+  record['model']['attention_options'] = flat
+  path.write_text(json.dumps(record, indent=2))
+
+
+def test_flat_attention_options_are_read_per_variant():
+  assert run_config.migrate({'model.attention_options.window': 8, 'seed': 1}) == {
+      'model.attention_options.local.window': 8,
+      'model.attention_options.local_global.window': 8, 'seed': 1}
+  assert run_config.migrate({'model.attention_options.span_limit': 64}) == {
+      'model.attention_options.adaptive_span.limit': 64,
+      'model.attention_options.dynamic_span.limit': 64}
+  assert run_config.migrate({'model.attention_options.selective_relu': False}) == {
+      'model.attention_options.selective.relu': False}
+  # A key of the new groups is kept as it is; a new key present wins.
+  assert run_config.migrate({'model.attention_options.local.window': 3}) == {
+      'model.attention_options.local.window': 3}
+  assert run_config.migrate({'model.attention_options.n_hashes': 2,
+                             'model.attention_options.lsh.n_hashes': 4}) == {
+                                 'model.attention_options.lsh.n_hashes': 4}
+  # The variants in use name the one new key where they are known.
+  assert run_config.renamed_keys('model.attention_options.window', ['local']) == [
+      'model.attention_options.local.window']
+  assert run_config.renamed_keys('model.attention_options.selective.selective_lmem_eps') == [
+      'model.attention_options.selective.lmem_eps']
+  assert run_config.renamed_keys('model.attention_options.local.window') == []
+  # Every old flat name of an option that lost its prefix names a declared option.
+  for old, new in run_config.OPTION_RENAMED.items():
+    assert run_config.option_keys(old), old
+
+
+def test_a_flat_attention_option_given_now_is_refused_with_its_new_key(harness, tmp_path):
+  config = harness.config({'model.attention': 'local'})
+  config.model.attention_options.window = 3  # An unlocked config takes any field.
+  with pytest.raises(ValueError, match=r'^config key model\.attention_options\.window was '
+                                       r'renamed model\.attention_options\.local\.window$'):
+    settings.check(config)
+  proc = harness.run_main(tmp_path / 'run', {'model.attention': 'adaptive_span',
+                                             'model.attention_options.span_limit': 32})
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  errors = [line for line in proc.stderr.splitlines() if line.startswith('error: ')]
+  assert errors == ['error: bad command line: --config.model.attention_options.span_limit was '
+                    'renamed --config.model.attention_options.adaptive_span.limit'], (
+                        proc.stderr[-3000:])
+
+
+def test_a_run_recorded_with_flat_attention_options_evaluates_and_resumes_the_same(
+    harness, tmp_path):
+  new, old = tmp_path / 'new', tmp_path / 'old'
+  train.train_and_evaluate(_span_config(harness, 2), str(new))
+  shutil.copytree(new, old)
+  _write_flat_record(old)
+  recorded = json.loads((old / 'config.json').read_text())['model']['attention_options']
+  assert recorded['span_limit'] == 16 and 'adaptive_span' not in recorded
+
+  # Eval from the record alone (the recipe given is the default dense model, nothing asked
+  # for): the old record's span model, with its options, scored as the new record's.
+  nothing = run_config.Request(keys=frozenset())
+  scores = [evaluation.evaluate_checkpoint(default.get_config(), str(w), nothing)
+            for w in (new, old)]
+  assert scores[0]['loss'] == scores[1]['loss'] and np.isfinite(scores[0]['loss'])
+  flat, _ = run_config.current_record(str(old))
+  assert {k: flat[f'model.attention_options.adaptive_span.{k}'] for k in SPAN} == SPAN
+
+  # Resume to step 4 from each record: the same parameters.
+  more = default.get_config()
+  more.total_steps = 4
+  total = run_config.Request(keys=frozenset({'total_steps'}))
+  states = [train.train_and_evaluate(more, str(w), total) for w in (new, old)]
+  assert int(states[0].step) == int(states[1].step) == 4
+  for a, b in zip(jax.tree.leaves(states[0].params), jax.tree.leaves(states[1].params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

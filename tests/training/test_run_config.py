@@ -17,7 +17,7 @@ from training import assembly, attention_maps, evaluation, optimizer, run_config
 # A model the default recipe does not describe: evaluating with the recipe's defaults would
 # score dense attention with these parameters (same shapes), silently.
 TRAINED = {'total_steps': 4, 'checkpoint_every_steps': 2, 'model.attention': 'local',
-           'model.attention_options.window': 2}
+           'model.attention_options.local.window': 2}
 
 
 @pytest.fixture(scope='module')
@@ -45,7 +45,7 @@ def _history(workdir) -> list[dict]:
 
 
 def test_the_classification_table():
-  assert run_config.kind('model.attention_options.window') == run_config.MODEL
+  assert run_config.kind('model.attention_options.local.window') == run_config.MODEL
   assert run_config.kind('model.attention_impl') == run_config.RUNTIME
   assert run_config.kind('data.num_assignments') == run_config.MODEL
   assert run_config.kind('data.data_dir') == run_config.RUNTIME
@@ -55,10 +55,14 @@ def test_the_classification_table():
     assert run_config.kind(key) == run_config.RUNTIME, key
   assert run_config.kind('a_field_added_later') == run_config.MODEL  # Safe by default.
   # An attention option's kind is declared with it (Option.change), not listed in training/.
-  assert run_config.kind('model.attention_options.eval_mem_len') == run_config.RUNTIME
-  assert run_config.kind('model.attention_options.n_hashes') == run_config.TRAINING
-  for name, option in registry.options().items():
-    assert run_config.kind(f'model.attention_options.{name}') == option.change, name
+  assert run_config.kind('model.attention_options.txl.eval_mem_len') == run_config.RUNTIME
+  assert run_config.kind('model.attention_options.lsh.n_hashes') == run_config.TRAINING
+  for variant in registry.known():
+    for name, option in registry.options(variant).items():
+      assert run_config.kind(f'model.attention_options.{variant}.{name}') == option.change, (
+          variant, name)
+  # Another variant's option name is no option of this one: the group's kind.
+  assert run_config.kind('model.attention_options.dense.window') == run_config.MODEL
   assert not [k for k in run_config.KINDS if k.startswith(run_config.OPTIONS_GROUP)]
   with pytest.raises(ValueError, match="Option.change must be one of"):
     base.Option(0, 'a typo', change='eval')
@@ -75,7 +79,7 @@ def test_the_first_start_records_the_config_and_the_recipe(trained):
   [start] = _history(trained)
   assert start['start'] == 'new' and start['step'] == 0
   assert start['recipe'].endswith('configs/tiny.py')
-  assert start['overrides']['model.attention_options.window'] == 2
+  assert start['overrides']['model.attention_options.local.window'] == 2
 
 
 def test_eval_with_no_flags_scores_the_recorded_model(harness, trained, tmp_path):
@@ -96,12 +100,12 @@ def test_eval_with_no_flags_scores_the_recorded_model(harness, trained, tmp_path
 
 def test_eval_with_a_model_override_is_refused(harness, trained, tmp_path):
   workdir = _copy(trained, tmp_path)
-  proc = harness.run_main(workdir, {**TRAINED, 'model.attention_options.window': 4},
+  proc = harness.run_main(workdir, {**TRAINED, 'model.attention_options.local.window': 4},
                           mode='eval')
   assert proc.returncode == 1, proc.stderr[-3000:]
   [error] = _errors(proc)
-  assert 'model.attention_options.window: recorded 2, given 4' in error, error
-  assert '--allow_config_change=model.attention_options.window' in error
+  assert 'model.attention_options.local.window: recorded 2, given 4' in error, error
+  assert '--allow_config_change=model.attention_options.local.window' in error
   assert not list(workdir.glob('eval_step_*.json'))
 
 

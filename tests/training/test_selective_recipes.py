@@ -17,7 +17,7 @@ from training import attention_maps, metrics, pruning, train
 
 STEPS = 12
 EXTRA = {'model.attention': 'selective', 'total_steps': STEPS, 'checkpoint_every_steps': STEPS,
-         'model.attention_options.selective_lmem_eps': 0.1, 'pruning.step': 4}
+         'model.attention_options.selective.lmem_eps': 0.1, 'pruning.step': 4}
 
 
 def test_greedy_cuts_the_layer_that_hurts_least_until_the_target():
@@ -142,8 +142,7 @@ from training import assembly, sharding, steps
 def run(data, fsdp, tensor, devices):
   config = tiny.get_config()
   config.model.update(d=2, vocab_size=32, attention='selective', dtype='float32')
-  config.model.attention_options.update(selective_lmem_eps=0.1,
-                                        selective_separate_bilinear=True)
+  config.model.attention_options.selective.update(lmem_eps=0.1, separate_bilinear=True)
   config.update(batch_size=8, warmup_steps=0, adam_eps=1e-3, peak_tflops_per_device=1.0)
   config.data.num_assignments = 8
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = data, fsdp, tensor

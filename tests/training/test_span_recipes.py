@@ -1,6 +1,6 @@
 """Adaptive and dynamic spans in the real training loop (configs/tiny.py, Variable Assignment).
 
-Spans start at z = 2 (reach z + R = 6, trimmed span T = 8 with span_block 4) under a strong
+Spans start at z = 2 (reach z + R = 6, trimmed span T = 8 with block 4) under a strong
 L1 penalty (lambda = 1), so they shrink to the box's floor z = 0 within ~15 steps; when a
 layer's z + R falls to 4 its T crosses a block and the loop compiles the step for the new T
 (and only then). Measured on 2 CPU cores (about 10 s a run).
@@ -17,8 +17,7 @@ from configs import adaptive_span_char
 from training import assembly, attention_maps, evaluation, steps, train
 
 STEPS = 40
-OPTIONS = {'span_limit': 16, 'span_ramp': 4, 'span_init': 0.125, 'span_block': 4,
-           'span_penalty': 1.0, 'span_memory': False}
+OPTIONS = {'limit': 16, 'ramp': 4, 'init': 0.125, 'block': 4, 'penalty': 1.0, 'memory': False}
 
 
 def _run(harness, tmp_path, name, monkeypatch):
@@ -26,14 +25,14 @@ def _run(harness, tmp_path, name, monkeypatch):
   original = steps.jit_train_step
 
   def counting(setup, model=None):
-    compiled.append(dict((model or setup.model).config.attention_options).get('span_trim'))
+    compiled.append((model or setup.model).config.options_of(name)['trim'])
     return original(setup, model)
 
   monkeypatch.setattr(steps, 'jit_train_step', counting)
   extra = {'model.attention': name, 'model.position_embedding': 'none', 'total_steps': STEPS,
            'learning_rate': 0.01, 'warmup_steps': 5, 'checkpoint_every_steps': STEPS,
            'model.attention_block_size': 8}
-  extra.update({f'model.attention_options.{k}': v for k, v in OPTIONS.items()})
+  extra.update({f'model.attention_options.{name}.{k}': v for k, v in OPTIONS.items()})
   config = harness.config(extra)
   state = train.train_and_evaluate(config, str(tmp_path))
   return state, compiled
@@ -55,7 +54,8 @@ def test_adaptive_span_trains_and_recompiles_only_when_a_span_crosses_a_block(
   # --mode=inspect reads the checkpoint: spans per head (all 0 here), FLOPs and cache.
   config = harness.config({'model.attention': 'adaptive_span',
                            'model.position_embedding': 'none',
-                           **{f'model.attention_options.{k}': v for k, v in OPTIONS.items()}})
+                           **{f'model.attention_options.adaptive_span.{k}': v
+                              for k, v in OPTIONS.items()}})
   paths = attention_maps.write_maps(config, str(tmp_path))
   with open(paths['spans_json']) as f:
     report = json.load(f)
@@ -75,7 +75,7 @@ def test_dynamic_span_trains(harness, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize('extra,match', [
-    ({'model.attention_options.span_memory': True}, "data.packing='stream'"),
+    ({'model.attention_options.adaptive_span.memory': True}, "data.packing='stream'"),
 ])
 def test_memory_needs_a_stream(harness, tmp_path, extra, match):
   config = harness.config({'model.attention': 'adaptive_span',
@@ -96,8 +96,8 @@ def _stream_config(tmp_path, total_steps):
   config.data.chunk_bytes = 2048
   config.data.prefetch_batches = 1
   config.model.update(d_model=32, n_heads=2, n_layers=2, attention_block_size=8)
-  config.model.attention_options.update(span_limit=24, span_ramp=4, span_block=8,
-                                        span_init=0.3, span_penalty=0.01)
+  config.model.attention_options.adaptive_span.update(limit=24, ramp=4, block=8, init=0.3,
+                                                      penalty=0.01)
   config.update(seq_len=16, batch_size=2, total_steps=total_steps, warmup_steps=2,
                 learning_rate=0.01, log_every_steps=2, eval_every_steps=0, eval_steps=2,
                 checkpoint_every_steps=3, peak_tflops_per_device=1.0,

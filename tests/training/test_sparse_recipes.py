@@ -20,8 +20,11 @@ FAST_COMPILE = {'xla_backend_optimization_level': 0, 'xla_llvm_disable_expensive
 NAMES = ('strided', 'fixed', 'local', 'block_local', 'local_global')
 STEPS = 20
 MAX_FINAL_FRACTION = 0.85  # Mean loss of the last 5 steps / first loss; measured 0.50-0.62.
-OPTIONS = {'stride': 4, 'summary': 2, 'window': 4, 'local_block': 4, 'block_memory': 2,
-           'key_block': 2}
+OPTIONS = {'strided': {'stride': 4, 'key_block': 2},
+           'fixed': {'stride': 4, 'summary': 2, 'key_block': 2},
+           'local': {'window': 4, 'key_block': 2},
+           'block_local': {'local_block': 4, 'block_memory': 2, 'key_block': 2},
+           'local_global': {'window': 4, 'key_block': 2}}
 # The default impl, 'blocksparse', runs for every variant; the dense reference for one of the
 # factorized ones (two parts merged) unless slow tests are selected.
 RUNS = [(name, 'blocksparse') for name in NAMES] + [
@@ -35,7 +38,7 @@ def _config(harness, name, impl):
   extra = {'data.num_assignments': 4, 'batch_size': 64, 'total_steps': STEPS,
            'warmup_steps': 5, 'model.attention': name, 'model.attention_impl': impl,
            'model.attention_block_size': 4}
-  extra.update({f'model.attention_options.{k}': v for k, v in OPTIONS.items()})
+  extra.update({f'model.attention_options.{name}.{k}': v for k, v in OPTIONS[name].items()})
   return harness.config(extra)
 
 
@@ -45,7 +48,8 @@ def _train(harness, name, impl) -> np.ndarray:
     config = _config(harness, name, impl)
     setup = assembly.build(config, devices=jax.devices()[:1])
     assert setup.model_config.attention == (name,) * setup.model_config.n_layers
-    assert dict(setup.model_config.attention_options)['window'] == OPTIONS['window']
+    given = setup.model_config.options_of(name)
+    assert {k: given[k] for k in OPTIONS[name]} == OPTIONS[name]
     assert setup.data.seq_len == 10
     key = jax.random.key(config.seed)
     state = jax.jit(setup.init_fn, out_shardings=setup.state_sharding).lower(key).compile(

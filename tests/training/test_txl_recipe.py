@@ -28,7 +28,7 @@ def _config(tmp_path, total_steps, **options):
   config.data.chunk_bytes = 2048
   config.data.prefetch_batches = 1
   config.model.update(d_model=32, n_heads=2, n_layers=2, attention_block_size=8)
-  config.model.attention_options.update(mem_len=MEM, **options)
+  config.model.attention_options.txl.update(mem_len=MEM, **options)
   config.update(seq_len=N, batch_size=2, total_steps=total_steps, warmup_steps=2,
                 learning_rate=0.01, log_every_steps=2, eval_every_steps=0, eval_steps=4,
                 checkpoint_every_steps=3, peak_tflops_per_device=1.0,
@@ -55,7 +55,7 @@ def test_eval_with_a_longer_memory_runs_and_changes_the_loss(tmp_path):
   assert np.isfinite(base['bits_per_byte']) and np.isfinite(longer['bits_per_byte'])
   assert base['step'] == longer['step'] == 30
   assert abs(longer['loss'] - base['loss']) > 1e-4, (base, longer)
-  assert longer['config_overrides'] == {'model.attention_options.eval_mem_len': 4 * MEM}
+  assert longer['config_overrides'] == {'model.attention_options.txl.eval_mem_len': 4 * MEM}
 
 
 @pytest.mark.parametrize('extra,match', [

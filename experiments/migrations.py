@@ -1,0 +1,252 @@
+"""Migrations of the committed results (results/*.json) when a name they record changes.
+
+    python -m experiments.migrations            # rewrite results/*.json in place
+    python -m experiments.migrations --check    # exit 1 naming each file a migration changes
+
+A result file records how its runs were made: variant specs ('adaptive_span:span_limit=256'),
+config overrides ({'model.attention_options.window': 32}), command lines. When the code renames
+one of those names, the committed files are rewritten once, here, by the same rules the code
+uses to read old records (training/run_config.py), never by hand; the numbers are untouched.
+tests/experiments/test_migrations.py checks that the committed files need no migration.
+
+MIGRATIONS, in order:
+- per_variant_options: each attention variant got its own option group
+  (model.attention_options.<variant>.<name>), and the options that carried their variant's
+  prefix lost it (run_config.OPTION_RENAMED: span_limit -> limit, selective_relu -> relu).
+  An override key is moved into the group of the variant its row ran (the row's
+  model.attention, or its variant spec); with none recorded, into every variant that declares
+  the option (run_config.option_keys). Variant specs and the specs in command lines get the
+  new option names. Folder names (workdir) stay: they name folders that exist.
+- recipe_fingerprints: the same change of the config's layout changed every recipe's
+  fingerprint (configs.fingerprint), which a committed compile (results/
+  tpu_compile_recipes.json) carries to say which recipe it compiled. A row whose fingerprint
+  is the recipe's as the flat layout hashed it (`flat_layout_fingerprint`: the recipe has
+  not changed since) gets the recipe's fingerprint now; a row of a recipe changed since keeps
+  its old one (tests/contracts/test_paper_recipes.py then asks for a new compile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import re
+import sys
+from typing import Any, Callable
+
+import configs
+from configs import presets
+from models import attention
+from models import options as options_lib
+from training import run_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GROUP = run_config.OPTIONS_GROUP  # 'model.attention_options.'
+# Keys whose values are names of things that exist (folders): never rewritten.
+KEPT = ('workdir',)
+
+
+def _spec_variants(spec: str) -> list[str]:
+  """The attention variants a variant spec ('NAME[:K=V...]') runs: NAME, or a preset's."""
+  name = spec.split(':')[0].strip()
+  if name in attention.known():
+    return [name]
+  if name in presets.PRESETS:
+    from configs import default  # pylint: disable=import-outside-toplevel
+    given = presets.PRESETS[name](default.get_config())
+    return [v.strip() for v in given.get('model.attention', 'dense').split(',')]
+  return []
+
+
+def _renamed_option(variants: list[str], name: str) -> str:
+  """A spec's option name `name` as the variants in `variants` declare it now."""
+  new = run_config.OPTION_RENAMED.get(name)
+  if new and any(new in attention.options(v) for v in variants if v in attention.known()):
+    return new
+  return name
+
+
+def _spec(spec: str) -> str:
+  """A variant spec with its options' new names ('adaptive_span:limit=256')."""
+  name, *items = spec.split(':')
+  variants = _spec_variants(name)
+  if not variants:
+    return spec
+  out = [name]
+  for item in items:
+    key, sep, value = item.partition('=')
+    out.append(f'{_renamed_option(variants, key)}{sep}{value}' if sep else item)
+  return ':'.join(out)
+
+
+_SPEC = re.compile(r'(?<![\w/.-])([a-z_]+(?::[A-Za-z_][\w.]*=[^\s,:\'"]*)+)')
+
+
+def _text(text: str) -> str:
+  """Every variant spec in a string (a spec, or a command line holding specs) migrated."""
+  return _SPEC.sub(lambda m: _spec(m.group(1)), text)
+
+
+def _flat_key(key: str) -> str | None:
+  """The option name of an old flat attention key (model.attention_options.<name>)."""
+  if not key.startswith(GROUP):
+    return None
+  name = key[len(GROUP):]
+  return None if '.' in name or name in attention.known() else name
+
+
+def _keys(name: str, variants: list[str], where: str) -> list[str]:
+  keys = run_config.option_keys(name, variants) if variants else []
+  if not keys:
+    keys = run_config.option_keys(name)
+    if len(keys) > 1 and variants:
+      raise ValueError(f'{where}: {GROUP}{name} is no option of {variants}')
+  if not keys:
+    raise ValueError(f'{where}: no registered variant declares {GROUP}{name}')
+  return keys
+
+
+def _context(node: dict, variants: list[str]) -> list[str]:
+  """The variants a dict's row ran: its model.attention, its variant spec, else the parent's."""
+  if isinstance(node.get('model.attention'), str):
+    return [v.strip() for v in node['model.attention'].split(',') if v.strip()]
+  if isinstance(node.get('variant'), str) and _spec_variants(node['variant']):
+    return _spec_variants(node['variant'])
+  return variants
+
+
+def per_variant_options(data: Any, variants: list[str] | None = None, where: str = '') -> Any:
+  """`data` (a result file's JSON) with attention option keys and specs of the per-variant
+  groups (see the module docstring)."""
+  variants = variants or []
+  if isinstance(data, dict):
+    variants = _context(data, variants)
+    out = {}
+    for key, value in data.items():
+      here = f'{where}/{key}'
+      if key in KEPT:
+        out[key] = value
+        continue
+      value = per_variant_options(value, variants, here)
+      name = _flat_key(key)
+      if name is None:
+        out[key] = value
+      else:
+        out.update({k: value for k in _keys(name, variants, here)})
+    return out
+  if isinstance(data, list):
+    out = []
+    for i, item in enumerate(data):
+      flat = re.fullmatch(r'model\.attention_options\.(\w+)=(.*)', item) if isinstance(
+          item, str) else None
+      if flat and _flat_key(f'{GROUP}{flat.group(1)}'):
+        out += [f'{k}={flat.group(2)}' for k in _keys(flat.group(1), variants, f'{where}/{i}')]
+      else:
+        out.append(per_variant_options(item, variants, f'{where}/{i}'))
+    return out
+  if isinstance(data, str):
+    return _text(data)
+  return data
+
+
+def flat_layout_fingerprint(config) -> str:
+  """configs.fingerprint(config) as it was computed when model.attention_options was one flat
+  group: every option of the project's variants under its old name (OPTION_RENAMED), at its
+  default, with the values of the variants in use on top."""
+  old_name = {new: old for old, new in run_config.OPTION_RENAMED.items()}
+  ours = [n for n in attention.known() if attention.get(n).__module__.startswith('models.')]
+  in_use = [n.strip() for n in config.model.attention.split(',') if n.strip()]
+  flat = {}
+  for variant in ours:
+    flat.update({old_name.get(k, k): o.default
+                 for k, o in options_lib.declared(attention.get(variant)).items()
+                 if not o.internal})
+  for variant in in_use:
+    flat.update({old_name.get(k, k): v
+                 for k, v in config.model.attention_options[variant].to_dict().items()})
+  settings = config.to_dict()
+  settings['model']['attention_options'] = flat
+  for group in ('block_options', 'stack_options'):  # As configs.fingerprint filters them.
+    own = {o for _, cls in _registry(group).items() if cls.__module__.startswith('models.')
+           for o in options_lib.declared(cls)}
+    settings['model'][group] = {k: v for k, v in settings['model'][group].items() if k in own}
+  text = json.dumps(settings, sort_keys=True, default=str)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _registry(group: str):
+  from models import transformer  # pylint: disable=import-outside-toplevel
+  return transformer.OPTION_GROUPS[group]
+
+
+def recipe_fingerprints(data: Any) -> Any:
+  """A compile result's rows ({'recipe', 'fingerprint', ...}) with the fingerprint of the
+  per-variant layout where the row's is its unchanged recipe's in the flat one."""
+  rows = data.get('rows') if isinstance(data, dict) else None
+  if not isinstance(rows, list) or not all(
+      isinstance(r, dict) and {'recipe', 'fingerprint'} <= set(r) for r in rows):
+    return data
+  out = []
+  for row in rows:
+    if row['recipe'] in configs.PAPER_RECIPES:
+      config = configs.load(row['recipe'])
+      if row['fingerprint'] == flat_layout_fingerprint(config):
+        row = {**row, 'fingerprint': configs.fingerprint(config)}
+    out.append(row)
+  return {**data, 'rows': out}
+
+
+MIGRATIONS: tuple[Callable[[Any], Any], ...] = (per_variant_options, recipe_fingerprints)
+
+
+def migrate(data: Any) -> Any:
+  """`data` with every migration applied, in order (each leaves migrated data as it is)."""
+  for step in MIGRATIONS:
+    data = step(data)
+  return data
+
+
+def _dumps(data: Any, text: str) -> str:
+  """`data` as JSON laid out as `text` (the file it was read from) was: the same indent and
+  final newline, so that a migration's diff shows only what it changed."""
+  end = '\n' if text.endswith('\n') else ''
+  for indent in (2, 1, 4, None):
+    if json.dumps(json.loads(text), indent=indent) + end == text:
+      return json.dumps(data, indent=indent) + end
+  return json.dumps(data, indent=2) + end
+
+
+def files(folder: str = os.path.join(REPO, 'results')) -> list[str]:
+  return sorted(glob.glob(os.path.join(folder, '*.json')))
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--check', action='store_true',
+                      help='change nothing; exit 1 naming each file a migration would change')
+  parser.add_argument('paths', nargs='*', help='result files (default: results/*.json)')
+  args = parser.parse_args(argv)
+  stale = []
+  for path in args.paths or files():
+    with open(path) as f:
+      text = f.read()
+    data = json.loads(text)
+    new = migrate(data)
+    if new == data:
+      continue
+    stale.append(path)
+    if not args.check:
+      with open(path, 'w') as f:
+        f.write(_dumps(new, text))
+      print(f'migrated {os.path.relpath(path, REPO)}')
+  if args.check and stale:
+    print('needs migration (python -m experiments.migrations): '
+          + ', '.join(os.path.relpath(p, REPO) for p in stale), file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
