@@ -222,9 +222,14 @@ PLAIN_BLOCKS = 4
 PLAIN_QUERIES = 512
 
 
+def unrolled(blocks: int, n: int) -> bool:
+  """Whether `attention` computes a row of n queries in `blocks` query blocks unrolled, by
+  autodiff (a short row: see PLAIN_BLOCKS), rather than in its loops."""
+  return blocks <= PLAIN_BLOCKS and n <= PLAIN_QUERIES
+
+
 def _short(spec: _Spec, n: int) -> bool:
-  nq = spec.table.count.shape[0]
-  return nq <= PLAIN_BLOCKS and n <= PLAIN_QUERIES
+  return unrolled(spec.table.count.shape[0], n)
 
 
 def _block_keys(table: Table, b: int) -> np.ndarray:
@@ -799,8 +804,11 @@ def _gathered_relative_term(q, table, at0, keys: int):
   spec = 'bhqd,xd->bhqx' if table.ndim == 2 else 'bhqd,hxd->bhqx'
   products = jnp.einsum(spec, q, window, preferred_element_type=jnp.float32)
   row = at0 + jnp.arange(b)[:, None] - jnp.arange(keys)[None, :]  # (B, keys) table rows
-  at = jnp.broadcast_to(jnp.clip(row - lo, 0, n - 1), products.shape[:2] + row.shape)
-  term = jnp.take_along_axis(products, at, axis=-1)
+  # Indexed by (query, row) pairs only, the leading (batch, heads) axes sliced whole: a
+  # take_along_axis broadcast its indices to every (batch, head) first, a gather (and, for
+  # the gradient, a scatter-add) of batch x heads x B x keys index tuples, which made
+  # adaptive span's train step at 512 tokens 8% slower than the same gather by index pairs.
+  term = products[:, :, jnp.arange(b)[:, None], jnp.clip(row - lo, 0, n - 1)]
   return jnp.where((row >= 0) & (row < rows), term, 0.0)
 
 
