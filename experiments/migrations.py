@@ -40,6 +40,7 @@ import configs
 from configs import presets
 from models import attention
 from models import options as options_lib
+from models import transformer
 from training import run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,14 +90,6 @@ def _text(text: str) -> str:
   return _SPEC.sub(lambda m: _spec(m.group(1)), text)
 
 
-def _flat_key(key: str) -> str | None:
-  """The option name of an old flat attention key (model.attention_options.<name>)."""
-  if not key.startswith(GROUP):
-    return None
-  name = key[len(GROUP):]
-  return None if '.' in name or name in attention.known() else name
-
-
 def _keys(name: str, variants: list[str], where: str) -> list[str]:
   keys = run_config.option_keys(name, variants) if variants else []
   if not keys:
@@ -130,7 +123,7 @@ def per_variant_options(data: Any, variants: list[str] | None = None, where: str
         out[key] = value
         continue
       value = per_variant_options(value, variants, here)
-      name = _flat_key(key)
+      name = run_config.flat_option(key)
       if name is None:
         out[key] = value
       else:
@@ -141,7 +134,7 @@ def per_variant_options(data: Any, variants: list[str] | None = None, where: str
     for i, item in enumerate(data):
       flat = re.fullmatch(r'model\.attention_options\.(\w+)=(.*)', item) if isinstance(
           item, str) else None
-      if flat and _flat_key(f'{GROUP}{flat.group(1)}'):
+      if flat and run_config.flat_option(f'{GROUP}{flat.group(1)}'):
         out += [f'{k}={flat.group(2)}' for k in _keys(flat.group(1), variants, f'{where}/{i}')]
       else:
         out.append(per_variant_options(item, variants, f'{where}/{i}'))
@@ -169,16 +162,12 @@ def flat_layout_fingerprint(config) -> str:
   settings = config.to_dict()
   settings['model']['attention_options'] = flat
   for group in ('block_options', 'stack_options'):  # As configs.fingerprint filters them.
-    own = {o for _, cls in _registry(group).items() if cls.__module__.startswith('models.')
+    own = {o for _, cls in transformer.OPTION_GROUPS[group].items()
+           if cls.__module__.startswith('models.')
            for o in options_lib.declared(cls)}
     settings['model'][group] = {k: v for k, v in settings['model'][group].items() if k in own}
   text = json.dumps(settings, sort_keys=True, default=str)
   return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _registry(group: str):
-  from models import transformer  # pylint: disable=import-outside-toplevel
-  return transformer.OPTION_GROUPS[group]
 
 
 def recipe_fingerprints(data: Any) -> Any:

@@ -212,7 +212,7 @@ class Resolved:
   request: Request
 
 
-def _flat_option(key: str) -> str | None:
+def flat_option(key: str) -> str | None:
   """The option name of a key of the old flat attention group
   (model.attention_options.<name>), or None for any other key."""
   if not key.startswith(OPTIONS_GROUP):
@@ -236,7 +236,7 @@ def renamed_keys(key: str, variants=None) -> list[str]:
   variant's group, e.g. model.attention_options.selective.selective_relu), else []."""
   if key in RENAMED:
     return [RENAMED[key]]
-  name = _flat_option(key)
+  name = flat_option(key)
   if name is not None:
     return option_keys(name, variants) or option_keys(name)
   if key.startswith(OPTIONS_GROUP):
@@ -255,8 +255,8 @@ def migrate(flat: dict[str, Any]) -> dict[str, Any]:
   for key, value in flat.items():
     if key in RENAMED:
       new = [RENAMED[key]]
-    elif _flat_option(key) is not None:
-      new = option_keys(_flat_option(key))
+    elif flat_option(key) is not None:
+      new = option_keys(flat_option(key))
     else:
       out[key] = value
       continue
