@@ -241,12 +241,12 @@ def variant_config(base: ml_collections.ConfigDict,
     except ValueError as e:
       raise ValueError(f'variant {spec!r}: {e}') from e
   names = [n.strip() for n in config.model.attention.split(',') if n.strip()]
-  classes = [attention.get(n) for n in names]
+  declared = [attention.traits(n) for n in names]
   options = attention.resolve_options(
       {k: dict(v) for k, v in config.model.attention_options.items()}, names)
-  if any(c.RELATIVE_POSITIONS for c in classes) and 'model.position_embedding' not in given:
+  if any(t.RELATIVE_POSITIONS for t in declared) and 'model.position_embedding' not in given:
     config.model.position_embedding = 'none'
-  if any(c.uses_memory(options[n]) for n, c in zip(names, classes)) and (
+  if any(t.uses_memory(options[n]) for n, t in zip(names, declared)) and (
       'data.packing' not in given):
     config.data.packing = 'stream'  # Memory carries a row's previous segment to the next batch.
   return config
@@ -322,7 +322,7 @@ class _OneAttentionLayer(nn.Module):
   def __call__(self, x, positions, segment_ids):
     cfg = self.config
     variant = cfg.attention[self.index]
-    specs = attention.get(variant).shared_params(cfg.options_of(variant), cfg.n_heads,
+    specs = attention.traits(variant).shared_params(cfg.options_of(variant), cfg.n_heads,
                                                  cfg.head_dim)
     shared = (transformer.SharedParams(specs, cfg.param_dtype, name=f'{variant}_shared')()
               if specs else None)

@@ -65,7 +65,7 @@ def make_attention(config, variant: str, layer_index: int, **kwargs) -> nn.Modul
   program is compiled for (config.target; 'auto' resolved: MultiHeadAttention.implementation)."""
   cls = attention.get(variant)
   platform, devices = config.target
-  impl = cls.implementation(
+  impl = attention.traits(variant).implementation(
       config.attention_impl, options=config.options_of(variant), head_dim=config.head_dim,
       backend=platform, dtype=config.dtype, block_size=config.attention_block_size,
       devices=devices, layer_index=layer_index)

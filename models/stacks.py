@@ -60,7 +60,7 @@ def _scan(body, length: int):
 
 def layer_periods(config) -> list[int | None]:
   """Each layer's period (MultiHeadAttention.layer_period) under `config`."""
-  return [attention.get(name).layer_period(config.options_of(name), config.n_layers)
+  return [attention.traits(name).layer_period(config.options_of(name), config.n_layers)
           for name in config.attention]
 
 

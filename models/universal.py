@@ -125,7 +125,7 @@ def _where(mask, a, b):
 
 
 def _relative(config) -> bool:
-  return any(attention.get(name).RELATIVE_POSITIONS for name in set(config.attention))
+  return any(attention.traits(name).RELATIVE_POSITIONS for name in set(config.attention))
 
 
 class UniversalStep(nn.Module):

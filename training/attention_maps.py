@@ -32,7 +32,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from models import blocks, host, stacks, transformer
+from models import attention, blocks, host, stacks, transformer
 from models.attention import base, patterns
 from training import assembly, run_config, sharding, steps
 
@@ -242,14 +242,15 @@ def write_maps(config: ml_collections.ConfigDict, workdir: str,
                npz, png)
   paths = {'npz': npz, 'png': png}
   stack = stacks.of(mc)
+  variants = [attention.traits(name) for name in dict.fromkeys(mc.attention)]
   if stack.inspect.__func__ is stacks.Stack.inspect.__func__ and all(
-      cls.inspect.__func__ is base.MultiHeadAttention.inspect.__func__
-      for cls in transformer.variant_classes(mc)):  # Neither the stack nor a variant draws.
+      t.inspect.__func__ is base.MultiHeadAttention.inspect.__func__
+      for t in variants):  # Neither the stack nor a variant draws.
     return paths
   layers, batch, model_config, source, sown = sown_per_layer(config, workdir)
   figures = stack.inspect(model_config, sown, batch, source)
-  for cls in transformer.variant_classes(model_config):
-    figures += cls.inspect(model_config, layers, batch, source)
+  for t in variants:
+    figures += t.inspect(model_config, layers, batch, source)
   for figure in figures:
     paths.update(write_figure(figure, out_dir) if writes else {})
   return paths

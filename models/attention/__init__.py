@@ -16,7 +16,7 @@ from models.attention import sparse  # noqa: F401  (strided, fixed, local, block
 from models.attention import transformer_xl  # noqa: F401  (registers 'txl')
 from models.attention.base import IMPLEMENTATIONS, MultiHeadAttention, causal_segment_mask
 from models.attention.registry import (default_options, get, known, options, register,
-                                       resolve_options)
+                                       resolve_options, traits)
 
 __all__ = ['IMPLEMENTATIONS', 'MultiHeadAttention', 'causal_segment_mask', 'default_options',
-           'get', 'known', 'options', 'register', 'resolve_options']
+           'get', 'known', 'options', 'register', 'resolve_options', 'traits']

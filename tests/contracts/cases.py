@@ -64,7 +64,7 @@ def model_settings(variant: str, block: str, stack: str) -> dict:
   """The config.model keys of a case: width 32, 4 heads, 2 layers (the stack's TEST_CONFIG
   may change that), float32, with the variant's TEST_CONFIG on top."""
   stack_name, stack_options = stack_settings()[stack]
-  declared = dict(attention.get(variant).TEST_CONFIG)
+  declared = dict(attention.traits(variant).TEST_CONFIG)
   m = dict(d=0, d_model=32, n_heads=4, n_layers=2, attention=variant,
            attention_options={variant: declared.pop('attention_options', {})}, block=block,
            stack=stack_name, dtype='float32')
