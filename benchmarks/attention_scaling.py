@@ -50,7 +50,7 @@ def module(name: str, impl: str, args):
   options = dict(stride=args.l, summary=args.c, factorization='merged', distinct_heads=False,
                  window=args.w, local_block=args.l, block_memory=args.l,
                  key_block=args.key_block, band_block=args.band_block)
-  declared = cls.declared_options()
+  declared = attention.options(name)
   return cls(num_heads=args.heads, head_dim=args.head_dim, impl=IMPLEMENTATIONS[impl],
              block_size=args.block,
              options=tuple(sorted((k, v) for k, v in options.items() if k in declared)))

@@ -37,7 +37,7 @@ IMPLS = (cpu_choice.KERNEL, cpu_choice.XLA)
 def static_variants() -> list[str]:
   """The registered variants whose pattern the kernel computes."""
   return [n for n in attention.known() if attention.get(n).__module__.startswith('models.')
-          and attention.traits(n).has_static_pattern()]
+          and attention.traits.of(n).has_static_pattern()]
 
 
 def _step(variant: str, impl: str, d: int, seq_len: int, batch: int):

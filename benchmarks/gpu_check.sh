@@ -35,7 +35,7 @@ for dtype in ('float32', 'bfloat16'):
     config = tiny.get_config()
     config.model.attention = name
     config.model.dtype = dtype
-    config.model.position_embedding = 'none' if attention.traits(name).RELATIVE_POSITIONS else 'learned'
+    config.model.position_embedding = 'none' if attention.traits.of(name).RELATIVE_POSITIONS else 'learned'
     config.model.attention_options.txl.mem_len = 0  # Transformer-XL without a stream.
     try:
       setup = assembly.build(config)

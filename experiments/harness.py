@@ -241,7 +241,7 @@ def variant_config(base: ml_collections.ConfigDict,
     except ValueError as e:
       raise ValueError(f'variant {spec!r}: {e}') from e
   names = [n.strip() for n in config.model.attention.split(',') if n.strip()]
-  declared = [attention.traits(n) for n in names]
+  declared = [attention.traits.of(n) for n in names]
   options = attention.resolve_options(
       {k: dict(v) for k, v in config.model.attention_options.items()}, names)
   if any(t.RELATIVE_POSITIONS for t in declared) and 'model.position_embedding' not in given:
@@ -322,7 +322,7 @@ class _OneAttentionLayer(nn.Module):
   def __call__(self, x, positions, segment_ids):
     cfg = self.config
     variant = cfg.attention[self.index]
-    specs = attention.traits(variant).shared_params(cfg.options_of(variant), cfg.n_heads,
+    specs = attention.traits.of(variant).shared_params(cfg.options_of(variant), cfg.n_heads,
                                                  cfg.head_dim)
     shared = (transformer.SharedParams(specs, cfg.param_dtype, name=f'{variant}_shared')()
               if specs else None)

@@ -49,7 +49,7 @@ class LayerContext:
     deterministic: disables dropout and other randomness (static).
     decode: one-token decoding with the attention caches (static).
     shared: {variant: {name: array}}: parameters a variant shares across its layers
-      (MultiHeadAttention.shared_params), made once by the Decoder.
+      (Traits.shared_params), made once by the Decoder.
   """
   positions: jax.Array
   segment_ids: jax.Array
@@ -62,10 +62,10 @@ class LayerContext:
 def make_attention(config, variant: str, layer_index: int, **kwargs) -> nn.Module:
   """Layer `layer_index`'s attention module of `variant`, configured from `config`; its `impl`
   is the concrete implementation model.attention_impl gives this variant on the platform the
-  program is compiled for (config.target; 'auto' resolved: MultiHeadAttention.implementation)."""
+  program is compiled for (config.target; 'auto' resolved: Traits.implementation)."""
   cls = attention.get(variant)
   platform, devices = config.target
-  impl = attention.traits(variant).implementation(
+  impl = attention.traits.of(variant).implementation(
       config.attention_impl, options=config.options_of(variant), head_dim=config.head_dim,
       backend=platform, dtype=config.dtype, block_size=config.attention_block_size,
       devices=devices, layer_index=layer_index)
@@ -84,7 +84,7 @@ class BlockBase(nn.Module):
     config: the model config (models/transformer.py TransformerConfig).
     attention_name: registry name of this layer's attention variant.
     layer_index: the index the stack gives this layer (what variants with a layer period
-      read; see MultiHeadAttention.layer_period).
+      read; see Traits.layer_period).
   """
   config: Any
   attention_name: str

@@ -113,8 +113,8 @@ def unrolled(model, params):
 
 def can_prefill(config) -> bool:
   """Whether every attention variant of `config` fills its cache from a prompt's forward
-  (MultiHeadAttention.can_prefill); the others read the prompt token by token."""
-  return all(attention.traits(name).can_prefill() for name in dict.fromkeys(config.attention))
+  (Traits.can_prefill); the others read the prompt token by token."""
+  return all(attention.traits.of(name).can_prefill() for name in dict.fromkeys(config.attention))
 
 
 def prefill(model, params, cache, prompts):

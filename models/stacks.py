@@ -9,7 +9,7 @@
               of the period of the list of variant names.
   auto        scan where it applies, else unrolled (the default; what `scan_layers` did).
 
-A variant's period (MultiHeadAttention.layer_period) says how its module depends on the layer
+A variant's period (Traits.layer_period) says how its module depends on the layer
 index: 1, not at all; p, only through index mod p (strided's interleaved A1/A2: 2); None,
 every layer is its own (per-layer trimmed spans or budgets), so only `unrolled` applies.
 A stack gives each block the index it may read: i unrolled, k (the place in the cycle)
@@ -59,8 +59,8 @@ def _scan(body, length: int):
 
 
 def layer_periods(config) -> list[int | None]:
-  """Each layer's period (MultiHeadAttention.layer_period) under `config`."""
-  return [attention.traits(name).layer_period(config.options_of(name), config.n_layers)
+  """Each layer's period (Traits.layer_period) under `config`."""
+  return [attention.traits.of(name).layer_period(config.options_of(name), config.n_layers)
           for name in config.attention]
 
 
@@ -89,7 +89,7 @@ class Stack:
   # validates their values.
   OPTIONS = {}
   # config.model keys the contract suite's small models need to run this stack
-  # (tests/contracts/cases.py), like MultiHeadAttention.TEST_CONFIG.
+  # (tests/contracts/cases.py), like Traits.TEST_CONFIG.
   TEST_CONFIG = {}
 
   @classmethod

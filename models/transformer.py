@@ -122,7 +122,7 @@ class TransformerConfig:
     object.__setattr__(self, 'attention_options', _pairs(options))
     for name in sorted(set(self.attention)):
       try:  # A variant's checks name its options; the message says whose they are.
-        attention.traits(name).validate(options[name], self.n_heads, self.n_layers)
+        attention.traits.of(name).validate(options[name], self.n_heads, self.n_layers)
       except ValueError as e:
         raise ValueError(f'model.attention_options.{name}: {e}') from None
     if self.attention_impl not in attention.IMPLEMENTATIONS:
@@ -133,7 +133,7 @@ class TransformerConfig:
     if self.position_embedding not in POSITION_EMBEDDINGS:
       raise ValueError(f'unknown model.position_embedding {self.position_embedding!r}; known: '
                        f'{", ".join(POSITION_EMBEDDINGS)}')
-    relative = sorted(n for n in set(self.attention) if attention.traits(n).RELATIVE_POSITIONS)
+    relative = sorted(n for n in set(self.attention) if attention.traits.of(n).RELATIVE_POSITIONS)
     if relative and self.position_embedding != 'none':
       raise ValueError(f'{", ".join(relative)} attention encodes relative positions itself: set '
                        f"model.position_embedding='none' (got {self.position_embedding!r})")
@@ -195,7 +195,7 @@ class TransformerConfig:
   @property
   def uses_memory(self) -> bool:
     """True if some layer carries previous-segment state (the 'memory' collection)."""
-    return any(attention.traits(name).uses_memory(self.options_of(name))
+    return any(attention.traits.of(name).uses_memory(self.options_of(name))
                for name in set(self.attention))
 
   @property
@@ -303,11 +303,11 @@ class Decoder(nn.Module):
 
   def shared_attention_params(self) -> dict:
     """{variant: {name: parameter}} of the variants that share parameters across layers
-    (MultiHeadAttention.shared_params), created here as '<variant>_shared/<name>'."""
+    (Traits.shared_params), created here as '<variant>_shared/<name>'."""
     cfg = self.config
     shared = {}
     for variant in dict.fromkeys(cfg.attention):
-      specs = attention.traits(variant).shared_params(cfg.options_of(variant), cfg.n_heads,
+      specs = attention.traits.of(variant).shared_params(cfg.options_of(variant), cfg.n_heads,
                                                    cfg.head_dim)
       if specs:
         shared[variant] = SharedParams(specs, cfg.param_dtype, name=f'{variant}_shared')()
@@ -420,8 +420,8 @@ class SharedParams(nn.Module):
 
 def for_eval(config: TransformerConfig) -> TransformerConfig:
   """`config` with the option values its variants use at evaluation
-  (MultiHeadAttention.eval_options); the same object when none differ."""
-  return config.with_options({name: attention.traits(name).eval_options(config.options_of(name))
+  (Traits.eval_options); the same object when none differ."""
+  return config.with_options({name: attention.traits.of(name).eval_options(config.options_of(name))
                              for name in dict.fromkeys(config.attention)})
 
 
@@ -444,26 +444,26 @@ def specialized(config: TransformerConfig, params) -> TransformerConfig:
   the config is reused."""
   stack = stacks.of(config)
   return config.with_options({
-      name: attention.traits(name).specialize(config, lambda i: stack.layer_tree(config, params, i))
+      name: attention.traits.of(name).specialize(config, lambda i: stack.layer_tree(config, params, i))
       or {} for name in dict.fromkeys(config.attention)})
 
 
 def row_periods(config: TransformerConfig) -> dict[str, int]:
   """{variant: p} for the variants whose blocks are anchored to multiples of p in the row."""
   return {name: p for name in dict.fromkeys(config.attention)
-          if (p := attention.traits(name).row_period(config.options_of(name)))}
+          if (p := attention.traits.of(name).row_period(config.options_of(name)))}
 
 
 def param_bounds(config: TransformerConfig) -> dict[str, tuple[float, float]]:
   """{parameter name: (lo, hi)} the optimizer keeps in a box, from the variants in use."""
   return {k: v for name in dict.fromkeys(config.attention)
-          for k, v in attention.traits(name).param_bounds(config.options_of(name)).items()}
+          for k, v in attention.traits.of(name).param_bounds(config.options_of(name)).items()}
 
 
 def rng_streams(config: TransformerConfig) -> tuple[str, ...]:
   """Random streams a training forward pass draws from: 'dropout' and the variants' own."""
   extra = [s for name in dict.fromkeys(config.attention)
-           for s in attention.traits(name).rng_streams(config.options_of(name))]
+           for s in attention.traits.of(name).rng_streams(config.options_of(name))]
   return ('dropout', *dict.fromkeys(s for s in extra if s != 'dropout'))
 
 

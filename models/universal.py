@@ -67,7 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import attention, blocks, layers, stacks
-from models.attention import base
+from models.attention import base, traits
 from models.options import Option
 
 ACT_EPSILON = 0.01  # A position halts once its cumulative halting probability reaches 1 - ε.
@@ -125,7 +125,7 @@ def _where(mask, a, b):
 
 
 def _relative(config) -> bool:
-  return any(attention.traits(name).RELATIVE_POSITIONS for name in set(config.attention))
+  return any(attention.traits.of(name).RELATIVE_POSITIONS for name in set(config.attention))
 
 
 class UniversalStep(nn.Module):
@@ -341,7 +341,7 @@ class Universal(stacks.Stack):
         'context tokens': {'x': ks, 'y': report['fraction_by_steps_context'],
                            'xlabel': 'steps N', 'ylabel': 'fraction of tokens'},
     }
-    return [base.Figure(
+    return [traits.Figure(
         name='act_steps', file='act_steps', kind='bars', panels=panels,
         title=f'ACT steps per token (M={m}; {source})',
         arrays={'act_steps': steps, 'act_remainder': np.asarray(got['act_remainder'][0])},

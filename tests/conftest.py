@@ -28,11 +28,11 @@ os.environ['ZOO_CPU_CHOICE'] = os.path.join(tempfile.mkdtemp(prefix='zoo_cpu_cho
 import jax  # noqa: E402
 import pytest
 
-from models.attention import base, cpu_choice, registry
+from models.attention import base, cpu_choice, registry, traits
 from tests.harness import Harness
 
 cpu_choice.record({registry.get(n).__name__: cpu_choice.KERNEL for n in registry.known()
-                   if registry.traits(n).has_static_pattern()}, {'by': 'tests/conftest.py'})
+                   if traits.of(n).has_static_pattern()}, {'by': 'tests/conftest.py'})
 from training import assembly, evaluation, flops, steps, train
 
 # The tests compare float32 paths to ~1e-5 (the rounding of exact float32 products). On NVIDIA

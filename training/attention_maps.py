@@ -33,7 +33,7 @@ import numpy as np
 from absl import logging
 
 from models import attention, blocks, host, stacks, transformer
-from models.attention import base, patterns
+from models.attention import patterns
 from training import assembly, run_config, sharding, steps
 
 
@@ -182,7 +182,7 @@ def plot_bars(panels: dict, path: str, title: str) -> None:
 
 
 def write_figure(figure, out_dir: str) -> dict[str, str]:
-  """Renders a variant's Figure (models/attention/base.py) into `out_dir`: FILE.png, plus
+  """Renders a variant's Figure (models/attention/traits.py) into `out_dir`: FILE.png, plus
   FILE.npz of its arrays and FILE.json of its report; returns {NAME_png: path, ...}."""
   paths = {f'{figure.name}_png': os.path.join(out_dir, f'{figure.file}.png')}
   if figure.kind == 'matrices':
@@ -242,10 +242,9 @@ def write_maps(config: ml_collections.ConfigDict, workdir: str,
                npz, png)
   paths = {'npz': npz, 'png': png}
   stack = stacks.of(mc)
-  variants = [attention.traits(name) for name in dict.fromkeys(mc.attention)]
-  if stack.inspect.__func__ is stacks.Stack.inspect.__func__ and all(
-      t.inspect.__func__ is base.MultiHeadAttention.inspect.__func__
-      for t in variants):  # Neither the stack nor a variant draws.
+  variants = [attention.traits.of(name) for name in dict.fromkeys(mc.attention)]
+  if stack.inspect.__func__ is stacks.Stack.inspect.__func__ and not any(
+      t.draws() for t in variants):  # Neither the stack nor a variant draws.
     return paths
   layers, batch, model_config, source, sown = sown_per_layer(config, workdir)
   figures = stack.inspect(model_config, sown, batch, source)

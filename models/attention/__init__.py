@@ -15,8 +15,9 @@ from models.attention import selective  # noqa: F401  (registers 'selective')
 from models.attention import sparse  # noqa: F401  (strided, fixed, local, block_local, local_global)
 from models.attention import transformer_xl  # noqa: F401  (registers 'txl')
 from models.attention.base import IMPLEMENTATIONS, MultiHeadAttention, causal_segment_mask
+from models.attention import traits  # What a variant declares besides its math: traits.of(name).
 from models.attention.registry import (default_options, get, known, options, register,
-                                       resolve_options, traits)
+                                       resolve_options)
 
 __all__ = ['IMPLEMENTATIONS', 'MultiHeadAttention', 'causal_segment_mask', 'default_options',
            'get', 'known', 'options', 'register', 'resolve_options', 'traits']

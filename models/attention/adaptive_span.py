@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import host
-from models.attention import base, blockloop, memory
+from models.attention import base, blockloop, memory, traits
 from models.attention import registry
 from models.attention.registry import register
 
@@ -173,8 +173,6 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
   z = S, a fixed-span baseline with the same machinery), memory (segment cache), trim
   (per-layer T, set by the training loop).
   """
-  TEST_CONFIG = {'position_embedding': 'none',
-                 'attention_options': {'limit': 16, 'ramp': 4, 'block': 4}}
   dynamic: ClassVar[bool] = False
   OPTIONS = {
       'limit': base.Option(1024, 'S: the longest span a head may learn'),
@@ -189,84 +187,6 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
                           "the learned z'", internal=True),
   }
 
-  @classmethod
-  def layer_period(cls, options, n_layers):
-    """The trimmed span T differs between layers and is static: every layer is its own."""
-    return None
-
-  @classmethod
-  def implementation(cls, impl, **kwargs):
-    """'xla' computes all T keys of every query at once; every other name runs the blocked
-    path (query blocks of attention_block_size), reported as 'blocksparse'. The span is
-    learned, not a static pattern: 'cpu_kernel' is refused."""
-    return cls.own_path_implementation(
-        impl, refused=('cpu_kernel',),
-        why="adaptive span's soft mask follows the learned spans z, not a static pattern",
-        **kwargs)
-
-  @classmethod
-  def param_bounds(cls, options):
-    return {'span_fraction': (0.0, 1.0)}  # z' = z / S stays in [0, 1].
-
-  @classmethod
-  def inspect(cls, config, layers, batch, source):
-    """Each head's span per layer (figure 4; dynamic spans averaged over the batch), with
-    the average span, attention FLOPs per token and decoding cache (spans.json)."""
-    del batch
-    if not all('head_spans' in layer for layer in layers):
-      return []  # Spans of a model whose every layer has one (one figure for both kinds).
-    head_spans = np.stack([np.asarray(layer['head_spans'][0], np.float64) for layer in layers])
-    report = span_report(config, head_spans)
-    kinds = ','.join(sorted(set(config.attention)))
-    flops = report['attention_flops_per_token']
-    return [base.Figure(
-        name='spans', file='spans', kind='head_bars', panels={'values': head_spans},
-        title=f'{kinds}: average span {report["average_span"]:.0f} of '
-              f'S={report["span_limit"]} ({source})',
-        report=report, y_max=report['span_limit'], y_label='span z',
-        summary=f'average {report["average_span"]:.1f} (max {report["max_span"]:.0f}) of '
-                f'S={report["span_limit"]}; trimmed spans {report["trimmed_spans"]}; attention '
-                f'FLOPs per token {flops["trimmed"]:.3g} (full span {flops["full_span"]:.3g}, '
-                f'{100 * report["flops_saved_vs_full_span"]:.0f}% saved)')]
-
-  @classmethod
-  def specialize(cls, config, layer_params):
-    """trim: each layer's T from the current z' (a device-to-host copy of one (heads,)
-    vector per learned-span layer, gathered from every process where the heads are split
-    across hosts); layers without a learned span keep T = S."""
-    layers = [i for i, name in enumerate(config.attention) if registry.get(name) is cls]
-    if not layers:
-      return None
-    opts = config.options_of(config.attention[layers[0]])
-    if not opts['learned']:
-      return None
-    limit = opts['limit']
-    fractions = host.to_host([layer_params(i)['attention']['span_fraction'] for i in layers])
-    trims = [limit] * config.n_layers
-    for i, frac in zip(layers, fractions):
-      trims[i] = trimmed_span(limit * float(np.max(frac)), ramp=opts['ramp'], limit=limit,
-                              block=opts['block'])
-    return {'trim': tuple(trims)}
-
-  @classmethod
-  def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
-    del n_heads
-    limit, ramp = options['limit'], options['ramp']
-    if limit < 1:
-      raise ValueError(f'limit (S) must be >= 1, got {limit}')
-    if ramp < 1:
-      raise ValueError(f'ramp (R) must be >= 1, got {ramp}')
-    if not 0.0 <= options['init'] <= 1.0:
-      raise ValueError(f'init (z\' at init) must be in [0, 1], got {options["init"]}')
-    if options['penalty'] < 0:
-      raise ValueError(f'penalty must be >= 0, got {options["penalty"]}')
-    if options['block'] < 1:
-      raise ValueError(f'block must be >= 1, got {options["block"]}')
-    trim = options['trim']
-    if trim is not None and (len(trim) != n_layers or any(not 1 <= t <= limit for t in trim)):
-      raise ValueError(f'trim={trim} must give each of the {n_layers} layers a span in '
-                       f'[1, limit={limit}]')
-
   @property
   def limit(self) -> int:
     return self.option('limit')
@@ -278,10 +198,6 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
       if key == 'trim' and value is not None:
         return value[self.layer_index]
     return self.limit
-
-  @classmethod
-  def uses_memory(cls, options: dict) -> bool:
-    return bool(options.get('memory'))
 
   def spans(self, x, segment_ids):
     """z: (heads,) here; (batch, n, heads) for the dynamic span. Sows the L1 penalty."""
@@ -312,7 +228,7 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
 
   def memory_spec(self):
     """With the option memory: keep the last S inputs, attend into the last T of them."""
-    if not self.uses_memory(dict(self.options)):
+    if not self.option('memory'):
       return None
     return memory.Spec(keep=self.limit, use=self.trim)
 
@@ -416,14 +332,6 @@ class DynamicSpanAttention(AdaptiveSpanAttention):
   dynamic: ClassVar[bool] = True
   OPTIONS = {'bias': base.Option(-4.0, 'b at init (z_t = S sigmoid(v . x_t + b))')}
 
-  @classmethod
-  def specialize(cls, config, layer_params):
-    return None  # z_t follows the input: T = S.
-
-  @classmethod
-  def param_bounds(cls, options):
-    return {}
-
   @property
   def trim(self) -> int:
     return self.limit
@@ -446,3 +354,106 @@ class DynamicSpanAttention(AdaptiveSpanAttention):
     self.sow('intermediates', 'token_spans', jnp.mean(z, axis=-1))  # figure 5
     return z
 
+
+# ------------------------------------------------------------------ declared beside the math
+
+
+@traits.declare('adaptive_span')
+class AdaptiveSpanTraits(traits.Traits):
+  TEST_CONFIG = {'position_embedding': 'none',
+                 'attention_options': {'limit': 16, 'ramp': 4, 'block': 4}}
+
+  @classmethod
+  def layer_period(cls, options, n_layers):
+    """The trimmed span T differs between layers and is static: every layer is its own."""
+    return None
+
+  @classmethod
+  def implementation(cls, impl, **kwargs):
+    """'xla' computes all T keys of every query at once; every other name runs the blocked
+    path (query blocks of attention_block_size), reported as 'blocksparse'. The span is
+    learned, not a static pattern: 'cpu_kernel' is refused."""
+    return cls.own_path_implementation(
+        impl, refused=('cpu_kernel',),
+        why="adaptive span's soft mask follows the learned spans z, not a static pattern",
+        **kwargs)
+
+  @classmethod
+  def param_bounds(cls, options):
+    return {'span_fraction': (0.0, 1.0)}  # z' = z / S stays in [0, 1].
+
+  @classmethod
+  def inspect(cls, config, layers, batch, source):
+    """Each head's span per layer (figure 4; dynamic spans averaged over the batch), with
+    the average span, attention FLOPs per token and decoding cache (spans.json)."""
+    del batch
+    if not all('head_spans' in layer for layer in layers):
+      return []  # Spans of a model whose every layer has one (one figure for both kinds).
+    head_spans = np.stack([np.asarray(layer['head_spans'][0], np.float64) for layer in layers])
+    report = span_report(config, head_spans)
+    kinds = ','.join(sorted(set(config.attention)))
+    flops = report['attention_flops_per_token']
+    return [traits.Figure(
+        name='spans', file='spans', kind='head_bars', panels={'values': head_spans},
+        title=f'{kinds}: average span {report["average_span"]:.0f} of '
+              f'S={report["span_limit"]} ({source})',
+        report=report, y_max=report['span_limit'], y_label='span z',
+        summary=f'average {report["average_span"]:.1f} (max {report["max_span"]:.0f}) of '
+                f'S={report["span_limit"]}; trimmed spans {report["trimmed_spans"]}; attention '
+                f'FLOPs per token {flops["trimmed"]:.3g} (full span {flops["full_span"]:.3g}, '
+                f'{100 * report["flops_saved_vs_full_span"]:.0f}% saved)')]
+
+  @classmethod
+  def specialize(cls, config, layer_params):
+    """trim: each layer's T from the current z' (a device-to-host copy of one (heads,)
+    vector per learned-span layer, gathered from every process where the heads are split
+    across hosts); layers without a learned span keep T = S."""
+    layers = [i for i, name in enumerate(config.attention)
+              if registry.get(name) is cls.module]
+    if not layers:
+      return None
+    opts = config.options_of(config.attention[layers[0]])
+    if not opts['learned']:
+      return None
+    limit = opts['limit']
+    fractions = host.to_host([layer_params(i)['attention']['span_fraction'] for i in layers])
+    trims = [limit] * config.n_layers
+    for i, frac in zip(layers, fractions):
+      trims[i] = trimmed_span(limit * float(np.max(frac)), ramp=opts['ramp'], limit=limit,
+                              block=opts['block'])
+    return {'trim': tuple(trims)}
+
+  @classmethod
+  def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
+    del n_heads
+    limit, ramp = options['limit'], options['ramp']
+    if limit < 1:
+      raise ValueError(f'limit (S) must be >= 1, got {limit}')
+    if ramp < 1:
+      raise ValueError(f'ramp (R) must be >= 1, got {ramp}')
+    if not 0.0 <= options['init'] <= 1.0:
+      raise ValueError(f'init (z\' at init) must be in [0, 1], got {options["init"]}')
+    if options['penalty'] < 0:
+      raise ValueError(f'penalty must be >= 0, got {options["penalty"]}')
+    if options['block'] < 1:
+      raise ValueError(f'block must be >= 1, got {options["block"]}')
+    trim = options['trim']
+    if trim is not None and (len(trim) != n_layers or any(not 1 <= t <= limit for t in trim)):
+      raise ValueError(f'trim={trim} must give each of the {n_layers} layers a span in '
+                       f'[1, limit={limit}]')
+
+  @classmethod
+  def uses_memory(cls, options: dict) -> bool:
+    return bool(options.get('memory'))
+
+
+@traits.declare('dynamic_span')
+class DynamicSpanTraits(AdaptiveSpanTraits):
+
+  @classmethod
+  def specialize(cls, config, layer_params):
+    return None  # z_t follows the input: T = S.
+
+  @classmethod
+  def param_bounds(cls, options):
+    return {}

@@ -1,6 +1,5 @@
 """Shared multi-head attention: the one call path of every variant, which overrides `attend`."""
 
-import dataclasses
 from typing import Any, ClassVar
 
 import flax.linen as nn
@@ -18,7 +17,7 @@ from models.attention.reference import (NEG_INF, causal_segment_mask,  # noqa: F
 Dtype = Any
 
 # How a variant's scores are computed: 'auto' picks per backend and variant
-# (MultiHeadAttention.implementation); 'xla' is the plain einsum reference that every fast
+# (Traits.implementation); 'xla' is the plain einsum reference that every fast
 # path is tested against; 'blocksparse' computes only the key blocks a query block can see
 # (plain JAX, any backend); 'cpu_kernel' is the fused C++ tile kernel of cpu_kernel.py (one
 # CPU device, static patterns); 'fused' is jax.nn.dot_product_attention (XLA's own einsum);
@@ -119,61 +118,45 @@ Option = options_lib.Option
 CHANGES = options_lib.CHANGES
 
 
-@dataclasses.dataclass(frozen=True)
-class SharedParam:
-  """A parameter every layer of a variant reads (one copy for the whole stack): the Decoder
-  creates it under `<variant>_shared/<name>` and hands it to each layer (`shared`).
-
-  Attributes:
-    shape: its shape.
-    init: a flax initializer, init(key, shape, dtype).
-    axes: logical axis names, one per dimension.
-  """
-  shape: tuple
-  init: Any
-  axes: tuple
+# What a variant writes, the whole protocol (docs/adding_a_variant.md): its options, how it
+# attends (a static pattern or its own attend), how it decodes one step (nothing with a
+# pattern), its segment memory and what it computes from x. Each has a working default but
+# one of head_pattern / attend.
+PROTOCOL = ('OPTIONS', 'head_pattern', 'attend', 'decode_step', 'memory_spec', 'features')
+# Methods a variant may also override where its math asks for it, each with a working default:
+# the q/k/v projection (LSH's shared QK), filling its own decode_step's cache from a prompt in
+# one pass, and a pattern's disjoint parts for the block-sparse path.
+OVERRIDABLE = ('project', 'prefill_cache', 'parts')
 
 
-@dataclasses.dataclass(frozen=True)
-class Figure:
-  """A plot `--mode=inspect` draws from what a variant sows (training/attention_maps.py renders it).
+def has_static_pattern(module: type) -> bool:
+  """True for a variant module whose connectivity is a static pattern computed by the shared
+  kernels: it overrides `head_pattern` and leaves `attend` to MultiHeadAttention (a variant
+  that overrides both computes its pattern itself, and no kernel is claimed for it)."""
+  return (module.head_pattern is not MultiHeadAttention.head_pattern
+          and module.attend is MultiHeadAttention.attend)
 
-  Attributes:
-    name: key of the paths inspect returns (NAME_png, NAME_npz, NAME_json).
-    file: file stem under WORKDIR/inspect/.
-    kind: 'matrices' (one heatmap per panel, NaN left blank, greener = lower), 'head_bars'
-      (panels['values'], (layers, heads), one bar per head grouped by layer, log scale) or
-      'bars' (one bar chart per panel: {'x': ..., 'y': ..., 'xlabel': ..., 'ylabel': ...}).
-    panels: what is plotted, by panel title.
-    title: the figure's title.
-    arrays: saved to FILE.npz (nothing when empty).
-    report: saved to FILE.json (nothing when None).
-    summary: the log line.
-    y_max: top of a 'head_bars' axis.
-    y_label: its label.
-  """
-  name: str
-  file: str
-  kind: str
-  panels: dict
-  title: str
-  arrays: dict = dataclasses.field(default_factory=dict)
-  report: dict | None = None
-  summary: str = ''
-  y_max: float = 1.0
-  y_label: str = ''
+
+def can_prefill(module: type) -> bool:
+  """Whether `prefill_cache` can fill the variant module's decoding cache from a prompt's
+  forward: the default does for the static-pattern decode_step; a variant with its own
+  decode_step says so by overriding prefill_cache."""
+  own_decode = module.decode_step is not MultiHeadAttention.decode_step
+  own_prefill = module.prefill_cache is not MultiHeadAttention.prefill_cache
+  return own_prefill or not own_decode
 
 
 class MultiHeadAttention(nn.Module):
   """Projections, QK-norm, head split/merge and output projection shared by all variants.
 
-  A variant subclasses it and overrides `attend` (which keys each query sees, how scores are
-  shaped). It may also override `features` (inputs it computes from x), `memory_spec`
-  (segment memory), `head_pattern` (a static pattern: decoding then comes for free) or
-  `decode_step`, and the class-level hooks below (validation, layer period, specialization,
-  parameter bounds, rng streams). `attend` runs inside the compact `__call__`: it may create
-  parameters, `self.sow('losses', ...)` auxiliary losses and `self.sow('intermediates', ...)`
-  statistics.
+  A variant subclasses it and writes its math, the whole protocol (docs/adding_a_variant.md):
+  `OPTIONS`; how it attends, a static `head_pattern` (kernels, decoding and plots then come
+  for free) or its own `attend`; `decode_step` (not needed with a pattern); `memory_spec`
+  (segment memory; none by default); `features` (what it computes from x; none by default).
+  `attend` runs inside the compact `__call__`: it may create parameters, `self.sow('losses',
+  ...)` auxiliary losses and `self.sow('intermediates', ...)` statistics. Everything else
+  about a variant (option checks, layer period, implementation, training hooks, inspect
+  figures, test sizes) is optional and declared beside it (models/attention/traits.py).
 
   Attributes:
     num_heads: number of attention heads.
@@ -210,170 +193,6 @@ class MultiHeadAttention(nn.Module):
 
   # The variant's own hyper-parameters (name -> Option); subclasses inherit their parents'.
   OPTIONS: ClassVar[dict[str, Option]] = {}
-  # A small model of this variant for the tests that cover every registered variant (e.g.
-  # tests/models/test_generate.py): model config overrides, for d_model 32, 4 heads, 2 layers and sequences of 24 tokens. A new variant is covered
-  # by them without a line of test code; its own file keeps its paper-formula tests.
-  # 'attention_options' there holds the variant's own options ({name: value}).
-  TEST_CONFIG: ClassVar[dict[str, Any]] = {}
-  # True for a variant that encodes positions itself, relative to each query, and is meant
-  # to run without absolute position embeddings (model.position_embedding='none').
-  RELATIVE_POSITIONS: ClassVar[bool] = False
-  # True for a variant whose every head of every layer is dense causal attention (cuDNN's
-  # flash kernel can then compute it: dispatch.choose).
-  DENSE: ClassVar[bool] = False
-
-  @classmethod
-  def declared_options(cls) -> dict[str, Option]:
-    """Every option the variant reads: its own OPTIONS and those of its parent classes."""
-    return options_lib.declared(cls)
-
-  @classmethod
-  def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
-    """Raises ValueError for hyper-parameters the variant cannot use (before any compute).
-
-    `options` holds the variant's own declared options (defaults filled in), each of its
-    declared type; every classmethod below that takes `options` gets the same.
-    """
-    del options, n_heads, n_layers
-
-  @classmethod
-  def uses_memory(cls, options: dict) -> bool:
-    """True if the variant keeps previous-segment state in the 'memory' collection."""
-    del options
-    return False
-
-  @classmethod
-  def specialize(cls, config, layer_params) -> dict | None:
-    """Option values that follow the parameters and are static in the compiled step (the
-    training loop recompiles when they change), or None (the default).
-
-    Args:
-      config: the model's TransformerConfig.
-      layer_params: i -> layer i's parameters (host or device arrays).
-
-    Returns:
-      {option name: value} of the variant's own options to set
-      (config.model.attention_options.<variant>), or None.
-    """
-    del config, layer_params
-
-  @classmethod
-  def inspect(cls, config, layers: list[dict], batch: dict, source: str) -> list[Figure]:
-    """Figures of what the variant sows into 'intermediates' (none by default).
-
-    Args:
-      config: the model's TransformerConfig.
-      layers: layer i's sown attention intermediates on `batch` (host arrays, as sown:
-        tuples), {} where nothing is sown (e.g. layers of another variant).
-      batch: the first validation batch (host arrays: inputs, positions, segment_ids, ...).
-      source: where the parameters came from (e.g. 'checkpoint step 400'), for titles.
-    """
-    del config, layers, batch, source
-    return []
-
-  @classmethod
-  def row_period(cls, options: dict) -> int | None:
-    """p if the pattern's blocks are anchored to multiples of p in the row (packed documents
-    should then start on them: data.pack_align); None (the default) if it depends only on
-    i - j."""
-    del options
-
-  @classmethod
-  def param_bounds(cls, options: dict) -> dict[str, tuple[float, float]]:
-    """{parameter name: (lo, hi)}: parameters the optimizer keeps in a box after every
-    update (none by default)."""
-    del options
-    return {}
-
-  @classmethod
-  def rng_streams(cls, options: dict) -> tuple[str, ...]:
-    """Random streams the variant draws from in training besides 'dropout' (e.g. LSH's
-    random rotations); the train step provides a key for each."""
-    del options
-    return ()
-
-  @classmethod
-  def shared_params(cls, options: dict, num_heads: int, head_dim: int) -> dict[str, SharedParam]:
-    """Parameters one copy of which serves every layer of the variant (e.g. Transformer-XL's
-    u and v), by name; none by default. A layer reads them from `self.shared`."""
-    del options, num_heads, head_dim
-    return {}
-
-  @classmethod
-  def eval_options(cls, options: dict) -> dict:
-    """Option values that evaluation uses instead of training's (e.g. Transformer-XL's
-    longer eval memory); none by default. The eval step compiles a model with them."""
-    del options
-    return {}
-
-  @classmethod
-  def layer_period(cls, options: dict, n_layers: int) -> int | None:
-    """How the module depends on `layer_index`: 1, not at all (the default); p, only through
-    layer_index mod p; None, every layer is its own (static per-layer settings)."""
-    del options, n_layers
-    return 1
-
-  @classmethod
-  def has_static_pattern(cls) -> bool:
-    """True for a variant whose connectivity is a static pattern computed by the shared
-    kernels: it overrides `head_pattern` and leaves `attend` to this class (a variant that
-    overrides both computes its pattern itself, and no kernel is claimed for it)."""
-    return (cls.head_pattern is not MultiHeadAttention.head_pattern
-            and cls.attend is MultiHeadAttention.attend)
-
-  @classmethod
-  def implementation(cls, impl: str, *, options: dict, head_dim: int, backend: str,
-                     dtype: Dtype = jnp.float32, block_size: int = 128, devices: int = 1,
-                     layer_index: int | None = None) -> str:
-    """What the variant's layers run for model.attention_impl=`impl` on the target: 'auto'
-    resolved, an explicit name checked (a ValueError says what to use where it cannot run).
-
-    This default serves every variant (dispatch.choose decides); those with a path of their
-    own override it (`own_path_implementation`).
-
-    Args:
-      impl: one of IMPLEMENTATIONS.
-      options: the variant's resolved options (config.model.attention_options.<variant>).
-      head_dim: width of each head.
-      backend: the platform the program is compiled for (TransformerConfig.target): 'cpu',
-        'gpu' or 'tpu'.
-      dtype: computation dtype.
-      block_size: config.model.attention_block_size.
-      devices: the target's device count.
-      layer_index: the layer whose implementation this is (None: the variant's as a whole);
-        a layer whose every head is dense causal attention can run dense's kernel
-        (`dense_layer`).
-
-    Returns:
-      A name of IMPLEMENTATIONS other than 'auto'.
-    """
-    check_known(impl)
-    return dispatch.choose(impl, variant=cls.__name__, static=cls.has_static_pattern(),
-                           dense=cls.dense_layer(options, layer_index), head_dim=head_dim,
-                           platform=backend,
-                           devices=devices, dtype=dtype, block_size=block_size)
-
-  @classmethod
-  def dense_layer(cls, options: dict, layer_index: int | None) -> bool:
-    """True where every head of layer `layer_index` (None: of every layer) is dense causal
-    attention, so that cuDNN's flash kernel can compute it (dispatch.choose). A variant
-    whose pattern differs by layer (local_global) overrides it."""
-    del options, layer_index
-    return cls.DENSE
-
-  @classmethod
-  def own_path_implementation(cls, impl: str, *, refused: tuple[str, ...], why: str,
-                              **kwargs) -> str:
-    """`implementation` for a variant that computes its scores on a path of its own (no
-    static pattern, so no kernel): a name in `refused` raises ValueError('{why}:
-    attention_impl=... cannot run it; use ...'); 'xla' keeps its all-keys path; every other
-    name runs the variant's blocked path, reported as 'blocksparse'."""
-    del kwargs
-    check_known(impl)
-    if impl in refused:
-      raise ValueError(f"{why}: attention_impl={impl!r} cannot run it; use 'auto' (blocked), "
-                       "'blocksparse' or 'xla'")
-    return impl if impl == 'xla' else 'blocksparse'
 
   def option(self, name: str):
     """The variant's hyper-parameter `name` (config.model.attention_options.<variant>.<name>;
@@ -381,7 +200,7 @@ class MultiHeadAttention(nn.Module):
     for key, value in self.options:
       if key == name:
         return value
-    declared = self.declared_options()
+    declared = options_lib.declared(type(self))
     if name not in declared:
       raise ValueError(f'{type(self).__name__} reads option {name!r}, which it does not '
                        f'declare in OPTIONS')
@@ -417,7 +236,7 @@ class MultiHeadAttention(nn.Module):
       q, k, v = self.project(x)
       out = self.decode_step(q, k, v, positions=positions, extra=extra)
     elif cache == PREFILL:
-      if not self.can_prefill():
+      if not can_prefill(type(self)):
         raise NotImplementedError(f'{type(self).__name__} has no prefill_cache: decode its '
                                   'prompt token by token')
       q, k, v = self.project(x)
@@ -597,15 +416,6 @@ class MultiHeadAttention(nn.Module):
     out = cpu_kernel.decode_attention(q[:, 0], ck.value, cv.value, allowed, live,
                                       scale=d ** -0.5, reference=reference)
     return out[:, None].astype(self.dtype)
-
-  @classmethod
-  def can_prefill(cls) -> bool:
-    """Whether `prefill_cache` can fill this variant's decoding cache from a prompt's
-    forward: the default does for the static-pattern decode_step; a variant with its own
-    decode_step says so by overriding prefill_cache."""
-    own_decode = cls.decode_step is not MultiHeadAttention.decode_step
-    own_prefill = cls.prefill_cache is not MultiHeadAttention.prefill_cache
-    return own_prefill or not own_decode
 
   def prefill_cache(self, k, v, *, extra=None):
     """Writes the empty decoding cache as `decode_step` would have left it after the p

@@ -1,6 +1,6 @@
 """Dense causal softmax attention (Vaswani et al., 2017): the zoo's baseline."""
 
-from models.attention import base, patterns
+from models.attention import base, patterns, traits
 from models.attention.registry import register
 
 
@@ -12,7 +12,11 @@ class DenseAttention(base.MultiHeadAttention):
   patterns.Dense in every head, computed by whichever kernel models/attention/dispatch.py
   picks (cuDNN's flash kernel on GPU, splash on TPU, the C++ tile kernel on one CPU).
   """
-  DENSE = True
 
   def head_pattern(self, head):
     return patterns.Dense()
+
+
+@traits.declare('dense')
+class DenseTraits(traits.Traits):
+  DENSE = True  # Every head of every layer: cuDNN's flash kernel can compute it.

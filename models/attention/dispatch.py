@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import options as options_lib
 from models.attention import (blockloop, blocksparse, cpu_choice, cpu_kernel, patterns,
                               reference, splash)
 
@@ -109,7 +110,7 @@ def cudnn_runs(head_dim: int, dtype) -> bool:
 def block_option(module, name: str) -> int:
   """`key_block` / `band_block` of the module's options, or the default where the variant
   does not declare them."""
-  if name in module.declared_options():
+  if name in options_lib.declared(type(module)):
     return module.option(name)
   return {'key_block': KEY_BLOCK, 'band_block': BAND_BLOCK}[name]
 

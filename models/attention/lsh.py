@@ -58,7 +58,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from models.attention import base
+from models.attention import base, traits
 from models.attention.registry import register
 
 # A query's logit to itself: exp(SELF_LOGIT - m) is exactly 0 in float32 next to any real
@@ -200,9 +200,6 @@ def lsh_attention(q, v, segment_ids, buckets, *, chunk_len: int, scale: float, d
 class LSHAttention(base.MultiHeadAttention):
   """Reformer LSH attention with shared-QK (module docstring). Options n_buckets, n_hashes,
   chunk_len."""
-  # One chunk (chunk_len >= the tests' 24 tokens): the forward pass attends to the whole
-  # bucket, as decoding does (tests/models/test_lsh_decode.py).
-  TEST_CONFIG = {'attention_options': {'chunk_len': 32, 'n_buckets': 4, 'n_hashes': 2}}
 
   OPTIONS = {
       # The same parameters, other key sets: the paper evaluates a model trained with one
@@ -214,29 +211,6 @@ class LSHAttention(base.MultiHeadAttention):
       'chunk_len': base.Option(64, 'm: sorted positions per chunk; a chunk attends to itself '
                                    'and the previous one', change='training'),
   }
-
-  @classmethod
-  def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
-    del n_heads, n_layers
-    b = options['n_buckets']
-    if b < 1 or (b > 1 and b % 2):
-      raise ValueError(f'n_buckets must be 1 or an even number (the hash '
-                       f'is an argmax over [xR; -xR], R of b/2 columns), got {b}')
-    for name in ('n_hashes', 'chunk_len'):
-      if options[name] < 1:
-        raise ValueError(f'{name} must be >= 1, got {options[name]}')
-
-  @classmethod
-  def rng_streams(cls, options: dict) -> tuple[str, ...]:
-    return ('lsh',) if options.get('n_buckets', 1) > 1 else ()
-
-  @classmethod
-  def implementation(cls, impl, **kwargs):
-    """LSH attention has one path of its own (sort, chunk, attend); 'auto', 'xla' and
-    'blocksparse' all run it."""
-    return cls.own_path_implementation(
-        impl, refused=('cpu_kernel', 'splash', 'fused', 'cudnn'),
-        why='lsh attention sorts positions by hash bucket and attends chunk by chunk', **kwargs)
 
   def project(self, x):
     """Queries and values from one (d_model, 2, heads, head_dim) kernel 'qv' (shared-QK has
@@ -334,3 +308,36 @@ class LSHAttention(base.MultiHeadAttention):
     out = base.over_live_slots(step + 1, q[:, 0], ck.value, cv.value, scores, scale=1.0,
                                dtype=self.dtype)
     return out[:, None].astype(self.dtype)
+
+
+# ------------------------------------------------------------------ declared beside the math
+
+
+@traits.declare('lsh')
+class LSHTraits(traits.Traits):
+  # One chunk (chunk_len >= the tests' 24 tokens): the forward pass attends to the whole
+  # bucket, as decoding does (tests/models/test_lsh_decode.py).
+  TEST_CONFIG = {'attention_options': {'chunk_len': 32, 'n_buckets': 4, 'n_hashes': 2}}
+
+  @classmethod
+  def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
+    del n_heads, n_layers
+    b = options['n_buckets']
+    if b < 1 or (b > 1 and b % 2):
+      raise ValueError(f'n_buckets must be 1 or an even number (the hash '
+                       f'is an argmax over [xR; -xR], R of b/2 columns), got {b}')
+    for name in ('n_hashes', 'chunk_len'):
+      if options[name] < 1:
+        raise ValueError(f'{name} must be >= 1, got {options[name]}')
+
+  @classmethod
+  def rng_streams(cls, options: dict) -> tuple[str, ...]:
+    return ('lsh',) if options.get('n_buckets', 1) > 1 else ()
+
+  @classmethod
+  def implementation(cls, impl, **kwargs):
+    """LSH attention has one path of its own (sort, chunk, attend); 'auto', 'xla' and
+    'blocksparse' all run it."""
+    return cls.own_path_implementation(
+        impl, refused=('cpu_kernel', 'splash', 'fused', 'cudnn'),
+        why='lsh attention sorts positions by hash bucket and attends chunk by chunk', **kwargs)

@@ -17,14 +17,6 @@ register = VARIANTS.register
 default_options = VARIANTS.default_options
 
 
-def traits(variant: str):
-  """What variant `variant` declares besides its math: option checks, layer period,
-  implementation, the training hooks (specialize, param_bounds, rng_streams, shared_params,
-  eval_options), inspect figures and test sizes. The one place the rest of the zoo reads them
-  (for now the module class, which still holds them)."""
-  return get(variant)
-
-
 def options(variant: str) -> dict:
   """Variant `variant`'s declared options, name -> Option."""
   return options_lib.declared(get(variant))

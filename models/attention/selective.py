@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import layers
-from models.attention import base, blockloop, dispatch
+from models.attention import base, blockloop, dispatch, traits
 from models.attention.registry import register
 
 Option = base.Option
@@ -249,48 +249,6 @@ class SelectiveAttention(base.MultiHeadAttention):
   the paper) is main.py's --mode=allocate_budgets and --mode=eval_budgets."""
   OPTIONS = OPTIONS
 
-  @classmethod
-  def layer_period(cls, options, n_layers):
-    """Per-layer budgets K_l are static in decoding (and fed per layer when pruning): every
-    layer is its own."""
-    return None
-
-  @classmethod
-  def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
-    del n_heads
-    eps = options.get('lmem_eps', 0.0)
-    if not isinstance(eps, (int, float)) or eps < 0:
-      raise ValueError(f'lmem_eps (eps of L_mem) must be >= 0, got {eps!r}')
-    tau = options.get('lmem_tau', 1.0)
-    if not isinstance(tau, (int, float)) or tau <= 0:
-      raise ValueError(f'lmem_tau (tau of L_mem) must be > 0, got {tau!r}')
-    budgets = options.get('budgets') or ()
-    if budgets and (not isinstance(budgets, tuple) or len(budgets) != n_layers
-                    or any(isinstance(k, bool) or not isinstance(k, int) or k < 2
-                           for k in budgets)):
-      raise ValueError(f'budgets={budgets!r} must be a tuple of {n_layers} integers K_l >= 2 (one '
-                       f'per layer; <BOS> and the current token), or () for no pruning')
-
-  @classmethod
-  def inspect(cls, config, layers, batch, source):
-    """F of each selective layer on the batch's first row (figure 5), NaN where the query
-    cannot see the key; selective_F.npz also holds the row's tokens."""
-    seg = np.asarray(batch['segment_ids'][0])
-    n = seg.shape[0]
-    visible = (np.arange(n)[:, None] >= np.arange(n)[None, :]) & (seg[:, None] == seg[None, :])
-    matrices = {f'layer{i}': np.where(visible, np.asarray(layer['selection_F'][0], np.float32),
-                                      np.nan)
-                for i, layer in enumerate(layers) if 'selection_F' in layer}
-    if not matrices:
-      return []
-    return [base.Figure(
-        name='selective', file='selective_F', kind='matrices',
-        panels={f'layer {int(k[5:]) + 1}': m for k, m in matrices.items()},
-        title=f'selective attention F ({source})',
-        arrays={'tokens': np.asarray(batch['inputs'][0]), **matrices},
-        summary=f'F of {len(matrices)} layers ({source}): mean F '
-                f'{[round(float(np.nanmean(m)), 3) for m in matrices.values()]}')]
-
   @property
   def budget(self) -> int:
     """K_l of this layer (static); 0 = unlimited."""
@@ -477,3 +435,52 @@ class SelectiveAttention(base.MultiHeadAttention):
     out = jnp.einsum('bhc,bhcd->bhd', probs, cv.value)
     fc.value = f + s if self.option('shift') else f  # F_{t+1,j} for the next token
     return out[:, None].astype(self.dtype)
+
+
+# ------------------------------------------------------------------ declared beside the math
+
+
+@traits.declare('selective')
+class SelectiveTraits(traits.Traits):
+
+  @classmethod
+  def layer_period(cls, options, n_layers):
+    """Per-layer budgets K_l are static in decoding (and fed per layer when pruning): every
+    layer is its own."""
+    return None
+
+  @classmethod
+  def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
+    del n_heads
+    eps = options.get('lmem_eps', 0.0)
+    if not isinstance(eps, (int, float)) or eps < 0:
+      raise ValueError(f'lmem_eps (eps of L_mem) must be >= 0, got {eps!r}')
+    tau = options.get('lmem_tau', 1.0)
+    if not isinstance(tau, (int, float)) or tau <= 0:
+      raise ValueError(f'lmem_tau (tau of L_mem) must be > 0, got {tau!r}')
+    budgets = options.get('budgets') or ()
+    if budgets and (not isinstance(budgets, tuple) or len(budgets) != n_layers
+                    or any(isinstance(k, bool) or not isinstance(k, int) or k < 2
+                           for k in budgets)):
+      raise ValueError(f'budgets={budgets!r} must be a tuple of {n_layers} integers K_l >= 2 (one '
+                       f'per layer; <BOS> and the current token), or () for no pruning')
+
+  @classmethod
+  def inspect(cls, config, layers, batch, source):
+    """F of each selective layer on the batch's first row (figure 5), NaN where the query
+    cannot see the key; selective_F.npz also holds the row's tokens."""
+    seg = np.asarray(batch['segment_ids'][0])
+    n = seg.shape[0]
+    visible = (np.arange(n)[:, None] >= np.arange(n)[None, :]) & (seg[:, None] == seg[None, :])
+    matrices = {f'layer{i}': np.where(visible, np.asarray(layer['selection_F'][0], np.float32),
+                                      np.nan)
+                for i, layer in enumerate(layers) if 'selection_F' in layer}
+    if not matrices:
+      return []
+    return [traits.Figure(
+        name='selective', file='selective_F', kind='matrices',
+        panels={f'layer {int(k[5:]) + 1}': m for k, m in matrices.items()},
+        title=f'selective attention F ({source})',
+        arrays={'tokens': np.asarray(batch['inputs'][0]), **matrices},
+        summary=f'F of {len(matrices)} layers ({source}): mean F '
+                f'{[round(float(np.nanmean(m)), 3) for m in matrices.values()]}')]

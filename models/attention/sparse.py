@@ -15,7 +15,7 @@ A query that sees no key (e.g. the first block under fixed A2 alone) outputs zer
 
 from __future__ import annotations
 
-from models.attention import base, blocksparse, dispatch, patterns
+from models.attention import base, blocksparse, dispatch, patterns, traits
 from models.attention.registry import register
 
 FACTORIZATIONS = ('interleave', 'merged', 'multihead')
@@ -71,20 +71,10 @@ def _check_blocks(options: dict) -> None:
                        f'got {value!r}')
 
 
-def _factorized_period(options: dict) -> int:
-  """Interleaved A1/A2 alternate with the layer index; the other factorizations ignore it."""
-  return 2 if options.get('factorization') == 'interleave' else 1
-
-
 @register('strided')
 class StridedAttention(PatternAttention):
   """Sparse Transformer strided attention: A1 the previous l positions, A2 every l-th one."""
-  TEST_CONFIG = {'attention_options': {'stride': 8, 'key_block': 4, 'factorization': 'merged'}}
   OPTIONS = FACTORIZED
-
-  @classmethod
-  def layer_period(cls, options, n_layers):
-    return _factorized_period(options)
 
   def head_pattern(self, head):
     part = _factorized_part(self.layer_index, head, self.num_heads,
@@ -102,27 +92,15 @@ class StridedAttention(PatternAttention):
       return [blocksparse.Part(a2, residue_stride=l)]
     return [blocksparse.Part(a1), blocksparse.Part(blocksparse.Minus(a2, a1), residue_stride=l)]
 
-  @classmethod
-  def validate(cls, options, n_heads, n_layers):
-    _check_factorization(options, n_heads)
-    _check_blocks(options)
-    patterns.Strided(options.get('stride'))
-
 
 @register('fixed')
 class FixedAttention(PatternAttention):
   """Sparse Transformer fixed attention: A1 the same block of l, A2 the c summary cells."""
-  TEST_CONFIG = {'attention_options': {'stride': 8, 'summary': 3, 'key_block': 4,
-                                       'factorization': 'multihead'}}
   OPTIONS = {
       **FACTORIZED,
       'summary': Option(16, 'fixed: summary cells c per block (paper: 8, 16, 32)'),
       'distinct_heads': Option(False, 'fixed: each head reads its own summary sub-block'),
   }
-
-  @classmethod
-  def layer_period(cls, options, n_layers):
-    return _factorized_period(options)
 
   def head_pattern(self, head):
     part = _factorized_part(self.layer_index, head, self.num_heads,
@@ -130,32 +108,19 @@ class FixedAttention(PatternAttention):
     return patterns.Fixed(self.option('stride'), self.option('summary'), part,
                           bool(self.option('distinct_heads')))
 
-  @classmethod
-  def validate(cls, options, n_heads, n_layers):
-    _check_factorization(options, n_heads)
-    _check_blocks(options)
-    patterns.Fixed(options.get('stride'), options.get('summary'))
-
 
 @register('local')
 class LocalAttention(PatternAttention):
   """Sliding window: each query sees the `window` most recent positions."""
-  TEST_CONFIG = {'attention_options': {'window': 6, 'key_block': 4}}
   OPTIONS = WINDOW
 
   def head_pattern(self, head):
     return patterns.Local(self.option('window'))
 
-  @classmethod
-  def validate(cls, options, n_heads, n_layers):
-    _check_blocks(options)
-    patterns.Local(options.get('window'))
-
 
 @register('block_local')
 class BlockLocalAttention(PatternAttention):
   """Image Transformer 1D local attention: query blocks plus `block_memory` earlier positions."""
-  TEST_CONFIG = {'attention_options': {'local_block': 8, 'block_memory': 5, 'key_block': 4}}
   OPTIONS = {
       'local_block': Option(128, 'block_local: query block length b'),
       'block_memory': Option(128, 'block_local: earlier positions m each query block sees'),
@@ -164,14 +129,11 @@ class BlockLocalAttention(PatternAttention):
   def head_pattern(self, head):
     return patterns.BlockLocal(self.option('local_block'), self.option('block_memory'))
 
-  @classmethod
-  def row_period(cls, options):
-    return options['local_block']  # Query blocks [k b, (k + 1) b).
 
-  @classmethod
-  def validate(cls, options, n_heads, n_layers):
-    _check_blocks(options)
-    patterns.BlockLocal(options.get('local_block'), options.get('block_memory'))
+def _is_global(options: dict, layer_index: int) -> bool:
+  """Whether local_global's layer `layer_index` is a global (dense) one."""
+  k = options.get('global_every', LocalGlobalAttention.OPTIONS['global_every'].default)
+  return layer_index % k == k - 1
 
 
 @register('local_global')
@@ -181,33 +143,98 @@ class LocalGlobalAttention(PatternAttention):
   The local-global baseline of the selective-attention paper's appendix A.8; layers
   global_every - 1, 2 global_every - 1, ... are the global ones.
   """
-  TEST_CONFIG = {'attention_options': {'window': 6, 'global_every': 2, 'key_block': 4}}
   OPTIONS = {**WINDOW, 'global_every': Option(2, 'local_global: every k-th layer is global')}
+
+  def head_pattern(self, head):
+    if _is_global(dict(self.options), self.layer_index):
+      return patterns.Dense()
+    return patterns.Local(self.option('window'))
+
+
+# ------------------------------------------------------------------ declared beside the math
+
+
+class PatternTraits(traits.Traits):
+  """The block-sparse path's options checked; a subclass checks its pattern (`pattern`)."""
+
+  @classmethod
+  def pattern(cls, options: dict, n_heads: int) -> None:
+    """Raises ValueError where the options make no pattern (the pattern's own checks)."""
+    del options, n_heads
+
+  @classmethod
+  def validate(cls, options, n_heads, n_layers):
+    _check_blocks(options)
+    cls.pattern(options, n_heads)
+
+
+class FactorizedTraits(PatternTraits):
+  """Interleaved A1/A2 alternate with the layer index; the other factorizations ignore it."""
+
+  @classmethod
+  def layer_period(cls, options, n_layers):
+    return 2 if options.get('factorization') == 'interleave' else 1
+
+
+@traits.declare('strided')
+class StridedTraits(FactorizedTraits):
+  TEST_CONFIG = {'attention_options': {'stride': 8, 'key_block': 4, 'factorization': 'merged'}}
+
+  @classmethod
+  def pattern(cls, options, n_heads):
+    _check_factorization(options, n_heads)
+    patterns.Strided(options.get('stride'))
+
+
+@traits.declare('fixed')
+class FixedTraits(FactorizedTraits):
+  TEST_CONFIG = {'attention_options': {'stride': 8, 'summary': 3, 'key_block': 4,
+                                       'factorization': 'multihead'}}
+
+  @classmethod
+  def pattern(cls, options, n_heads):
+    _check_factorization(options, n_heads)
+    patterns.Fixed(options.get('stride'), options.get('summary'))
+
+
+@traits.declare('local')
+class LocalTraits(PatternTraits):
+  TEST_CONFIG = {'attention_options': {'window': 6, 'key_block': 4}}
+
+  @classmethod
+  def pattern(cls, options, n_heads):
+    patterns.Local(options.get('window'))
+
+
+@traits.declare('block_local')
+class BlockLocalTraits(PatternTraits):
+  TEST_CONFIG = {'attention_options': {'local_block': 8, 'block_memory': 5, 'key_block': 4}}
+
+  @classmethod
+  def row_period(cls, options):
+    return options['local_block']  # Query blocks [k b, (k + 1) b).
+
+  @classmethod
+  def pattern(cls, options, n_heads):
+    patterns.BlockLocal(options.get('local_block'), options.get('block_memory'))
+
+
+@traits.declare('local_global')
+class LocalGlobalTraits(PatternTraits):
+  TEST_CONFIG = {'attention_options': {'window': 6, 'global_every': 2, 'key_block': 4}}
 
   @classmethod
   def layer_period(cls, options, n_layers):
     return options.get('global_every')
 
   @classmethod
-  def _is_global(cls, options, layer_index: int) -> bool:
-    k = options.get('global_every', cls.OPTIONS['global_every'].default)
-    return layer_index % k == k - 1
-
-  def is_global(self) -> bool:
-    return self._is_global(dict(self.options), self.layer_index)
-
-  @classmethod
   def dense_layer(cls, options, layer_index):
     # A global layer is dense causal attention: on a GPU it runs cuDNN's flash kernel, as
     # dense does, instead of the blocked engine (6.4x slower on an H200 at 16K).
-    return layer_index is not None and cls._is_global(options, layer_index)
-
-  def head_pattern(self, head):
-    return patterns.Dense() if self.is_global() else patterns.Local(self.option('window'))
+    return layer_index is not None and _is_global(options, layer_index)
 
   @classmethod
-  def validate(cls, options, n_heads, n_layers):
-    _check_blocks(options)
+  def pattern(cls, options, n_heads):
     patterns.Local(options.get('window'))
     k = options.get('global_every')
     if not isinstance(k, int) or k < 1:

@@ -30,7 +30,7 @@ evaluation). The blocked path ('blocksparse') multiplies only the key blocks in 
 window makes long-memory evaluation linear in the memory instead of quadratic.
 
 Evaluation may use a longer memory (`eval_mem_len`): the eval step compiles the model with
-mem_len = eval_mem_len (MultiHeadAttention.eval_options) and carries its own memory.
+mem_len = eval_mem_len (Traits.eval_options) and carries its own memory.
 
 Decoding keeps the last mem_len + max_len keys of each layer (a ring buffer) and attends with
 the same rule as the forward pass, whose outputs it reproduces.
@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import layers
-from models.attention import base, blockloop, memory
+from models.attention import base, blockloop, memory, traits
 from models.attention.registry import register
 
 
@@ -132,9 +132,6 @@ def relative_attention(q, k, v, q_segments, k_segments, pos_keys, u, v_bias, *, 
 class TransformerXLAttention(base.MultiHeadAttention):
   """Transformer-XL: attention into the previous segment's layer inputs with the four-term
   relative score. Options mem_len, eval_mem_len, clamp_len, same_length, attn_window."""
-  TEST_CONFIG = {'position_embedding': 'none', 'attention_options': {'mem_len': 0}}
-
-  RELATIVE_POSITIONS = True
   OPTIONS = {
       'mem_len': base.Option(128, "M: previous-segment inputs each layer attends into (0: "
                                   "none; needs data.packing='stream')"),
@@ -147,44 +144,6 @@ class TransformerXLAttention(base.MultiHeadAttention):
       'attn_window': base.Option(0, 'w: keys at most w positions back, across the memory '
                                     '(0: all M + i)'),
   }
-
-  @classmethod
-  def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
-    del n_heads, n_layers
-    for name in ('mem_len', 'eval_mem_len', 'clamp_len', 'attn_window'):
-      if options[name] < 0:
-        raise ValueError(f'{name} must be >= 0, got {options[name]}')
-    if options['same_length'] and options['mem_len'] < 1:
-      raise ValueError('same_length limits each query to the keys fewer '
-                       'than mem_len back: it needs mem_len >= 1')
-    if options['eval_mem_len'] and not options['mem_len']:
-      raise ValueError('eval_mem_len needs a model with segment memory '
-                       '(mem_len >= 1): the memory is carried only when training uses one')
-
-  @classmethod
-  def uses_memory(cls, options: dict) -> bool:
-    return options.get('mem_len', 0) > 0
-
-  @classmethod
-  def eval_options(cls, options: dict) -> dict:
-    """Evaluation attends into eval_mem_len cached inputs when it is set."""
-    return {'mem_len': options['eval_mem_len']} if options.get('eval_mem_len') else {}
-
-  @classmethod
-  def shared_params(cls, options, num_heads, head_dim):
-    """u and v, one (heads, head_dim) pair for every layer (the official untie_r=False)."""
-    del options
-    zeros = nn.initializers.zeros
-    return {'u': base.SharedParam((num_heads, head_dim), zeros, ('heads', 'kv')),
-            'v': base.SharedParam((num_heads, head_dim), zeros, ('heads', 'kv'))}
-
-  @classmethod
-  def implementation(cls, impl, **kwargs):
-    """'xla' computes every key of a query at once; other names run the blocked path
-    ('blocksparse'). The relative term is no static pattern: no kernel computes it."""
-    return cls.own_path_implementation(
-        impl, refused=('cpu_kernel', 'splash', 'fused', 'cudnn'),
-        why="Transformer-XL's relative positional term is computed by its own path", **kwargs)
 
   @property
   def reach(self) -> int | None:
@@ -276,3 +235,50 @@ class TransformerXLAttention(base.MultiHeadAttention):
     probs = base.masked_softmax(logits, live[None, None], self.dtype)
     out = jnp.einsum('bhc,bhcd->bhd', probs, cv.value)
     return out[:, None].astype(self.dtype)
+
+
+# ------------------------------------------------------------------ declared beside the math
+
+
+@traits.declare('txl')
+class TransformerXLTraits(traits.Traits):
+  TEST_CONFIG = {'position_embedding': 'none', 'attention_options': {'mem_len': 0}}
+  RELATIVE_POSITIONS = True
+
+  @classmethod
+  def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
+    del n_heads, n_layers
+    for name in ('mem_len', 'eval_mem_len', 'clamp_len', 'attn_window'):
+      if options[name] < 0:
+        raise ValueError(f'{name} must be >= 0, got {options[name]}')
+    if options['same_length'] and options['mem_len'] < 1:
+      raise ValueError('same_length limits each query to the keys fewer '
+                       'than mem_len back: it needs mem_len >= 1')
+    if options['eval_mem_len'] and not options['mem_len']:
+      raise ValueError('eval_mem_len needs a model with segment memory '
+                       '(mem_len >= 1): the memory is carried only when training uses one')
+
+  @classmethod
+  def uses_memory(cls, options: dict) -> bool:
+    return options.get('mem_len', 0) > 0
+
+  @classmethod
+  def eval_options(cls, options: dict) -> dict:
+    """Evaluation attends into eval_mem_len cached inputs when it is set."""
+    return {'mem_len': options['eval_mem_len']} if options.get('eval_mem_len') else {}
+
+  @classmethod
+  def shared_params(cls, options, num_heads, head_dim):
+    """u and v, one (heads, head_dim) pair for every layer (the official untie_r=False)."""
+    del options
+    zeros = nn.initializers.zeros
+    return {'u': traits.SharedParam((num_heads, head_dim), zeros, ('heads', 'kv')),
+            'v': traits.SharedParam((num_heads, head_dim), zeros, ('heads', 'kv'))}
+
+  @classmethod
+  def implementation(cls, impl, **kwargs):
+    """'xla' computes every key of a query at once; other names run the blocked path
+    ('blocksparse'). The relative term is no static pattern: no kernel computes it."""
+    return cls.own_path_implementation(
+        impl, refused=('cpu_kernel', 'splash', 'fused', 'cudnn'),
+        why="Transformer-XL's relative positional term is computed by its own path", **kwargs)

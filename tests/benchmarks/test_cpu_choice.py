@@ -29,7 +29,7 @@ def test_it_records_the_faster_path_and_auto_follows_it(kernel, monkeypatch, cap
   assert len(rows) == 1 and rows[0]['cpu_kernel_ms'] > 0 and rows[0]['blocksparse_ms'] > 0
   faster = 'cpu_kernel' if rows[0]['cpu_kernel_ms'] < rows[0]['blocksparse_ms'] else 'blocksparse'
   assert cpu_choice.measured() == {'LocalAttention': faster}
-  assert attention.traits('local').implementation(
+  assert attention.traits.of('local').implementation(
       'auto', options=attention.resolve_options({}, ['local']), head_dim=64,
       backend='cpu') == faster
   assert 'recorded for this CPU' in capsys.readouterr().out

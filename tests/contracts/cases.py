@@ -2,7 +2,7 @@
 stack is covered without a line of test code.
 
 A case is (attention variant, block, stack setting): the variant at the small size it declares
-(MultiHeadAttention.TEST_CONFIG), on a block wiring of models/blocks.py, in a stack of
+(Traits.TEST_CONFIG), on a block wiring of models/blocks.py, in a stack of
 models/stacks.py (with the stack's own test settings, Stack.TEST_CONFIG, and each of its
 boolean options both ways: the universal stack with and without ACT). A combination the
 config refuses (TransformerConfig raises ValueError: reversible blocks with segment memory, a
@@ -64,7 +64,7 @@ def model_settings(variant: str, block: str, stack: str) -> dict:
   """The config.model keys of a case: width 32, 4 heads, 2 layers (the stack's TEST_CONFIG
   may change that), float32, with the variant's TEST_CONFIG on top."""
   stack_name, stack_options = stack_settings()[stack]
-  declared = dict(attention.traits(variant).TEST_CONFIG)
+  declared = dict(attention.traits.of(variant).TEST_CONFIG)
   m = dict(d=0, d_model=32, n_heads=4, n_layers=2, attention=variant,
            attention_options={variant: declared.pop('attention_options', {})}, block=block,
            stack=stack_name, dtype='float32')

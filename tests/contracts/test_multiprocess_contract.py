@@ -249,8 +249,7 @@ def test_segment_memory_with_the_batch_split_across_hosts(harness, tmp_path, cor
   check_case(harness, tmp_path, _memory_flags(corpus), layout, same_data=False)
 
 
-DRAWS = [c for c in BASELINES if attention.traits(c.variant).inspect.__func__
-         is not attention.base.MultiHeadAttention.inspect.__func__]
+DRAWS = [c for c in BASELINES if attention.traits.of(c.variant).draws()]
 
 
 @pytest.mark.slow

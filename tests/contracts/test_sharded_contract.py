@@ -256,7 +256,7 @@ def _run_cases(run):
   """The cases of a run: splash computes static patterns only (dense for the extra cases)."""
   if RUNS[run][0] != 'splash':
     return CASES
-  return [c for c in CASES if c in EXTRA_CASES or attention.traits(c).has_static_pattern()]
+  return [c for c in CASES if c in EXTRA_CASES or attention.traits.of(c).has_static_pattern()]
 
 
 def _run(harness, out, run):

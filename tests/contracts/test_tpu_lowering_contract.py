@@ -37,7 +37,7 @@ TOPOLOGY = 'v5e:2x2'
 MESHES = {'fsdp4': {'fsdp': 4}, 'fsdp2_tensor2': {'fsdp': 2, 'tensor': 2}}
 
 VARIANTS = [n for n in attention.known() if attention.get(n).__module__.startswith('models.')]
-STATIC = [n for n in VARIANTS if attention.traits(n).has_static_pattern()]
+STATIC = [n for n in VARIANTS if attention.traits.of(n).has_static_pattern()]
 # Keys on top of the base config per case: each variant; each block wiring and stack setting
 # (read from the registries: cases.component_cases) on local attention (a static pattern: its
 # program must call the splash kernel inside the block or stack); the unrolled stack (the

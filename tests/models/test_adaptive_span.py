@@ -187,7 +187,7 @@ def test_penalty_equals_its_formula_and_spans_are_logged():
 def test_z_stays_in_zero_to_s_after_updates():
   config = default.get_config()
   config.learning_rate, config.warmup_steps, config.total_steps = 0.1, 0, 10
-  tx = optimizer.make_optimizer(config, attention.traits('adaptive_span').param_bounds({}))
+  tx = optimizer.make_optimizer(config, attention.traits.of('adaptive_span').param_bounds({}))
   params = {'attention': {'span_fraction': jnp.asarray([0.999, 0.001, 0.5]),
                           'other': jnp.asarray([0.999, 0.001, 0.5])}}
   state = tx.init(params)
@@ -300,7 +300,7 @@ def test_dynamic_span_starts_small_and_varies_per_token():
   # A few steps of training on next-token loss move v, so spans differ between tokens.
   config = default.get_config()
   config.learning_rate, config.warmup_steps, config.total_steps = 0.05, 0, 10
-  tx = optimizer.make_optimizer(config, attention.traits('dynamic_span').param_bounds({}))
+  tx = optimizer.make_optimizer(config, attention.traits.of('dynamic_span').param_bounds({}))
   batch = {'inputs': tokens, 'targets': jnp.roll(tokens, -1, axis=1),
            'weights': jnp.ones(tokens.shape, jnp.float32),
            'positions': jnp.broadcast_to(jnp.arange(32), tokens.shape),

@@ -17,7 +17,7 @@ MAX_LEN = 24
 def _config(name, **extra) -> transformer.TransformerConfig:
   """A small model of variant `name` (its TEST_CONFIG), with `extra` ('options': the
   variant's own attention options) on top."""
-  declared = dict(attention.traits(name).TEST_CONFIG) if name in attention.known() else {}
+  declared = dict(attention.traits.of(name).TEST_CONFIG) if name in attention.known() else {}
   options = {**declared.pop('attention_options', {}), **extra.pop('options', {})}
   m = dict(d=0, d_model=32, n_heads=4, n_layers=2, vocab_size=VOCAB, max_len=MAX_LEN,
            attention=name, attention_options={name: options}, stack='unrolled',

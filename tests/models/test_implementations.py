@@ -1,7 +1,7 @@
 """Tests for model.attention_impl: what 'auto' picks per backend and variant, the explicit names.
 
 * 'auto' resolves to the documented implementation per backend and variant
-  (MultiHeadAttention.implementation, called with backend='tpu'/'gpu'/'cpu': no accelerator
+  (Traits.implementation, called with backend='tpu'/'gpu'/'cpu': no accelerator
   needed): splash on TPU, cuDNN flash for bf16 dense on GPU else block-sparse, the C++ kernel
   on one CPU device where it was measured faster on this CPU (models/attention/cpu_choice.py)
   else block-sparse; variants without a static pattern get their own blocked path everywhere.
@@ -40,7 +40,7 @@ OPTIONS = {'strided': dict(stride=4, factorization='merged', **_BLOCKS),
 
 
 def _auto(name, backend, *, head_dim=64, dtype=jnp.float32, block_size=128, devices=1):
-  return attention.traits(name).implementation(
+  return attention.traits.of(name).implementation(
       'auto', options=attention.resolve_options({}, [name])[name], head_dim=head_dim,
       backend=backend, dtype=dtype, block_size=block_size, devices=devices)
 
@@ -144,7 +144,7 @@ def test_an_explicit_name_is_kept_where_it_runs(impl, kernel_builds):
   del kernel_builds
   backend = 'gpu' if impl == 'cudnn' else 'cpu'
   name = 'dense' if impl in ('fused', 'cudnn') else 'strided'
-  assert attention.traits(name).implementation(
+  assert attention.traits.of(name).implementation(
       impl, options=attention.resolve_options({}, [name])[name], head_dim=64,
       backend=backend) == impl
 
@@ -154,9 +154,9 @@ def test_fused_and_cudnn_name_what_runs_for_a_sparse_pattern():
   says so; cuDNN's flash kernel cannot compute it at all."""
   args = dict(options=attention.resolve_options({}, ['strided'])['strided'], head_dim=64,
               backend='gpu')
-  assert attention.traits('strided').implementation('fused', **args) == 'xla'
+  assert attention.traits.of('strided').implementation('fused', **args) == 'xla'
   with pytest.raises(ValueError, match='dense causal attention only'):
-    attention.traits('strided').implementation('cudnn', **args)
+    attention.traits.of('strided').implementation('cudnn', **args)
 
 
 @pytest.mark.parametrize('impl,backend', [('cudnn', 'cpu'), ('cudnn', 'tpu'), ('splash', 'gpu'),
@@ -164,7 +164,7 @@ def test_fused_and_cudnn_name_what_runs_for_a_sparse_pattern():
 def test_a_kernel_of_another_platform_is_refused_for_the_target(impl, backend, kernel_builds):
   del kernel_builds
   with pytest.raises(ValueError, match=f'{impl}.*cannot run here|StridedAttention.*{impl}'):
-    attention.traits('strided').implementation(
+    attention.traits.of('strided').implementation(
         impl, options=attention.resolve_options({}, ['strided'])['strided'], head_dim=64,
         backend=backend)
 
@@ -206,7 +206,7 @@ def test_explicit_cpu_kernel_where_it_cannot_run_says_why(kwargs, match, kernel_
   args = dict(options=attention.resolve_options({}, ['local'])['local'], head_dim=64,
               backend='cpu', devices=1)
   with pytest.raises(ValueError, match=match):
-    attention.traits('local').implementation('cpu_kernel', **{**args, **kwargs})
+    attention.traits.of('local').implementation('cpu_kernel', **{**args, **kwargs})
 
 
 @pytest.mark.parametrize('name,match', [
@@ -231,7 +231,7 @@ def test_splash_for_selective_is_refused_at_config_time():
 
 
 def test_adaptive_span_runs_its_blocked_path_for_every_name_but_xla():
-  cls = attention.traits('adaptive_span')
+  cls = attention.traits.of('adaptive_span')
   for backend in ('cpu', 'gpu', 'tpu'):
     for impl in ('auto', 'blocksparse', 'fused', 'cudnn', 'splash'):
       assert cls.implementation(impl, options={}, head_dim=64, backend=backend) == 'blocksparse'

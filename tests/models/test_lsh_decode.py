@@ -166,7 +166,7 @@ def test_the_prompt_is_read_token_by_token():
   """No prefill_cache: decode.generate starts at position 0 (with chunks shorter than the
   prompt a prefill's chunked forward pass would not be what the decoding steps compute)."""
   model, params = _model(2, 4, chunk_len=4)
-  assert not attention.traits('lsh').can_prefill() and not decode.can_prefill(model.config)
+  assert not attention.traits.of('lsh').can_prefill() and not decode.can_prefill(model.config)
   with pytest.raises(NotImplementedError, match='no prefill_cache'):
     decode.prefill(model, params, decode.init_cache(model, params, 2), _tokens(length=8))
   prompts = _tokens(length=8, seed=2)

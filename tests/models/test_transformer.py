@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from models import attention, layers, stacks, transformer
-from models.attention import dense
+from models.attention import dense, traits
 from training import steps
 
 VOCAB, MAX_LEN = 32, 16
@@ -36,17 +36,22 @@ if AUX_NAME not in attention.known():
 class LayerIndexProbe(dense.DenseAttention):
   """Dense attention that sows its layer_index into 'intermediates'."""
 
-  @classmethod
-  def layer_period(cls, options, n_layers):
-    return None
-
   def attend(self, q, k, v, **kwargs):
     self.sow('intermediates', 'layer_index', jnp.float32(self.layer_index))
     return super().attend(q, k, v, **kwargs)
 
 
+class LayerIndexProbeTraits(traits.Traits):
+  """It reads its layer index: every layer is its own."""
+
+  @classmethod
+  def layer_period(cls, options, n_layers):
+    return None
+
+
 if PROBE_NAME not in attention.known():
   attention.register(PROBE_NAME)(LayerIndexProbe)
+  traits.declare(PROBE_NAME)(LayerIndexProbeTraits)
 
 
 def _config(**overrides):
