@@ -37,6 +37,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from experiments import harness  # noqa: E402  (sets the XLA flags before JAX starts)
+from experiments import rows as rows_lib  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 
@@ -78,7 +79,7 @@ def layer_halves(head_spans: list[list[float]]) -> tuple[float, float]:
   return statistics.mean(bottom), statistics.mean(top)
 
 
-# The numbers of a row aggregated over seeds (harness.over_seeds).
+# The metrics of a row aggregated over seeds (experiments/rows.py: over_seeds).
 KEYS = ('bits_per_byte', 'average_span', 'max_span', 'attn_flops_trimmed', 'attn_flops_per_head',
         'attn_flops_full_span', 'attn_peak_bytes', 'steps_per_sec', 'bottom_half_span',
         'top_half_span')
@@ -167,15 +168,16 @@ def row(r: dict, spans: dict, tokens_per_step: int) -> dict:
 
 def analyze(per_seed: dict[int, dict[str, dict]], settings: dict) -> dict:
   """The JSON payload (without the command) from every (variant, seed)'s row."""
-  summary = harness.over_seeds(per_seed, KEYS)
+  summary = rows_lib.over_seeds(per_seed, KEYS)
   lines = ['| variant | bits/byte | average span | top / bottom half span | attention FLOPs/token '
            '(as computed) | attn peak (MiB) | steps/s |', '|---|---:|---:|---:|---:|---:|---:|']
   for name, e in summary.items():
+    m = e['mean']
     lines.append(
-        f'| {name} | {e["bits_per_byte"]:.3f} ± {e["bits_per_byte_std"]:.3f} | '
-        f'{e["average_span"]:.1f} | {e["top_half_span"]:.1f} / {e["bottom_half_span"]:.1f} | '
-        f'{e["attn_flops_trimmed"]:,.0f} | {e["attn_peak_bytes"] / 2**20:.2f} | '
-        f'{e["steps_per_sec"]:.2f} |')
+        f'| {name} | {m["bits_per_byte"]:.3f} ± {e["std"]["bits_per_byte"]:.3f} | '
+        f'{m["average_span"]:.1f} | {m["top_half_span"]:.1f} / {m["bottom_half_span"]:.1f} | '
+        f'{m["attn_flops_trimmed"]:,.0f} | {m["attn_peak_bytes"] / 2**20:.2f} | '
+        f'{m["steps_per_sec"]:.2f} |')
   return {'settings': settings, 'variants': summary, 'table': '\n'.join(lines)}
 
 

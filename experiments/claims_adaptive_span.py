@@ -6,6 +6,7 @@ span (benchmarks/adaptive_span.py)."""
 from __future__ import annotations
 
 from experiments.report import Row, Section, near, pm
+from experiments.rows import field, metric, seed_rows
 
 LM = 'adaptive_span_lm.json'
 LM_COMMAND = ('adaptive_span_lm',)  # experiments/registry.py
@@ -33,9 +34,14 @@ def _variants(results, *names):
 
 
 def _scale(settings, entry) -> str:
-  return (f'{len(entry["seeds"])} seeds, {settings["steps"]} steps of '
+  return (f'{len(seed_rows(entry))} seeds, {settings["steps"]} steps of '
           f'{settings["batch_size"]} x {settings["seq_len"]} bytes, {settings["layers"]} layers '
           f'x {settings["heads"]} heads, S = {settings["span_limit"]}')
+
+
+def _pm(entry, key: str, digits: int = 3) -> str:
+  """An entry's mean ± spread of `key`."""
+  return pm(metric(entry, key), metric(entry, key, 'std'), digits)
 
 
 def _missing(names) -> tuple[str, str, str]:
@@ -44,8 +50,8 @@ def _missing(names) -> tuple[str, str, str]:
 
 def _bpb(a, b) -> tuple[bool, float]:
   """(a at or below b, or near it; a - b) in bits per byte."""
-  x, x_std, y, y_std = a['bits_per_byte'], a['bits_per_byte_std'], b['bits_per_byte'], \
-      b['bits_per_byte_std']
+  x, x_std = metric(a, 'bits_per_byte'), metric(a, 'bits_per_byte', 'std')
+  y, y_std = metric(b, 'bits_per_byte'), metric(b, 'bits_per_byte', 'std')
   return x <= y or near(x, x_std, y, y_std, NEAR), x - y
 
 
@@ -56,17 +62,18 @@ def figure4(results):
   if got is None:
     return _missing(['adaptive'])
   settings, (a,) = got
-  layers = len(a['seeds'][0]['head_spans'])
-  per_layer = [sum(sum(s['head_spans'][i]) / len(s['head_spans'][i]) for s in a['seeds'])
-               / len(a['seeds']) for i in range(layers)]
+  spans = [field(s, 'head_spans') for s in seed_rows(a)]
+  layers = len(spans[0])
+  per_layer = [sum(sum(s[i]) / len(s[i]) for s in spans) / len(spans) for i in range(layers)]
   longest = []
-  for s in a['seeds']:
-    z, layer = max((z, i) for i, heads in enumerate(s['head_spans']) for z in heads)
+  for s in spans:
+    z, layer = max((z, i) for i, heads in enumerate(s) for z in heads)
     longest.append(f'layer {layer + 1} ({z:.1f})')
-  ratios = [s['top_half_span'] / max(s['bottom_half_span'], 1e-9) for s in a['seeds']]
+  ratios = [top / max(bottom, 1e-9) for top, bottom in zip(
+      metric(a, 'top_half_span', 'seeds'), metric(a, 'bottom_half_span', 'seeds'))]
   text = (f'mean span per layer, bottom to top: {", ".join(f"{z:.1f}" for z in per_layer)}; '
-          f'top / bottom half {pm(a["top_half_span"], a["top_half_span_std"], 1)} / '
-          f'{pm(a["bottom_half_span"], a["bottom_half_span_std"], 1)}; longest head per seed: '
+          f'top / bottom half {_pm(a, "top_half_span", 1)} / {_pm(a, "bottom_half_span", 1)}; '
+          'longest head per seed: '
           f'{", ".join(longest)} ({_scale(settings, a)})')
   shown = ', '.join(f'{r:.2f}x' for r in ratios)
   if all(r > LAYER_RATIO for r in ratios):
@@ -77,7 +84,8 @@ def figure4(results):
                                      f'{LAYER_RATIO:g}x ({shown})')
   return text, 'does not hold at this scale', (
       f'top half / bottom half {shown}: the upper layers are not longer in every seed; spans '
-      f'start at 0, and after {settings["steps"]} steps the longest is {a["max_span"]:.1f} of '
+      f'start at 0, and after {settings["steps"]} steps the longest is '
+      f'{metric(a, "max_span"):.1f} of '
       f'S = {settings["span_limit"]}')
 
 
@@ -88,9 +96,9 @@ def average_span(results):
     return _missing(['adaptive'])
   settings, (a,) = got
   limit = settings['span_limit']
-  mean = a['average_span']
-  text = (f'average {pm(mean, a["average_span_std"], 1)} of S = {limit} '
-          f'({mean / limit:.1%}); max {pm(a["max_span"], a["max_span_std"], 1)} '
+  mean = metric(a, 'average_span')
+  text = (f'average {_pm(a, "average_span", 1)} of S = {limit} '
+          f'({mean / limit:.1%}); max {_pm(a, "max_span", 1)} '
           f'({_scale(settings, a)})')
   caveat = ('; spans start at 0 (z\' = 0 at init, as in the paper), so a short run mostly '
             'shows how little they grew')
@@ -111,16 +119,17 @@ def _saved(key: str, what: str, unit):
     if got is None:
       return _missing(['adaptive', 'fixed'])
     settings, (a, f) = got
-    ratio = a[key] / f[key]
+    ours, theirs = metric(a, key), metric(f, key)
+    ratio = ours / theirs
     ok, diff = _bpb(a, f)
-    speed = a['steps_per_sec'] / f['steps_per_sec']
+    speed = metric(a, 'steps_per_sec') / metric(f, 'steps_per_sec')
     extra = ''
     if key == 'attn_flops_trimmed':
-      extra = (f'; {a["attn_flops_per_head"] / f[key]:.2f}x if each head stopped at its own '
-               'z + R')
-    text = (f'{what} {unit(a[key])} vs fixed span {unit(f[key])} ({ratio:.2f}x{extra}); '
-            f'bits/byte {pm(a["bits_per_byte"], a["bits_per_byte_std"])} vs '
-            f'{pm(f["bits_per_byte"], f["bits_per_byte_std"])}; train step {speed:.2f}x '
+      extra = (f'; {metric(a, "attn_flops_per_head") / theirs:.2f}x if each head stopped at '
+               'its own z + R')
+    text = (f'{what} {unit(ours)} vs fixed span {unit(theirs)} ({ratio:.2f}x{extra}); '
+            f'bits/byte {_pm(a, "bits_per_byte")} vs {_pm(f, "bits_per_byte")}; train step '
+            f'{speed:.2f}x '
             f'fixed\'s steps/s ({_scale(settings, a)})')
     equal = (f'bits/byte {diff:+.3f} vs fixed: at or below it, or within {NEAR:.0%} or twice '
              'the seed spread')
@@ -144,14 +153,14 @@ def dynamic(results):
   if got is None:
     return _missing(['dynamic', 'adaptive'])
   settings, (d, a) = got
-  ok = near(d['bits_per_byte'], d['bits_per_byte_std'], a['bits_per_byte'],
-            a['bits_per_byte_std'], NEAR)
-  diff = d['bits_per_byte'] - a['bits_per_byte']
-  ratio = d['average_span'] / max(a['average_span'], 1e-9)
+  ok = near(metric(d, 'bits_per_byte'), metric(d, 'bits_per_byte', 'std'),
+            metric(a, 'bits_per_byte'), metric(a, 'bits_per_byte', 'std'), NEAR)
+  diff = metric(d, 'bits_per_byte') - metric(a, 'bits_per_byte')
+  ratio = metric(d, 'average_span') / max(metric(a, 'average_span'), 1e-9)
   comparable = 1 / COMPARABLE <= ratio <= COMPARABLE
-  text = (f'dynamic {pm(d["bits_per_byte"], d["bits_per_byte_std"])} vs adaptive '
-          f'{pm(a["bits_per_byte"], a["bits_per_byte_std"])} bits/byte; average span '
-          f'{d["average_span"]:.1f} vs {a["average_span"]:.1f} (dynamic: z_t averaged over a '
+  text = (f'dynamic {_pm(d, "bits_per_byte")} vs adaptive {_pm(a, "bits_per_byte")} '
+          f'bits/byte; average span {metric(d, "average_span"):.1f} vs '
+          f'{metric(a, "average_span"):.1f} (dynamic: z_t averaged over a '
           f'validation batch; its code computes all S keys) ({_scale(settings, a)})')
   spans = f'average spans {ratio:.2f}x of each other'
   if ok and comparable:

@@ -12,6 +12,7 @@ import math
 import statistics
 
 from experiments.report import PaperSize, Row, Section, near, pm
+from experiments.rows import field, metric, seed_rows
 
 VA = 'selective_va.json'
 SYNTHETIC = 'selective_synthetic.json'
@@ -61,7 +62,7 @@ def _entries(data: dict, *names):
 
 
 def _seeds(entry, key):
-  return [s.get(key) for s in entry['seeds']]
+  return metric(entry, key, 'seeds')
 
 
 def _n(count: int, one: str, many: str = '') -> str:
@@ -76,13 +77,13 @@ def _num(x) -> bool:
 
 
 def _va_scale(s: dict, entry: dict) -> str:
-  return (f'{_n(len(entry["seeds"]), "seed")}, {s["steps"]} steps of batch '
+  return (f'{_n(len(seed_rows(entry)), "seed")}, {s["steps"]} steps of batch '
           f'{s["batch_size"]}, d={s["d"]}; {s["assignments"]} assignments of {s["num_variables"]} '
           f'variables, {s["num_values"]} values; {s["test_examples"]} test examples per model')
 
 
 def _acc(entry, key) -> str:
-  return f'{pm(entry[key], entry[key + "_std"])}'
+  return f'{pm(metric(entry, key), metric(entry, key, "std"))}'
 
 
 def va_in_distribution(results):
@@ -95,15 +96,15 @@ def va_in_distribution(results):
   sel, dense = got
   s = data['settings']
   first = ', '.join('never' if f is None else f'step {f}' for f in _seeds(sel, 'first_step_99'))
-  text = (f'selective {_acc(sel, "accuracy")} answer accuracy (loss {sel["loss"]:.4f}; first '
-          f'eval >= 99%: {first}); '
-          f'dense {_acc(dense, "accuracy")} (loss {dense["loss"]:.4f}) ({_va_scale(s, sel)})')
+  text = (f'selective {_acc(sel, "accuracy")} answer accuracy (loss '
+          f'{metric(sel, "loss"):.4f}; first eval >= 99%: {first}); dense '
+          f'{_acc(dense, "accuracy")} (loss {metric(dense, "loss"):.4f}) ({_va_scale(s, sel)})')
   sel_acc, dense_acc = _seeds(sel, 'accuracy'), _seeds(dense, 'accuracy')
   if all(a >= SOLVED for a in sel_acc) and all(a < UNSOLVED for a in dense_acc):
     return text, 'reproduces', (f'selective >= {SOLVED:.0%} in every seed, dense < '
                                 f'{UNSOLVED:.0%} in every seed, at equal steps')
-  gap = sel['accuracy'] - dense['accuracy']
-  if gap > 2 * max(sel['accuracy_std'], dense['accuracy_std']) and gap > 0:
+  gap = metric(sel, 'accuracy') - metric(dense, 'accuracy')
+  if gap > 2 * max(metric(sel, 'accuracy', 'std'), metric(dense, 'accuracy', 'std')) and gap > 0:
     return text, 'direction holds', (f'selective ahead by {gap:.3f}, but not >= {SOLVED:.0%} '
                                      f'vs < {UNSOLVED:.0%} in every seed')
   return text, 'does not hold at this scale', (f'selective - dense = {gap:+.3f}: not ahead '
@@ -121,18 +122,20 @@ def va_out_of_distribution(results):
   sel, dense = got
   s = data['settings']
   text = (f'{s["ood_values"]} values: selective {_acc(sel, "ood_accuracy")} (loss '
-          f'{sel["ood_loss"]:.4f}), dense {_acc(dense, "ood_accuracy")} (loss '
-          f'{dense["ood_loss"]:.4f}); in distribution selective {sel["accuracy"]:.3f}, dense '
-          f'{dense["accuracy"]:.3f} ({_va_scale(s, sel)})')
+          f'{metric(sel, "ood_loss"):.4f}), dense {_acc(dense, "ood_accuracy")} (loss '
+          f'{metric(dense, "ood_loss"):.4f}); in distribution selective '
+          f'{metric(sel, "accuracy"):.3f}, dense {metric(dense, "accuracy"):.3f} '
+          f'({_va_scale(s, sel)})')
   sel_acc, dense_acc = _seeds(sel, 'ood_accuracy'), _seeds(dense, 'ood_accuracy')
-  caveat = ('' if dense['accuracy'] >= SOLVED else
+  caveat = ('' if metric(dense, 'accuracy') >= SOLVED else
             f'; unlike the paper\'s, our dense model has not solved the task in distribution '
-            f'either ({dense["accuracy"]:.3f})')
+            f'either ({metric(dense, "accuracy"):.3f})')
   if all(a >= SOLVED for a in sel_acc) and all(a < UNSOLVED for a in dense_acc):
     return text, 'reproduces', (f'selective >= {SOLVED:.0%} out of distribution in every seed, '
                                 f'dense < {UNSOLVED:.0%}{caveat}')
-  gap = sel['ood_accuracy'] - dense['ood_accuracy']
-  if gap > 2 * max(sel['ood_accuracy_std'], dense['ood_accuracy_std']) and gap > 0:
+  gap = metric(sel, 'ood_accuracy') - metric(dense, 'ood_accuracy')
+  spread = max(metric(sel, 'ood_accuracy', 'std'), metric(dense, 'ood_accuracy', 'std'))
+  if gap > 2 * spread and gap > 0:
     return text, 'direction holds', (f'selective ahead by {gap:.3f}, but not >= {SOLVED:.0%} '
                                      f'vs < {UNSOLVED:.0%} in every seed{caveat}')
   return text, 'does not hold at this scale', (f'selective - dense = {gap:+.3f} out of '
@@ -155,9 +158,9 @@ def synthetic_solved(results):
   parts = []
   for task in ('copy', 'parity'):
     parts.append(f'{task}: ' + ', '.join(
-        f'{n} {_acc(tasks[task][n], "accuracy")} (loss {tasks[task][n]["loss"]:.4f})'
+        f'{n} {_acc(tasks[task][n], "accuracy")} (loss {metric(tasks[task][n], "loss"):.4f})'
         for n in names))
-  seeds = len(tasks['copy']['selective']['seeds'])
+  seeds = len(seed_rows(tasks['copy']['selective']))
   text = (f'token accuracy on fresh rows, {"; ".join(parts)} ({_n(seeds, "seed")}, '
           f'{s["steps"]} steps of batch {s["batch_size"]}, d={s["d"]}; copy lengths '
           f'{s["copy_lengths"][0]}-{s["copy_lengths"][1]} of {s["copy_symbols"]} symbols, parity '
@@ -178,14 +181,14 @@ def synthetic_solved(results):
 
 
 def _lm_scale(s: dict, entry: dict) -> str:
-  return (f'{_n(len(entry["seeds"]), "seed")}, {s["steps"]} steps of {s["batch_size"]} x '
+  return (f'{_n(len(seed_rows(entry)), "seed")}, {s["steps"]} steps of {s["batch_size"]} x '
           f'{s["seq_len"]} bytes, d={s["d"]}')
 
 
 def _bpb(entry) -> str:
-  if entry['bits_per_byte'] is None:
+  if metric(entry, 'bits_per_byte') is None:
     return 'diverged'
-  text = pm(entry['bits_per_byte'], entry['bits_per_byte_std'])
+  text = pm(metric(entry, 'bits_per_byte'), metric(entry, 'bits_per_byte', 'std'))
   if entry.get('diverged_seeds'):
     text += f' (diverged: seeds {entry["diverged_seeds"]})'
   return text
@@ -193,8 +196,9 @@ def _bpb(entry) -> str:
 
 def _diff(a, b) -> tuple[float, bool]:
   """(a - b in bits per byte, |a - b| beyond NOISE or twice the seeds' spread)."""
-  x, y = a['bits_per_byte'], b['bits_per_byte']
-  return x - y, not near(x, a['bits_per_byte_std'], y, b['bits_per_byte_std'], NOISE)
+  x, y = metric(a, 'bits_per_byte'), metric(b, 'bits_per_byte')
+  return x - y, not near(x, metric(a, 'bits_per_byte', 'std'), y,
+                         metric(b, 'bits_per_byte', 'std'), NOISE)
 
 
 def selective_vs_dense(results):
@@ -205,12 +209,12 @@ def selective_vs_dense(results):
   if got is None:
     return _missing(LM, ['selective', 'dense'])
   sel, dense = got
-  if sel['bits_per_byte'] is None or dense['bits_per_byte'] is None:
+  if metric(sel, 'bits_per_byte') is None or metric(dense, 'bits_per_byte') is None:
     return (f'selective {_bpb(sel)}, dense {_bpb(dense)}', 'does not hold at this scale',
             'a model diverged in every seed')
   diff, real = _diff(sel, dense)
   text = (f'selective {_bpb(sel)} vs dense {_bpb(dense)} bits/byte '
-          f'({diff / dense["bits_per_byte"]:+.1%}) ({_lm_scale(data["settings"], sel)})')
+          f'({diff / metric(dense, "bits_per_byte"):+.1%}) ({_lm_scale(data["settings"], sel)})')
   if diff < 0 and real:
     return text, 'reproduces', f'{diff:+.3f} bits/byte, beyond {NOISE:.1%} and twice the spread'
   if diff < 0:
@@ -228,7 +232,7 @@ def local_ranking(results):
   if got is None:
     return _missing(LM, ['selective', 'dense', *locals_])
   sel, dense, *windows = got
-  if any(e['bits_per_byte'] is None for e in got):
+  if any(metric(e, 'bits_per_byte') is None for e in got):
     return ('-', 'does not hold at this scale', 'a model diverged in every seed')
   parts = [f'all-local {w} (paper {p}): {_bpb(e)}'
            for w, p, e in zip(s['windows'], s['paper_windows'], windows)]
@@ -271,16 +275,15 @@ def _ablation(name: str, kind: str):
     text = (f'{_bpb(ab)} vs selective {_bpb(sel)} (dense {_bpb(dense)}) bits/byte '
             f'({_lm_scale(data["settings"], sel)})')
     if kind == 'fails':
-      seeds = ab['seeds']
-      dense_bpb = dense['bits_per_byte']
-      failed = [s.get('diverged') or not _num(s.get('bits_per_byte'))
-                or (dense_bpb is not None and s['bits_per_byte'] > dense_bpb
-                    and not near(s['bits_per_byte'], 0.0, dense_bpb, dense['bits_per_byte_std'],
-                                 NOISE)) for s in seeds]
+      dense_bpb, dense_std = metric(dense, 'bits_per_byte'), metric(dense, 'bits_per_byte', 'std')
+      failed = [s.get('diverged') or not _num(bpb)
+                or (dense_bpb is not None and bpb > dense_bpb
+                    and not near(bpb, 0.0, dense_bpb, dense_std, NOISE))
+                for s, bpb in zip(seed_rows(ab), metric(ab, 'bits_per_byte', 'seeds'))]
       if all(failed):
         return text, 'reproduces', ('every seed diverged or ended above dense beyond the noise: '
                                     'no useful training')
-      if ab['bits_per_byte'] is not None and sel['bits_per_byte'] is not None:
+      if metric(ab, 'bits_per_byte') is not None and metric(sel, 'bits_per_byte') is not None:
         diff, real = _diff(ab, sel)
         if diff > 0 and real:
           return text, 'direction holds', (f'trains, but {diff:+.3f} bits/byte above selective '
@@ -288,7 +291,7 @@ def _ablation(name: str, kind: str):
         return text, 'does not hold at this scale', (f'converges, {diff:+.3f} bits/byte vs '
                                                      'selective')
       return text, 'direction holds', 'some seeds diverged, not all'
-    if ab['bits_per_byte'] is None:
+    if metric(ab, 'bits_per_byte') is None:
       return text, ('direction holds' if kind == 'same_or_worse' else 'reproduces'), \
           'diverged in every seed'
     diff, real = _diff(ab, sel)
@@ -298,8 +301,8 @@ def _ablation(name: str, kind: str):
       if diff > 0:
         return text, 'direction holds', f'{diff:+.3f} bits/byte above selective, within the noise'
       return text, 'does not hold at this scale', f'{diff:+.3f} bits/byte: not above selective'
-    same = near(ab['bits_per_byte'], ab['bits_per_byte_std'], sel['bits_per_byte'],
-                sel['bits_per_byte_std'], NEAR)
+    same = near(metric(ab, 'bits_per_byte'), metric(ab, 'bits_per_byte', 'std'),
+                metric(sel, 'bits_per_byte'), metric(sel, 'bits_per_byte', 'std'), NEAR)
     if diff < 0 and real:
       return text, 'does not hold at this scale', (f'{diff:+.3f} bits/byte: better than '
                                                    'selective, beyond the noise')
@@ -325,7 +328,7 @@ def _kv(results, names):
 
 
 def _kv_scale(s, contexts) -> str:
-  counts = {n: len(c['dense']['seeds']) for n, c in contexts}
+  counts = {n: len(seed_rows(c['dense'])) for n, c in contexts}
   seeds = (_n(counts[contexts[0][0]], 'seed') if len(set(counts.values())) == 1 else
            'seeds ' + ', '.join(f'{c} at N={n}' for n, c in counts.items()))
   return (f'{seeds}, {s["steps"]} steps of {s["batch_size"]} rows, d={s["d"]}; '
@@ -335,34 +338,36 @@ def _kv_scale(s, contexts) -> str:
 
 def _at_dense(entry, dense) -> list[bool]:
   """Per seed: the pruned validation loss at most AT_LOSS above the same seed's dense loss."""
-  by_seed = {s['seed']: s['val_loss'] for s in dense['seeds']}
-  return [s['pruned_loss'] <= by_seed[s['seed']] * (1 + AT_LOSS) for s in entry['seeds']]
+  by_seed = {s['seed']: field(s, 'val_loss') for s in seed_rows(dense)}
+  return [field(s, 'pruned_loss') <= by_seed[s['seed']] * (1 + AT_LOSS)
+          for s in seed_rows(entry)]
 
 
 def _factor(entry, key='reduction') -> str:
   """'16.0x' when every seed agrees, else the seeds' factors in seed order ('16.0x / 5.3x');
   for the reductions at the dense loss, how many seeds sit at the search's floor."""
-  values = [s[key] for s in entry['seeds']]
+  values = metric(entry, key, 'seeds')
   text = (f'{values[0]:.1f}x' if len(set(values)) == 1 else
           ' / '.join(f'{v:.1f}x' for v in values) + ' (per seed)')
-  floor = [s for s in entry['seeds'] if s.get('at_floor')] if key == 'reduction' else []
+  floor = [s for s in seed_rows(entry) if s.get('at_floor')] if key == 'reduction' else []
   if floor:
-    text += f' (floor {floor[0]["floor_reduction"]:.0f}x in {len(floor)}/{len(values)})'
+    text += f' (floor {field(floor[0], "floor_reduction"):.0f}x in {len(floor)}/{len(values)})'
   return text
 
 
 def _budgets(entry) -> str:
-  budgets = [s['budgets'] for s in entry['seeds']]
+  budgets = [field(s, 'budgets') for s in seed_rows(entry)]
   return str(budgets[0]) if all(b == budgets[0] for b in budgets) else ' / '.join(
       map(str, budgets))
 
 
 def _min(entry, key='reduction') -> float:
-  return min(s[key] for s in entry['seeds'])
+  return min(metric(entry, key, 'seeds'))
 
 
 def _mean(entry, key='reduction') -> float:
-  return sum(s[key] for s in entry['seeds']) / len(entry['seeds'])
+  values = metric(entry, key, 'seeds')
+  return sum(values) / len(values)
 
 
 def kv_plain(results):
@@ -378,8 +383,8 @@ def kv_plain(results):
     paper = PAPER_PLAIN.get(CONTEXT_SCALE * n)
     sel, dense = c['selective'], c['dense']
     parts.append(f'N={n}: {_factor(sel)}, budgets {_budgets(sel)}, loss '
-                 f'{sel["pruned_loss"]:.3f} (unpruned {sel["val_loss"]:.3f}) vs dense '
-                 f'{dense["val_loss"]:.3f}')
+                 f'{metric(sel, "pruned_loss"):.3f} (unpruned {metric(sel, "val_loss"):.3f}) vs '
+                 f'dense {metric(dense, "val_loss"):.3f}')
     ok &= all(_at_dense(sel, dense))
     reach &= paper is not None and _min(sel) >= paper
     some &= _min(sel) > 1
@@ -404,7 +409,7 @@ def _paper(table: dict, contexts) -> str:
 
 
 def _floor_note(contexts, name) -> str:
-  floors = [n for n, c in contexts if all(s.get('at_floor') for s in c[name]['seeds'])]
+  floors = [n for n, c in contexts if all(s.get('at_floor') for s in seed_rows(c[name]))]
   if not floors:
     return ''
   return (f'; at N = {", ".join(map(str, floors))} the search reached its floor (no layer can '
@@ -425,14 +430,14 @@ def kv_lmem(results):
     paper = PAPER_LMEM.get(CONTEXT_SCALE * n)
     lm, sel, dense = c['selective_lmem'], c['selective'], c['dense']
     parts.append(f'N={n}: {_factor(lm)} vs without L_mem {_factor(sel)}; pruned loss '
-                 f'+{lm["pruned_loss"] - lm["val_loss"]:.4f} vs '
-                 f'+{sel["pruned_loss"] - sel["val_loss"]:.4f} over unpruned (dense '
-                 f'{dense["val_loss"]:.3f})')
+                 f'+{metric(lm, "pruned_loss") - metric(lm, "val_loss"):.4f} vs '
+                 f'+{metric(sel, "pruned_loss") - metric(sel, "val_loss"):.4f} over unpruned '
+                 f'(dense {metric(dense, "val_loss"):.3f})')
     ok &= all(_at_dense(lm, dense))
     reach &= paper is not None and _min(lm) >= paper
-    geq &= lm['reduction'] >= sel['reduction']
-    larger |= lm['reduction'] > sel['reduction']
-    floors &= all(x.get('at_floor') for x in lm['seeds'] + sel['seeds'])
+    geq &= metric(lm, 'reduction') >= metric(sel, 'reduction')
+    larger |= metric(lm, 'reduction') > metric(sel, 'reduction')
+    floors &= all(x.get('at_floor') for x in seed_rows(lm) + seed_rows(sel))
   text = '; '.join(parts) + f' ({_kv_scale(s, contexts)})'
   paper = _paper(PAPER_LMEM, contexts)
   if not ok:
@@ -472,22 +477,22 @@ def gain_with_context(results):
     return '-', 'not testable here', f'{KV} has one context only'
   parts, gaps = [], []
   for n, c in contexts:
-    dense = {x['seed']: x['bits_per_byte'] for x in c['dense']['seeds']}
-    per_seed = [dense[x['seed']] - x['bits_per_byte'] for x in c['selective']['seeds']
+    dense = {x['seed']: field(x, 'bits_per_byte') for x in seed_rows(c['dense'])}
+    per_seed = [dense[x['seed']] - field(x, 'bits_per_byte') for x in seed_rows(c['selective'])
                 if x['seed'] in dense]
     mean = statistics.mean(per_seed)
     std = statistics.stdev(per_seed) if len(per_seed) > 1 else 0.0
     gaps.append((mean, std))
-    parts.append(f'N={n}: {pm(mean, std)} (dense {c["dense"]["bits_per_byte"]:.3f}, '
-                 f'selective {c["selective"]["bits_per_byte"]:.3f})')
-  seeds = _n(len(contexts[0][1]['selective']['seeds']), 'seed')
+    parts.append(f'N={n}: {pm(mean, std)} (dense {metric(c["dense"], "bits_per_byte"):.3f}, '
+                 f'selective {metric(c["selective"], "bits_per_byte"):.3f})')
+  seeds = _n(len(seed_rows(contexts[0][1]['selective'])), 'seed')
   text = ('dense minus selective bits/byte, ' + '; '.join(parts)
           + f' ({seeds}, {s["steps"]} steps of {s["batch_size"]} rows at each context, '
           f'd={s["d"]})')
   (first, first_std), (last, last_std) = gaps[0], gaps[-1]
   growth = f'{first:.3f} -> {last:.3f} bits/byte from N={contexts[0][0]} to {contexts[-1][0]}'
   rising = all(b[0] > a[0] for a, b in zip(gaps, gaps[1:]))
-  dense_first, dense_last = (c['dense']['bits_per_byte'] for c in (contexts[0][1],
+  dense_first, dense_last = (metric(c['dense'], 'bits_per_byte') for c in (contexts[0][1],
                                                                   contexts[-1][1]))
   if dense_last > dense_first:  # Part of the growth is dense doing worse on longer rows.
     growth += (f'; dense itself does worse on longer rows at this length of training '
@@ -513,9 +518,11 @@ def kv_keep(results):
   for n, c in contexts:
     paper = PAPER_KEEP.get(CONTEXT_SCALE * n)
     sel, lm = c['selective'], c['selective_lmem']
-    parts.append(f'N={n}: {_factor(sel, "keep_reduction")} (loss {sel["keep_loss"]:.3f} vs '
-                 f'unpruned {sel["val_loss"]:.3f}); with L_mem {_factor(lm, "keep_reduction")}')
-    ok &= all(x['keep_loss'] <= x['unpruned_loss'] * (1 + AT_LOSS) for x in sel['seeds'])
+    parts.append(f'N={n}: {_factor(sel, "keep_reduction")} (loss '
+                 f'{metric(sel, "keep_loss"):.3f} vs unpruned {metric(sel, "val_loss"):.3f}); '
+                 f'with L_mem {_factor(lm, "keep_reduction")}')
+    ok &= all(field(x, 'keep_loss') <= field(x, 'unpruned_loss') * (1 + AT_LOSS)
+              for x in seed_rows(sel))
     reach &= paper is not None and _min(sel, 'keep_reduction') >= paper
     some &= _min(sel, 'keep_reduction') > 1
   text = '; '.join(parts) + (f' (training-sample loss within {s["keep_tolerance"]:.1%} of '

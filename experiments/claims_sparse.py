@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from experiments.report import Row, Section, near, pm
+from experiments.rows import metric, seed_rows
 
 SPARSE_COMMAND = ('sparse_transformer',)  # experiments/registry.py
 # "At or near dense": within 2% of dense's bits per byte, or within twice the seeds' spread.
@@ -19,10 +20,11 @@ def _sparse(results, prefix: str, key: str):
   dense = variants['dense']
   name = next(v for v in variants if v.startswith(prefix))
   ours = variants[name]
-  a, a_std, b, b_std = ours[key], ours[key + '_std'], dense[key], dense[key + '_std']
-  speed = ours['steps_per_sec'] / dense['steps_per_sec']
+  a, a_std = metric(ours, key), metric(ours, key, 'std')
+  b, b_std = metric(dense, key), metric(dense, key, 'std')
+  speed = metric(ours, 'steps_per_sec') / metric(dense, 'steps_per_sec')
   text = (f'{name}: {pm(a, a_std)} vs dense {pm(b, b_std)} bits/byte; {speed:.2f}x dense\'s '
-          f'steps/s ({len(ours["seeds"])} seeds, {data["settings"]["steps"]} steps of '
+          f'steps/s ({len(seed_rows(ours))} seeds, {data["settings"]["steps"]} steps of '
           f'{data["settings"]["batch_size"]} x {data["settings"]["seq_len"]} bytes)')
   return text, a, a_std, b, b_std
 

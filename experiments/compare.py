@@ -44,9 +44,9 @@ starting one variant later), so that a busy phase of a shared machine slows all 
 median over rounds. With --time_rounds 0: the median of the run's logged windows that hold
 no compile, evaluation or checkpoint save.
 
-Prints a markdown table, writes the rows, the command and the machine to --out (JSON) and the
-eval loss curves to --png. Samples at evaluation are off (generate.eval_samples=0): sample a
-finished run with main.py instead.
+Prints a markdown table, writes the rows (experiments/rows.py's format: run = the variant
+spec), the command and the machine to --out (JSON) and the eval loss curves to --png. Samples
+at evaluation are off (generate.eval_samples=0): sample a finished run with main.py instead.
 """
 
 
@@ -59,6 +59,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from experiments import harness  # noqa: E402  (sets the XLA flags before JAX starts)
+from experiments import rows as rows_lib  # noqa: E402
 
 from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
@@ -218,7 +219,8 @@ def main(argv=None) -> dict:
               'd': args.d, 'steps': args.steps, **harness.describe(base),
               'time_rounds': args.time_rounds, 'time_steps': args.time_steps}
   payload = {'command': command, 'settings': settings, 'columns': list(COLUMNS),
-             'rows': rows, 'skipped': skipped, 'table': table}
+             'rows': [rows_lib.row(r['variant'], r['seed'], r) for r in rows],
+             'skipped': skipped, 'table': table}
   common.write_json(args.out, payload)
   plot(rows, args.png, f'eval loss, {data.name} ({", ".join(settings["files"]) or data.name}), '
        f'{args.steps} steps, batch {base.batch_size} x {base.seq_len}')

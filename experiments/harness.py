@@ -21,9 +21,11 @@ needs to run: relative-position variants no absolute positions, variants with se
 rows that continue one text stream. Every config is built before any run trains, so a bad
 spec fails in seconds. A progress bar counts runs and, within a run, steps (tqdm, on stderr).
 
-Each row: the eval loss and bits per byte at the last step with their curves, parameters,
-training FLOPs per token, training tokens/s, the compiled peak memory of one attention layer's
-forward + backward, the decoding cache of one row, and the run's attention implementations.
+Each run's measurement (the flat dict run() returns; an experiment writes it into its results
+file as a row of experiments/rows.py, which also aggregates seeds): the eval loss and bits per
+byte at the last step with their curves, parameters, training FLOPs per token, training
+tokens/s, the compiled peak memory of one attention layer's forward + backward, the decoding
+cache of one row, and the run's attention implementations.
 Tokens/s: with time_rounds > 0, each run's train step with its trained parameters, timed
 round-robin among the runs of the same seed (a busy phase of a shared machine slows all alike;
 the median over rounds); with 0, the median of the run's logged windows that hold no compile,
@@ -42,7 +44,6 @@ import contextlib
 import copy
 import dataclasses
 import importlib.util
-import math
 import os
 import re
 import signal
@@ -463,48 +464,6 @@ def measure(name: str, config, workdir: str) -> dict:
                    'train_loss': curves['train/loss'],
                    'train_tokens_per_sec': curves['train/tokens_per_sec']}
   return row
-
-
-# ---------------------------------------------------------------- over seeds
-
-
-def finite(x) -> bool:
-  """A number that is neither NaN nor infinite (a diverged run's loss is not)."""
-  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def seed_stats(values: Sequence) -> tuple[float | None, float]:
-  """(mean, sample standard deviation) of the finite values; (None, 0) when there are none,
-  a standard deviation of 0 for one."""
-  values = [v for v in values if finite(v)]
-  if not values:
-    return None, 0.0
-  return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
-def over_seeds(per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]],
-               keys: Sequence[str]) -> dict[str, dict]:
-  """Every experiment's rows aggregated over seeds, with one rule for what diverged.
-
-  Args:
-    per_seed: seed -> run name -> that run's row (metrics by name).
-    keys: the metrics to aggregate.
-
-  Returns:
-    run name -> {'seeds': [{'seed': S, **row}, ...], KEY: the mean over the seeds where KEY is
-    finite (None when it is nowhere), KEY + '_std': their sample standard deviation (0 for one
-    seed), 'diverged_seeds': the seeds whose row says 'diverged'}, runs in first-seen order.
-    A diverged seed's NaN never enters a mean; it is counted in 'diverged_seeds' instead.
-  """
-  out = {}
-  for seed, rows in per_seed.items():
-    for name, row in rows.items():
-      out.setdefault(name, {'seeds': []})['seeds'].append({'seed': seed, **row})
-  for entry in out.values():
-    for key in keys:
-      entry[key], entry[key + '_std'] = seed_stats([s.get(key) for s in entry['seeds']])
-    entry['diverged_seeds'] = [s['seed'] for s in entry['seeds'] if s.get('diverged')]
-  return out
 
 
 # ---------------------------------------------------------------- runs

@@ -1,4 +1,5 @@
-"""Migrations of the committed results (results/*.json) when a name they record changes.
+"""Migrations of the committed results (results/*.json) when a name they record, or their
+format, changes.
 
     python -m experiments.migrations            # rewrite results/*.json in place
     python -m experiments.migrations --check    # exit 1 naming each file a migration changes
@@ -7,6 +8,8 @@ A result file records how its runs were made: variant specs ('adaptive_span:span
 config overrides ({'model.attention_options.window': 32}), command lines. When the code renames
 one of those names, the committed files are rewritten once, here, by the same rules the code
 uses to read old records (training/run_config.py), never by hand; the numbers are untouched.
+When the format of the runs in them changes (experiments/rows.py), they are rewritten here
+too, by the function the experiments now write their rows with.
 tests/experiments/test_migrations.py checks that the committed files need no migration.
 
 MIGRATIONS, in order:
@@ -23,6 +26,15 @@ MIGRATIONS, in order:
   is the recipe's as the flat layout hashed it (`flat_layout_fingerprint`: the recipe has
   not changed since) gets the recipe's fingerprint now; a row of a recipe changed since keeps
   its old one (tests/contracts/test_paper_recipes.py then asks for a new compile).
+- one_row_format: the experiments' results took one row format (experiments/rows.py: run,
+  seed, metrics, curves, descriptive fields) and one shape of a run over seeds ('rows',
+  'mean', 'std', 'diverged_seeds'). A run over seeds of the old shape ({'seeds': [{'seed': S,
+  ...}], KEY: mean, KEY_std: std, 'diverged_seeds'}) becomes an entry: its per-seed dicts rows
+  made by rows.row (the rule the experiments write with), 'mean' and 'std' of the keys that had
+  a KEY_std, as they were (not recomputed); 'diverged_seeds' as it was, or (in a file written
+  before it existed) the seeds whose row says 'diverged'. A list of the harness's
+  measurements (dicts with 'variant' and 'curves': sparse_transformer.json's 'runs',
+  compare.json's 'rows') becomes rows of run = variant. The numbers are moved, never changed.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ from typing import Any, Callable
 
 import configs
 from configs import presets
+from experiments import rows as rows_lib
 from models import attention
 from models import options as options_lib
 from models import transformer
@@ -187,7 +200,41 @@ def recipe_fingerprints(data: Any) -> Any:
   return {**data, 'rows': out}
 
 
-MIGRATIONS: tuple[Callable[[Any], Any], ...] = (per_variant_options, recipe_fingerprints)
+def _old_entry(node: Any) -> bool:
+  """A run over seeds as over_seeds wrote it before one_row_format."""
+  return (isinstance(node, dict) and isinstance(node.get('seeds'), list) and node['seeds']
+          and all(isinstance(s, dict) and 'seed' in s for s in node['seeds'])
+          and any(k.endswith('_std') for k in node))
+
+
+def _measurement(node: Any) -> bool:
+  """One of the harness's measurements as an experiment wrote it before one_row_format."""
+  return isinstance(node, dict) and {'variant', 'curves'} <= set(node) and 'metrics' not in node
+
+
+def one_row_format(data: Any, name: str = '') -> Any:
+  """`data` with every run over seeds an entry of experiments/rows.py and every list of
+  harness measurements a list of rows (see the module docstring); `name` is the key `data`
+  is found under (an entry's run)."""
+  if _old_entry(data):
+    keys = [k[:-len('_std')] for k in data if k.endswith('_std') and k[:-len('_std')] in data]
+    rows = [rows_lib.row(name, s['seed'], s) for s in data['seeds']]
+    return {'run': name, 'rows': rows, 'mean': {k: data[k] for k in keys},
+            'std': {k: data[k + '_std'] for k in keys},
+            'diverged_seeds': data.get('diverged_seeds',
+                                       [s['seed'] for s in data['seeds'] if s.get('diverged')])}
+  if isinstance(data, dict):
+    return {k: one_row_format(v, k) for k, v in data.items()}
+  if isinstance(data, list):
+    if data and all(_measurement(m) for m in data):
+      seed = int(name) if name.isdigit() else None  # sparse_transformer.json: by seed.
+      return [rows_lib.row(m['variant'], m.get('seed', seed), m) for m in data]
+    return [one_row_format(item) for item in data]
+  return data
+
+
+MIGRATIONS: tuple[Callable[[Any], Any], ...] = (per_variant_options, recipe_fingerprints,
+                                                one_row_format)
 
 
 def migrate(data: Any) -> Any:

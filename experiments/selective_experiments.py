@@ -81,6 +81,7 @@ from absl import logging
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from experiments import harness  # noqa: E402  (sets the XLA flags before JAX starts)
+from experiments import rows as rows_lib  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 
@@ -180,8 +181,9 @@ def _command(argv) -> str:
 def _table(summary: dict, key: str, label: str) -> str:
   lines = [f'| variant | {label} | seeds | diverged |', '|---|---:|---:|---:|']
   for name, e in summary.items():
-    value = '-' if e[key] is None else f'{e[key]:.4f} ± {e[key + "_std"]:.4f}'
-    lines.append(f'| {name} | {value} | {len(e["seeds"])} | {len(e["diverged_seeds"])} |')
+    mean, std = rows_lib.metric(e, key), rows_lib.metric(e, key, 'std')
+    value = '-' if mean is None else f'{mean:.4f} ± {std:.4f}'
+    lines.append(f'| {name} | {value} | {len(e["rows"])} | {len(e["diverged_seeds"])} |')
   return '\n'.join(lines)
 
 
@@ -243,7 +245,7 @@ def compare_settings(args, base, seq_len: int, seed: int) -> dict:
 
 def lm_row(r: dict, batch: int, seq_len: int) -> dict:
   return {'variant': r['variant'], 'step': r['step'], 'bits_per_byte': r['bits_per_byte'],
-          'eval_loss': r['eval_loss'] if harness.finite(r['eval_loss']) else None,
+          'eval_loss': r['eval_loss'] if rows_lib.finite(r['eval_loss']) else None,
           'diverged': bool(r.get('diverged')), 'params': r['params'],
           'steps_per_sec': r['tokens_per_sec'] / (batch * seq_len),
           'run_seconds': r['run_seconds'], 'curves': r['curves']}
@@ -321,13 +323,14 @@ def analyze_va(rows: list[dict], measured: dict, settings: dict, runs=VA_VARIANT
           'eval_accuracy_curve': accuracy, 'eval_loss_curve': r['curves']['eval_loss'],
           'steps_per_sec': r['tokens_per_sec'] / steps_per_row,
           'run_seconds': r['run_seconds']}
-  summary = harness.over_seeds(per_seed, ('accuracy', 'loss', 'ood_accuracy', 'ood_loss'))
+  summary = rows_lib.over_seeds(per_seed, ('accuracy', 'loss', 'ood_accuracy', 'ood_loss'))
   lines = ['| variant | accuracy | loss | OOD accuracy | OOD loss | first eval >= 99% |',
            '|---|---:|---:|---:|---:|---|']
   for name, e in summary.items():
-    lines.append(f'| {name} | {e["accuracy"]:.3f} ± {e["accuracy_std"]:.3f} | '
-                 f'{e["loss"]:.4f} | {e["ood_accuracy"]:.3f} ± {e["ood_accuracy_std"]:.3f} | '
-                 f'{e["ood_loss"]:.4f} | {[s["first_step_99"] for s in e["seeds"]]} |')
+    m, sd = e['mean'], e['std']
+    lines.append(f'| {name} | {m["accuracy"]:.3f} ± {sd["accuracy"]:.3f} | '
+                 f'{m["loss"]:.4f} | {m["ood_accuracy"]:.3f} ± {sd["ood_accuracy"]:.3f} | '
+                 f'{m["ood_loss"]:.4f} | {rows_lib.metric(e, "first_step_99", "seeds")} |')
   return {'settings': settings, 'variants': summary, 'table': '\n'.join(lines)}
 
 
@@ -410,10 +413,11 @@ def analyze_synthetic(rows: dict, measured: dict, settings: dict, runs=VA_VARIAN
             'first_step_99': first_step_at(m['accuracy_curve'], 0.99),
             'eval_accuracy_curve': m['accuracy_curve'],
             'eval_loss_curve': r['curves']['eval_loss'], 'run_seconds': r['run_seconds']}
-    tasks[task] = summary = harness.over_seeds(per_seed, ('accuracy', 'loss'))
+    tasks[task] = summary = rows_lib.over_seeds(per_seed, ('accuracy', 'loss'))
     for name, e in summary.items():
-      lines.append(f'| {task} | {name} | {e["accuracy"]:.3f} ± {e["accuracy_std"]:.3f} | '
-                   f'{e["loss"]:.4f} | {[s["first_step_99"] for s in e["seeds"]]} |')
+      m, sd = e['mean'], e['std']
+      lines.append(f'| {task} | {name} | {m["accuracy"]:.3f} ± {sd["accuracy"]:.3f} | '
+                   f'{m["loss"]:.4f} | {rows_lib.metric(e, "first_step_99", "seeds")} |')
   return {'settings': settings, 'tasks': tasks, 'table': '\n'.join(lines)}
 
 
@@ -450,7 +454,7 @@ def analyze_lm(rows: list[dict], runs: dict, settings: dict) -> dict:
   per_seed = {seed: {n: lm_row(r, settings['batch_size'], settings['seq_len'])
                      for n, r in by_name.items()}
               for seed, by_name in _by_seed(rows, runs).items()}
-  summary = harness.over_seeds(per_seed, ('bits_per_byte', 'eval_loss', 'steps_per_sec'))
+  summary = rows_lib.over_seeds(per_seed, ('bits_per_byte', 'eval_loss', 'steps_per_sec'))
   return {'settings': settings, 'variants': summary,
           'table': _table(summary, 'bits_per_byte', 'bits/byte')}
 
@@ -651,7 +655,7 @@ def analyze_kv(rows: dict[int, list[dict]], measured: dict[int, dict], settings:
                **measured[context][seed, r['variant']]}
         row.pop('curves')
         per_seed[seed][name] = row
-    out[str(context)] = harness.over_seeds(per_seed, KV_KEYS)
+    out[str(context)] = rows_lib.over_seeds(per_seed, KV_KEYS)
   return {'settings': settings, 'contexts': out, 'table': kv_table(out)}
 
 
@@ -675,12 +679,13 @@ def kv_table(contexts: dict) -> str:
            'keep-gain reduction |', '|---:|---|---:|---:|---:|---:|']
   for context, summary in sorted(contexts.items(), key=lambda kv: int(kv[0])):
     for name, e in summary.items():
+      m = e['mean']
       if name == 'dense':
-        lines.append(f'| {context} | dense | {e["val_loss"]:.4f} | - | - | - |')
+        lines.append(f'| {context} | dense | {m["val_loss"]:.4f} | - | - | - |')
       else:
-        lines.append(f'| {context} | {name} | {e["val_loss"]:.4f} | {e["pruned_loss"]:.4f} | '
-                     f'{e["reduction"]:.1f}x ± {e["reduction_std"]:.1f} | '
-                     f'{e["keep_reduction"]:.1f}x |')
+        lines.append(f'| {context} | {name} | {m["val_loss"]:.4f} | {m["pruned_loss"]:.4f} | '
+                     f'{m["reduction"]:.1f}x ± {e["std"]["reduction"]:.1f} | '
+                     f'{m["keep_reduction"]:.1f}x |')
   return '\n'.join(lines)
 
 
@@ -695,19 +700,20 @@ def plot_kv(payload: dict, path: str) -> None:
   colors = {'selective': 'tab:blue', 'selective_lmem': 'tab:green'}
   for ax, (context, summary) in zip(axes[0], contexts):
     for name, color in colors.items():
-      for i, seed in enumerate(summary[name]['seeds']):
-        if not seed.get('path'):
+      for i, seed in enumerate(rows_lib.seed_rows(summary[name])):
+        path = seed.get('path')
+        if not path:
           continue
-        full = seed['path'][0][0]
-        ax.plot([k / full for k, _ in seed['path']], [loss for _, loss in seed['path']],
+        full = path[0][0]
+        ax.plot([k / full for k, _ in path], [loss for _, loss in path],
                 color=color, alpha=0.85, lw=1.2, ls='-' if i == 0 else '--',
                 label=f'{name} (seed {seed["seed"]})')
         kept = sum(seed['keep_budgets'])
-        loss = next((loss for k, loss in reversed(seed['path']) if k == kept), None)
+        loss = next((loss for k, loss in reversed(path) if k == kept), None)
         if loss is not None:
           ax.plot([kept / full], [loss], 'o', color=color, ms=4)
-    for i, seed in enumerate(summary['selective']['seeds']):
-      ax.axhline(seed['sample_target'], color='tab:orange', ls=':', lw=1.2,
+    for i, target in enumerate(rows_lib.metric(summary['selective'], 'sample_target', 'seeds')):
+      ax.axhline(target, color='tab:orange', ls=':', lw=1.2,
                  label='dense (the target)' if i == 0 else None)
     ax.set_xscale('log')
     ax.set_xlabel('KV cache kept (fraction of N x layers)')
@@ -725,8 +731,9 @@ def merge_kv(path: str, payload: dict) -> dict:
   commands into one file; a (context, seed) run again replaces the earlier one."""
   if not os.path.isfile(path):
     return payload
+  from experiments import migrations  # pylint: disable=import-outside-toplevel
   with open(path) as f:
-    old = json.load(f)
+    old = migrations.migrate(json.load(f))  # A file written before a rename: as it is now.
   same = lambda s: {k: v for k, v in s.items() if k not in ('contexts', 'seeds')}
   if old.get('part') != 'kv' or same(old['settings']) != same(
       json.loads(json.dumps(payload['settings']))):
@@ -737,12 +744,12 @@ def merge_kv(path: str, payload: dict) -> dict:
     per_seed = {}
     for entries in (contexts.get(context, {}), summary):
       for name, entry in entries.items():
-        for row in entry['seeds']:
-          per_seed.setdefault(row['seed'], {})[name] = {k: v for k, v in row.items()
-                                                        if k != 'seed'}
+        for row in rows_lib.seed_rows(entry):
+          per_seed.setdefault(row['seed'], {})[name] = row
     complete = {seed: rows for seed, rows in per_seed.items() if len(rows) == len(summary)}
-    contexts[context] = harness.over_seeds(dict(sorted(complete.items())), KV_KEYS)
-  seeds = sorted({s['seed'] for c in contexts.values() for e in c.values() for s in e['seeds']})
+    contexts[context] = rows_lib.over_seeds(dict(sorted(complete.items())), KV_KEYS)
+  seeds = sorted({r['seed'] for c in contexts.values() for e in c.values()
+                  for r in rows_lib.seed_rows(e)})
   settings = {**payload['settings'], 'contexts': sorted(int(c) for c in contexts),
               'seeds': seeds}
   return {**payload, 'settings': settings, 'contexts': contexts, 'table': kv_table(contexts),
@@ -809,32 +816,30 @@ def analyze_docs(va_rows: list[dict], lm_rows: list[dict], measured: dict,
                  settings: dict) -> dict:
   """docs/selective_attention.md's tables from the harness rows and measure_docs'
   measurements."""
-  va = {}
-  for r in va_rows:
-    accuracy = measured['va_accuracy'][r['variant']]
-    va[r['variant']] = {'step': r['step'], 'eval_loss': r['eval_loss'],
-                        'eval_accuracy_curve': accuracy,
-                        'eval_loss_curve': r['curves']['eval_loss'],
-                        'run_seconds': r['run_seconds']}
-  lm = {r['variant']: {'step': r['step'], 'eval_loss': r['eval_loss'],
-                       'bits_per_byte': r['bits_per_byte'],
-                       'eval_loss_curve': r['curves']['eval_loss'],
-                       'params': r['params'], 'run_seconds': r['run_seconds']}
-        for r in lm_rows}
+  va = {r['variant']: rows_lib.row(r['variant'], r.get('seed'), {
+      'step': r['step'], 'eval_loss': r['eval_loss'],
+      'eval_accuracy_curve': measured['va_accuracy'][r['variant']],
+      'eval_loss_curve': r['curves']['eval_loss'], 'run_seconds': r['run_seconds']})
+        for r in va_rows}
+  lm = {r['variant']: rows_lib.row(r['variant'], r.get('seed'), {
+      'step': r['step'], 'eval_loss': r['eval_loss'], 'bits_per_byte': r['bits_per_byte'],
+      'eval_loss_curve': r['curves']['eval_loss'], 'params': r['params'],
+      'run_seconds': r['run_seconds']}) for r in lm_rows}
   pruning = measured['pruning']
-  steps = sorted({s for e in va.values() for s, _ in e['eval_accuracy_curve']})
+  steps = sorted({s for e in va.values() for s, _ in e['curves']['eval_accuracy']})
   lines = ['| step | ' + ' | '.join(str(s) for s in steps) + ' |',
            '|---|' + '---|' * len(steps)]
   for name, e in va.items():
-    acc = dict(e['eval_accuracy_curve'])
+    acc = dict(e['curves']['eval_accuracy'])
     cells = [f'{acc[s]:.2f}' if s in acc else '-' for s in steps]
-    cells[-1] += f' (loss {e["eval_loss"]:.4g})'
+    cells[-1] += f' (loss {rows_lib.metric(e, "eval_loss", "value"):.4g})'
     lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
   lines += ['', '| model | loss (nats/byte) | bits per byte |', '|---|---|---|']
   for name, e in lm.items():
-    curve = ', '.join(f'{v:.3f} at {s}' for s, v in e['eval_loss_curve'][:-1])
+    curve = ', '.join(f'{v:.3f} at {s}' for s, v in e['curves']['eval_loss'][:-1])
     label = f'{name} ({curve})' if name.startswith('dense_') and curve else name
-    lines.append(f'| {label} | {e["eval_loss"]:.3f} | {e["bits_per_byte"]:.3f} |')
+    lines.append(f'| {label} | {rows_lib.metric(e, "eval_loss", "value"):.3f} | '
+                 f'{rows_lib.metric(e, "bits_per_byte", "value"):.3f} |')
   lines += ['', f'| model | budgets K_l (of {settings["lm"]["seq_len"]}) | KV-cache reduction '
             '| loss with budgets | unpruned |', '|---|---|---|---|---|']
   for name, p in pruning.items():

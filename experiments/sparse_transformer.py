@@ -28,6 +28,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from experiments import harness  # noqa: E402  (sets the XLA flags before JAX starts)
+from experiments import rows as rows_lib  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 
@@ -52,7 +53,7 @@ def interpolate(curve, step: float) -> float:
 
 def summarize(per_seed: dict[int, list[dict]], steps: int, batch: int, seq_len: int) -> dict:
   """Equal-steps and equal-wall-clock bits per byte per variant, per seed and over seeds
-  (harness.over_seeds)."""
+  (experiments/rows.py: over_seeds)."""
   rows = {}
   for seed, seed_rows in per_seed.items():
     sps = {r['variant']: r['tokens_per_sec'] / (batch * seq_len) for r in seed_rows}
@@ -66,7 +67,7 @@ def summarize(per_seed: dict[int, list[dict]], steps: int, batch: int, seq_len: 
           'tokens_per_sec': r['tokens_per_sec'], 'wall_clock_budget_s': budget,
           'steps_at_budget': at, 'bits_per_byte_at_budget': interpolate(curve, at),
           'attn_peak_bytes': r['attn_peak_bytes'], 'params': r['params']}
-  return harness.over_seeds(rows, ('bits_per_byte', 'bits_per_byte_at_budget', 'steps_per_sec'))
+  return rows_lib.over_seeds(rows, ('bits_per_byte', 'bits_per_byte_at_budget', 'steps_per_sec'))
 
 
 def plot(rows: list[dict], batch: int, seq_len: int, path: str, title: str) -> None:
@@ -119,12 +120,14 @@ def analyze(rows: list[dict], settings: dict) -> dict:
   lines = ['| variant | bits/byte at equal steps | bits/byte at equal wall-clock | steps/s |',
            '|---|---:|---:|---:|']
   for variant, e in summary.items():
-    lines.append(f'| {variant} | {e["bits_per_byte"]:.3f} ± {e["bits_per_byte_std"]:.3f} | '
-                 f'{e["bits_per_byte_at_budget"]:.3f} ± {e["bits_per_byte_at_budget_std"]:.3f} | '
-                 f'{e["steps_per_sec"]:.2f} |')
+    m, sd = e['mean'], e['std']
+    lines.append(f'| {variant} | {m["bits_per_byte"]:.3f} ± {sd["bits_per_byte"]:.3f} | '
+                 f'{m["bits_per_byte_at_budget"]:.3f} ± {sd["bits_per_byte_at_budget"]:.3f} | '
+                 f'{m["steps_per_sec"]:.2f} |')
   return {'settings': settings, 'variants': summary, 'table': '\n'.join(lines),
-          'runs': {str(s): [{k: v for k, v in r.items() if k != 'workdir'} for r in seed_rows]
-                   for s, seed_rows in per_seed.items()}}
+          'runs': {str(s): [rows_lib.row(r['variant'], s, {k: v for k, v in r.items()
+                                                           if k != 'workdir'})
+                            for r in seed_rows] for s, seed_rows in per_seed.items()}}
 
 
 def main(argv=None) -> dict:

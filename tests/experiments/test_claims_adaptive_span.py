@@ -6,6 +6,7 @@ Every test here runs on small JSON built in memory (no training, no data files).
 import copy
 
 from experiments import adaptive_span_lm, claims_adaptive_span as claims
+from experiments import rows
 
 S = 256
 
@@ -19,12 +20,9 @@ def _variant(bpb, spans, flops, peak, sps=1.0, bpb_std=0.005):
           'attn_flops_trimmed': flops, 'attn_flops_per_head': flops / 2,
           'attn_flops_full_span': 4 * 32 * 4 * S * 4, 'attn_peak_bytes': peak,
           'steps_per_sec': sps}
-  seeds = [{'seed': s, **copy.deepcopy(seed)} for s in range(2)]
-  entry = {'seeds': seeds, **{k: v for k, v in seed.items() if k != 'head_spans'}}
-  for key in list(entry):
-    if key != 'seeds':
-      entry[key + '_std'] = 0.0
-  entry['bits_per_byte_std'] = bpb_std
+  entry = rows.over_seeds({s: {'v': copy.deepcopy(seed)} for s in range(2)},
+                          adaptive_span_lm.KEYS)['v']
+  entry['std']['bits_per_byte'] = bpb_std
   return entry
 
 

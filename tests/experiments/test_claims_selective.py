@@ -9,7 +9,7 @@ import json
 import pytest
 
 from experiments import claims_selective as claims
-from experiments import harness, render, selective_experiments as sx
+from experiments import render, rows, selective_experiments as sx
 
 PASS = 'reproduces'
 DIRECTION = 'direction holds'
@@ -21,8 +21,8 @@ UNTESTABLE = 'not testable here'
 
 
 def _entry(per_seed: list[dict], keys) -> dict:
-  """A summarized variant (harness.over_seeds's layout) from per-seed rows."""
-  return harness.over_seeds({i: {'v': row} for i, row in enumerate(per_seed)}, keys)['v']
+  """A run over seeds (experiments/rows.py's entry) from per-seed values."""
+  return rows.over_seeds({i: {'v': row} for i, row in enumerate(per_seed)}, keys)['v']
 
 
 def _va_variant(acc, ood, loss=0.5, first=None):
@@ -199,8 +199,8 @@ def test_kv_rows_follow_the_numbers():
   # The same budgets at the dense loss, but L_mem keeps its own loss with fewer tokens at 512:
   # the verdict stays, and the reason says where L_mem does help.
   data = _kv(lmem=(6, 8, 10))
-  for s in data['contexts']['512']['selective_lmem']['seeds']:
-    s['keep_reduction'] = 9
+  for s in data['contexts']['512']['selective_lmem']['rows']:
+    s['metrics']['keep_reduction'] = 9
   row = claims.SECTION.rows[11]
   _, verdict, why = row.measure({claims.KV: data})
   assert verdict == FAIL and why.endswith('at N = 512 (next row)'), why
@@ -213,8 +213,8 @@ def test_kv_rows_follow_the_numbers():
   # Keeping the own loss costs more than 1% on validation.
   data = _kv()
   for c in data['contexts'].values():
-    for s in c['selective']['seeds']:
-      s['keep_loss'] = 1.9
+    for s in c['selective']['rows']:
+      s['metrics']['keep_loss'] = 1.9
   assert _verdicts(kv=data)[12] == FAIL
 
 
@@ -238,9 +238,9 @@ def test_gain_with_context_follows_the_numbers():
   assert 'dense itself' not in why
   # Dense worse on longer rows: said, since part of the growth is dense's.
   data = _kv()
-  for s in data['contexts']['512']['dense']['seeds']:
-    s['bits_per_byte'] = 3.2
-  data['contexts']['512']['dense']['bits_per_byte'] = 3.2
+  for s in data['contexts']['512']['dense']['rows']:
+    s['metrics']['bits_per_byte'] = 3.2
+  data['contexts']['512']['dense']['mean']['bits_per_byte'] = 3.2
   assert 'dense itself does worse on longer rows' in row.measure({claims.KV: data})[2]
 
 
@@ -327,8 +327,9 @@ def test_a_finished_budget_search_is_reused_only_for_the_same_settings(tmp_path)
 def test_summarize_keeps_diverged_seeds_out_of_the_mean():
   e = _entry([{'bits_per_byte': 2.0}, {'bits_per_byte': None, 'diverged': True},
               {'bits_per_byte': 2.2}], ('bits_per_byte',))
-  assert e['bits_per_byte'] == pytest.approx(2.1) and e['diverged_seeds'] == [1]
-  assert _entry([{'bits_per_byte': None}], ('bits_per_byte',))['bits_per_byte'] is None
+  assert rows.metric(e, 'bits_per_byte') == pytest.approx(2.1) and e['diverged_seeds'] == [1]
+  assert rows.metric(_entry([{'bits_per_byte': None}], ('bits_per_byte',)),
+                     'bits_per_byte') is None
 
 
 def test_kv_results_of_separate_commands_merge(tmp_path):
@@ -351,7 +352,7 @@ def test_kv_results_of_separate_commands_merge(tmp_path):
 def _kv_context(seed: int, reduction: float) -> dict:
   row = {'val_loss': 2.0, 'unpruned_loss': 2.0, 'pruned_loss': 2.0, 'reduction': reduction,
          'keep_reduction': reduction / 2, 'keep_loss': 2.0, 'bits_per_byte': 2.9}
-  return harness.over_seeds({seed: {'dense': {'val_loss': 2.1}, 'selective': row}}, sx.KV_KEYS)
+  return rows.over_seeds({seed: {'dense': {'val_loss': 2.1}, 'selective': row}}, sx.KV_KEYS)
 
 
 def test_kv_seeds_of_separate_commands_merge(tmp_path):
@@ -363,9 +364,10 @@ def test_kv_seeds_of_separate_commands_merge(tmp_path):
             'contexts': {'512': _kv_context(1, 20.0)}}
   merged = sx.merge_kv(str(path), second)
   sel = merged['contexts']['512']['selective']
-  assert [s['seed'] for s in sel['seeds']] == [0, 1] and merged['settings']['seeds'] == [0, 1]
-  assert sel['reduction'] == pytest.approx(15.0) and sel['reduction_std'] > 0
+  assert [s['seed'] for s in sel['rows']] == [0, 1] and merged['settings']['seeds'] == [0, 1]
+  assert rows.metric(sel, 'reduction') == pytest.approx(15.0)
+  assert rows.metric(sel, 'reduction', 'std') > 0
   # Seed 1 again replaces its earlier result.
   path.write_text(json.dumps(merged))
   again = sx.merge_kv(str(path), {**second, 'contexts': {'512': _kv_context(1, 12.0)}})
-  assert again['contexts']['512']['selective']['reduction'] == pytest.approx(11.0)
+  assert rows.metric(again['contexts']['512']['selective'], 'reduction') == pytest.approx(11.0)

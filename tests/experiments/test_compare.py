@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from experiments import compare, harness
+from experiments import compare, harness, rows as rows_lib
 from tests.experiments.test_harness import _text
 from configs import local_text, presets, tiny
 
@@ -120,22 +120,25 @@ def test_compare_two_variants_end_to_end(tmp_path):
   assert result['command'].startswith('python -m experiments.compare --variants')
   assert result['columns'] == list(compare.COLUMNS)
   assert {'platform', 'backend'} <= set(result['machine'])
-  rows = {r['variant']: r for r in result['rows']}
+  rows = {r['run']: r for r in result['rows']}
   assert list(rows) == ['dense', 'reformer:chunk_len=8:n_buckets=4']
+  value = lambda row, key: rows_lib.metric(row, key, 'value')
   for row in rows.values():
-    assert set(compare.COLUMNS) <= set(row)
-    assert row['step'] == 2
+    assert rows_lib.is_row(row)
+    assert set(compare.COLUMNS) <= set(row['metrics']) | set(row)
+    assert value(row, 'step') == 2
     for key in ('eval_loss', 'bits_per_byte', 'tokens_per_sec'):
-      assert math.isfinite(row[key]) and row[key] > 0, (key, row[key])
-    assert row['params'] > 0 and row['train_flops_per_token'] > 0 and row['attn_peak_bytes'] > 0
+      assert math.isfinite(value(row, key)) and value(row, key) > 0, (key, row)
+    assert (value(row, 'params') > 0 and value(row, 'train_flops_per_token') > 0
+            and value(row, 'attn_peak_bytes') > 0)
     assert [s for s, _ in row['curves']['eval_loss']] == [1, 2]
-    assert row['eval_loss'] == row['curves']['eval_loss'][-1][1]
+    assert value(row, 'eval_loss') == row['curves']['eval_loss'][-1][1]
     assert len(row['timed_tokens_per_sec']['rounds']) == 2
-    assert row['tokens_per_sec'] == row['timed_tokens_per_sec']['median']
-  assert rows['dense']['decode_cache_bytes'] > 0 and rows['dense']['own_keys'] == {}
+    assert value(row, 'tokens_per_sec') == row['timed_tokens_per_sec']['median']
+  assert value(rows['dense'], 'decode_cache_bytes') > 0 and rows['dense']['own_keys'] == {}
   reformer = rows['reformer:chunk_len=8:n_buckets=4']
   # LSH decodes (whole buckets): the unit keys and values of every position, as dense.
-  assert reformer['decode_cache_bytes'] == rows['dense']['decode_cache_bytes']
+  assert value(reformer, 'decode_cache_bytes') == value(rows['dense'], 'decode_cache_bytes')
   assert 'decode_refused' not in reformer
   assert reformer['own_keys']['model.block'] == 'reversible'
   assert '| reformer:chunk_len=8:n_buckets=4 |' in result['table']

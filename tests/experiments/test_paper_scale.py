@@ -29,6 +29,7 @@ import types
 import pytest
 
 from experiments import claims_selective, claims_survey, harness, paper_scale, registry, render
+from experiments import rows as rows_lib
 from experiments import reformer_experiment as reformer
 from experiments import selective_experiments as selective
 from experiments import universal_experiment as universal
@@ -232,7 +233,7 @@ def test_a_failed_part_is_recorded_and_a_sigterm_stops_the_runner(tmp_path, monk
 
 
 def _va(sel, dense):
-  entry = lambda acc: harness.over_seeds(
+  entry = lambda acc: rows_lib.over_seeds(
       {i: {'v': {'accuracy': a, 'ood_accuracy': a, 'loss': 1 - a, 'ood_loss': 1 - a,
                  'first_step_99': None}} for i, a in enumerate(acc)},
       ('accuracy', 'loss', 'ood_accuracy', 'ood_loss'))['v']

@@ -9,15 +9,15 @@ import os
 
 import pytest
 
-from experiments import adaptive_span_lm, claims_sparse, harness, render, report, sparse_transformer
+from experiments import adaptive_span_lm, claims_sparse, render, report, rows, sparse_transformer
 
 
 def _variant(bpb, at_budget, sps, std=0.005):
-  seeds = [{'seed': s, 'bits_per_byte': bpb, 'bits_per_byte_at_budget': at_budget,
-            'steps_per_sec': sps} for s in range(3)]
-  return {'seeds': seeds, 'bits_per_byte': bpb, 'bits_per_byte_std': std,
-          'bits_per_byte_at_budget': at_budget, 'bits_per_byte_at_budget_std': std,
-          'steps_per_sec': sps, 'steps_per_sec_std': 0.0}
+  keys = ('bits_per_byte', 'bits_per_byte_at_budget', 'steps_per_sec')
+  entry = rows.over_seeds({s: {'v': dict(zip(keys, (bpb, at_budget, sps)))} for s in range(3)},
+                          keys)['v']
+  entry['std'].update({'bits_per_byte': std, 'bits_per_byte_at_budget': std})
+  return entry
 
 
 def _results(fixed=2.00, strided=2.30, dense=2.00):
@@ -124,26 +124,27 @@ def test_equal_wall_clock_reads_each_curve_at_its_own_steps():
   per_seed = {0: [row('dense', 100.0, 3.0), row('sparse', 200.0, 3.0)],
               1: [row('dense', 100.0, 3.2), row('sparse', 200.0, 3.0)]}
   out = sparse_transformer.summarize(per_seed, steps=100, batch=1, seq_len=10)
-  assert out['dense']['seeds'][0]['wall_clock_budget_s'] == pytest.approx(5.0)
-  assert out['dense']['bits_per_byte_at_budget'] == pytest.approx(4.0)
-  assert out['sparse']['bits_per_byte_at_budget'] == pytest.approx(3.0)
-  assert out['dense']['bits_per_byte'] == pytest.approx(3.1)
-  assert out['dense']['bits_per_byte_std'] == pytest.approx(0.1414, abs=1e-3)
+  assert rows.field(out['dense']['rows'][0], 'wall_clock_budget_s') == pytest.approx(5.0)
+  assert rows.metric(out['dense'], 'bits_per_byte_at_budget') == pytest.approx(4.0)
+  assert rows.metric(out['sparse'], 'bits_per_byte_at_budget') == pytest.approx(3.0)
+  assert rows.metric(out['dense'], 'bits_per_byte') == pytest.approx(3.1)
+  assert rows.metric(out['dense'], 'bits_per_byte', 'std') == pytest.approx(0.1414, abs=1e-3)
 
 
 def test_every_experiment_aggregates_seeds_by_one_rule():
   # Issue 49: the Sparse Transformer and adaptive span experiments averaged NaN into their
   # means where selective attention's left a diverged seed out; all three use
-  # harness.over_seeds now.
+  # experiments/rows.py's over_seeds now.
   curve = [(50, 4.0), (100, 3.0)]
   row = lambda name, bpb: {'variant': name, 'tokens_per_sec': 100.0, 'bits_per_byte': bpb,
                            'curves': {'eval_bits_per_byte': copy.deepcopy(curve)},
                            'attn_peak_bytes': 1, 'params': 1}
   out = sparse_transformer.summarize({0: [row('dense', 3.0)], 1: [row('dense', float('nan'))],
                                       2: [row('dense', 3.2)]}, steps=100, batch=1, seq_len=10)
-  assert out['dense']['bits_per_byte'] == pytest.approx(3.1)
-  span = harness.over_seeds({0: {'span': {'bits_per_byte': 1.2, 'diverged': False}},
+  assert rows.metric(out['dense'], 'bits_per_byte') == pytest.approx(3.1)
+  span = rows.over_seeds({0: {'span': {'bits_per_byte': 1.2, 'diverged': False}},
                              1: {'span': {'bits_per_byte': float('inf'), 'diverged': True}}},
                             adaptive_span_lm.KEYS)
-  assert span['span']['bits_per_byte'] == 1.2 and span['span']['diverged_seeds'] == [1]
-  assert span['span']['average_span'] is None  # Not measured: no mean, not a crash.
+  assert rows.metric(span['span'], 'bits_per_byte') == 1.2
+  assert span['span']['diverged_seeds'] == [1]
+  assert rows.metric(span['span'], 'average_span') is None  # Not measured: no mean, no crash.

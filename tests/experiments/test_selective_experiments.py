@@ -9,7 +9,7 @@ import os
 import pytest
 
 from configs import local_text, tiny
-from experiments import harness, registry
+from experiments import harness, registry, rows as rows_lib
 from experiments import selective_experiments as SE
 
 RESULTS = os.path.join(SE.REPO, 'results')
@@ -72,8 +72,8 @@ def test_analyze_lm_keeps_the_committed_structure(part):
   payload = SE.analyze(part, rows, runs, committed['settings'])
   _same_keys(payload, committed)
   assert list(payload['variants']) == list(committed['variants'])
-  assert payload['variants']['dense']['seeds'][0]['steps_per_sec'] == pytest.approx(
-      512.0 / (8 * 256))
+  assert rows_lib.metric(payload['variants']['dense'], 'steps_per_sec', 'seeds')[0] == (
+      pytest.approx(512.0 / (8 * 256)))
 
 
 def test_analyze_va_keeps_the_committed_structure():
@@ -85,7 +85,7 @@ def test_analyze_va_keeps_the_committed_structure():
               for r in rows}
   payload = SE.analyze('va', rows, measured, committed['settings'])
   _same_keys(payload, committed)
-  assert payload['variants']['selective']['seeds'][0]['first_step_99'] == 4
+  assert rows_lib.metric(payload['variants']['selective'], 'first_step_99', 'seeds')[0] == 4
 
 
 def test_analyze_synthetic_keeps_the_committed_structure():
@@ -100,7 +100,8 @@ def test_analyze_synthetic_keeps_the_committed_structure():
   payload = SE.analyze('synthetic', rows, measured, settings)
   _same_keys(payload, committed)
   assert list(payload['tasks']) == ['copy', 'parity']
-  assert payload['tasks']['parity']['selective']['seeds'][0]['first_step_99'] == 4
+  assert rows_lib.metric(payload['tasks']['parity']['selective'], 'first_step_99',
+                         'seeds')[0] == 4
   # The CLI's defaults are the committed settings (the registry adds the seeds).
   args = SE.parse_args(['--part', 'synthetic', '--seeds', '0,1', '--out', '/o/s.json'])
   assert SE.synthetic_settings(args) == settings
@@ -119,9 +120,11 @@ def test_analyze_kv_keeps_the_committed_structure():
     measured[context] = {}
     for seed in (0, 1):
       for name, spec in SE.KV_VARIANTS.items():
-        entry = committed['contexts'][str(context)][name]['seeds'][seed]
+        row = committed['contexts'][str(context)][name]['rows'][seed]
+        flat = {**row['metrics'], **{k: v for k, v in row.items()
+                                     if k not in ('run', 'seed', 'metrics', 'curves')}}
         known = set(SE.lm_row(_row(spec, seed), 8, context)) | {'seed', 'val_loss'}
-        measured[context][seed, spec] = {k: v for k, v in entry.items() if k not in known}
+        measured[context][seed, spec] = {k: v for k, v in flat.items() if k not in known}
   payload = SE.analyze('kv', rows, measured, committed['settings'])
   _same_keys(payload, committed)
 
