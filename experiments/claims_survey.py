@@ -15,6 +15,7 @@ import math
 from typing import Callable
 
 from experiments.report import PaperSize, Row, Section
+from experiments.rows import diverged_seeds, evaluation, field, metric
 
 # A relative difference under this, between runs of one seed each, is not told apart from
 # seed noise (docs/compare.md's seed check moved rows of a similar run by 0.5-3%).
@@ -90,9 +91,10 @@ def _txl(results):
 
 
 def _bpb(run: dict, tag: str = 'eval') -> float:
-  if 'diverged' in run:
+  """A run's bits per byte at evaluation `tag`; a diverged run's: worse than any number."""
+  if diverged_seeds(run):
     return math.inf
-  return run[tag]['bits_per_byte']
+  return metric(run, f'{tag}/bits_per_byte', 'value')
 
 
 @_guarded
@@ -194,7 +196,7 @@ def gtrxl_recipe(results):
 
 def _dup(results):
   data = results['reformer_experiment.json']['dup']
-  acc = {name: {tag: e['accuracy'] for tag, e in run['evals'].items()}
+  acc = {name: {tag: metric(run, f'{tag}/accuracy', 'value') for tag in run['evals']}
          for name, run in data['runs'].items()}
   return acc, data
 
@@ -221,7 +223,8 @@ def dup_solved(results):
 def shared_qk(results):
   acc, data = _dup(results)
   shared, separate = acc['full']['full'], acc['dense']['dense']
-  steps = {n: _first_step(data['runs'][n]['train_accuracy'], 0.9) for n in ('full', 'dense')}
+  steps = {n: _first_step(field(data['runs'][n], 'train_accuracy'), 0.9)
+           for n in ('full', 'dense')}
   ours = (f'shared-QK full attention {_pct(shared)} vs separate Q, K {_pct(separate)}; first '
           f'step at 90% train accuracy {steps["full"]} vs {steps["dense"]}')
   d = separate - shared
@@ -251,7 +254,7 @@ def dup_eval_rounds(results):
   if all(gains[r] >= paper[r] / 2 for r in rows):
     return ours, 'reproduces', f'rises in every row, by at least half the paper\'s ({sizes} points)'
   seq = data['settings']['seq_len']
-  chunk = data['runs']['lsh1']['overrides']['model.attention_options.lsh.chunk_len']
+  chunk = field(data['runs']['lsh1'], 'overrides')['model.attention_options.lsh.chunk_len']
   return ours, 'direction holds', (
       f'rises with rounds in every row, but the LSH-1 → LSH-4 gains are less than half the '
       f'paper\'s (ours vs paper: {sizes} points). Rows of {seq} against {PAPER_DUP_SEQ}: a '
@@ -263,7 +266,8 @@ def dup_eval_rounds(results):
 def dup_train_rounds(results):
   acc, data = _dup(results)
   under1 = [acc[f'lsh{h}']['lsh1'] for h in (1, 2, 4)]
-  steps = [_first_step(data['runs'][f'lsh{h}']['train_accuracy'], 0.9) for h in (1, 2, 4)]
+  steps = [_first_step(field(data['runs'][f'lsh{h}'], 'train_accuracy'), 0.9)
+           for h in (1, 2, 4)]
   ours = ('trained with LSH-1/2/4, evaluated with LSH-1: ' + ' / '.join(map(_pct, under1))
           + '; first step at 90% train accuracy ' + ' / '.join(map(str, steps)))
   if under1[0] < under1[1] < under1[2]:
@@ -347,8 +351,8 @@ def chunked_ff(results):
 @_guarded
 def reversible_bytes(results):
   data = results['reformer_experiment.json']['bytes']
-  rev = data['runs']['reversible']['evals']['eval']['bits_per_byte']
-  pre = data['runs']['pre_ln']['evals']['eval']['bits_per_byte']
+  rev = _bpb(data['runs']['reversible'])
+  pre = _bpb(data['runs']['pre_ln'])
   d = _rel(rev, pre)
   ours = (f'reversible {rev:.3f} vs Pre-LN {pre:.3f} bits/byte ({d:+.1%}), '
           f'{data["settings"]["total_steps"]} steps, 4 layers, one seed')
@@ -394,14 +398,19 @@ def _ut(results):
   return results['universal_experiment.json']
 
 
+def _accuracy(task: str, entry: dict, lengths: str) -> float:
+  """A UT run's accuracy on the evaluation rows of `lengths` (train_lengths, longer): copy's
+  token accuracy, parity's accuracy."""
+  key = 'token_accuracy' if task == 'copy' else 'accuracy'
+  return metric(entry, f'eval/{key}/{lengths}', 'value')
+
+
 def _in_dist(task: str, entry: dict) -> float:
-  ev = entry['eval']
-  return (ev['token_accuracy'] if task == 'copy' else ev['accuracy'])['train_lengths']
+  return _accuracy(task, entry, 'train_lengths')
 
 
 def _longer(task: str, entry: dict) -> float:
-  ev = entry['eval']
-  return (ev['token_accuracy'] if task == 'copy' else ev['accuracy'])['longer']
+  return _accuracy(task, entry, 'longer')
 
 
 @_guarded
@@ -414,11 +423,12 @@ def ut_depth(results):
         f'{n} {_in_dist(task, runs[n]):.3f}' for n in ('pre_ln_1', 'pre_ln_4', 'ut_fixed')))
     saturated &= _in_dist(task, runs['pre_ln_1']) >= _in_dist(task, runs['pre_ln_4']) - ACC_TOL
   c = data['copy']
+  value = lambda run, key: metric(c[run], key, 'value')
   ours = (f'accuracy within the training lengths, {"; ".join(parts)}. ut_fixed: '
-          f'{c["ut_fixed"]["eval"]["params"]:,} params (pre_ln_1: '
-          f'{c["pre_ln_1"]["eval"]["params"]:,}; pre_ln_4: {c["pre_ln_4"]["eval"]["params"]:,}), '
-          f'{c["ut_fixed"]["applications"]:g} block applications a token (pre_ln_4: '
-          f'{c["pre_ln_4"]["applications"]:g})')
+          f'{value("ut_fixed", "eval/params"):,} params (pre_ln_1: '
+          f'{value("pre_ln_1", "eval/params"):,}; pre_ln_4: {value("pre_ln_4", "eval/params"):,}), '
+          f'{value("ut_fixed", "applications"):g} block applications a token (pre_ln_4: '
+          f'{value("pre_ln_4", "applications"):g})')
   if saturated:
     return ours, 'not testable here', (
         'one layer already matches four on both tasks, so depth (shared or not) is not needed '
@@ -486,16 +496,17 @@ def act_ponder(results):
   cuts, parts, accurate = {}, [], True
   for task in tasks:
     with_, without = data[task]['ut_act'], ablation[task]['ut_act_tau0']
-    n_with, n_without = with_['eval']['mean_steps'], without['eval']['mean_steps']
+    n_with = metric(with_, 'eval/mean_steps', 'value')
+    n_without = metric(without, 'eval/mean_steps', 'value')
     cuts[task] = -_rel(n_with, n_without)
     accurate &= _in_dist(task, with_) >= 1 - ACC_TOL
     parts.append(f'{task}: τ = 0.01 {n_with:.2f} vs τ = 0 {n_without:.2f} (at the first logged '
-                 f'step {with_["train_act_steps"][0][1]:.2f}); accuracy within the training '
+                 f'step {field(with_, "train_act_steps")[0][1]:.2f}); accuracy within the training '
                  f'lengths {_in_dist(task, with_):.3f} vs {_in_dist(task, without):.3f}')
   ours = (f'mean ACT steps N on the evaluation rows (at most {data["settings"]["M"]}), '
           + '; '.join(parts) + f'; {data["settings"]["steps"]} steps, one seed each')
   listed = ', '.join(f'{t} {-c:+.0%}' for t, c in cuts.items())
-  used = max(_max_steps_used(data[t]['ut_act']['eval']) for t in tasks)
+  used = max(_max_steps_used(evaluation(data[t]['ut_act'], 'eval')) for t in tasks)
   if all(c > 0.1 for c in cuts.values()) and accurate:
     return ours, 'reproduces', (f'the ponder cost lowers N by more than 10% ({listed}) without '
                                 f'costing accuracy; no token takes more than {used} steps')
@@ -523,7 +534,8 @@ def _role_contrast(hist_a, hist_b):
 @_guarded
 def act_harder(results):
   data = _ut(results)
-  copy_ev, parity_ev = data['copy']['ut_act']['eval'], data['parity']['ut_act']['eval']
+  copy_ev = evaluation(data['copy']['ut_act'], 'eval')
+  parity_ev = evaluation(data['parity']['ut_act'], 'eval')
   h = copy_ev['steps_histogram_by_role']
   c_hi, c_lo, c_z = _role_contrast(h['copy'], h['string'])
   h = parity_ev['steps_histogram_by_role']

@@ -34,7 +34,11 @@ MIGRATIONS, in order:
   a KEY_std, as they were (not recomputed); 'diverged_seeds' as it was, or (in a file written
   before it existed) the seeds whose row says 'diverged'. A list of the harness's
   measurements (dicts with 'variant' and 'curves': sparse_transformer.json's 'runs',
-  compare.json's 'rows') becomes rows of run = variant. The numbers are moved, never changed.
+  compare.json's 'rows') becomes rows of run = variant. A run of one seed (txl_experiment.json,
+  reformer_experiment.json, universal_experiment.json, act_ponder.json: {'overrides',
+  'train_loss', ...}) becomes a row of seed None: its lists of [step, value] curves, its
+  evaluations ('evals', or 'eval' and 'eval_TAG' beside the rest: txl_experiment.json's) its
+  'evals'. The numbers are moved, never changed.
 """
 
 from __future__ import annotations
@@ -212,6 +216,23 @@ def _measurement(node: Any) -> bool:
   return isinstance(node, dict) and {'variant', 'curves'} <= set(node) and 'metrics' not in node
 
 
+def _old_run(node: Any) -> bool:
+  """A run of one seed as txl_experiment, reformer_experiment, universal_experiment and
+  survey_act_ponder wrote it before one_row_format: its overrides and training curves."""
+  return (isinstance(node, dict) and 'overrides' in node and 'metrics' not in node
+          and isinstance(node.get('train_loss'), list))
+
+
+def _run_row(name: str, node: dict) -> dict:
+  """An old run of one seed as a row: its lists of [step, value] are its curves, its
+  evaluations ('evals', 'eval', 'eval_TAG') its evals (rows.row's rule)."""
+  flat = {}
+  for key, value in node.items():
+    curve = isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value)
+    flat[key + rows_lib.CURVE if curve else key] = value
+  return rows_lib.row(name, None, flat)
+
+
 def one_row_format(data: Any, name: str = '') -> Any:
   """`data` with every run over seeds an entry of experiments/rows.py and every list of
   harness measurements a list of rows (see the module docstring); `name` is the key `data`
@@ -223,6 +244,8 @@ def one_row_format(data: Any, name: str = '') -> Any:
             'std': {k: data[k + '_std'] for k in keys},
             'diverged_seeds': data.get('diverged_seeds',
                                        [s['seed'] for s in data['seeds'] if s.get('diverged')])}
+  if _old_run(data):
+    return _run_row(name, data)
   if isinstance(data, dict):
     return {k: one_row_format(v, k) for k, v in data.items()}
   if isinstance(data, list):

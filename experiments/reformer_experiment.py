@@ -37,6 +37,7 @@ import os
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from experiments import harness  # noqa: E402  (sets the XLA flags before JAX starts)
+from experiments import rows as rows_lib  # noqa: E402
 
 from benchmarks.common import pyplot, save_figure, write_json  # noqa: E402
 
@@ -164,13 +165,15 @@ def train_and_measure(part: str, runs, base, out: str, evals: dict | None = None
 
 
 def analyze(rows: list[dict], runs, common: dict) -> dict:
-  """A part's runs in the JSON payload ({run: entry}) from the rows of train_and_measure, the
-  runs they are of and the part's common overrides."""
+  """A part's runs in the JSON payload ({run: its row of experiments/rows.py, one seed: the
+  recipe's}) from the rows of train_and_measure, the runs they are of and the part's common
+  overrides."""
   declared = {run.name: dict(run.overrides) for run in runs}
-  return {row['variant']: {
+  return {row['variant']: rows_lib.row(row['variant'], None, {
       'overrides': {**common, **declared[row['variant']]}, 'evals': row['evals'],
-      'train_loss': [list(p) for p in row['curves']['train_loss']],
-      'train_accuracy': [list(p) for p in row['train_accuracy']]} for row in rows}
+      'curves': {'train_loss': [list(p) for p in row['curves']['train_loss']],
+                 'train_accuracy': [list(p) for p in row['train_accuracy']]}})
+          for row in rows}
 
 
 def settings(part: str, args) -> dict:
@@ -188,9 +191,10 @@ def dup_table(part: dict) -> str:
            'trained with; columns: evaluated with)', f'{"":<8}' + ''.join(f'{c:>8}' for c in cols)]
   for name, entry in part['runs'].items():
     lines.append(f'{name:<8}' + ''.join(
-        f'{entry["evals"][c]["accuracy"]:>8.3f}' if c in entry['evals'] else f'{"":>8}'
-        for c in cols) + (f'  (own: {entry["evals"]["dense"]["accuracy"]:.3f})'
-                          if 'dense' in entry['evals'] else ''))
+        f'{rows_lib.metric(entry, f"{c}/accuracy", "value"):>8.3f}' if c in entry['evals']
+        else f'{"":>8}' for c in cols)
+        + (f'  (own: {rows_lib.metric(entry, "dense/accuracy", "value"):.3f})'
+           if 'dense' in entry['evals'] else ''))
   return '\n'.join(lines)
 
 
@@ -199,8 +203,9 @@ def bytes_table(part: dict) -> str:
   steps = part['settings']['total_steps']
   lines = []
   for name, entry in part['runs'].items():
-    tail = [v for s, v in entry['train_loss'] if s > steps - 50]
-    lines.append(f'{name:<12} bits/byte {entry["evals"]["eval"]["bits_per_byte"]:.4f}  train '
+    tail = [v for s, v in entry['curves']['train_loss'] if s > steps - 50]
+    bpb = rows_lib.metric(entry, 'eval/bits_per_byte', 'value')
+    lines.append(f'{name:<12} bits/byte {bpb:.4f}  train '
                  f'loss (last 50 steps) {sum(tail) / max(1, len(tail)):.4f}')
   return '\n'.join(lines)
 
@@ -212,8 +217,8 @@ def plot(results: dict, path: str) -> None:
   for ax, part, tag, title in ((axes[0], 'dup', 'train_accuracy', 'duplication: train accuracy'),
                                (axes[1], 'bytes', 'train_loss', 'bytes: train loss (nats)')):
     for name, entry in results[part]['runs'].items():
-      if entry[tag]:
-        steps, values = zip(*entry[tag])
+      if entry['curves'][tag]:
+        steps, values = zip(*entry['curves'][tag])
         ax.plot(steps, values, label=name)
     ax.set(title=title, xlabel='step')
     ax.grid(alpha=0.3)
@@ -255,8 +260,9 @@ def main(argv=None) -> dict:
   os.makedirs(args.out, exist_ok=True)
   results = {}
   if os.path.exists(args.json):  # The other part's results are kept.
+    from experiments import migrations  # pylint: disable=import-outside-toplevel
     with open(args.json) as f:
-      results = json.load(f)
+      results = migrations.migrate(json.load(f))  # Written before a rename: as it is now.
     results.pop('machine', None)  # write_json writes this run's.
   for part in RUNS:
     results.setdefault(part, {'runs': {}})

@@ -7,11 +7,14 @@ A row is one run of one seed:
      'metrics': {name: number or None},             # what was measured (None: not measured)
      'curves': {name: [[step, value], ...]},        # e.g. eval_loss, eval_bits_per_byte
      'diverged': why,                               # present only when the run diverged
+     'evals': {tag: evaluation},                    # evaluations after training, if any
      ...descriptive fields}                         # the variant spec, budgets, spans, ...
 
 `row()` writes one from a run's flat {key: value} (every experiment's rows go through it):
-numbers and None are metrics, the 'curves' dict and every KEY_curve are curves, a false
-'diverged' is left out, the rest are descriptive fields.
+numbers and None are metrics, the 'curves' dict and every KEY_curve are curves, the 'evals'
+dict and every dict under 'eval' or 'eval_TAG' are evaluations (what `main.py --mode=eval`
+gives: {'loss': ..., 'bits_per_byte': ..., ...}), a false 'diverged' is left out, the rest are
+descriptive fields.
 
 An entry is a run over seeds (`over_seeds()`, the one aggregation):
 
@@ -23,7 +26,8 @@ An entry is a run over seeds (`over_seeds()`, the one aggregation):
 A diverged seed's NaN never enters a mean: it is counted in 'diverged_seeds' instead.
 
 `metric(entry, key, stat)` reads a metric of an entry ('mean', 'std', or 'seeds': the value of
-each row) or of a row ('value'); `seed_rows`, `diverged_seeds` and `field` read the rest.
+each row) or of a row ('value'; 'TAG/KEY[/KEY...]': a number of its evaluation TAG);
+`evaluation`, `seed_rows`, `diverged_seeds` and `field` read the rest.
 tests/experiments/test_rows.py checks that every committed results file of an experiment
 parses through them.
 """
@@ -64,7 +68,7 @@ def is_entry(x) -> bool:
 def row(run: str, seed: int | None, values: Mapping[str, Any]) -> dict:
   """The row of run `run`, seed `seed`, from its flat {key: value} (see the module
   docstring); a 'seed' or 'run' among `values` is dropped (the arguments say them)."""
-  metrics, curves, fields = {}, {}, {}
+  metrics, curves, evals, fields = {}, {}, {}, {}
   for key, value in values.items():
     if key in ('run', 'seed'):
       continue
@@ -72,6 +76,10 @@ def row(run: str, seed: int | None, values: Mapping[str, Any]) -> dict:
       curves.update(value)
     elif key.endswith(CURVE):
       curves[key[:-len(CURVE)]] = value
+    elif key == 'evals' and isinstance(value, Mapping):
+      evals.update(value)
+    elif (key == 'eval' or key.startswith('eval_')) and isinstance(value, Mapping):
+      evals[key] = value
     elif key == 'diverged':
       if value:
         fields[key] = value
@@ -79,6 +87,8 @@ def row(run: str, seed: int | None, values: Mapping[str, Any]) -> dict:
       metrics[key] = value
     else:
       fields[key] = value
+  if evals:
+    fields['evals'] = evals
   return {'run': run, 'seed': seed, 'metrics': metrics, 'curves': curves, **fields}
 
 
@@ -125,19 +135,35 @@ def entry(name: str, rows: Sequence[dict], keys: Sequence[str]) -> dict:
 
 def metric(item: Mapping, key: str, stat: str = 'mean'):
   """A metric of an entry (stat 'mean', 'std', or 'seeds': each row's value, seed by seed)
-  or of a row (stat 'value', or 'mean' for a row read as one seed). A KeyError names what is
-  missing (RESULTS.md then says what the results lack)."""
+  or of a row (stat 'value', or 'mean' for a row read as one seed; a key 'TAG/KEY[/KEY...]'
+  not among its metrics is a number of its evaluation TAG). A KeyError names what is missing
+  (RESULTS.md then says what the results lack)."""
   if stat not in STATS:
     raise ValueError(f'stat must be one of {STATS}, got {stat!r}')
   if is_row(item):
     if stat not in ('value', 'mean'):
       raise ValueError(f'a row of one seed has no {stat!r}')
-    return item['metrics'][key]
+    if key in item['metrics'] or '/' not in key:
+      return item['metrics'][key]
+    tag, *path = key.split('/')
+    value = evaluation(item, tag)
+    for part in path:
+      value = value[part]
+    return value
   if stat == 'value':
     raise ValueError(f'{item.get("run")!r} is over seeds: ask for its mean, std or seeds')
   if stat == 'seeds':
     return [r['metrics'].get(key) for r in item['rows']]
   return item[stat][key]
+
+
+def evaluation(r: Mapping, tag: str) -> dict:
+  """A row's evaluation `tag` (what main.py --mode=eval gave); a KeyError naming the tag when
+  the row has none (a diverged run is not evaluated)."""
+  evals = r.get('evals', {})
+  if tag not in evals:
+    raise KeyError(f'{r.get("run")}: evaluation {tag}')
+  return evals[tag]
 
 
 def seed_rows(item: Mapping) -> list[dict]:

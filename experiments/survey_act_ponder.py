@@ -11,8 +11,9 @@ universal_experiment.json's ut_act, same seed, data and steps). The runs are dat
 RUNS for the default τ), trained in process through experiments/harness.py as
 universal_experiment.py trains its own (--workdir/<task>/ut_act_tau<τ>; a finished run is
 kept), then evaluated on the same longer rows with the same code (universal_experiment.measure).
-analyze() gives each entry the same fields as universal_experiment.json's (eval with
-mean_steps and halted_at, train_act_steps, train_ponder, final_train_loss) plus τ. Copy took
+analyze() gives each run the same row as universal_experiment.json's (experiments/rows.py:
+its eval with mean_steps and halted_at, its curves train_act_steps and train_ponder,
+final_train_loss) plus τ. Copy took
 13 minutes on a 2-core CPU shared with other jobs.
 """
 
@@ -48,11 +49,11 @@ def analyze(rows, measured, settings, trained=RUNS) -> dict:
     task, name = row['task'], row['variant']
     overrides = {**ue.schedule(settings['steps']), **ue.TASKS[task], **by_name[name]}
     entry = ue.entry(row, measured[task, name], overrides, settings['steps'])
-    results.setdefault(task, {})[name] = {
+    results.setdefault(task, {})[name] = ue.as_row(name, {
         'overrides': overrides, 'tau': by_name[name]['model.stack_options.ponder'],
         'train_s': row['run_seconds'], 'eval': entry['eval'],
         'final_train_loss': entry['final_train_loss'], 'train_loss': entry['train_loss'],
-        'train_act_steps': entry['train_act_steps'], 'train_ponder': entry['train_ponder']}
+        'train_act_steps': entry['train_act_steps'], 'train_ponder': entry['train_ponder']})
   return results
 
 

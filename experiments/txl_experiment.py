@@ -27,6 +27,7 @@ import os
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from experiments import harness  # noqa: E402  (sets the XLA flags before JAX starts)
+from experiments import rows as rows_lib  # noqa: E402
 
 from benchmarks.common import pyplot, save_figure, scalar_curve, write_json  # noqa: E402
 
@@ -106,17 +107,16 @@ def train_and_measure(runs, base, out: str, eval_steps: int = 0) -> list[dict]:
 
 
 def analyze(rows: list[dict], runs, settings: dict) -> dict:
-  """The JSON payload from the rows of train_and_measure and the runs they are of."""
+  """The JSON payload from the rows of train_and_measure and the runs they are of: each run
+  a row of experiments/rows.py (one seed: the recipe's) with its evaluations (EVALS)."""
   declared = {run.name: dict(run.overrides) for run in runs}
   out = {'settings': settings, 'runs': {}}
   for row in rows:
-    entry = {'overrides': declared[row['variant']]}
-    if 'diverged' in row:
-      entry['diverged'] = row['diverged']
-    entry.update(row['evals'])
-    entry['train_loss'] = [list(p) for p in row['curves']['train_loss']]
-    entry['grad_norm'] = [list(p) for p in row['grad_norm']]
-    out['runs'][row['variant']] = entry
+    name = row['variant']
+    out['runs'][name] = rows_lib.row(name, None, {
+        'overrides': declared[name], 'diverged': row.get('diverged'), 'evals': row['evals'],
+        'curves': {'train_loss': [list(p) for p in row['curves']['train_loss']],
+                   'grad_norm': [list(p) for p in row['grad_norm']]}})
   return out
 
 
@@ -126,13 +126,14 @@ def table(payload: dict) -> str:
   lines = [f'{"run":<12} {"eval":<12} {"bits/byte":>9} {"loss":>7} '
            f'{"train loss (last 50 steps)":>26}']
   for name, entry in payload['runs'].items():
-    tail = [v for s, v in entry['train_loss'] if s > steps - 50]
+    tail = [v for s, v in entry['curves']['train_loss'] if s > steps - 50]
     if 'diverged' in entry:
       lines.append(f'{name:<12} diverged: {entry["diverged"][-80:]}')
       continue
     for tag, _ in evals_of(name):
-      e = entry[tag]
-      lines.append(f'{name:<12} {tag:<12} {e["bits_per_byte"]:>9.4f} {e["loss"]:>7.4f} '
+      bpb = rows_lib.metric(entry, f'{tag}/bits_per_byte', 'value')
+      loss = rows_lib.metric(entry, f'{tag}/loss', 'value')
+      lines.append(f'{name:<12} {tag:<12} {bpb:>9.4f} {loss:>7.4f} '
                    f'{sum(tail) / max(1, len(tail)):>26.4f}')
   return '\n'.join(lines)
 
@@ -147,9 +148,9 @@ def plot(payload: dict, path: str) -> None:
   for ax, group, title in ((axes[0], [n for n in runs if n not in high], f'lr {settings["lr"]}'),
                            (axes[1], high, 'high lr: Pre-LN solid, GTrXL dashed')):
     for name in group:
-      if not runs[name]['train_loss']:
+      if not runs[name]['curves']['train_loss']:
         continue
-      steps, values = zip(*runs[name]['train_loss'])
+      steps, values = zip(*runs[name]['curves']['train_loss'])
       ax.plot(steps, values, label=name, linestyle='--' if name.startswith('gtrxl_lr') else '-',
               color=(f'C{high_lrs.index(runs[name]["overrides"]["learning_rate"])}'
                      if name in high else None))

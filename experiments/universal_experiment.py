@@ -42,6 +42,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from experiments import harness  # noqa: E402  (sets the XLA flags before JAX starts)
+from experiments import rows as rows_lib  # noqa: E402
 
 import jax  # noqa: E402
 import ml_collections  # noqa: E402
@@ -292,6 +293,18 @@ def entry(row, measured, overrides, steps):
   return out
 
 
+CURVES = ('train_loss', 'train_accuracy', 'train_act_steps', 'train_ponder')
+
+
+def as_row(name, e):
+  """A run's JSON entry (entry()'s, with what analyze adds) as the row of experiments/rows.py
+  that the JSON holds (one seed: the recipe's): its training curves its curves, its
+  evaluation on the longer rows its evals['eval']."""
+  curves = {k: e[k] for k in CURVES if k in e}
+  return rows_lib.row(name, None, {**{k: v for k, v in e.items() if k not in curves},
+                                   'curves': curves})
+
+
 def analyze(rows, measured, settings, previous=None, sizes: Sizes = DEFAULT):
   """The JSON payload (without the machine) from the harness rows, each with its 'task', and
   measure()'s measurements of each, keyed by (task, run). `previous`: an earlier payload whose
@@ -309,24 +322,26 @@ def analyze(rows, measured, settings, previous=None, sizes: Sizes = DEFAULT):
     e['applications'] = (m['eval']['mean_steps'] if act
                          else float(sizes.T if name != 'pre_ln_1' else 1))
     task_results = results.setdefault(task_name, {})
-    old = task_results.get(name, {})
-    if (e['train_s'] is None and old.get('train_s') is not None
-        and old['eval']['step'] == e['eval']['step']):
-      e['train_s'] = old['train_s']  # Keep the measured time of a cached run.
-    task_results[name] = e
+    old = task_results.get(name)
+    if (e['train_s'] is None and old and rows_lib.field(old, 'train_s', None) is not None
+        and rows_lib.metric(old, 'eval/step', 'value') == e['eval']['step']):
+      e['train_s'] = rows_lib.field(old, 'train_s')  # Keep the measured time of a cached run.
+    task_results[name] = as_row(name, e)
   return results
 
 
 def summary_row(task_name, name, entry):
-  ev = entry['eval']
-  acc = ev['token_accuracy'] if task_name == 'copy' else ev['accuracy']
-  return {'task': task_name, 'run': name, 'params': ev['params'],
-          'steps/token': entry['applications'],
-          'acc train len': acc['train_lengths'], 'acc longer': acc['longer'],
-          'acc longest 1/4': acc['longest_quarter'],
-          'row acc train len': ev['row_accuracy']['train_lengths'],
-          'final train loss': entry['final_train_loss'],
-          'train s': entry['train_s'] if entry['train_s'] is not None else 'cached'}
+  """The printed table's line of a run (its row of the JSON)."""
+  value = lambda key: rows_lib.metric(entry, key, 'value')
+  acc = 'eval/token_accuracy' if task_name == 'copy' else 'eval/accuracy'
+  train_s = value('train_s')
+  return {'task': task_name, 'run': name, 'params': value('eval/params'),
+          'steps/token': value('applications'),
+          'acc train len': value(f'{acc}/train_lengths'), 'acc longer': value(f'{acc}/longer'),
+          'acc longest 1/4': value(f'{acc}/longest_quarter'),
+          'row acc train len': value('eval/row_accuracy/train_lengths'),
+          'final train loss': value('final_train_loss'),
+          'train s': train_s if train_s is not None else 'cached'}
 
 
 def parse_args(argv=None):
@@ -408,8 +423,9 @@ def main(argv=None):
   args = parse_args(argv)
   previous = {}
   if os.path.exists(args.json):
+    from experiments import migrations  # pylint: disable=import-outside-toplevel
     with open(args.json) as f:
-      previous = json.load(f)
+      previous = migrations.migrate(json.load(f))  # Written before a rename: as it is now.
   settings = settings_of(args)
   rows, measured = train_and_measure(args)
   results = analyze(rows, measured, settings, previous, args.sizes)
@@ -428,7 +444,8 @@ def plot(results, img, sizes: Sizes = DEFAULT):
   # ACT's steps against position: the share of tokens halting at each N, and the mean.
   fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 4.5), squeeze=False)
   for ax, task_name in zip(axes[0], tasks):
-    ev = results[task_name].get('ut_act', {}).get('eval')
+    act = results[task_name].get('ut_act')
+    ev = act and act.get('evals', {}).get('eval')
     if not ev:
       continue
     hist = np.asarray(ev['steps_histogram_by_position'], float)
@@ -449,7 +466,7 @@ def plot(results, img, sizes: Sizes = DEFAULT):
   fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 4.5), squeeze=False)
   for ax, task_name in zip(axes[0], tasks):
     for name, entry in results[task_name].items():
-      ev = entry['eval']
+      ev = rows_lib.evaluation(entry, 'eval')
       curve = ev['token_accuracy_by_length'] if task_name == 'copy' else ev['accuracy_by_bit']
       xs = sorted(curve, key=int)
       ax.plot([int(x) for x in xs], [curve[x] for x in xs], marker='.', label=name)

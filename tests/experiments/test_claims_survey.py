@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from experiments import claims_survey, registry, render
+from experiments import claims_survey, registry, render, rows
 from experiments.report import VERDICTS
 
 FOLDERS = [render.RESULTS]
@@ -53,8 +53,8 @@ def test_txl_memory_verdict_follows_the_gain():
   def gain(factor):
     def edit(results):
       runs = _txl_runs(results)
-      runs['txl']['eval_mem128']['bits_per_byte'] = (
-          factor * runs['txl_mem0']['eval']['bits_per_byte'])
+      runs['txl']['evals']['eval_mem128']['bits_per_byte'] = (
+          factor * runs['txl_mem0']['evals']['eval']['bits_per_byte'])
     return edit
   assert _verdict('txl_memory', gain(0.97)) == 'reproduces'
   assert _verdict('txl_memory', gain(0.995)) == 'direction holds'
@@ -66,7 +66,8 @@ def test_eval_memory_needs_every_model_to_gain():
     def apply(results):
       runs = _txl_runs(results)
       for name, f in (('txl', factor_txl), ('txl_gtrxl', factor_gtrxl)):
-        runs[name]['eval_mem512']['bits_per_byte'] = f * runs[name]['eval_mem128']['bits_per_byte']
+        evals = runs[name]['evals']
+        evals['eval_mem512']['bits_per_byte'] = f * evals['eval_mem128']['bits_per_byte']
     return apply
   assert _verdict('txl_eval_memory', edit(0.95, 0.95)) == 'reproduces'
   assert _verdict('txl_eval_memory', edit(0.995, 0.999)) == 'direction holds'
@@ -77,8 +78,8 @@ def test_gtrxl_stability_flips_when_the_gate_is_the_stable_one():
   def edit(results):
     runs = _txl_runs(results)
     for lr in results['txl_experiment.json']['settings']['high_lrs']:
-      plain = runs[f'pre_ln_lr{lr:g}']['eval']['bits_per_byte']
-      runs[f'gtrxl_lr{lr:g}']['eval']['bits_per_byte'] = plain * 0.9
+      plain = runs[f'pre_ln_lr{lr:g}']['evals']['eval']['bits_per_byte']
+      runs[f'gtrxl_lr{lr:g}']['evals']['eval']['bits_per_byte'] = plain * 0.9
   assert _verdict('gtrxl_high_lr') == 'does not hold at this scale'
   assert _verdict('gtrxl_high_lr', edit) == 'reproduces'
 
@@ -86,7 +87,8 @@ def test_gtrxl_stability_flips_when_the_gate_is_the_stable_one():
     edit(results)
     runs = _txl_runs(results)
     lr = results['txl_experiment.json']['settings']['high_lrs'][-1]
-    runs[f'pre_ln_lr{lr:g}'] = {'diverged': 'loss is nan at step 50'}
+    name = f'pre_ln_lr{lr:g}'
+    runs[name] = rows.row(name, None, {'diverged': 'loss is nan at step 50'})
   assert _verdict('gtrxl_high_lr', diverged) == 'reproduces'
 
 
@@ -140,8 +142,8 @@ def test_lsh_scaling_fails_when_lsh_grows_quadratically():
 def test_extrapolation_reproduces_when_a_ut_generalizes():
   def edit(results):
     data = results['universal_experiment.json']
-    data['copy']['ut_act']['eval']['token_accuracy']['longer'] = 0.6
-    data['parity']['ut_fixed']['eval']['accuracy']['longer'] = 0.9
+    data['copy']['ut_act']['evals']['eval']['token_accuracy']['longer'] = 0.6
+    data['parity']['ut_fixed']['evals']['eval']['accuracy']['longer'] = 0.9
   assert _verdict('ut_extrapolation') == 'does not hold at this scale'
   assert _verdict('ut_extrapolation', edit) == 'reproduces'
 
@@ -160,7 +162,7 @@ def test_extrapolation_reads_the_tasks_and_the_stack_it_has():
   assert '(chance 0.100)' in ours and 'parity' not in ours and 'pre_ln_1' not in ours
   assert verdict == 'does not hold at this scale'
   assert why.startswith('no UT beats the 8-layer stack on copy (best UT minus pre_ln_8: copy')
-  data['copy']['ut_act']['eval']['token_accuracy']['longer'] = 0.6
+  data['copy']['ut_act']['evals']['eval']['token_accuracy']['longer'] = 0.6
   assert ROWS['ut_extrapolation'].measure(results)[1] == 'reproduces'
 
 
@@ -168,7 +170,7 @@ def test_depth_row_is_testable_only_when_one_layer_falls_short():
   def edit(results):
     data = results['universal_experiment.json']
     for task, key in (('copy', 'token_accuracy'), ('parity', 'accuracy')):
-      data[task]['pre_ln_1']['eval'][key]['train_lengths'] = 0.7
+      data[task]['pre_ln_1']['evals']['eval'][key]['train_lengths'] = 0.7
   assert _verdict('ut_depth') == 'not testable here'
   assert _verdict('ut_depth', edit) == 'reproduces'
 
@@ -179,7 +181,7 @@ def test_act_ponder_compares_with_the_run_without_it():
       for task in ('copy', 'parity'):
         runs = results['act_ponder.json'].get(task, {})
         if 'ut_act_tau0' in runs:
-          runs['ut_act_tau0']['eval']['mean_steps'] = n
+          runs['ut_act_tau0']['evals']['eval']['mean_steps'] = n
     return edit
   assert _verdict('act_ponder', steps_without(4.0)) == 'reproduces'
   assert _verdict('act_ponder', steps_without(1.0)) == 'does not hold at this scale'

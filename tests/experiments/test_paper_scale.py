@@ -320,7 +320,7 @@ def test_the_script_runs_every_part_at_tiny_size(tmp_path):
   assert set(payload['selective_synthetic']['payload']['tasks']) == {'copy', 'parity'}
   evals = payload['reformer_dup']['payload']['dup']['runs']['lsh1']['evals']
   assert list(evals) == ['full', 'lsh1'] and evals['lsh1']['step'] == 2
-  ut = payload['universal']['payload']['copy']['ut_act']['eval']
+  ut = rows_lib.evaluation(payload['universal']['payload']['copy']['ut_act'], 'eval')
   assert ut['eval_seq_len'] == 2 * 2 * 3 + 2 and 'mean_steps' in ut
   with tarfile.open(out / 'paper_scale_logs.tar.gz') as tar:
     names = tar.getnames()

@@ -26,6 +26,10 @@ LAYOUT = {
     'selective_kv.json': [('contexts', '*')],
     'sparse_transformer.json': [('variants',), ('runs', '*')],
     'compare.json': [('rows',)],
+    'txl_experiment.json': [('runs',)],
+    'reformer_experiment.json': [('dup', 'runs'), ('bytes', 'runs')],
+    'universal_experiment.json': [('copy',), ('parity',)],
+    'act_ponder.json': [('copy',)],
 }
 
 
@@ -47,6 +51,22 @@ def test_a_row_splits_metrics_curves_and_fields():
     rows.metric(r, 'accuracy', 'value')
   with pytest.raises(ValueError):
     rows.metric(r, 'bits_per_byte', 'std')  # One seed has no spread.
+
+
+def test_a_row_of_one_seed_reads_its_evaluations():
+  r = rows.row('txl', None, {'overrides': {'model.block': 'gtrxl'}, 'train_s': 12.0,
+                             'evals': {'eval_mem128': {'bits_per_byte': 2.4, 'step': 600}},
+                             'eval': {'token_accuracy': {'longer': 0.3}, 'halted_at': [1.0]},
+                             'curves': {'train_loss': [[1, 5.0]]}})
+  assert rows.is_row(r) and r['metrics'] == {'train_s': 12.0} and 'diverged' not in r
+  assert list(r['evals']) == ['eval_mem128', 'eval']
+  assert rows.metric(r, 'eval_mem128/bits_per_byte', 'value') == 2.4
+  assert rows.metric(r, 'eval/token_accuracy/longer', 'value') == 0.3
+  assert rows.evaluation(r, 'eval')['halted_at'] == [1.0]
+  with pytest.raises(KeyError, match='eval_mem512'):
+    rows.metric(r, 'eval_mem512/bits_per_byte', 'value')
+  diverged = rows.row('pre_ln', None, {'diverged': 'loss is nan at step 50'})
+  assert rows.diverged_seeds(diverged) == [None] and rows.diverged_seeds(r) == []
 
 
 def test_an_entry_reads_mean_spread_and_each_seed():
@@ -91,6 +111,15 @@ def test_the_migration_moves_the_numbers_and_keeps_them():
   assert e['rows'][0]['curves'] == {'eval_loss': [[1, 2.0]]}
   assert new['runs']['0'] == [rows.row('dense', 0, old['runs']['0'][0])]
   assert migrations.one_row_format(new) == new  # Migrated data stays as it is.
+  # A run of one seed (txl_experiment.json's): its evaluations and curves in their places.
+  old = {'runs': {'txl': {'overrides': {}, 'eval_mem128': {'bits_per_byte': 2.4, 'loss': 1.7},
+                          'train_loss': [[1, 5.0]], 'grad_norm': []}}}
+  new = migrations.one_row_format(old)
+  assert new['runs']['txl'] == {
+      'run': 'txl', 'seed': None, 'metrics': {}, 'curves': {'train_loss': [[1, 5.0]],
+                                                            'grad_norm': []},
+      'overrides': {}, 'evals': {'eval_mem128': {'bits_per_byte': 2.4, 'loss': 1.7}}}
+  assert migrations.one_row_format(new) == new
 
 
 def _at(data, path):
@@ -105,7 +134,7 @@ def test_every_training_experiments_results_file_is_in_the_row_format():
   written = {name for e in registry.EXPERIMENTS + registry.PAGES
              if e.module.startswith('experiments.') for name in e.writes
              if os.path.isfile(os.path.join(RESULTS, name))}
-  assert set(LAYOUT) <= written
+  assert set(LAYOUT) == written
   for name, paths in LAYOUT.items():
     with open(os.path.join(RESULTS, name)) as f:
       data = json.load(f)

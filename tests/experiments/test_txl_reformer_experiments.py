@@ -10,7 +10,7 @@ import json
 import os
 
 from benchmarks.common import flags
-from experiments import harness, reformer_experiment, txl_experiment
+from experiments import harness, reformer_experiment, rows as rows_lib, txl_experiment
 
 RESULTS = os.path.join(os.path.dirname(__file__), '..', '..', 'results')
 
@@ -63,9 +63,9 @@ def test_reformer_runs_train_as_main_py_trained_them(tmp_path):
 
 def test_txl_analyze_gives_the_committed_json():
   committed = _committed('txl_experiment.json')
-  rows = [{'variant': name, 'evals': {k: v for k, v in entry.items()
-                                      if k.startswith('eval')},
-           'curves': {'train_loss': entry['train_loss']}, 'grad_norm': entry['grad_norm'],
+  rows = [{'variant': name, 'evals': entry.get('evals', {}),
+           'curves': {'train_loss': entry['curves']['train_loss']},
+           'grad_norm': entry['curves']['grad_norm'],
            **({'diverged': entry['diverged']} if 'diverged' in entry else {})}
           for name, entry in committed['runs'].items()]
   runs = txl_experiment.RUNS + txl_experiment.high_lr_runs(committed['settings']['high_lrs'])
@@ -77,8 +77,9 @@ def test_reformer_analyze_gives_the_committed_json(tmp_path):
   committed = _committed('reformer_experiment.json')
   for part, data in committed.items():
     rows = [{'variant': name, 'evals': entry['evals'],
-             'curves': {'train_loss': entry['train_loss']},
-             'train_accuracy': entry['train_accuracy']} for name, entry in data['runs'].items()]
+             'curves': {'train_loss': entry['curves']['train_loss']},
+             'train_accuracy': entry['curves']['train_accuracy']}
+            for name, entry in data['runs'].items()]
     common = {k: v for k, v in data['settings'].items() if k not in ('steps', 'text')}
     if part == 'dup':
       common.pop('seq_len')
@@ -115,7 +116,8 @@ def test_reformer_sizes_are_recorded_only_where_they_differ_from_the_recipe():
 
 def test_reformer_dup_trains_evaluates_as_main_py_and_keeps_its_run(tmp_path):
   out, path = tmp_path / 'out', tmp_path / 'reformer.json'
-  other = {'runs': {'pre_ln': {'train_loss': [[1, 5.0]]}}, 'settings': {'text': 'x'}}
+  other = {'runs': {'pre_ln': rows_lib.row('pre_ln', None, {'curves': {'train_loss': [[1, 5.0]]}})},
+           'settings': {'text': 'x'}}
   with open(path, 'w') as f:  # The other part's results are kept.
     json.dump({'bytes': other}, f)
   # Rows of 64 (L = 31) in batches of 4: at the recipe's 256 x 32 the test took 216 s of CI
@@ -136,9 +138,10 @@ def test_reformer_dup_trains_evaluates_as_main_py_and_keeps_its_run(tmp_path):
   lsh4 = entry['evals']['lsh4']['config_overrides']
   assert lsh4['model.attention_options.lsh.n_hashes'] == 4
   assert all(e['step'] == 2 and 0 <= e['accuracy'] <= 1 for e in entry['evals'].values())
-  assert [s for s, _ in entry['train_loss']] and (tmp_path / 'curves.png').exists()
+  assert rows_lib.is_row(entry)
+  assert [s for s, _ in entry['curves']['train_loss']] and (tmp_path / 'curves.png').exists()
   with open(path) as f:
     assert json.load(f)['dup']['runs']['full']['evals'] == entry['evals']
   again = reformer_experiment.main(argv)  # Kept, not trained again: the same numbers.
   assert again['dup']['runs']['full']['evals'] == entry['evals']
-  assert again['dup']['runs']['full']['train_loss'] == entry['train_loss']
+  assert again['dup']['runs']['full']['curves'] == entry['curves']

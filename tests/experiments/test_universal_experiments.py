@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from experiments import harness, survey_act_ponder, universal_experiment as ue
+from experiments import harness, rows as rows_lib, survey_act_ponder, universal_experiment as ue
 
 RESULTS = os.path.join(os.path.dirname(__file__), '..', '..', 'results')
 
@@ -27,13 +27,14 @@ def _shape(x):
 def _row(task, name, entry, already=False):
   """A harness row of a run with the committed entry's curve and time."""
   return {'task': task, 'variant': name, 'workdir': f'/runs/{task}/{name}',
-          'already_trained': already, 'run_seconds': entry['train_s'],
-          'curves': {'train_loss': [tuple(p) for p in entry['train_loss']]}}
+          'already_trained': already, 'run_seconds': rows_lib.metric(entry, 'train_s', 'value'),
+          'curves': {'train_loss': [tuple(p) for p in entry['curves']['train_loss']]}}
 
 
 def _measured(entry):
-  return {k: entry[k] for k in ('eval', 'train_accuracy', 'train_act_steps', 'train_ponder')
-          if k in entry}
+  """measure()'s measurements of a run, from its committed row."""
+  return {'eval': rows_lib.evaluation(entry, 'eval'),
+          **{k: v for k, v in entry['curves'].items() if k != 'train_loss'}}
 
 
 def test_runs_are_the_recorded_overrides_on_the_recipe():
@@ -68,9 +69,12 @@ def test_analyze_gives_the_committed_structure():
       got = out[task][name]
       assert _shape(got) == {**_shape(entry), 'overrides': _shape(got['overrides'])}
       assert list(got) == list(entry)
-      for key in ('train_s', 'eval', 'train_loss', 'applications'):
-        assert got[key] == entry[key], (task, name, key)
-      assert got['final_train_loss'] == pytest.approx(entry['final_train_loss'])
+      assert rows_lib.is_row(got) and got['evals'] == entry['evals']
+      assert got['curves'] == entry['curves']
+      for key in ('train_s', 'applications'):
+        assert got['metrics'][key] == entry['metrics'][key], (task, name, key)
+      assert got['metrics']['final_train_loss'] == pytest.approx(
+          entry['metrics']['final_train_loss'])
       assert got['overrides'] == {
           **ue.schedule(2000), **ue.TASKS[task],
           **next(r.overrides for r in ue.RUNS if r.name == name)}
@@ -86,7 +90,8 @@ def test_analyze_merges_into_the_previous_results():
   assert out['parity'] == committed['parity']  # Not rerun: kept.
   assert out['copy']['pre_ln_1'] == committed['copy']['pre_ln_1']
   # A run kept from an earlier call keeps its measured training time.
-  assert out['copy']['ut_act']['train_s'] == committed['copy']['ut_act']['train_s']
+  assert (rows_lib.metric(out['copy']['ut_act'], 'train_s', 'value')
+          == rows_lib.metric(committed['copy']['ut_act'], 'train_s', 'value'))
 
 
 def test_act_ponder_analyze_gives_the_committed_structure():
@@ -103,7 +108,8 @@ def test_act_ponder_analyze_gives_the_committed_structure():
   got, entry = out['copy']['ut_act_tau0'], committed['copy']['ut_act_tau0']
   assert list(got) == list(entry)
   assert _shape(got) == {**_shape(entry), 'overrides': _shape(got['overrides'])}
-  assert got['tau'] == 0.0 and got['train_s'] == entry['train_s']
+  assert rows_lib.metric(got, 'tau', 'value') == 0.0
+  assert rows_lib.metric(got, 'train_s', 'value') == rows_lib.metric(entry, 'train_s', 'value')
   assert got['overrides']['model.stack_options.ponder'] == 0.0
 
 
