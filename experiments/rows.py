@@ -92,6 +92,22 @@ def row(run: str, seed: int | None, values: Mapping[str, Any]) -> dict:
   return {'run': run, 'seed': seed, 'metrics': metrics, 'curves': curves, **fields}
 
 
+def add(r: dict, values: Mapping[str, Any]) -> dict:
+  """Adds a flat {key: value} to row `r` by row()'s rule (numbers to its metrics, curves to
+  its curves, evaluations to its evals, the rest as fields; a key already there takes the new
+  value); returns `r`. A run's later measurements (its training time, evaluations after
+  training, the timed tokens/s) go into its row through this."""
+  more = row(r['run'], r['seed'], values)
+  r['metrics'].update(more.pop('metrics'))
+  r['curves'].update(more.pop('curves'))
+  if 'evals' in more:
+    r['evals'] = {**r.get('evals', {}), **more.pop('evals')}
+  for key in ('run', 'seed'):
+    del more[key]
+  r.update(more)
+  return r
+
+
 def seed_stats(values: Sequence) -> tuple[float | None, float]:
   """(mean, sample standard deviation) of the finite values; (None, 0) when there are none,
   a standard deviation of 0 for one."""

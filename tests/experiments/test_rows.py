@@ -69,6 +69,23 @@ def test_a_row_of_one_seed_reads_its_evaluations():
   assert rows.diverged_seeds(diverged) == [None] and rows.diverged_seeds(r) == []
 
 
+def test_add_puts_later_measurements_where_row_puts_them():
+  r = rows.row('dense', 0, {'variant': 'dense', 'tokens_per_sec': 100.0,
+                            'curves': {'train_loss': [[1, 5.0]]}})
+  assert rows.add(r, {'tokens_per_sec': 120.0, 'logged_tokens_per_sec': 100.0,
+                      'timed_tokens_per_sec': {'median': 120.0}, 'diverged': None,
+                      'curves': {'grad_norm': [[1, 0.5]]},
+                      'evals': {'full': {'accuracy': 0.9}}, 'seed': 7}) is r
+  assert r == {'run': 'dense', 'seed': 0,
+               'metrics': {'tokens_per_sec': 120.0, 'logged_tokens_per_sec': 100.0},
+               'curves': {'train_loss': [[1, 5.0]], 'grad_norm': [[1, 0.5]]},
+               'variant': 'dense', 'timed_tokens_per_sec': {'median': 120.0},
+               'evals': {'full': {'accuracy': 0.9}}}
+  rows.add(r, {'evals': {'lsh2': {'accuracy': 0.8}}, 'diverged': 'loss is nan'})
+  assert list(r['evals']) == ['full', 'lsh2'] and rows.diverged_seeds(r) == [0]
+  assert rows.is_row(rows.add(r, {})) and 'evals' in rows.add(r, {'evals': {}})
+
+
 def test_an_entry_reads_mean_spread_and_each_seed():
   e = rows.over_seeds({0: {'dense': {'bits_per_byte': 3.0, 'steps_per_sec': 2.0}},
                        1: {'dense': {'bits_per_byte': 3.2, 'steps_per_sec': 4.0}}},
