@@ -150,19 +150,20 @@ def row(r: dict, spans: dict, tokens_per_step: int) -> dict:
   """One (variant, seed) of the JSON: the harness row with the run's spans."""
   bottom, top = layer_halves(spans['head_spans'])
   flops = spans['attention_flops_per_token']
+  m = r['metrics']
   return {
-      'variant': r['variant'], 'step': r['step'], 'bits_per_byte': r['bits_per_byte'],
-      'eval_loss': r['eval_loss'], 'params': r['params'],
+      'variant': r['run'], 'step': m['step'], 'bits_per_byte': m['bits_per_byte'],
+      'eval_loss': m['eval_loss'], 'params': m['params'],
       'head_spans': spans['head_spans'], 'average_span': spans['average_span'],
       'max_span': spans['max_span'], 'trimmed_spans': spans['trimmed_spans'],
       'bottom_half_span': bottom, 'top_half_span': top,
       'attn_flops_trimmed': flops['trimmed'], 'attn_flops_per_head': flops['per_head'],
       'attn_flops_full_span': flops['full_span'],
-      'attn_peak_bytes': r['attn_peak_bytes'],
-      'decode_cache_bytes': r['decode_cache_bytes'],
-      'train_flops_per_token': r['train_flops_per_token'],
-      'steps_per_sec': r['tokens_per_sec'] / tokens_per_step,
-      'run_seconds': r['run_seconds'], 'spans_source': spans['source'],
+      'attn_peak_bytes': m['attn_peak_bytes'],
+      'decode_cache_bytes': m['decode_cache_bytes'],
+      'train_flops_per_token': m['train_flops_per_token'],
+      'steps_per_sec': m['tokens_per_sec'] / tokens_per_step,
+      'run_seconds': m['run_seconds'], 'spans_source': spans['source'],
       'curves': r['curves']}
 
 
@@ -194,7 +195,7 @@ def main(argv=None) -> dict:
   runs = [harness.Run(RUNS[n], RUNS[n]) for n in names]
   rows = harness.run(runs, base, seeds, args.workdir, time_rounds=args.time_rounds,
                      time_steps=TIME_STEPS)
-  by_run = {(r['seed'], r['variant']): r for r in rows}
+  by_run = {(r['seed'], r['run']): r for r in rows}
   per_seed = {}
   for seed in seeds:
     per_seed[seed] = {}

@@ -119,7 +119,7 @@ def markdown(rows: list[dict]) -> str:
   lines = ['| ' + ' | '.join(HEADERS[c] for c in COLUMNS) + ' |',
            '|' + '|'.join('---' if c == 'variant' else '---:' for c in COLUMNS) + '|']
   for r in rows:
-    lines.append('| ' + ' | '.join(fmt(c, r.get(c)) for c in COLUMNS) + ' |')
+    lines.append('| ' + ' | '.join(fmt(c, rows_lib.field(r, c, None)) for c in COLUMNS) + ' |')
   return '\n'.join(lines)
 
 
@@ -134,7 +134,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
       continue
     steps, values = zip(*points)
     ax.plot(steps, values, marker='o', markersize=3, linestyle=styles[(i // 10) % len(styles)],
-            color=f'C{i % 10}', label=r['variant'])
+            color=f'C{i % 10}', label=r['run'])
   ax.set(xlabel='step', ylabel='eval loss (nats per token)', title=title)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8, loc='upper left', bbox_to_anchor=(1.01, 1.0))
@@ -208,9 +208,9 @@ def main(argv=None) -> dict:
     raise SystemExit('no variant can run on this data')
   rows = harness.run(runnable, base, None, args.workdir, time_rounds=args.time_rounds,
                      time_steps=args.time_steps, progress=not args.no_progress,
-                     on_row=lambda r: print(f'[{r["variant"]}] done in {r["run_seconds"]:.0f} '
-                                            f's: eval loss {fmt("eval_loss", r["eval_loss"])}',
-                                            flush=True))
+                     on_row=lambda r: print(
+                         f'[{r["run"]}] done in {r["metrics"]["run_seconds"]:.0f} s: eval loss '
+                         f'{fmt("eval_loss", r["metrics"]["eval_loss"])}', flush=True))
   table = markdown(rows)
   print('\n' + table + '\n')
   command = 'python -m experiments.compare ' + shlex.join(argv)
@@ -219,7 +219,7 @@ def main(argv=None) -> dict:
               'd': args.d, 'steps': args.steps, **harness.describe(base),
               'time_rounds': args.time_rounds, 'time_steps': args.time_steps}
   payload = {'command': command, 'settings': settings, 'columns': list(COLUMNS),
-             'rows': [rows_lib.row(r['variant'], r['seed'], r) for r in rows],
+             'rows': rows,
              'skipped': skipped, 'table': table}
   common.write_json(args.out, payload)
   plot(rows, args.png, f'eval loss, {data.name} ({", ".join(settings["files"]) or data.name}), '

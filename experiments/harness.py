@@ -21,11 +21,13 @@ needs to run: relative-position variants no absolute positions, variants with se
 rows that continue one text stream. Every config is built before any run trains, so a bad
 spec fails in seconds. A progress bar counts runs and, within a run, steps (tqdm, on stderr).
 
-Each run's measurement (the flat dict run() returns; an experiment writes it into its results
-file as a row of experiments/rows.py, which also aggregates seeds): the eval loss and bits per
-byte at the last step with their curves, parameters, training FLOPs per token, training
-tokens/s, the compiled peak memory of one attention layer's forward + backward, the decoding
-cache of one row, and the run's attention implementations.
+Each run's measurement is a row of experiments/rows.py (run() returns them; an experiment adds
+its own measurements with rows.add and aggregates seeds with rows.over_seeds): its metrics the
+eval loss and bits per byte at the last step, parameters, training FLOPs per token, training
+tokens/s, the compiled peak memory of one attention layer's forward + backward and the
+decoding cache of one row; its curves those of the eval loss and bits per byte, the training
+loss and tokens/s; its fields the run's workdir, attention implementations, stack and data
+packing.
 Tokens/s: with time_rounds > 0, each run's train step with its trained parameters, timed
 round-robin among the runs of the same seed (a busy phase of a shared machine slows all alike;
 the median over rounds); with 0, the median of the run's logged windows that hold no compile,
@@ -67,6 +69,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from configs import presets  # noqa: E402
+from experiments import rows as rows_lib  # noqa: E402
 from models import attention, blocks, decode, transformer  # noqa: E402
 from training import assembly, evaluation, run_config, sharding, steps, train  # noqa: E402
 
@@ -422,8 +425,8 @@ def time_round_robin(timers: dict[str, StepTimer], rounds: int, steps: int) -> d
 
 
 def measure(name: str, config, workdir: str) -> dict:
-  """The row of a trained run in `workdir` (see the module docstring)."""
-  row = {'variant': name, 'workdir': workdir}
+  """The row of a trained run in `workdir` (see the module docstring), of seed None."""
+  flat = {'variant': name, 'workdir': workdir}
   setup = assembly.build(config, workdir=workdir)
   try:
     step, params = assembly.latest_params(setup, workdir)
@@ -439,31 +442,31 @@ def measure(name: str, config, workdir: str) -> dict:
     tags.append('train/act_steps/universal')
   curves = {tag: scalar_curve(workdir, tag) for tag in tags}
   evals = curves['eval/loss']
-  row['step'] = step
-  row['eval_loss'] = evals[-1][1] if evals else float('nan')
+  flat['step'] = step
+  flat['eval_loss'] = evals[-1][1] if evals else float('nan')
   bpb = curves['eval/bits_per_byte']
-  row['bits_per_byte'] = bpb[-1][1] if bpb else None
+  flat['bits_per_byte'] = bpb[-1][1] if bpb else None
   scored = curves['eval/scored_tokens']
-  row['eval_scored_tokens'] = scored[-1][1] if scored else None
-  row['params'] = setup.model_config.num_params()
+  flat['eval_scored_tokens'] = scored[-1][1] if scored else None
+  flat['params'] = setup.model_config.num_params()
   metrics = ({'act_steps/universal': curves['train/act_steps/universal'][-1][1]}
              if act and curves['train/act_steps/universal'] else None)
-  row['train_flops_per_token'] = mc.train_flops_per_token(seq_len, metrics)
-  row['tokens_per_sec'] = steady_tokens_per_sec(curves['train/tokens_per_sec'], config)
+  flat['train_flops_per_token'] = mc.train_flops_per_token(seq_len, metrics)
+  flat['tokens_per_sec'] = steady_tokens_per_sec(curves['train/tokens_per_sec'], config)
   if _MEMORY:
-    row['attn_peak_bytes'] = attention_peak_bytes(mc, config.batch_size, seq_len)
-    row['decode_cache_bytes'], why = decode_cache_bytes(mc)
+    flat['attn_peak_bytes'] = attention_peak_bytes(mc, config.batch_size, seq_len)
+    flat['decode_cache_bytes'], why = decode_cache_bytes(mc)
     if why:
-      row['decode_refused'] = why
+      flat['decode_refused'] = why
   else:  # Within without_memory(): not measured.
-    row['attn_peak_bytes'] = row['decode_cache_bytes'] = None
-  row['attention_impl'] = transformer.implementations(mc)
-  row['stack'] = mc.stack_name
-  row['data_packing'] = config.data.packing
-  row['curves'] = {'eval_loss': evals, 'eval_bits_per_byte': bpb,
-                   'train_loss': curves['train/loss'],
-                   'train_tokens_per_sec': curves['train/tokens_per_sec']}
-  return row
+    flat['attn_peak_bytes'] = flat['decode_cache_bytes'] = None
+  flat['attention_impl'] = transformer.implementations(mc)
+  flat['stack'] = mc.stack_name
+  flat['data_packing'] = config.data.packing
+  flat['curves'] = {'eval_loss': evals, 'eval_bits_per_byte': bpb,
+                    'train_loss': curves['train/loss'],
+                    'train_tokens_per_sec': curves['train/tokens_per_sec']}
+  return rows_lib.row(name, None, flat)
 
 
 # ---------------------------------------------------------------- runs
@@ -581,9 +584,10 @@ class TimeUp(Preempted):
 
 
 def train_one(name: str, config, workdir: str, *, progress: bool = True) -> dict:
-  """Trains (or resumes, or keeps) one run and measures its row; raises Preempted when a
-  SIGTERM stops the run before its last step (TimeUp when an active time_limit does, or has
-  passed before the run starts)."""
+  """Trains (or resumes, or keeps) one run and measures its row (seed None; with the metric
+  'run_seconds', the field 'already_trained' and, when the run diverged, 'diverged'); raises
+  Preempted when a SIGTERM stops the run before its last step (TimeUp when an active
+  time_limit does, or has passed before the run starts)."""
   limit = _LIMIT
   if limit is not None and limit.over:
     raise TimeUp(name, 0, config.total_steps, workdir, f'{limit.reason} passed')
@@ -616,13 +620,9 @@ def train_one(name: str, config, workdir: str, *, progress: bool = True) -> dict
     if timer is not None:
       timer.cancel()
   seconds = time.time() - started
-  row = measure(name, config, workdir)
-  # Trained by an earlier call (then run_seconds is only this call's restore).
-  row['already_trained'] = already
-  row['run_seconds'] = seconds
-  if diverged:
-    row['diverged'] = diverged
-  return row
+  # already_trained: by an earlier call (then run_seconds is only this call's restore).
+  return rows_lib.add(measure(name, config, workdir), {
+      'already_trained': already, 'run_seconds': seconds, 'diverged': diverged})
 
 
 def evaluate(config, workdir: str, extra: dict) -> dict:
@@ -671,7 +671,8 @@ def run(runs: Sequence[RunLike], base: ml_collections.ConfigDict,
   finished are returned (with seeds None, the runs that finished), and no run starts after.
 
   Returns:
-    The rows; each has 'seed', 'own_keys' and, when timed, 'timed_tokens_per_sec' (its
+    The rows (experiments/rows.py's format: 'run' the run's name, 'seed' config.seed); each
+    has the field 'own_keys' and, when timed, the field 'timed_tokens_per_sec' (its metric
     'tokens_per_sec' is then the timed median, 'logged_tokens_per_sec' the logged one).
   """
   if time_rounds < 0 or time_steps < 1:
@@ -702,7 +703,7 @@ def run(runs: Sequence[RunLike], base: ml_collections.ConfigDict,
             _LIMIT.skipped.append(label)
           return rows + seeded if seed is None else rows
         row['seed'] = config.seed
-        row['own_keys'] = dict(keys)
+        rows_lib.add(row, {'own_keys': dict(keys)})
         if on_row:
           on_row(row)
         seeded.append(row)
@@ -712,8 +713,8 @@ def run(runs: Sequence[RunLike], base: ml_collections.ConfigDict,
         timed = time_round_robin(timers, time_rounds, time_steps)
         del timers
         for r in seeded:
-          r['logged_tokens_per_sec'] = r['tokens_per_sec']
-          r['tokens_per_sec'] = timed[r['variant']]['median']
-          r['timed_tokens_per_sec'] = timed[r['variant']]
+          rows_lib.add(r, {'logged_tokens_per_sec': r['metrics']['tokens_per_sec'],
+                           'tokens_per_sec': timed[r['run']]['median'],
+                           'timed_tokens_per_sec': timed[r['run']]})
       rows.extend(seeded)
   return rows

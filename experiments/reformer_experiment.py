@@ -148,19 +148,18 @@ def base_config(part: str, args):
 def train_and_measure(part: str, runs, base, out: str, evals: dict | None = None) -> list[dict]:
   """Trains each run (unless finished) in OUT/<part>/<run> through the harness, evaluates it
   (`evals`, default EVALS) and reads its curves: the harness rows with 'evals' ({tag: eval
-  result}) and 'train_accuracy'."""
+  result}) and the curve 'train_accuracy'."""
   by_name = {run.name: run for run in runs}
   rows = []
   for row in harness.run(runs, base, None, os.path.join(out, part)):
-    name, workdir = row['variant'], row['workdir']
+    name, workdir = row['run'], row['workdir']
     config = harness.variant_config(base, by_name[name].overrides)
-    row['evals'] = {}
+    done = {}
     for tag, extra in evals_of(name, evals):
-      row['evals'][tag] = harness.evaluate(config, workdir, extra)
-      print(f'[{name}] eval {tag}: {METRIC[part]} {row["evals"][tag][METRIC[part]]:.4f}',
-            flush=True)
-    row['train_accuracy'] = harness.scalar_curve(workdir, 'train/accuracy')
-    rows.append(row)
+      done[tag] = harness.evaluate(config, workdir, extra)
+      print(f'[{name}] eval {tag}: {METRIC[part]} {done[tag][METRIC[part]]:.4f}', flush=True)
+    rows.append(rows_lib.add(row, {'evals': done, 'curves': {
+        'train_accuracy': harness.scalar_curve(workdir, 'train/accuracy')}}))
   return rows
 
 
@@ -169,10 +168,10 @@ def analyze(rows: list[dict], runs, common: dict) -> dict:
   recipe's}) from the rows of train_and_measure, the runs they are of and the part's common
   overrides."""
   declared = {run.name: dict(run.overrides) for run in runs}
-  return {row['variant']: rows_lib.row(row['variant'], None, {
-      'overrides': {**common, **declared[row['variant']]}, 'evals': row['evals'],
-      'curves': {'train_loss': [list(p) for p in row['curves']['train_loss']],
-                 'train_accuracy': [list(p) for p in row['train_accuracy']]}})
+  return {row['run']: rows_lib.row(row['run'], None, {
+      'overrides': {**common, **declared[row['run']]}, 'evals': row.get('evals', {}),
+      'curves': {k: [list(p) for p in row['curves'][k]]
+                 for k in ('train_loss', 'train_accuracy')}})
           for row in rows}
 
 

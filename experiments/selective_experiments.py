@@ -244,19 +244,20 @@ def compare_settings(args, base, seq_len: int, seed: int) -> dict:
 
 
 def lm_row(r: dict, batch: int, seq_len: int) -> dict:
-  return {'variant': r['variant'], 'step': r['step'], 'bits_per_byte': r['bits_per_byte'],
-          'eval_loss': r['eval_loss'] if rows_lib.finite(r['eval_loss']) else None,
-          'diverged': bool(r.get('diverged')), 'params': r['params'],
-          'steps_per_sec': r['tokens_per_sec'] / (batch * seq_len),
-          'run_seconds': r['run_seconds'], 'curves': r['curves']}
+  m = r['metrics']
+  return {'variant': r['run'], 'step': m['step'], 'bits_per_byte': m['bits_per_byte'],
+          'eval_loss': m['eval_loss'] if rows_lib.finite(m['eval_loss']) else None,
+          'diverged': bool(r.get('diverged')), 'params': m['params'],
+          'steps_per_sec': m['tokens_per_sec'] / (batch * seq_len),
+          'run_seconds': m['run_seconds'], 'curves': r['curves']}
 
 
 def _by_seed(rows: list[dict], runs: dict) -> dict[int, dict[str, dict]]:
-  """{seed: {name: row}} of harness rows whose variant is a spec of `runs` ({name: spec})."""
+  """{seed: {name: row}} of harness rows whose run is a spec of `runs` ({name: spec})."""
   names = {spec: name for name, spec in runs.items()}
   out = {}
   for r in rows:
-    out.setdefault(r['seed'], {})[names[r['variant']]] = r
+    out.setdefault(r['seed'], {})[names[r['run']]] = r
   return {seed: {n: by_name[n] for n in runs} for seed, by_name in out.items()}
 
 
@@ -297,10 +298,10 @@ def measure_va(rows: list[dict], base, args) -> dict:
   on fresh examples in and out of distribution, and its eval accuracy curve."""
   out = {}
   for r in rows:
-    config = run_config(base, r['variant'], r['seed'])
+    config = run_config(base, r['run'], r['seed'])
     scores = fresh_scores(config, r['workdir'], r['seed'], args.test_batches,
                          va_tasks(config, args.values, args.ood_values))
-    out[r['seed'], r['variant']] = {
+    out[r['seed'], r['run']] = {
         **scores, 'accuracy_curve': harness.scalar_curve(r['workdir'], 'eval/accuracy')}
   return out
 
@@ -312,17 +313,17 @@ def analyze_va(rows: list[dict], measured: dict, settings: dict, runs=VA_VARIANT
   for seed, by_name in _by_seed(rows, runs).items():
     per_seed[seed] = {}
     for name, r in by_name.items():
-      m = measured[seed, r['variant']]
+      m = measured[seed, r['run']]
       test, ood, accuracy = m['test'], m['ood'], m['accuracy_curve']
       per_seed[seed][name] = {
-          'variant': r['variant'], 'step': r['step'], 'diverged': bool(r.get('diverged')),
+          'variant': r['run'], 'step': r['metrics']['step'], 'diverged': bool(r.get('diverged')),
           'accuracy': test['accuracy'], 'loss': test['loss'],
           'ood_accuracy': ood['accuracy'], 'ood_loss': ood['loss'],
           'test_examples': test['examples'],
           'first_step_99': first_step_at(accuracy, 0.99),
           'eval_accuracy_curve': accuracy, 'eval_loss_curve': r['curves']['eval_loss'],
-          'steps_per_sec': r['tokens_per_sec'] / steps_per_row,
-          'run_seconds': r['run_seconds']}
+          'steps_per_sec': r['metrics']['tokens_per_sec'] / steps_per_row,
+          'run_seconds': r['metrics']['run_seconds']}
   summary = rows_lib.over_seeds(per_seed, ('accuracy', 'loss', 'ood_accuracy', 'ood_loss'))
   lines = ['| variant | accuracy | loss | OOD accuracy | OOD loss | first eval >= 99% |',
            '|---|---:|---:|---:|---:|---|']
@@ -405,14 +406,15 @@ def analyze_synthetic(rows: dict, measured: dict, settings: dict, runs=VA_VARIAN
     for seed, by_name in _by_seed(task_rows, runs).items():
       per_seed[seed] = {}
       for name, r in by_name.items():
-        m = measured[task][seed, r['variant']]
+        m = measured[task][seed, r['run']]
         per_seed[seed][name] = {
-            'variant': r['variant'], 'step': r['step'], 'diverged': bool(r.get('diverged')),
+            'variant': r['run'], 'step': r['metrics']['step'], 'diverged': bool(r.get('diverged')),
             'accuracy': m['test']['accuracy'], 'loss': m['test']['loss'],
             'test_tokens': m['test']['examples'],
             'first_step_99': first_step_at(m['accuracy_curve'], 0.99),
             'eval_accuracy_curve': m['accuracy_curve'],
-            'eval_loss_curve': r['curves']['eval_loss'], 'run_seconds': r['run_seconds']}
+            'eval_loss_curve': r['curves']['eval_loss'],
+            'run_seconds': r['metrics']['run_seconds']}
     tasks[task] = summary = rows_lib.over_seeds(per_seed, ('accuracy', 'loss'))
     for name, e in summary.items():
       m, sd = e['mean'], e['std']
@@ -438,10 +440,10 @@ def part_synthetic(args) -> dict:
                              os.path.join(args.workdir, 'synthetic', task))
     measured[task] = {}
     for r in rows[task]:
-      config = run_config(base, r['variant'], r['seed'])
+      config = run_config(base, r['run'], r['seed'])
       scores = fresh_scores(config, r['workdir'], r['seed'], args.test_batches,
                            {'test': synthetic_task(task, args)})
-      measured[task][r['seed'], r['variant']] = {
+      measured[task][r['seed'], r['run']] = {
           **scores, 'accuracy_curve': harness.scalar_curve(r['workdir'], 'eval/accuracy')}
   return analyze('synthetic', rows, measured, synthetic_settings(args), runs)
 
@@ -632,13 +634,13 @@ def measure_kv(rows: list[dict], base, args) -> dict:
   out = {}
   for seed, by_name in _by_seed(rows, KV_VARIANTS).items():
     dense = by_name['dense']
-    target = sample_loss(run_config(base, dense['variant'], seed), dense['workdir'],
+    target = sample_loss(run_config(base, dense['run'], seed), dense['workdir'],
                          args.prune_batches)
-    out[seed, dense['variant']] = {'sample_loss': target}
+    out[seed, dense['run']] = {'sample_loss': target}
     for name in ('selective', 'selective_lmem'):
       r = by_name[name]
-      out[seed, r['variant']] = prune(run_config(base, r['variant'], seed), r['workdir'],
-                                      target, args, r['step'])
+      out[seed, r['run']] = prune(run_config(base, r['run'], seed), r['workdir'], target, args,
+                                  r['metrics']['step'])
   return out
 
 
@@ -651,8 +653,8 @@ def analyze_kv(rows: dict[int, list[dict]], measured: dict[int, dict], settings:
     for seed, by_name in _by_seed(context_rows, KV_VARIANTS).items():
       per_seed[seed] = {}
       for name, r in by_name.items():
-        row = {**lm_row(r, settings['batch_size'], context), 'val_loss': r['eval_loss'],
-               **measured[context][seed, r['variant']]}
+        row = {**lm_row(r, settings['batch_size'], context),
+               'val_loss': r['metrics']['eval_loss'], **measured[context][seed, r['run']]}
         row.pop('curves')
         per_seed[seed][name] = row
     out[str(context)] = rows_lib.over_seeds(per_seed, KV_KEYS)
@@ -801,14 +803,14 @@ def docs_prune(config, workdir: str, target: float, args, checkpoint_step: int) 
 def measure_docs(va_rows: list[dict], lm_rows: list[dict], lm, args) -> dict:
   """The page's measurements: each Variable Assignment run's eval accuracy curve; each
   selective LM's budgets down to the dense LM's validation loss (docs_prune)."""
-  lm_by = {r['variant']: r for r in lm_rows}
+  lm_by = {r['run']: r for r in lm_rows}
   runs = docs_runs(args.steps)['lm']
-  target = lm_by['dense']['eval_loss']
-  return {'va_accuracy': {r['variant']: harness.scalar_curve(r['workdir'], 'eval/accuracy')
+  target = lm_by['dense']['metrics']['eval_loss']
+  return {'va_accuracy': {r['run']: harness.scalar_curve(r['workdir'], 'eval/accuracy')
                           for r in va_rows},
           'pruning': {name: docs_prune(harness.variant_config(lm, runs[name]),
                                        lm_by[name]['workdir'], target, args,
-                                       lm_by[name]['step'])
+                                       lm_by[name]['metrics']['step'])
                       for name in DOCS_PRUNED}}
 
 
@@ -816,15 +818,19 @@ def analyze_docs(va_rows: list[dict], lm_rows: list[dict], measured: dict,
                  settings: dict) -> dict:
   """docs/selective_attention.md's tables from the harness rows and measure_docs'
   measurements."""
-  va = {r['variant']: rows_lib.row(r['variant'], r.get('seed'), {
-      'step': r['step'], 'eval_loss': r['eval_loss'],
-      'eval_accuracy_curve': measured['va_accuracy'][r['variant']],
-      'eval_loss_curve': r['curves']['eval_loss'], 'run_seconds': r['run_seconds']})
-        for r in va_rows}
-  lm = {r['variant']: rows_lib.row(r['variant'], r.get('seed'), {
-      'step': r['step'], 'eval_loss': r['eval_loss'], 'bits_per_byte': r['bits_per_byte'],
-      'eval_loss_curve': r['curves']['eval_loss'], 'params': r['params'],
-      'run_seconds': r['run_seconds']}) for r in lm_rows}
+  va, lm = {}, {}
+  for r in va_rows:
+    m = r['metrics']
+    va[r['run']] = rows_lib.row(r['run'], r['seed'], {
+        'step': m['step'], 'eval_loss': m['eval_loss'],
+        'eval_accuracy_curve': measured['va_accuracy'][r['run']],
+        'eval_loss_curve': r['curves']['eval_loss'], 'run_seconds': m['run_seconds']})
+  for r in lm_rows:
+    m = r['metrics']
+    lm[r['run']] = rows_lib.row(r['run'], r['seed'], {
+        'step': m['step'], 'eval_loss': m['eval_loss'], 'bits_per_byte': m['bits_per_byte'],
+        'eval_loss_curve': r['curves']['eval_loss'], 'params': m['params'],
+        'run_seconds': m['run_seconds']})
   pruning = measured['pruning']
   steps = sorted({s for e in va.values() for s, _ in e['curves']['eval_accuracy']})
   lines = ['| step | ' + ' | '.join(str(s) for s in steps) + ' |',

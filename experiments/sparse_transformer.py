@@ -56,17 +56,18 @@ def summarize(per_seed: dict[int, list[dict]], steps: int, batch: int, seq_len: 
   (experiments/rows.py: over_seeds)."""
   rows = {}
   for seed, seed_rows in per_seed.items():
-    sps = {r['variant']: r['tokens_per_sec'] / (batch * seq_len) for r in seed_rows}
+    sps = {r['run']: r['metrics']['tokens_per_sec'] / (batch * seq_len) for r in seed_rows}
     budget = steps / max(sps.values())  # Seconds: the fastest variant's whole run.
     rows[seed] = {}
     for r in seed_rows:
+      m = r['metrics']
       curve = [tuple(p) for p in r['curves']['eval_bits_per_byte']]
-      at = budget * sps[r['variant']]
-      rows[seed][r['variant']] = {
-          'bits_per_byte': r['bits_per_byte'], 'steps_per_sec': sps[r['variant']],
-          'tokens_per_sec': r['tokens_per_sec'], 'wall_clock_budget_s': budget,
+      at = budget * sps[r['run']]
+      rows[seed][r['run']] = {
+          'bits_per_byte': m['bits_per_byte'], 'steps_per_sec': sps[r['run']],
+          'tokens_per_sec': m['tokens_per_sec'], 'wall_clock_budget_s': budget,
           'steps_at_budget': at, 'bits_per_byte_at_budget': interpolate(curve, at),
-          'attn_peak_bytes': r['attn_peak_bytes'], 'params': r['params']}
+          'attn_peak_bytes': m['attn_peak_bytes'], 'params': m['params']}
   return rows_lib.over_seeds(rows, ('bits_per_byte', 'bits_per_byte_at_budget', 'steps_per_sec'))
 
 
@@ -74,9 +75,9 @@ def plot(rows: list[dict], batch: int, seq_len: int, path: str, title: str) -> N
   plt = common.pyplot()
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for r in rows:
-    sps = r['tokens_per_sec'] / (batch * seq_len)
+    sps = r['metrics']['tokens_per_sec'] / (batch * seq_len)
     curve = r['curves']['eval_bits_per_byte']
-    ax.plot([s / sps for s, _ in curve], [v for _, v in curve], marker='o', label=r['variant'])
+    ax.plot([s / sps for s, _ in curve], [v for _, v in curve], marker='o', label=r['run'])
   ax.set_xlabel('seconds of training (steps / timed steps per second)')
   ax.set_ylabel('validation bits per byte')
   ax.set_title(title, fontsize=9)
@@ -125,9 +126,8 @@ def analyze(rows: list[dict], settings: dict) -> dict:
                  f'{m["bits_per_byte_at_budget"]:.3f} ± {sd["bits_per_byte_at_budget"]:.3f} | '
                  f'{m["steps_per_sec"]:.2f} |')
   return {'settings': settings, 'variants': summary, 'table': '\n'.join(lines),
-          'runs': {str(s): [rows_lib.row(r['variant'], s, {k: v for k, v in r.items()
-                                                           if k != 'workdir'})
-                            for r in seed_rows] for s, seed_rows in per_seed.items()}}
+          'runs': {str(s): [{k: v for k, v in r.items() if k != 'workdir'} for r in seed_rows]
+                   for s, seed_rows in per_seed.items()}}
 
 
 def main(argv=None) -> dict:

@@ -46,12 +46,12 @@ def analyze(rows, measured, settings, trained=RUNS) -> dict:
   by_name = {r.name: r.overrides for r in trained}
   results = {'settings': settings}
   for row in rows:
-    task, name = row['task'], row['variant']
+    task, name = row['task'], row['run']
     overrides = {**ue.schedule(settings['steps']), **ue.TASKS[task], **by_name[name]}
     entry = ue.entry(row, measured[task, name], overrides, settings['steps'])
     results.setdefault(task, {})[name] = ue.as_row(name, {
         'overrides': overrides, 'tau': by_name[name]['model.stack_options.ponder'],
-        'train_s': row['run_seconds'], 'eval': entry['eval'],
+        'train_s': row['metrics']['run_seconds'], 'eval': entry['eval'],
         'final_train_loss': entry['final_train_loss'], 'train_loss': entry['train_loss'],
         'train_act_steps': entry['train_act_steps'], 'train_ponder': entry['train_ponder']})
   return results
@@ -81,10 +81,10 @@ def main(argv=None):
   for task in tasks:
     for row in ue.train(trained, task, out=args.workdir, steps=args.steps):
       row['task'] = task
-      measured[task, row['variant']] = ue.measure(row, task, act=True)
-      ev = measured[task, row['variant']]['eval']
+      measured[task, row['run']] = ue.measure(row, task, act=True)
+      ev = measured[task, row['run']]['eval']
       rows.append(row)
-      print(f'[{task}/{row["variant"]}] mean steps {ev["mean_steps"]:.3f}, halted at '
+      print(f'[{task}/{row["run"]}] mean steps {ev["mean_steps"]:.3f}, halted at '
             f'{[round(h, 3) for h in ev["halted_at"]]}, accuracy within the training lengths '
             f'{(ev.get("token_accuracy") or ev["accuracy"])["train_lengths"]:.3f}', flush=True)
   results = analyze(rows, measured, settings, trained)

@@ -73,16 +73,16 @@ def common_overrides(args) -> dict:
 
 def train_and_measure(runs, base, out: str, eval_steps: int = 0) -> list[dict]:
   """Trains each run (unless finished or diverged) in OUT/<run>, then evaluates it (EVALS) and
-  reads its curves; the harness rows with 'evals' ({tag: eval result}) and 'grad_norm'.
-  eval_steps: validation batches per evaluation (0: the whole split, as the results use)."""
+  reads its curves; the harness rows with 'evals' ({tag: eval result}; none when it diverged)
+  and the curve 'grad_norm'. eval_steps: validation batches per evaluation (0: the whole
+  split, as the results use)."""
   rows = []
   for name, (config, keys) in harness.configs(runs, base).items():
     workdir = os.path.join(out, harness.folder(name))
     diverged = os.path.join(workdir, 'diverged.txt')
     if os.path.exists(diverged):  # Training again would diverge again.
-      row = harness.measure(name, config, workdir)
       with open(diverged) as f:
-        row['diverged'] = f.read().strip()
+        row = rows_lib.add(harness.measure(name, config, workdir), {'diverged': f.read().strip()})
     else:
       if not os.path.isdir(os.path.join(workdir, 'checkpoints', str(config.total_steps))):
         print(f'[{name}] training {config.total_steps} steps in {workdir}', flush=True)
@@ -91,18 +91,16 @@ def train_and_measure(runs, base, out: str, eval_steps: int = 0) -> list[dict]:
         row['diverged'] = f'error: {row["diverged"]}'  # As main.py said it.
         with open(diverged, 'w') as f:
           f.write(row['diverged'])
-    row['own_keys'] = dict(keys)
-    row['evals'] = {}
+    evals = {}
     if 'diverged' in row:
       print(f'[{name}] diverged: {row["diverged"]}', flush=True)
     else:
       for tag, extra in evals_of(name):
-        row['evals'][tag] = harness.evaluate(config, workdir,
-                                     {**EVAL_ALL, 'eval_steps': eval_steps, **extra})
-        print(f'[{name}] {tag}: bits/byte {row["evals"][tag]["bits_per_byte"]:.4f}',
-              flush=True)
-    row['grad_norm'] = scalar_curve(workdir, 'train/grad_norm')
-    rows.append(row)
+        evals[tag] = harness.evaluate(config, workdir,
+                                      {**EVAL_ALL, 'eval_steps': eval_steps, **extra})
+        print(f'[{name}] {tag}: bits/byte {evals[tag]["bits_per_byte"]:.4f}', flush=True)
+    rows.append(rows_lib.add(row, {'own_keys': dict(keys), 'evals': evals, 'curves': {
+        'grad_norm': scalar_curve(workdir, 'train/grad_norm')}}))
   return rows
 
 
@@ -112,11 +110,11 @@ def analyze(rows: list[dict], runs, settings: dict) -> dict:
   declared = {run.name: dict(run.overrides) for run in runs}
   out = {'settings': settings, 'runs': {}}
   for row in rows:
-    name = row['variant']
+    name = row['run']
     out['runs'][name] = rows_lib.row(name, None, {
-        'overrides': declared[name], 'diverged': row.get('diverged'), 'evals': row['evals'],
-        'curves': {'train_loss': [list(p) for p in row['curves']['train_loss']],
-                   'grad_norm': [list(p) for p in row['grad_norm']]}})
+        'overrides': declared[name], 'diverged': row.get('diverged'),
+        'evals': row.get('evals', {}),
+        'curves': {k: [list(p) for p in row['curves'][k]] for k in ('train_loss', 'grad_norm')}})
   return out
 
 

@@ -284,9 +284,10 @@ def entry(row, measured, overrides, steps):
   for a run trained by an earlier call."""
   loss = [list(p) for p in row['curves']['train_loss']]
   tail = [v for s, v in loss if s > steps * 0.9]
-  out = {'overrides': overrides, 'train_s': None if row['already_trained'] else row['run_seconds'],
-         'eval': measured['eval'], 'final_train_loss': sum(tail) / max(1, len(tail)),
-         'train_loss': loss, 'train_accuracy': measured['train_accuracy']}
+  train_s = None if row['already_trained'] else row['metrics']['run_seconds']
+  out = {'overrides': overrides, 'train_s': train_s, 'eval': measured['eval'],
+         'final_train_loss': sum(tail) / max(1, len(tail)), 'train_loss': loss,
+         'train_accuracy': measured['train_accuracy']}
   for key in ('train_act_steps', 'train_ponder'):
     if key in measured:
       out[key] = measured[key]
@@ -315,7 +316,7 @@ def analyze(rows, measured, settings, previous=None, sizes: Sizes = DEFAULT):
   tasks = sizes.tasks()
   steps = settings['steps']
   for row in rows:
-    task_name, name = row['task'], row['variant']
+    task_name, name = row['task'], row['run']
     m = measured[task_name, name]
     act = is_act(by_name[name])
     e = entry(row, m, {**schedule(steps), **tasks[task_name], **by_name[name]}, steps)
@@ -405,14 +406,14 @@ def train_and_measure(args) -> tuple[list, dict]:
     for row in train(args.run_list, task_name, out=args.out, steps=args.steps,
                      sizes=args.sizes):
       row['task'] = task_name
-      m = measured[task_name, row['variant']] = measure(
-          row, task_name, is_act(by_name[row['variant']]), args.sizes)
+      m = measured[task_name, row['run']] = measure(
+          row, task_name, is_act(by_name[row['run']]), args.sizes)
       rows.append(row)
       ev = m['eval']
-      print(f'[{task_name}/{row["variant"]}] trained in {row["run_seconds"]:.1f} s'
+      print(f'[{task_name}/{row["run"]}] trained in {row["metrics"]["run_seconds"]:.1f} s'
             + (' (kept)' if row['already_trained'] else ''), flush=True)
       if 'mean_steps' in ev:
-        print(f'[{task_name}/{row["variant"]}] mean steps {ev["mean_steps"]:.3f}  by role '
+        print(f'[{task_name}/{row["run"]}] mean steps {ev["mean_steps"]:.3f}  by role '
               + '  '.join(f'{r} {v:.3f}' for r, v in ev['mean_steps_by_role'].items())
               + f'  while/scan agreement {ev["while_loop_scan_argmax_agreement"]:.4f}',
               flush=True)

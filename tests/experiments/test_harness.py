@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from configs import local_text
-from experiments import harness
+from experiments import harness, rows as rows_lib
 
 
 def _text(path, size=20_000):
@@ -68,19 +68,29 @@ def test_runs_over_seeds_in_their_folders_then_kept(tmp_path):
                                                'model.attention_options.local.window': 16})]
   seen = []
   rows = harness.run(runs, base, [0, 1], out, time_rounds=1, time_steps=1, progress=True,
-                     on_row=lambda r: seen.append((r['variant'], r['seed'])))
-  assert seen == [('dense', 0), ('wide_window', 0), ('dense', 1), ('wide_window', 1)]
-  assert [(r['variant'], r['seed']) for r in rows] == seen
+                     on_row=lambda r: seen.append((r['run'], r['seed'], rows_lib.is_row(r))))
+  assert seen == [('dense', 0, True), ('wide_window', 0, True), ('dense', 1, True),
+                  ('wide_window', 1, True)]
+  assert [(r['run'], r['seed'], True) for r in rows] == seen
   for r in rows:
-    assert os.path.isdir(os.path.join(out, f'seed{r["seed"]}', r['variant'], 'checkpoints', '2'))
-    assert r['step'] == 2 and math.isfinite(r['eval_loss']) and r['bits_per_byte'] > 0
+    # experiments/rows.py's rows, as the experiments write them: numbers in 'metrics'.
+    assert rows_lib.is_row(r) and 'diverged' not in r and 'step' not in r
+    m = r['metrics']
+    assert os.path.isdir(os.path.join(out, f'seed{r["seed"]}', r['run'], 'checkpoints', '2'))
+    assert m['step'] == 2 and math.isfinite(m['eval_loss']) and m['bits_per_byte'] > 0
+    assert m['run_seconds'] > 0 and m['params'] > 0 and m['attn_peak_bytes'] > 0
+    assert [s for s, _ in r['curves']['eval_loss']] == [1, 2]
     assert len(r['timed_tokens_per_sec']['rounds']) == 1 and not r['already_trained']
+    assert m['tokens_per_sec'] == r['timed_tokens_per_sec']['median']
+    assert m['logged_tokens_per_sec'] > 0 and r['workdir'].endswith(r['run'])
   assert rows[1]['own_keys'] == {'model.attention': 'local',
                                  'model.attention_options.local.window': 16}
   # The seed is the model's: different initial losses.
   assert rows[0]['curves']['train_loss'][0][1] != rows[2]['curves']['train_loss'][0][1]
   again = harness.run(runs[:1], base, [0], out, progress=False)
-  assert again[0]['already_trained'] and again[0]['eval_loss'] == rows[0]['eval_loss']
+  assert rows_lib.is_row(again[0]) and 'logged_tokens_per_sec' not in again[0]['metrics']
+  assert again[0]['already_trained'] and rows_lib.metric(again[0], 'eval_loss', 'value') == (
+      rows_lib.metric(rows[0], 'eval_loss', 'value'))
 
 
 def test_a_sigterm_stops_the_experiment_with_the_run_saved(tmp_path, monkeypatch):
@@ -108,7 +118,7 @@ def test_a_sigterm_stops_the_experiment_with_the_run_saved(tmp_path, monkeypatch
   assert (out / 'dense' / 'checkpoints' / '2').is_dir() and not (out / 'local_window=8').exists()
   monkeypatch.setattr(train, 'train_and_evaluate', real)
   rows = harness.run(['dense'], base, None, str(out), progress=False)
-  assert rows[0]['step'] == 4 and not rows[0]['already_trained']
+  assert rows[0]['metrics']['step'] == 4 and not rows[0]['already_trained']
 
 
 def test_curves_read_either_writers_events_without_tensorflow(tmp_path):

@@ -129,8 +129,8 @@ def _fake_training(monkeypatch, hook, step_s=0.0):
     return types.SimpleNamespace(step=config.total_steps)
 
   monkeypatch.setattr(train, 'train_and_evaluate', fake)
-  monkeypatch.setattr(harness, 'measure', lambda name, config, workdir: {
-      'variant': name, 'workdir': workdir})
+  monkeypatch.setattr(harness, 'measure', lambda name, config, workdir: rows_lib.row(
+      name, None, {'variant': name, 'workdir': workdir}))
 
 
 def _va_base():
@@ -148,7 +148,7 @@ def test_a_time_limit_stops_a_run_and_keeps_the_whole_seeds(tmp_path, monkeypatc
   with harness.time_limit(60) as limit:
     rows = harness.run(['dense', 'selective'], _va_base(), [0, 1], str(tmp_path),
                        progress=False)
-    assert [(r['seed'], r['variant']) for r in rows] == [(0, 'dense'), (0, 'selective')]
+    assert [(r['seed'], r['run']) for r in rows] == [(0, 'dense'), (0, 'selective')]
     assert limit.expired and not limit.signalled and limit.over
     assert limit.cut == 'dense (seed 1) stopped at step 3 of 10 by the 60 s time limit'
     # Nothing starts after it, in this call or a later one.

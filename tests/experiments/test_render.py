@@ -116,9 +116,9 @@ def test_equal_wall_clock_reads_each_curve_at_its_own_steps():
   assert sparse_transformer.interpolate([(100, 4.0), (200, 3.0)], 50) == 4.0
   assert sparse_transformer.interpolate([(100, 4.0), (200, 3.0)], 250) == 3.0
   curve = [(50, 4.0), (100, 3.0)]
-  row = lambda name, tps, bpb: {'variant': name, 'tokens_per_sec': tps, 'bits_per_byte': bpb,
-                                'curves': {'eval_bits_per_byte': copy.deepcopy(curve)},
-                                'attn_peak_bytes': 1, 'params': 1}
+  row = lambda name, tps, bpb: rows.row(name, 0, {
+      'tokens_per_sec': tps, 'bits_per_byte': bpb, 'attn_peak_bytes': 1, 'params': 1,
+      'curves': {'eval_bits_per_byte': copy.deepcopy(curve)}})  # The harness's rows.
   # Batch 1 x 10 tokens: dense 10 steps/s, sparse 20 steps/s; 100 steps: the budget is the
   # sparse run's 5 s, in which dense does 50 steps.
   per_seed = {0: [row('dense', 100.0, 3.0), row('sparse', 200.0, 3.0)],
@@ -136,9 +136,9 @@ def test_every_experiment_aggregates_seeds_by_one_rule():
   # means where selective attention's left a diverged seed out; all three use
   # experiments/rows.py's over_seeds now.
   curve = [(50, 4.0), (100, 3.0)]
-  row = lambda name, bpb: {'variant': name, 'tokens_per_sec': 100.0, 'bits_per_byte': bpb,
-                           'curves': {'eval_bits_per_byte': copy.deepcopy(curve)},
-                           'attn_peak_bytes': 1, 'params': 1}
+  row = lambda name, bpb: rows.row(name, 0, {
+      'tokens_per_sec': 100.0, 'bits_per_byte': bpb, 'attn_peak_bytes': 1, 'params': 1,
+      'curves': {'eval_bits_per_byte': copy.deepcopy(curve)}})
   out = sparse_transformer.summarize({0: [row('dense', 3.0)], 1: [row('dense', float('nan'))],
                                       2: [row('dense', 3.2)]}, steps=100, batch=1, seq_len=10)
   assert rows.metric(out['dense'], 'bits_per_byte') == pytest.approx(3.1)

@@ -39,12 +39,14 @@ def _same_keys(payload, committed, skip=('machine', 'command', 'commands', 'part
 
 
 def _row(spec, seed, loss=2.0, step=4):
-  return {'variant': spec, 'seed': seed, 'step': step, 'eval_loss': loss,
-          'bits_per_byte': loss / 0.693, 'params': 1000, 'tokens_per_sec': 512.0,
-          'run_seconds': 1.5, 'workdir': f'/runs/seed{seed}/{harness.folder(spec)}',
-          'curves': {'eval_loss': [[2, loss + 1], [step, loss]],
-                     'eval_bits_per_byte': [[step, loss / 0.693]],
-                     'train_loss': [[1, 3.0]], 'train_tokens_per_sec': [[1, 512.0]]}}
+  """A harness row (experiments/rows.py's format) of run `spec`."""
+  return rows_lib.row(spec, seed, {
+      'variant': spec, 'step': step, 'eval_loss': loss, 'bits_per_byte': loss / 0.693,
+      'params': 1000, 'tokens_per_sec': 512.0, 'run_seconds': 1.5,
+      'workdir': f'/runs/seed{seed}/{harness.folder(spec)}',
+      'curves': {'eval_loss': [[2, loss + 1], [step, loss]],
+                 'eval_bits_per_byte': [[step, loss / 0.693]],
+                 'train_loss': [[1, 3.0]], 'train_tokens_per_sec': [[1, 512.0]]}})
 
 
 def test_every_run_is_a_valid_variant_of_its_base(tmp_path):
@@ -80,7 +82,7 @@ def test_analyze_va_keeps_the_committed_structure():
   committed = _committed('va')
   rows = [_row(spec, seed) for seed in (0, 1, 2) for spec in SE.VA_VARIANTS.values()]
   test = {'step': 4, 'loss': 0.5, 'accuracy': 0.9, 'examples': 2048}
-  measured = {(r['seed'], r['variant']): {'test': test, 'ood': test,
+  measured = {(r['seed'], r['run']): {'test': test, 'ood': test,
                                           'accuracy_curve': [[2, 0.5], [4, 0.995]]}
               for r in rows}
   payload = SE.analyze('va', rows, measured, committed['settings'])
@@ -94,7 +96,7 @@ def test_analyze_synthetic_keeps_the_committed_structure():
   rows = {task: [_row(spec, seed) for seed in settings['seeds']
                  for spec in SE.VA_VARIANTS.values()] for task in settings['tasks']}
   test = {'step': 4, 'loss': 0.01, 'accuracy': 0.995, 'examples': 100}
-  measured = {task: {(r['seed'], r['variant']): {'test': test,
+  measured = {task: {(r['seed'], r['run']): {'test': test,
                                                  'accuracy_curve': [[2, 0.5], [4, 0.995]]}
                      for r in task_rows} for task, task_rows in rows.items()}
   payload = SE.analyze('synthetic', rows, measured, settings)

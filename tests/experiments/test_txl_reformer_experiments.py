@@ -63,22 +63,66 @@ def test_reformer_runs_train_as_main_py_trained_them(tmp_path):
 
 def test_txl_analyze_gives_the_committed_json():
   committed = _committed('txl_experiment.json')
-  rows = [{'variant': name, 'evals': entry.get('evals', {}),
-           'curves': {'train_loss': entry['curves']['train_loss']},
-           'grad_norm': entry['curves']['grad_norm'],
-           **({'diverged': entry['diverged']} if 'diverged' in entry else {})}
+  rows = [rows_lib.row(name, None, {  # The rows of train_and_measure.
+      'evals': entry.get('evals', {}), 'diverged': entry.get('diverged'),
+      'curves': {k: entry['curves'][k] for k in ('train_loss', 'grad_norm')}})
           for name, entry in committed['runs'].items()]
   runs = txl_experiment.RUNS + txl_experiment.high_lr_runs(committed['settings']['high_lrs'])
   assert txl_experiment.analyze(rows, runs, committed['settings']) == committed
   assert 'eval_mem512' in txl_experiment.table(committed)
 
 
+def test_txl_adds_its_evaluations_to_the_harness_rows(tmp_path, monkeypatch):
+  """train_and_measure on the harness's rows (training and evaluation faked): evaluations and
+  the grad-norm curve go into each row; a diverged run is not evaluated, and a later call
+  reads it from its diverged.txt instead of training it again."""
+  text = tmp_path / 'text.txt'
+  text.write_text('abc\n' * 100)
+  args = txl_experiment.parse_args(['--text', str(text), '--out', str(tmp_path)])
+  base = harness.base_config(txl_experiment.RECIPE, steps=args.steps,
+                             overrides=txl_experiment.common_overrides(args))
+  runs = (txl_experiment.RUNS[2], txl_experiment.high_lr_runs([0.15])[0])  # txl, pre_ln_lr0.15
+
+  def row(name, diverged=None):
+    return rows_lib.row(name, None, {'variant': name, 'step': 600, 'diverged': diverged,
+                                     'curves': {'train_loss': [(1, 5.0)]}})
+
+  def train_one(name, config, workdir):
+    os.makedirs(workdir)
+    return row(name, 'loss is nan' if name == 'pre_ln_lr0.15' else None)
+
+  monkeypatch.setattr(harness, 'configs', lambda runs, base: {
+      r.name: (harness.variant_config(base, r.overrides), dict(r.overrides)) for r in runs})
+  monkeypatch.setattr(harness, 'train_one', train_one)
+  monkeypatch.setattr(harness, 'measure', lambda name, config, workdir: row(name))
+  monkeypatch.setattr(harness, 'evaluate', lambda config, workdir, extra: {
+      'bits_per_byte': 2.0, 'loss': 1.4, 'asked': dict(extra)})
+  monkeypatch.setattr(txl_experiment, 'scalar_curve', lambda workdir, tag: [(1, 0.5)])
+  txl, high = txl_experiment.train_and_measure(runs, base, str(tmp_path))
+  assert rows_lib.is_row(txl) and rows_lib.is_row(high)
+  assert list(txl['evals']) == ['eval_mem128', 'eval_mem512']
+  assert txl['evals']['eval_mem512']['asked']['model.attention_options.txl.eval_mem_len'] == 512
+  assert txl['curves'] == {'train_loss': [(1, 5.0)], 'grad_norm': [(1, 0.5)]}
+  assert txl['own_keys'] == {} and high['own_keys'] == {'learning_rate': 0.15}
+  assert high['diverged'] == 'error: loss is nan' and 'evals' not in high
+  payload = txl_experiment.analyze([txl, high], runs, {'steps': 600})
+  assert rows_lib.metric(payload['runs']['txl'], 'eval_mem512/bits_per_byte', 'value') == 2.0
+  assert payload['runs']['pre_ln_lr0.15']['diverged'] == 'error: loss is nan'
+
+  def trained_again(*args):
+    raise AssertionError(f'trained again: {args[0]}')
+
+  monkeypatch.setattr(harness, 'train_one', trained_again)
+  again, = txl_experiment.train_and_measure(runs[1:], base, str(tmp_path))
+  assert again['diverged'] == 'error: loss is nan' and 'evals' not in again
+
+
 def test_reformer_analyze_gives_the_committed_json(tmp_path):
   committed = _committed('reformer_experiment.json')
   for part, data in committed.items():
-    rows = [{'variant': name, 'evals': entry['evals'],
-             'curves': {'train_loss': entry['curves']['train_loss']},
-             'train_accuracy': entry['curves']['train_accuracy']}
+    rows = [rows_lib.row(name, None, {
+        'evals': entry['evals'],
+        'curves': {k: entry['curves'][k] for k in ('train_loss', 'train_accuracy')}})
             for name, entry in data['runs'].items()]
     common = {k: v for k, v in data['settings'].items() if k not in ('steps', 'text')}
     if part == 'dup':

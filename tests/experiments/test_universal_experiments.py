@@ -26,9 +26,10 @@ def _shape(x):
 
 def _row(task, name, entry, already=False):
   """A harness row of a run with the committed entry's curve and time."""
-  return {'task': task, 'variant': name, 'workdir': f'/runs/{task}/{name}',
-          'already_trained': already, 'run_seconds': rows_lib.metric(entry, 'train_s', 'value'),
-          'curves': {'train_loss': [tuple(p) for p in entry['curves']['train_loss']]}}
+  return rows_lib.row(name, None, {
+      'task': task, 'variant': name, 'workdir': f'/runs/{task}/{name}',
+      'already_trained': already, 'run_seconds': rows_lib.metric(entry, 'train_s', 'value'),
+      'curves': {'train_loss': [tuple(p) for p in entry['curves']['train_loss']]}})
 
 
 def _measured(entry):
