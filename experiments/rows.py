@@ -10,11 +10,13 @@ A row is one run of one seed:
      'evals': {tag: evaluation},                    # evaluations after training, if any
      ...descriptive fields}                         # the variant spec, budgets, spans, ...
 
-`row()` writes one from a run's flat {key: value} (every experiment's rows go through it):
-numbers and None are metrics, the 'curves' dict and every KEY_curve are curves, the 'evals'
-dict and every dict under 'eval' or 'eval_TAG' are evaluations (what `main.py --mode=eval`
-gives: {'loss': ..., 'bits_per_byte': ..., ...}), a false 'diverged' is left out, the rest are
-descriptive fields.
+experiments/harness.py's run() returns the rows of its runs; `row()` writes one from a flat
+{key: value} and `add()` adds a flat {key: value} to one (the harness's own measurements go
+through them, and an experiment's after training: its evaluations, budgets, curves), by one
+rule: numbers and None are metrics, the 'curves' dict and every KEY_curve are curves, the
+'evals' dict and every dict under 'eval' or 'eval_TAG' are evaluations (what `main.py
+--mode=eval` gives: {'loss': ..., 'bits_per_byte': ..., ...}), a false 'diverged' is left out,
+the rest are descriptive fields.
 
 An entry is a run over seeds (`over_seeds()`, the one aggregation):
 
