@@ -165,13 +165,13 @@ class MultiHeadAttention(nn.Module):
     impl: one of IMPLEMENTATIONS.
     block_size: query/key block length of the 'blocksparse' implementation.
     layer_index: the index the stack gives this layer; a variant may read it only as its
-      `layer_period` declares (models/stacks.py).
+      traits declare (`layer_period`, models/stacks.py).
     max_len: longest sequence (the position table); sizes decoding caches.
     num_layers: layers of the decoder (selective attention's L_mem divides by it).
     options: the variant's own hyper-parameters as sorted (name, value) pairs (config.model.
       attention_options.<variant>); read them with `option(name)`.
     shared: {name: array} of the parameters the variant shares across layers
-      (`shared_params`), created by the Decoder; None for variants without.
+      (its traits' `shared_params`), created by the Decoder; None for variants without.
     platform: the platform the program is compiled for (TransformerConfig.target); '' =
       this process's jax.default_backend().
     dtype: computation dtype.
@@ -261,8 +261,8 @@ class MultiHeadAttention(nn.Module):
 
   def memory_spec(self) -> memory.Spec | None:
     """How many past inputs this layer keeps and attends into (models/attention/memory.py);
-    None (the default) for no segment memory. Variants that return one also return True
-    from `uses_memory`."""
+    None (the default) for no segment memory. Variants that return one also declare it in
+    their traits (`uses_memory`, read before a module exists)."""
     return None
 
   def project(self, x):
