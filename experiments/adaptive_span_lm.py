@@ -86,14 +86,15 @@ KEYS = ('bits_per_byte', 'average_span', 'max_span', 'attn_flops_trimmed', 'attn
 
 
 def plot(per_seed: dict[int, dict[str, dict]], limit: int, path: str, title: str) -> None:
-  """Figure 4: one bar per head, grouped by layer, log scale; a panel per variant and seed."""
+  """Figure 4: one bar per head, grouped by layer, log scale; a panel per variant and seed
+  (per_seed: seed -> variant -> its row, experiments/rows.py)."""
   plt = common.pyplot()
   import numpy as np
   panels = [(seed, name, r) for seed, rows in per_seed.items() for name, r in rows.items()
             if name != 'fixed']
   fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.4), squeeze=False)
   for ax, (seed, name, r) in zip(axes[0], panels):
-    values = np.asarray(r['head_spans'])
+    values = np.asarray(rows_lib.field(r, 'head_spans'))
     layers, heads = values.shape
     width = 0.8 / heads
     for h in range(heads):
@@ -105,7 +106,8 @@ def plot(per_seed: dict[int, dict[str, dict]], limit: int, path: str, title: str
     ax.set_xticks(np.arange(layers), [str(i + 1) for i in range(layers)])
     ax.set_xlabel('layer')
     ax.set_ylabel('span z (bytes)')
-    ax.set_title(f'{name}, seed {seed}: average {r["average_span"]:.1f}', fontsize=8)
+    ax.set_title(f'{name}, seed {seed}: average {rows_lib.field(r, "average_span"):.1f}',
+                 fontsize=8)
   fig.suptitle(title, fontsize=9)
   common.save_figure(fig, path)
 
@@ -202,8 +204,8 @@ def main(argv=None) -> dict:
     for name in names:
       r = by_run[seed, RUNS[name]]
       config = harness.override(harness.variant_config(base, RUNS[name]), {'seed': seed})
-      per_seed[seed][name] = row(r, read_spans(config, r['workdir']),
-                                 args.batch_size * args.seq_len)
+      per_seed[seed][name] = rows_lib.row(name, seed, row(
+          r, read_spans(config, r['workdir']), args.batch_size * args.seq_len))
   settings = {
       'text': os.path.basename(args.text), 'seeds': seeds, 'steps': args.steps,
       'layers': args.layers, 'heads': args.heads, 'd_model': args.d_model,

@@ -703,15 +703,15 @@ def plot_kv(payload: dict, path: str) -> None:
   for ax, (context, summary) in zip(axes[0], contexts):
     for name, color in colors.items():
       for i, seed in enumerate(rows_lib.seed_rows(summary[name])):
-        path = seed.get('path')
-        if not path:
+        greedy = seed.get('path')
+        if not greedy:
           continue
-        full = path[0][0]
-        ax.plot([k / full for k, _ in path], [loss for _, loss in path],
+        full = greedy[0][0]
+        ax.plot([k / full for k, _ in greedy], [loss for _, loss in greedy],
                 color=color, alpha=0.85, lw=1.2, ls='-' if i == 0 else '--',
                 label=f'{name} (seed {seed["seed"]})')
         kept = sum(seed['keep_budgets'])
-        loss = next((loss for k, loss in reversed(path) if k == kept), None)
+        loss = next((loss for k, loss in reversed(greedy) if k == kept), None)
         if loss is not None:
           ax.plot([kept / full], [loss], 'o', color=color, ms=4)
     for i, target in enumerate(rows_lib.metric(summary['selective'], 'sample_target', 'seeds')):
