@@ -123,6 +123,22 @@ def make_source(config, *, process_index: int = 0, process_count: int = 1,
                    f'{", ".join(text.TFDS_NAMES + tuple(sorted(synthetic.TASKS)))}')
 
 
+def _check_every_share(builder, split: str, role: str, count: int) -> None:
+  """Raises ValueError on every process when a process's share of `split` (TFDS's
+  split_for_jax_process over `count` processes) would hold no example: that process would
+  fail at its first read and leave the others waiting in a collective."""
+  if count == 1:
+    return
+  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  empty = [i for i in range(count) if builder.info.splits[
+      tfds.split_for_jax_process(split, process_index=i, process_count=count)].num_examples == 0]
+  if empty:
+    raise ValueError(
+        f'data.{role}_split={split!r} has {builder.info.splits[split].num_examples} example(s) '
+        f'of {builder.info.full_name}, too few to give each of the {count} processes one '
+        f'(process(es) {empty} would read none): use a larger split or fewer processes')
+
+
 def _text_source(config, process_index, process_count, workdir, shard) -> DataSource:
   """C4 / any TFDS text dataset / local text files, tokenized and packed."""
   data = config.data
@@ -147,6 +163,8 @@ def _text_source(config, process_index, process_count, workdir, shard) -> DataSo
     raise ValueError(f'data.text_key={data.text_key!r} is not a feature of '
                      f'{builder.info.full_name}: {sorted(builder.info.features)}')
   import tensorflow_datasets as tfds
+  for role, split in (('train', data.train_split), ('eval', data.eval_split)):
+    _check_every_share(builder, split, role, shard_count)
   train_split = tfds.split_for_jax_process(data.train_split, process_index=shard_index,
                                            process_count=shard_count)
   eval_split = tfds.split_for_jax_process(data.eval_split, process_index=shard_index,

@@ -110,7 +110,10 @@ def corpus(tmp_path_factory, harness):
   flags = {'data.name': 'local_text', 'data.files': str(tmp / 'corpus.txt'),
            'data.data_dir': str(tmp / 'tfds'), 'data.tokenizer': 'byte',
            'data.packing': 'stream', 'data.chunk_bytes': 2048, 'data.prefetch_batches': 1,
-           'seq_len': 32}
+           # Two validation examples (the 2 KB chunks of 20% of the file): one for each
+           # process where the batch is split over them (a split too small to share fails
+           # at the start, input_pipeline._check_every_share).
+           'data.validation_fraction': 0.2, 'seq_len': 32}
   import input_pipeline  # pylint: disable=import-outside-toplevel
   input_pipeline.make_source(harness.config(flags), workdir=str(tmp)).close()
   return flags

@@ -142,3 +142,17 @@ def test_batch_not_divisible_by_processes(c4, spm_path, kit):
                        'batch_size': 5})
   with pytest.raises(ValueError, match=r'batch_size=5 is not divisible by the 2 processes'):
     input_pipeline.make_source(config, process_index=0, process_count=2)
+
+
+@pytest.mark.parametrize('process', [0, 1])
+def test_a_split_too_small_for_every_process_fails_on_every_process(c4, spm_path, kit, process):
+  # One validation example over 2 processes: process 1's share is empty. Before, process 1
+  # failed at its first eval read (TFDS: "Instruction [] corresponds to no data!") after
+  # training, and process 0 waited for it in a collective until the shutdown timeout.
+  import input_pipeline  # pylint: disable=import-outside-toplevel
+  config = kit.config({'data.data_dir': c4.data_dir, 'data.vocab_path': spm_path,
+                       'data.eval_split': 'validation[:1]', 'batch_size': 2})
+  with pytest.raises(ValueError, match=r"data\.eval_split='validation\[:1\]' has 1 example\(s\) "
+                                       r'of c4/en/3\.0\.1, too few to give each of the 2 '
+                                       r'processes one \(process\(es\) \[1\] would read none\)'):
+    input_pipeline.make_source(config, process_index=process, process_count=2)
