@@ -38,9 +38,10 @@ modes (inspect, selective's budgets).
 Cost, measured on 2 cores shared with other work (load 4-6), one persistent compilation
 cache: a multi-process start is 10-15 s before any compile (imports, joining the
 coordinator) and its exit several more, so a phase is ~25-80 s: the segment-memory case
-~280 s (train 113, resume 78, eval 38, generate 44), the fsdp train+resume case ~75 s; a
-slow case with every phase 2-7 min, so the full slow product (33 tests) takes a few hours
-there. The 1-process run of a phase runs next to the 2-process one.
+~280 s (train 113, resume 78, eval 38, generate 44), the fsdp train+resume case ~75 s. The
+full slow product (31 tests), run once on 0fa86e4's code beside a CI run: 57 min; a variant
+with heads split 50-112 s, a block or stack case 104-165 s, segment memory in the data and
+fsdp layouts 65-95 s. The 1-process run of a phase runs next to the 2-process one.
 """
 
 from __future__ import annotations
