@@ -35,7 +35,8 @@ def bench(trim: int, args, inputs) -> dict:
     ks, vs, segs = k[:, memory - trim:], v[:, memory - trim:], k_seg[:, memory - trim:]
     out = adaptive_span.span_attention(q, ks, vs, q_seg, segs, rel, z, ramp=args.ramp,
                                        span=trim, block=args.block,
-                                       scale=args.head_dim ** -0.5, dtype=jnp.float32)
+                                       scale=args.head_dim ** -0.5, dtype=jnp.float32,
+                                       keep_layers=1)
     return jnp.sum(out ** 2), out
 
   fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))

@@ -57,7 +57,8 @@ def trimmed_span(max_z: float, *, ramp: int, limit: int, block: int) -> int:
 
 
 def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span: int,
-                   block: int, scale: float, dtype, gather: bool = False):
+                   block: int, scale: float, dtype, platform: str = 'cpu',
+                   keep_layers: int = 0, devices: int = 1):
   """Soft-masked attention over the keys 1..`span` positions back, query block by block.
 
   Args:
@@ -72,8 +73,11 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
     block: query block length.
     scale: logit multiplier.
     dtype: dtype of the weights fed to the value matmul and of the output.
-    gather: read the relative term at each pair instead of shifting it (blockloop.relative_term:
-      an accelerator's choice, for its memory).
+    platform: the platform compiled for: it picks the relative term's form
+      (blockloop.relative_form) and whether the weights may be kept.
+    keep_layers: on a CPU, the layers of the model that keep their weights for the backward
+      (blockloop.attention's keep_weights); 0: recompute them.
+    devices: the devices the batch and heads are split over (the kept weights' share).
 
   Returns:
     (batch, n, heads, head_dim); a query with no key in reach outputs zeros.
@@ -112,13 +116,10 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
     p, z = params
     x = (m + i)[:, None] - j[None, :]  # distances (B, W); i and j are contiguous runs
     logits = jnp.einsum('bhqd,bhkd->bhqk', qb, kb, preferred_element_type=jnp.float32)
-    # q . p_{x-1} (eq. 1's relative term); pairs outside [1, T] are not live. A span of at
-    # most half the block's B + C - 1 distances is gathered on a CPU too: the shift multiplies
-    # q by every one of them (the learned span's T = 64 at init: 319 for 128 queries by 192
-    # keys), and a layer's train step at 2K took 1.2x as long as with the gather.
-    few = 2 * p.shape[0] <= qb.shape[2] + kb.shape[2] - 1
+    # q . p_{x-1} (eq. 1's relative term); pairs outside [1, T] are not live.
+    form = blockloop.relative_form(platform, p.shape[0], qb.shape[2], kb.shape[2])
     logits = (logits + blockloop.relative_term(qb, p, m + i[0] - j[0] - 1, kb.shape[2],
-                                                     gather=gather or few)) * scale
+                                               form=form)) * scale
     z_block = (jax.lax.dynamic_slice_in_dim(z, i[0], block, axis=2)[..., None] if per_token
                else z[None, :, None, None])
     live = (x >= 1) & (x <= span) & (x < ramp + z_block)  # m_z(x) > 0
@@ -128,7 +129,8 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
   out, _ = blockloop.attention(qh, kh, vh, q_segments, k_segments,
                                (rel[:span].astype(dtype), z), table=table, q_block=block,
                                score=score, dtype=dtype, per_step=per_step,
-                               keep_weights=not gather)
+                               keep_weights=keep_layers if platform == 'cpu' else 0,
+                               devices=devices)
   return jnp.swapaxes(out, 1, 2)
 
 
@@ -237,15 +239,13 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
     del positions, deterministic
     z, rel = extra
     impl_block = q.shape[1] if self.impl == 'xla' else self.loop_block(q.shape[1])
-    # The relative term is gathered on an accelerator (its memory) and shifted on a CPU (its
-    # speed): blockloop.relative_term.
-    accelerator = self.target_platform() != 'cpu'
     if key_segment_ids is None:
       key_segment_ids = segment_ids
     ramp = self.option('ramp')
     attend = functools.partial(span_attention, q, k, v, segment_ids, key_segment_ids, rel, z,
                                ramp=ramp, block=impl_block, scale=self.head_dim ** -0.5,
-                               dtype=self.dtype, gather=accelerator)
+                               dtype=self.dtype, platform=self.target_platform(),
+                               keep_layers=self.num_layers, devices=self.devices_split())
     reach = k.shape[1] - 1  # The farthest pair of the row.
     if self.dynamic or min(self.trim, reach) >= min(self.limit, reach):
       return attend(span=self.trim)

@@ -9,7 +9,8 @@ import numpy as np
 
 from models import layers
 from models import options as options_lib
-from models.attention import blockloop, blocksparse, cpu_kernel, dispatch, memory, patterns
+from models.attention import (blockloop, blocksparse, cpu_kernel, dispatch, memory, patterns,
+                              splash)
 # The shared math, under the names the variants use (base.reference_attention, ...).
 from models.attention.reference import (NEG_INF, causal_segment_mask,  # noqa: F401
                                         masked_softmax, reference_attention)
@@ -330,6 +331,15 @@ class MultiHeadAttention(nn.Module):
   def target_platform(self) -> str:
     """The platform the program is compiled for: `platform`, or this process's backend."""
     return self.platform or jax.default_backend()
+
+  def devices_split(self) -> int:
+    """The devices the mesh in force splits the batch and the heads over (1 outside a mesh):
+    one device holds 1/that of the layer's rows and heads."""
+    layout = splash.mesh_layout()
+    if layout is None:
+      return 1
+    mesh, batch_axes, head_axes = layout
+    return int(np.prod([mesh.shape[a] for a in batch_axes + head_axes]))
 
   def loop_block(self, n: int, *, prefix: bool = False) -> int:
     """The query block of this layer's blocked path over n queries (blockloop.query_block:

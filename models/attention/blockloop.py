@@ -137,7 +137,7 @@ class Context(NamedTuple):
 
 def attention(q, k, v, q_segments, k_segments, params, *, table: Table, q_block: int,
               score: Callable, dtype, per_step: int = 1, out_dtype=None, carry=None,
-              keep_weights: bool = False):
+              keep_weights: int = 0, devices: int = 1):
   """softmax attention of every query block over the key chunks `table` gives it.
 
   Args:
@@ -167,9 +167,11 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: Table, q_block:
       (batch, B, C) float32 or None are per-pair values summed over the keys of the pairs
       that count into a per-query output (selective's M_i of L_mem). Both are differentiated
       like the logits.
-    keep_weights: when every query block reads its keys in one loop step and the layer has
-      at most KEEP_PAIRS pairs, the forward keeps each pair's exp(s - lse) for the backward,
-      which then does not compute the scores again (see KEEP_PAIRS). Without `carry` only.
+    keep_weights: the layers of the model that call this with keep_weights (0: none). When
+      every query block reads its keys in one loop step and that many layers' pairs on one
+      device come to at most KEEP_PAIRS, the forward keeps each pair's exp(s - lse) for the
+      backward, which then does not compute the scores again. Without `carry` only.
+    devices: the devices the batch and heads are split over: one holds 1/devices of the pairs.
 
   Returns:
     The output (batch, heads, n, head_dim) in `dtype` (zeros for a query that sees no key)
@@ -184,30 +186,38 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: Table, q_block:
                jnp.dtype(out_dtype or dtype), carry is not None)
   if carry is None and _short(spec, _queries(q)[0].shape[2]):
     return _plain(spec, q, k, v, q_segments, k_segments, params)
-  if carry is None and keep_weights and _keeps(spec, v.shape[:2]):
+  if carry is None and keep_weights and _keeps(spec, v.shape[:2], keep_weights, devices):
     spec = dataclasses.replace(spec, keep=True)
   return _attention(spec, q, k, v, q_segments, k_segments, params, carry)
 
 
 # A query block that reads all its keys in one loop step (adaptive span's blocks: their
 # relative term is computed once over the block's T distances) can keep its weights from the
-# forward: exp(s - lse) of each pair, one float (the scores' size, n T per head and row for a
+# forward: exp(s - lse) of each pair, one float32 (the scores' size, n T per head and row for a
 # span). The backward then reads them instead of computing the score again, and the score's
-# VJP alone remains (XLA drops the unused forward of q . k and of the relative term). A span
-# score is most of a block's work: the recomputing backward made the dynamic span's train step
-# at 2K tokens 1.31x that of b39f426's unrolled autodiff on a 2-core EPYC. A layer keeps them
-# while it has at most KEEP_PAIRS pairs (256 MiB of float32; the tiny recipe's dynamic span at
-# 8K has 38M), and recomputes beyond: the memory of a long row stays linear in its length.
-KEEP_PAIRS = 1 << 26
+# VJP alone remains (XLA drops the unused forward of q . k and of the relative term). Every
+# layer's kept weights are live at once, from its forward to its backward: they are kept while
+# all the layers' pairs on one device (its share of the batch and heads) come to at most
+# KEEP_PAIRS (1 GiB), and recomputed beyond, so the memory of a long row or a deep model stays
+# linear in its length.
+KEEP_PAIRS = 1 << 28
 
 
-def _keeps(spec: _Spec, batch_heads: tuple[int, int]) -> bool:
+def kept_pairs(table: Table, q_block: int, per_step: int, batch_heads: tuple[int, int],
+               layers: int, devices: int) -> int:
+  """The pairs whose weights `layers` layers, each of (batch, heads) = `batch_heads` over
+  `table`, keep on one of the `devices` devices their batch and heads are split over."""
+  rows = -(-int(np.prod(batch_heads)) // devices)
+  return layers * rows * table.count.shape[0] * q_block * per_step * table.width
+
+
+def _keeps(spec: _Spec, batch_heads: tuple[int, int], layers: int, devices: int) -> bool:
   """Whether the forward keeps the weights: one loop step per query block, few pairs."""
   t = spec.table
   if np.any(-(-t.chunks // spec.per_step) > 1):
     return False
-  pairs = int(np.prod(batch_heads)) * t.count.shape[0] * spec.q_block * spec.per_step * t.width
-  return pairs <= KEEP_PAIRS
+  return kept_pairs(t, spec.q_block, spec.per_step, batch_heads, layers,
+                    devices) <= KEEP_PAIRS
 
 
 # Short rows: at most PLAIN_BLOCKS query blocks of at most PLAIN_QUERIES queries in all. There
@@ -709,36 +719,37 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # ACCELERATOR_BLOCK and loop steps of at least ACCELERATOR_KEYS keys. A CPU keeps
 # model.attention_block_size (128 by default), its best size there, except on dense causal
 # attention's long rows (see query_block).
-def relative_term(q, table, at0, keys: int, *, gather: bool = False):
+def relative_term(q, table, at0, keys: int, *, form: str = 'shift'):
   """q_r . table[at0 + r - t] at every pair (r, t) of a block of B contiguous queries and
-  `keys` contiguous keys, without a gather: a score's relative-position term (adaptive span's
-  q . p_x, Transformer-XL's (q + v) W_R r_x), where the pair's distance fixes the row.
+  `keys` contiguous keys: a score's relative-position term (adaptive span's q . p_x,
+  Transformer-XL's (q + v) W_R r_x), where the pair's distance fixes the row.
 
-  q . table is computed once for each of the B + keys - 1 rows the block spans, against the
+  In the form 'shift', without a gather, q . table is computed once for each of the B + keys - 1 rows the block spans, against the
   rows in reverse order, and each query's row of products is then shifted by its index (a
   reshape: row r of the flattened (B, B + keys - 1) products read from offset B - 1 - r). A
   gather of the products at each pair, with the scatter-add that is its gradient, made the
   dynamic span's train step at 2K tokens 1.4-1.7x that of the unrolled code before the engine.
   Rows outside the table read zeros.
 
-  gather=True reads the products at each pair instead (the form before the reshape), over
-  only the table rows the block spans. The TPU compiler lays the shift's flattened products
-  out again in memory: adaptive span's enwik8 recipe (S = 8192, 8,704 keys a block) needed
-  25.3 GiB per v5e chip for its train step with the shift and 14.2 GiB with the gather, so
-  adaptive span gathers on accelerators and shifts on a CPU, where it is the faster, unless
-  its span is at most half the B + keys - 1 rows (the shift multiplies q by every one).
+  Two other forms read the products at each pair instead, over only the table rows the block
+  spans (RELATIVE_FORMS): 'gather' indexes them by (batch, head, query, row) tuples, 'pairs'
+  by (query, row) pairs with the batch and head axes sliced whole. Which form is right depends
+  on the compiler (relative_form).
 
   Args:
     q: (batch, heads, B, head_dim) queries.
     table: (rows, head_dim) shared by the heads, or (heads, rows, head_dim).
     at0: the row of pair (0, 0) (traced int).
     keys: the block's keys.
+    form: one of RELATIVE_FORMS.
 
   Returns:
     (batch, heads, B, keys) float32.
   """
-  if gather:
-    return _gathered_relative_term(q, table, at0, keys)
+  if form not in RELATIVE_FORMS:
+    raise ValueError(f'unknown relative term form {form!r}; known: {", ".join(RELATIVE_FORMS)}')
+  if form != 'shift':
+    return _gathered_relative_term(q, table, at0, keys, pairs=form == 'pairs')
   b = q.shape[2]
   n = b + keys - 1
   rows = table.shape[-2]
@@ -792,7 +803,7 @@ def _table_products_bwd(residuals, g):
 _table_products.defvjp(_table_products_fwd, _table_products_bwd)
 
 
-def _gathered_relative_term(q, table, at0, keys: int):
+def _gathered_relative_term(q, table, at0, keys: int, *, pairs: bool):
   """relative_term by a gather: q . table over the rows the block's pairs span (at most
   B + keys - 1 of them, clipped to the table), read at each pair."""
   b = q.shape[2]
@@ -804,12 +815,36 @@ def _gathered_relative_term(q, table, at0, keys: int):
   spec = 'bhqd,xd->bhqx' if table.ndim == 2 else 'bhqd,hxd->bhqx'
   products = jnp.einsum(spec, q, window, preferred_element_type=jnp.float32)
   row = at0 + jnp.arange(b)[:, None] - jnp.arange(keys)[None, :]  # (B, keys) table rows
-  # Indexed by (query, row) pairs only, the leading (batch, heads) axes sliced whole: a
-  # take_along_axis broadcast its indices to every (batch, head) first, a gather (and, for
-  # the gradient, a scatter-add) of batch x heads x B x keys index tuples, which made
-  # adaptive span's train step at 512 tokens 8% slower than the same gather by index pairs.
-  term = products[:, :, jnp.arange(b)[:, None], jnp.clip(row - lo, 0, n - 1)]
+  at = jnp.clip(row - lo, 0, n - 1)
+  if pairs:
+    term = products[:, :, jnp.arange(b)[:, None], at]
+  else:
+    term = jnp.take_along_axis(products, jnp.broadcast_to(at, products.shape[:2] + at.shape),
+                               axis=-1)
   return jnp.where((row >= 0) & (row < rows), term, 0.0)
+
+
+# The forms of relative_term. 'shift' is a reshape, no gather; it multiplies q by every one of
+# the B + keys - 1 rows a block spans. 'pairs' gathers whole (batch, heads) slices by
+# (query, row) pairs: a CPU's fastest gather (take_along_axis's index tuples, one per batch row
+# and head, and their scatter-add made adaptive span's train step at 512 tokens 8% slower).
+# 'gather' takes those index tuples: the TPU compiler lays the gather of whole (batch, heads)
+# slices out with them as its minor dimensions, and the shift's flattened products likewise
+# again, so adaptive span's enwik8 layer (S = 8192, 8 rows of 8 heads a chip) needed 34 GiB
+# of temporaries with 'pairs' and 7.6 GiB with 'gather' on a v5e chip (the recipe's train
+# step, 45.5 against 14.2 GiB).
+RELATIVE_FORMS = ('shift', 'gather', 'pairs')
+
+
+def relative_form(platform: str, span: int, block: int, keys: int) -> str:
+  """The form of relative_term for a block of `block` queries and `keys` keys over a table of
+  `span` rows, compiled for `platform`: 'gather' on an accelerator (its memory); on a CPU
+  'pairs' when the span is at most half the B + keys - 1 rows the shift multiplies q by (the
+  learned span's T = 64 at init: 319 rows for 128 queries by 192 keys, and a layer's train step
+  at 2K took 1.2x as long shifted), 'shift' otherwise (the fastest there)."""
+  if platform != 'cpu':
+    return 'gather'
+  return 'pairs' if 2 * span <= block + keys - 1 else 'shift'
 
 
 ACCELERATOR_BLOCK = 512

@@ -56,9 +56,10 @@ def _inputs(n=29, memory=5, heads=3, d=8, seed=0):
   return q, k, v, jnp.asarray(q_seg), jnp.asarray(k_seg), rel
 
 
-def _attend(q, k, v, q_seg, k_seg, rel, z, span=S, block=8, gather=False):
+def _attend(q, k, v, q_seg, k_seg, rel, z, span=S, block=8, platform='cpu'):
   return A.span_attention(q, k, v, q_seg, k_seg, rel, z, ramp=R, span=span, block=block,
-                          scale=q.shape[-1] ** -0.5, dtype=jnp.float32, gather=gather)
+                          scale=q.shape[-1] ** -0.5, dtype=jnp.float32, platform=platform,
+                          keep_layers=1)
 
 
 def test_soft_mask_is_the_formula():
@@ -89,12 +90,12 @@ def test_gradient_reaches_z_only_through_the_ramp():
 
 
 @pytest.mark.parametrize('dynamic', [False, True])
-@pytest.mark.parametrize('gather', [False, True])  # True: an accelerator's relative term
-def test_attention_equals_the_papers_formulas(dynamic, gather):
+@pytest.mark.parametrize('platform', ['cpu', 'tpu'])  # Their relative terms' forms differ.
+def test_attention_equals_the_papers_formulas(dynamic, platform):
   q, k, v, q_seg, k_seg, rel = _inputs()
   rng = np.random.default_rng(1)
   z = (rng.uniform(0, S, size=(2, q.shape[1], 3)) if dynamic else np.array([0.0, 6.5, 19.0]))
-  out = _attend(q, k, v, q_seg, k_seg, rel, jnp.asarray(z, jnp.float32), gather=gather)
+  out = _attend(q, k, v, q_seg, k_seg, rel, jnp.asarray(z, jnp.float32), platform=platform)
   expected = _brute(q, k, v, np.asarray(q_seg), np.asarray(k_seg), rel, z, 8 ** -0.5)
   np.testing.assert_allclose(out, expected, atol=2e-5)
 
@@ -111,7 +112,8 @@ def test_the_accelerators_path_gives_the_same_gradients(loops, monkeypatch):
   z = jnp.asarray([1.0, 6.5, 19.0])
 
   def loss(accelerator, q, k, v, z, rel):
-    return jnp.sum(jnp.sin(_attend(q, k, v, q_seg, k_seg, rel, z, gather=accelerator)))
+    return jnp.sum(jnp.sin(_attend(q, k, v, q_seg, k_seg, rel, z,
+                                   platform='tpu' if accelerator else 'cpu')))
 
   whole = jax.value_and_grad(lambda *a: loss(False, *a), argnums=(0, 1, 2, 3, 4))(q, k, v, z, rel)
   split = jax.value_and_grad(lambda *a: loss(True, *a), argnums=(0, 1, 2, 3, 4))(q, k, v, z, rel)

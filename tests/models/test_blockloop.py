@@ -11,11 +11,12 @@
   and gradients.
 * Query blocks that read their keys in one step and keep their weights for the backward
   (keep_weights, grouped by how many keys they read) give the same outputs and gradients;
-  past KEEP_PAIRS pairs a layer recomputes them.
+  past KEEP_PAIRS pairs (every keeping layer's, on one device) a layer recomputes them.
 * A query that sees no key outputs zeros, with finite gradients.
 * Every blocked path at the accelerators' block sizes gives the CPU sizes' model.
-* The relative-position term (relative_term), shifted or gathered, is q_r . table[at0 + r - t]
-  at every pair, zero off the table, with the same gradients.
+* The relative-position term (relative_term), in each of its forms (shifted, gathered by index
+  tuples or by pairs), is q_r . table[at0 + r - t] at every pair, zero off the table, with the
+  same gradients.
 """
 
 import jax
@@ -109,7 +110,7 @@ def test_loop_equals_dense_with_gradients(gathered, per_step, q_block, monkeypat
     return blockloop.attention(q, k, v, SEGMENTS, SEGMENTS, rel, table=table, q_block=q_block,
                                score=_score, dtype=jnp.float32,
                                per_step=per_step or int(table.chunks.max()),
-                               keep_weights=per_step == 0)
+                               keep_weights=int(per_step == 0))
 
   with jax.default_matmul_precision('highest'):
     out, lse = jax.jit(loop)(q, k, v, rel)
@@ -212,7 +213,7 @@ def test_query_without_keys_outputs_zeros_with_finite_gradients(path, monkeypatc
   def f(q, k, v):
     out, lse = blockloop.attention(q[:, :, :16], k, v, SEGMENTS[:, :16], SEGMENTS, None,
                                    table=table, q_block=8, score=score, dtype=jnp.float32,
-                                   keep_weights=path == 'kept')
+                                   keep_weights=int(path == 'kept'))
     return out, lse
 
   out, lse = f(q, k, v)
@@ -222,9 +223,11 @@ def test_query_without_keys_outputs_zeros_with_finite_gradients(path, monkeypatc
   assert all(np.all(np.isfinite(g)) and np.all(np.asarray(g) == 0) for g in grads)
 
 
-def test_weights_are_kept_up_to_keep_pairs(monkeypatch):
-  """A layer keeps its weights while it has at most KEEP_PAIRS (batch x heads x queries x keys
-  a step) pairs, and where every block reads its keys in one step."""
+@pytest.mark.parametrize('layers, devices', [(1, 1), (3, 1), (3, 2)])
+def test_weights_are_kept_up_to_keep_pairs(layers, devices, monkeypatch):
+  """Weights are kept while the pairs of every keeping layer on one device, its share of the
+  batch and heads (batch x heads x queries x keys a step), come to at most KEEP_PAIRS, and
+  where every block reads its keys in one step."""
   q, k, v, _, _ = _inputs()
   table = blockloop.Table.runs(np.zeros(5), np.arange(1, 6), 8)  # 1..5 chunks of 8 keys
 
@@ -234,11 +237,12 @@ def test_weights_are_kept_up_to_keep_pairs(monkeypatch):
     jax.eval_shape(lambda q: blockloop.attention(
         q, k, v, SEGMENTS, SEGMENTS, None, table=table, q_block=8, per_step=per_step,
         score=lambda p, qb, kb, i, j: (qb @ jnp.swapaxes(kb, 2, 3), True, None),
-        dtype=jnp.float32, keep_weights=True)[0], q)
+        dtype=jnp.float32, keep_weights=layers, devices=devices)[0], q)
     monkeypatch.undo()
     return answers
 
-  pairs = B * H * 5 * 8 * 5 * 8
+  pairs = layers * (B * H // devices) * 5 * 8 * 5 * 8
+  assert blockloop.kept_pairs(table, 8, 5, (B, H), layers, devices) == pairs
   assert keeps(5, pairs) == [True]
   assert keeps(5, pairs - 1) == [False]
   assert keeps(4, pairs) == [False]  # The last block takes two steps.
@@ -256,7 +260,7 @@ def test_kept_blocks_come_back_in_order(monkeypatch):
     def fn(q, k, v, rel):
       out, lse = blockloop.attention(q, k, v, SEGMENTS, SEGMENTS, rel, table=table, q_block=8,
                                      score=_score, dtype=jnp.float32, per_step=3,
-                                     keep_weights=keep)
+                                     keep_weights=int(keep))
       return jnp.sum(out * w) + jnp.sum(jnp.sin(lse))
     return jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2, 3)))
 
@@ -355,18 +359,18 @@ def test_accelerator_block_sizes_give_the_same_model(variant):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize('gather', [False, True])
+@pytest.mark.parametrize('form', blockloop.RELATIVE_FORMS)
 @pytest.mark.parametrize('per_head', [False, True])
 @pytest.mark.parametrize('at0', [-9, 0, 5, 17, 40])  # Pairs off either end of the table too.
 @pytest.mark.parametrize('rows', [24, 9])  # A table longer, or shorter, than the pairs' span.
-def test_relative_term_reads_the_distance_row_of_every_pair(gather, per_head, at0, rows):
-  rng = np.random.default_rng(at0 + 10 + 100 * gather + rows)
+def test_relative_term_reads_the_distance_row_of_every_pair(form, per_head, at0, rows):
+  rng = np.random.default_rng(at0 + 10 + 100 * blockloop.RELATIVE_FORMS.index(form) + rows)
   b, keys = 6, 10
   q = jnp.asarray(rng.normal(size=(2, H, b, D)), jnp.float32)
   table = jnp.asarray(rng.normal(size=(H, rows, D) if per_head else (rows, D)), jnp.float32)
 
   def term(q, table):
-    return blockloop.relative_term(q, table, jnp.asarray(at0), keys, gather=gather)
+    return blockloop.relative_term(q, table, jnp.asarray(at0), keys, form=form)
 
   def brute(q, table):
     row = at0 + np.arange(b)[:, None] - np.arange(keys)[None, :]
@@ -394,3 +398,15 @@ def test_a_row_shorter_than_a_block_is_not_padded_to_the_block():
   widest = max(max(getattr(v.aval, 'shape', ()) or (0,)) for e in jaxpr.jaxpr.eqns
                for v in e.outvars)
   assert widest < 128, widest
+
+
+def test_each_platform_takes_its_relative_form():
+  """An accelerator gathers by index tuples (pairs made the TPU compiler lay out adaptive span's
+  enwik8 layer in 34 GiB instead of 7.6); a CPU gathers a short span by pairs and shifts a long
+  one."""
+  assert blockloop.relative_form('tpu', 8192, 512, 8704) == 'gather'
+  assert blockloop.relative_form('gpu', 64, 128, 192) == 'gather'
+  assert blockloop.relative_form('cpu', 64, 128, 192) == 'pairs'
+  assert blockloop.relative_form('cpu', 1024, 128, 1152) == 'shift'
+  with pytest.raises(ValueError, match='unknown relative term form'):
+    blockloop.relative_term(jnp.zeros((1, 1, 2, 4)), jnp.zeros((3, 4)), 0, 2, form='roll')
