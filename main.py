@@ -81,7 +81,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   import jax
-  from training import checkpoints, distributed, metrics, run_config, workdir_lock
+  from training import agreement, checkpoints, distributed, metrics, run_config, workdir_lock
   metrics.quiet_libraries()
   recipe_file = config_flags.get_config_filename(FLAGS['config'])
   # The workdir's record is the run's config; the command line asks for the --config.KEY
@@ -102,11 +102,17 @@ def main(argv):
           checkpoints.CheckpointError, workdir_lock.WorkdirBusy) as e:
     logging.error('%s: %s', type(e).__name__, e)
     print(f'error: {e}', file=sys.stderr)
+    if not isinstance(e, (agreement.Disagreement, workdir_lock.WorkdirBusy)):
+      # An error this process may have met alone: the others would wait for it in their next
+      # collective or exchange. Every process met a disagreement and the lock's verdict.
+      distributed.stop_run(str(e), peer_suspected=distributed.caused_by_a_peer(e))
     sys.exit(1)
   except jax.errors.JaxRuntimeError as e:
     if 'RESOURCE_EXHAUSTED' in str(e):
       logging.error('JaxRuntimeError: %s', e)
-      print(f'error: {_out_of_memory(e, FLAGS.config)}', file=sys.stderr)
+      message = _out_of_memory(e, FLAGS.config)
+      print(f'error: {message}', file=sys.stderr)
+      distributed.stop_run(message)
       sys.exit(1)
     if jax.process_count() == 1:
       raise
@@ -116,6 +122,16 @@ def main(argv):
     print(f'error: a collective with the other processes failed '
           f'({str(e).strip().splitlines()[0]}); the peer watch names the lost process',
           file=sys.stderr)
+    sys.exit(1)
+  except Exception as e:  # pylint: disable=broad-except  (a bug, or an error not foreseen)
+    if jax.process_count() == 1:
+      raise
+    # On several processes the others would wait for this one in their next collective until
+    # jax's shutdown timeout: the traceback goes to the log, and every process stops.
+    logging.exception('%s on process %d', type(e).__name__, jax.process_index())
+    print(f'error: {type(e).__name__}: {e} (traceback in the log)', file=sys.stderr)
+    distributed.stop_run(f'{type(e).__name__}: {e}',
+                         peer_suspected=distributed.caused_by_a_peer(e))
     sys.exit(1)
 
 

@@ -7,6 +7,7 @@ text stream, for segment-level recurrence; see input_pipeline/packing.py.
 """
 
 import dataclasses
+import hashlib
 from typing import Any, Callable, Iterator
 
 from absl import logging
@@ -42,6 +43,9 @@ class DataSource:
     close: releases background readers.
     tokenizer: the text tokenizer (input_pipeline/tokenizers.py: encode_batch, decode), for
       sampling; None for the synthetic tasks (their tokens are ids).
+    fingerprint: {name: JSON-able value} that identifies the data read (the dataset's name and
+      version, its splits' sizes, the vocabulary), which every process of a run must share
+      (training/agreement.py).
   """
   vocab_size: int
   seq_len: int
@@ -54,6 +58,7 @@ class DataSource:
   eval_documents: Callable[[], Iterator[np.ndarray]] | None = None
   close: Callable[[], None] = lambda: None
   tokenizer: Any = None
+  fingerprint: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 # Validation examples are drawn from a seed stream disjoint from any training seed < 10**6.
@@ -116,7 +121,8 @@ def make_source(config, *, process_index: int = 0, process_count: int = 1,
 
     return DataSource(
         vocab_size=task.vocab_size, seq_len=task.seq_len, train_iter=train_iter,
-        eval_batches=eval_batches, train_batch=train_batch, chance_loss=task.chance_loss)
+        eval_batches=eval_batches, train_batch=train_batch, chance_loss=task.chance_loss,
+        fingerprint={'data.task': repr(task), 'data.vocab_size': task.vocab_size})
   if name in text.TFDS_NAMES:
     return _text_source(config, process_index, process_count, workdir, shard)
   raise ValueError(f'unknown data.name {name!r}; known: '
@@ -256,4 +262,16 @@ def _text_source(config, process_index, process_count, workdir, shard) -> DataSo
   return DataSource(vocab_size=tokenizer.vocab_size, seq_len=config.seq_len,
                     train_iter=train_iter, eval_batches=eval_batches,
                     token_bytes=tokenizer.token_bytes(), eval_whole_split=config.eval_steps <= 0,
-                    eval_documents=eval_documents, close=close, tokenizer=tokenizer)
+                    eval_documents=eval_documents, close=close, tokenizer=tokenizer,
+                    fingerprint=_fingerprint(builder, tokenizer))
+
+
+def _fingerprint(builder, tokenizer) -> dict[str, Any]:
+  """A text source's identity: the prepared dataset (its name, config and version: a local
+  corpus's config name carries a hash of its files), every split's size and the vocabulary."""
+  return {'data.dataset': builder.info.full_name,
+          'data.splits': {name: int(split.num_examples)
+                          for name, split in sorted(builder.info.splits.items())},
+          'data.vocab_size': int(tokenizer.vocab_size),
+          'data.token_bytes': hashlib.sha256(
+              np.asarray(tokenizer.token_bytes()).tobytes()).hexdigest()[:16]}

@@ -22,7 +22,7 @@ from absl import logging
 
 import input_pipeline
 from models import transformer
-from training import checkpoints, optimizer, run_config, settings, sharding, steps
+from training import agreement, checkpoints, optimizer, run_config, settings, sharding, steps
 from training.state import Setup  # pylint: disable=unused-import (assembly.Setup: its old home)
 
 
@@ -33,7 +33,8 @@ VOCAB_MULTIPLE = 128
 
 
 def check_workdir(workdir: str) -> None:
-  """Creates `workdir` and proves it is writable, before any compute."""
+  """Creates `workdir` and proves it is writable, before any compute; on several processes,
+  also that it is one folder that every process sees (agreement.check_shared_workdir)."""
   try:
     os.makedirs(workdir, exist_ok=True)
     probe = os.path.join(workdir, f'.write_probe_{jax.process_index()}')
@@ -42,6 +43,7 @@ def check_workdir(workdir: str) -> None:
     os.remove(probe)
   except OSError as e:
     raise PermissionError(f'workdir {workdir!r} is not writable: {e}') from e
+  agreement.check_shared_workdir(workdir)  # Several processes: one folder that all of them see.
 
 
 def _warn_unaligned_packing(config, model_config) -> None:
@@ -108,6 +110,10 @@ def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None =
     The Setup.
   """
   settings.check(config)
+  # Several processes: the same settings, code and libraries everywhere, before any data is
+  # read or program compiled (then the same data, below).
+  agreement.agree('settings', agreement.settings(run_config.as_flat_json(config)),
+                  agreement.SETTINGS_ADVICE)
   mesh = sharding.make_mesh(config.mesh, devices)
   # The rows this process reads are those its devices hold in the batch's layout (all of
   # them when only the tensor axis crosses the hosts), not 1/process_count of the batch.
@@ -119,6 +125,7 @@ def build(config: ml_collections.ConfigDict, devices=None, workdir: str | None =
         config, process_index=jax.process_index(), process_count=jax.process_count(),
         workdir=workdir, shard=shard)
     data_vocab, seq_len = source.vocab_size, source.seq_len
+    agreement.agree('data', source.fingerprint, agreement.DATA_ADVICE)
   else:
     data_vocab, seq_len = _shapes_without_data(config)
   if not data:

@@ -34,7 +34,7 @@ from absl import logging
 
 from models import attention, blocks, host, stacks, transformer
 from models.attention import patterns
-from training import assembly, run_config, sharding, steps
+from training import agreement, assembly, run_config, sharding, steps
 
 
 def connectivity(model_config: transformer.TransformerConfig, n: int) -> dict[str, np.ndarray]:
@@ -218,7 +218,10 @@ def write_maps(config: ml_collections.ConfigDict, workdir: str,
     workdir: the run's folder (or a new one: the configured model, initialized).
     request: what the command line asked for; None: every field of `config`.
   """
+  assembly.check_workdir(workdir)
   config = run_config.resolve(config, workdir, trains=False, request=request).config
+  agreement.agree('settings', agreement.settings(run_config.as_flat_json(config)),
+                  agreement.SETTINGS_ADVICE)
   model_cfg = dict(config.model)
   model_cfg['vocab_size'] = model_cfg.get('vocab_size') or 1  # Not needed for the masks.
   n = config.inspect_len or config.seq_len

@@ -328,8 +328,48 @@ def initialize(environ: Mapping[str, str], *, coordinator_address: str | None = 
                jax.local_device_count(), jax.device_count())
   client = jax_distributed.global_state.client
   if limits.peer and client is not None:
-    _PeerWatch(client, jax.process_index(), jax.process_count(), limits).start()
+    _watch['now'] = _PeerWatch(client, jax.process_index(), jax.process_count(), limits)
+    _watch['now'].start()
   return True
+
+
+_watch: dict[str, '_PeerWatch'] = {}  # This process's peer watch, once started.
+
+
+# What a lost peer leaves in the error of a collective or of the coordination service.
+PEER_SIGNS = ('Gloo', 'gloo', 'Connection reset', 'DEADLINE_EXCEEDED', 'UNAVAILABLE')
+
+
+def caused_by_a_peer(error: BaseException) -> bool:
+  """Whether `error`, or an error it was raised from, is a collective or the coordination
+  service failing, as it does when another process is gone."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if any(sign in str(error) for sign in PEER_SIGNS):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def stop_run(message: str, *, peer_suspected: bool = False) -> None:
+  """Stops every process of the run, this one last or at once: for an error that this process
+  met alone (its data missing, its checkpoint unreadable, a bad value of its own) while the
+  others go on towards a collective or an exchange that this one will never join. Records the
+  failure for the peer watch, which stops every other process within a watch interval with a
+  line naming this one, and exits with status 1 (process 0 once the others have seen it). Does
+  nothing in a single-process run or without the watch; the caller has printed its error.
+
+  With `peer_suspected` (the error came from a collective: caused_by_a_peer), another process
+  is likely gone: the watch is given its timeout to name it (it then stops the run itself)
+  before this process's own error is recorded.
+  """
+  watch = _watch.get('now')
+  if watch is None:
+    return
+  if peer_suspected:
+    watch.wait_for_failure()
+  watch.stop_from_here(message)
 
 
 # The peer watch's keys in the coordination service's key-value store.
@@ -446,11 +486,24 @@ class _PeerWatch:
       return self._recorded_failure() or {'message': message, 'lost': lost}
     return {'message': message, 'lost': lost}
 
-  def _stop_run(self, failure: dict):
-    """Exits this process (status 1) with the failure's message; process 0 last."""
+  def wait_for_failure(self):
+    """Waits while the watch may still find a lost process (its timeout and two rounds): when
+    it does, its thread stops the run and this never returns."""
+    self._stop.wait(self._timeout + 2 * self._interval)
+
+  def stop_from_here(self, message: str):
+    """stop_run: this process failed on its own; every process stops."""
+    failure = self._record(f'process {self._index} of {self._count} (pid {os.getpid()} on host '
+                           f'{socket.gethostname()}) stopped: {message}', [self._index])
+    self._stop_run(failure, report=False)
+
+  def _stop_run(self, failure: dict, report: bool = True):
+    """Exits this process (status 1) with the failure's message (unless not `report`: the
+    process that failed has said why); process 0 last."""
     if not self._stopping.acquire(blocking=False):
       threading.Event().wait()  # The other thread (watch or exit) is ending the process.
-    _report(failure['message'])
+    if report:
+      _report(failure['message'])
     if self._index != 0:
       try:
         self._client.key_value_set(f'{_ACK}{self._index}', '1', allow_overwrite=True)
