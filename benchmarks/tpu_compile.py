@@ -26,8 +26,9 @@ across stacks). Results go to results/tpu_compile.json.
 `--recipes` compiles the paper recipes instead (configs.PAPER_RECIPES, each as its file sets
 it, on its own config.compile_topology): the train, eval and decoding programs, as
 `--mode=compile` does, with the roofline time estimate of the train step (training/roofline.py:
-its step time, bound and MFU) and each recipe's fingerprint (configs.fingerprint), into
-results/tpu_compile_recipes.json. The
+its step time, bound and MFU), each recipe's fingerprint (configs.fingerprint) and the GiB per
+chip of its train step cut to one layer (layer_config, layer_gib: the budget the CI tier holds
+each layer to), into results/tpu_compile_recipes.json. The
 recipes' headers quote these numbers; tests/contracts/test_paper_recipes.py checks that they
 agree with the file and that the file is of the recipes as they are now.
 """
@@ -48,7 +49,8 @@ from benchmarks import common  # noqa: E402
 import configs  # noqa: E402
 from configs import default  # noqa: E402
 from models import attention  # noqa: E402
-from training import aot, compile_report, program_stats  # noqa: E402,I100
+from training import (aot, assembly, compile_report, program_stats,  # noqa: E402,I100
+                      tpu_topology)
 
 GiB = program_stats.GiB
 
@@ -120,6 +122,44 @@ RECIPE_COLUMNS = ('recipe', 'topology', 'mesh', 'remat', 'fits', 'gib_per_chip',
                   'step_seconds', 'bound', 'mfu', 'steps_per_day', 'days', 'compile_s', 'error')
 
 
+def layer_config(config):
+  """The recipe `config` cut to its smallest stack that still holds each kind of layer: one
+  layer, or one period of layers whose pattern follows the layer index (Traits.layer_period;
+  layers that differ only by static per-layer settings, such as adaptive span's trimmed spans,
+  hold the same program and memory as the first), on the same slice, mesh, batch and lengths.
+  Its train step holds one layer's attention as the whole recipe's does, and compiles in a
+  fraction of the time."""
+  from models import stacks, transformer  # pylint: disable=import-outside-toplevel
+  layered = config.copy_and_resolve_references()
+  model = layered.model.copy_and_resolve_references()
+  # A text source sets these at build; any value gives the layers' periods.
+  model.vocab_size = model.vocab_size or 256
+  model.max_len = model.max_len or layered.seq_len
+  model = transformer.TransformerConfig.from_config(model)
+  if model.n_layers <= 1:
+    return layered
+  period = max((p or 1) for p in stacks.layer_periods(model))
+  layered.model.n_layers = min(period, model.n_layers)
+  return layered
+
+
+def layer_gib(config) -> tuple[int, float]:
+  """(layers, GiB per chip) of the train step of layer_config(config) on its slice: the
+  compiler's estimate, or what it said it needs where it refused the program."""
+  layered = layer_config(config)
+  devices = tpu_topology.topology_devices(layered.compile_topology,
+                                          layered.compile_topology_num_slices)
+  setup = assembly.build(layered, devices=devices, data=False)
+  report, _ = aot.report_for(setup, ('train',), analyze=False)
+  train = report.steps['train']
+  if train.out_of_memory:
+    amounts = program_stats.compiler_amounts(train.out_of_memory)
+    if amounts is None:
+      raise ValueError(train.out_of_memory)
+    return layered.model.n_layers, amounts[0] / GiB
+  return layered.model.n_layers, train.total_bytes / GiB
+
+
 def bench_recipe(name: str) -> dict:
   """One row: the recipe's train, eval and decoding programs compiled for its own slice."""
   config = configs.load(name)
@@ -144,7 +184,9 @@ def bench_recipe(name: str) -> dict:
       flops_utilization=estimate.get('flops_utilization'),
       peak_tflops_per_chip=(estimate.get('peak_flops_per_chip') or 0) / 1e12,
       compile_s=sum(s.compile_seconds for s in report.steps.values()),
-      report=report.to_json(), wall_s=time.perf_counter() - start)
+      report=report.to_json())
+  row['layer_n_layers'], row['layer_gib_per_chip'] = layer_gib(config)
+  row['wall_s'] = time.perf_counter() - start
   return row
 
 
