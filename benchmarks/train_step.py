@@ -5,6 +5,13 @@
   python -m benchmarks.train_step --d 2 --seq_len 16384 --batch 1 --impl blocksparse \
       --attention dense strided selective adaptive_span      # long contexts, blocked paths
   python -m benchmarks.train_step --before bb9b463 --impl blocksparse --rounds 3
+  python -m benchmarks.train_step --peer --rounds 3     # against x-transformers, same model
+
+With --peer each round runs, for each size, this tree's train step and then x-transformers'
+(benchmarks/train_step_peer.py: the same architecture, cross-entropy, clipping and AdamW in
+torch), each in a child process, back to back; the table gives the median tokens/s of each
+and their ratio (zoo / peer: above 1 is faster). Without torch and x-transformers
+(benchmarks/requirements-peer.txt) the peer row is skipped, with the line that says so.
 
 With --before REV the same table runs on an earlier commit too, in the same run: REV is checked
 out with `git worktree` under a temporary folder, and for each round and size its own
@@ -102,6 +109,8 @@ def bench_step(d: int, seq_len: int, batch: int, dtype: str, impl: str, remat: s
   ran = ','.join(dict.fromkeys(transformer.implementations(mc)))
   return {'attention': attention, 'first_step_s': first, 'd': d, 'seq_len': seq_len,
           'batch': batch, 'dtype': dtype, 'impl': ran, 'attention_impl': impl, 'remat': remat, 'scan': scan,
+          'd_model': mc.d_model, 'n_layers': mc.n_layers, 'n_heads': mc.n_heads,
+          'head_dim': mc.head_dim, 'mlp_dim': mc.mlp_dim, 'vocab_size': mc.vocab_size,
           'params_M': mc.num_params() / 1e6, 'flops_per_token': fpt, 'step_ms': 1e3 * t['median_s'],
           'tokens_per_s': tok_s, 'achieved_tflops': fpt * tok_s / 1e12}
 
@@ -120,6 +129,56 @@ def _child(tree: str, args, d: int, impl: str) -> dict:
       raise RuntimeError(f'train_step in {tree} failed:\n{proc.stderr[-2000:]}')
     with open(out) as f:
       return json.load(f)['rows'][0]
+
+
+def _peer(zoo: dict, args) -> dict:
+  """x-transformers' train step on the zoo row's architecture (benchmarks/train_step_peer.py),
+  in a child process; {'missing': module} where the peer is not installed."""
+  cmd = [sys.executable, '-m', 'benchmarks.train_step_peer', '--d_model', str(zoo['d_model']),
+         '--depth', str(zoo['n_layers']), '--heads', str(zoo['n_heads']), '--head_dim',
+         str(zoo['head_dim']), '--mlp_dim', str(zoo['mlp_dim']), '--vocab',
+         str(zoo['vocab_size']), '--seq_len', str(args.seq_len), '--batch', str(args.batch),
+         '--iters', str(args.iters)]
+  proc = subprocess.run(cmd, cwd=common.REPO, env=_USER_ENV, capture_output=True, text=True,
+                        check=False)
+  if proc.returncode:
+    raise RuntimeError(f'train_step_peer failed:\n{proc.stderr[-2000:]}')
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def against_peer(args) -> None:
+  """The --peer table: each size, this tree's train step and x-transformers', alternately."""
+  samples = {d: {'zoo': [], 'peer': []} for d in args.d}
+  rows, peer_version = [], None
+  for r in range(args.rounds):
+    for d in args.d:
+      zoo = _child(common.REPO, args, d, args.impl)
+      peer = _peer(zoo, args)
+      if 'missing' in peer:
+        print(f'x-transformers row skipped: {peer["missing"]} is not installed '
+              '(pip install -r benchmarks/requirements-peer.txt)')
+        common.print_table([zoo], ['d', 'seq_len', 'batch', 'impl', 'params_M', 'step_ms',
+                                   'tokens_per_s'])
+        return
+      peer_version = peer['torch']
+      samples[d]['zoo'].append(zoo['tokens_per_s'])
+      samples[d]['peer'].append(peer['tokens_per_s'])
+      params_ratio = peer['params'] / (zoo['params_M'] * 1e6)
+      print(f'round {r + 1} d={d}: zoo {zoo["tokens_per_s"]:.0f} ({zoo["impl"]}), '
+            f'x-transformers {peer["tokens_per_s"]:.0f} tokens/s '
+            f'(parameters x{params_ratio:.4f})', flush=True)
+      rows = [{'d': k, 'seq_len': args.seq_len, 'batch': args.batch, 'impl': zoo['impl'],
+               'zoo_tok_s': statistics.median(v['zoo']),
+               'peer_tok_s': statistics.median(v['peer']),
+               'zoo/peer': statistics.median(v['zoo']) / statistics.median(v['peer']),
+               'zoo_range': [min(v['zoo']), max(v['zoo'])],
+               'peer_range': [min(v['peer']), max(v['peer'])], 'rounds': len(v['zoo'])}
+              for k, v in samples.items() if v['zoo']]
+      common.write_json(args.out, {'peer': 'x-transformers', 'torch': peer_version,
+                                   'machine': common.machine(), 'settings': vars(args),
+                                   'rows': rows})
+  common.print_table(rows, ['d', 'seq_len', 'batch', 'impl', 'zoo_tok_s', 'peer_tok_s',
+                            'zoo/peer'])
 
 
 def before_after(args) -> None:
@@ -176,8 +235,15 @@ def main():
                  'with --before)')
   p.add_argument('--before', default=None, help='an earlier commit to run the table on too')
   p.add_argument('--before_impl', default=None, help="REV's attention_impl (default: --impl)")
-  p.add_argument('--rounds', type=int, default=3, help='--before: alternating rounds')
+  p.add_argument('--peer', action='store_true',
+                 help="x-transformers' train step on the same architecture, alternating with "
+                 "this tree's (benchmarks/requirements-peer.txt; skipped when not installed)")
+  p.add_argument('--rounds', type=int, default=3, help='--before/--peer: alternating rounds')
   args = p.parse_args()
+  if args.peer:
+    args.out = args.out or os.path.join(common.RESULTS, 'train_step_peer.json')
+    against_peer(args)
+    return
   if args.before:
     args.out = args.out or os.path.join(common.RESULTS, 'train_step_before_after.json')
     before_after(args)
