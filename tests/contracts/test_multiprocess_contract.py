@@ -214,12 +214,17 @@ DENSE = next(c for c in BASELINES if c.variant == 'dense')
 
 def test_segment_memory_with_heads_split_across_hosts_equals_one_host(harness, tmp_path,
                                                                        corpus):
+  """Over a minute (2-3 in CI): two processes train, resume, evaluate and generate from a
+  segment-memory run (PHASES) beside a one-process reference run; each start compiles its
+  programs."""
   # Before: both processes exited 1 with "the segment memory holds 8 rows but the batch has
   # 4" (each read half the rows of a batch that both hold whole, heads split over them).
   check_case(harness, tmp_path, _memory_flags(corpus), 'tensor')
 
 
 def test_parameters_split_across_hosts_train_and_resume_as_on_one_host(harness, tmp_path):
+  """Over a minute in CI: two processes train and resume, and one process trains the
+  reference; each start compiles its programs."""
   check_case(harness, tmp_path, _case_flags(DENSE), 'fsdp', phases=('train', 'resume'))
 
 

@@ -8,14 +8,15 @@ sampling loop), for the chips of a v5e:2x2 slice that is not here
   static pattern's program calls the splash kernel (a Mosaic `tpu_custom_call`) on each
   device's own rows and heads, i.e. under shard_map (XLA cannot partition a Mosaic kernel:
   outside shard_map the TPU compile fails); no program calls a CPU kernel (`zoo_*` FFI);
-* libtpu's compiler compiles the train step of the default recipe, of a factorized pattern,
-  of the reversible block and of the universal stack on the mixed mesh (COMPILED), and the
-  eval step and sampling loop of the static patterns (a compile of a blocked path unrolled
-  in Python takes 20-40 s here, so those are lowered only; benchmarks/tpu_compile.py
-  compiles every variant);
+* libtpu's compiler compiles the train step of the default recipe and of the reversible
+  block (whose backward replays the kernel) on the mixed mesh (COMPILED), and the eval step
+  and sampling loop of one static pattern (a compile of a blocked path unrolled in Python
+  takes 20-40 s here, so those are lowered only; benchmarks/tpu_compile.py compiles every
+  variant);
 * the default recipe compiles on two slices joined over DCN (mesh.dcn_data=2);
 * slow (run with -m slow, 8 min here): every case's train step compiles on both meshes and on
-  two slices.
+  two slices, and every static pattern's eval step and sampling loop compile (the CI tier
+  compiles EVAL_COMPILED's only: its budget, issue 67).
 
 A case is the default recipe (C4's shapes, bf16, 'auto' kernels) at d=2 (2 heads of 64), rows
 of 256 tokens (two splash tiles), batch 16, with one of: each attention variant, each block
@@ -53,13 +54,17 @@ CASES = {
 # Cases whose attention is a static pattern: their programs must hold the TPU kernel.
 SPLASH_CASES = [c for c, keys in CASES.items()
                 if keys.get('model.attention', 'dense') in STATIC]
-# Cases compiled in full (the others are lowered; the slow run compiles every case): the
-# default recipe, a factorized pattern, the block whose backward replays the kernel (reversible)
-# and the stack that loops over it (universal with ACT). 35-45 s each on a 2-core CI machine:
-# block_local, gtrxl_block, unrolled_stack and scan_cycle_stack, compiled here until they cost
-# the suite 2.5 minutes, are lowered only (their kernels are checked in the lowered program).
-COMPILED = ['dense', 'strided', 'reversible_block', 'universal+act_stack']
+# Cases compiled in full in the CI tier (the others are lowered; the slow run compiles every
+# case, test_every_case_compiles_for_the_slice): the default recipe, and the block whose
+# backward replays the kernel (reversible). 45-55 s each on a 2-core CI machine: strided and
+# the universal stack with ACT, compiled here until the suite passed its budget (issue 67),
+# are compiled by the slow run only, as block_local, gtrxl_block, unrolled_stack and
+# scan_cycle_stack were before them; their kernels are checked in the lowered program.
+COMPILED = ['dense', 'reversible_block']
 assert set(COMPILED) <= set(CASES), sorted(set(COMPILED) - set(CASES))
+# The static pattern whose eval step and sampling loop compile in the CI tier (a sparse one:
+# its splash call carries a mask); the others' compile in the slow run (20 s each here).
+EVAL_COMPILED = 'local'
 
 
 def _config(case: str, mesh: dict, **extra):
@@ -124,7 +129,8 @@ def test_train_step_compiles_for_the_slice(case, devices):
   assert report.total_bytes > 0 and report.xla_flops > 0
 
 
-@pytest.mark.parametrize('case', [c for c in STATIC])
+@pytest.mark.parametrize('case', [c if c == EVAL_COMPILED else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in STATIC])
 def test_eval_and_decode_programs_compile_for_the_slice(case, devices):
   setup = _setup(case, MESHES['fsdp2_tensor2'], devices)
   for compile_fn in (aot.compile_eval_step, aot.compile_decode):

@@ -62,6 +62,8 @@ def test_a_bad_run_fails_before_anything_trains(tmp_path):
 
 
 def test_runs_over_seeds_in_their_folders_then_kept(tmp_path):
+  """Over a minute in CI: two runs over two seeds are four trainings, each timed, then a
+  second call keeps the first (running runs over seeds is what the harness is for)."""
   base = _base(tmp_path)
   out = str(tmp_path / 'runs')
   runs = ['dense', harness.Run('wide_window', {'model.attention': 'local',

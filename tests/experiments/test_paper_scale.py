@@ -300,7 +300,8 @@ def test_results_md_shows_the_paper_size_beside_the_cpu_size(tmp_path):
 
 def test_the_script_runs_every_part_at_tiny_size(tmp_path):
   """benchmarks/gpu_paper_scale.sh --profile tiny: the lease's script and code path, at a tiny
-  size on this CPU (no GPU: no nvidia-smi, no wheels to install)."""
+  size on this CPU (no GPU: no nvidia-smi, no wheels to install). Over a minute in CI: the
+  script's every part starts its own process and compiles its own programs, as on the lease."""
   out, work = tmp_path / 'out', tmp_path / 'work'
   proc = subprocess.run(['bash', str(SCRIPT), str(out), str(work), '--profile', 'tiny'],
                         cwd=REPO, capture_output=True, text=True, timeout=900,

@@ -61,7 +61,15 @@ def _substitute(argv, workdir, tmp_path, text_file, c4, spm_path, kit) -> list[s
   return out + ['--config.peak_tflops_per_device=1.0']
 
 
-@pytest.mark.parametrize('name', configs.PAPER_RECIPES)
+# Recipes whose tiny line runs in the slow tier only (the CI tier's budget, issue 67): text8's
+# recipe is enwik8's model and loop on other bytes, and the Sparse Transformer's runs the splash
+# kernel in interpret mode (50 s here), which tests/contracts/test_sharded_contract.py and
+# tests/models/test_sparse_attention.py run in the CI tier.
+SLOW_TINY = ('adaptive_span_text8', 'sparse_transformer_enwik8')
+
+
+@pytest.mark.parametrize('name', [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TINY else n
+                                  for n in configs.PAPER_RECIPES])
 def test_the_recipe_runs_tiny_on_a_cpu(name, harness, tmp_path, text_file, c4, spm_path, kit):
   workdir = tmp_path / 'run'
   argv = _substitute(tiny_command(name), workdir, tmp_path, text_file, c4, spm_path, kit)

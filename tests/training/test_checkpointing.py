@@ -77,6 +77,8 @@ def reference(harness, tmp_path_factory):
 
 
 def test_sigkill_and_restart_match_uninterrupted_run(harness, reference, tmp_path):
+  """Over a minute in CI: a run killed mid-way and its restart are two main.py starts, and
+  the module's uninterrupted reference run is built on first use here."""
   workdir, log = tmp_path / 'run', tmp_path / 'killed.log'
   extra = {'total_steps': N, 'checkpoint_every_steps': EVERY}
   proc = harness.start_main(workdir, log, extra)
@@ -109,6 +111,7 @@ def test_sigkill_and_restart_match_uninterrupted_run(harness, reference, tmp_pat
 
 
 def test_sigterm_saves_exits_zero_and_restart_finishes(harness, tmp_path):
+  """About a minute in CI: a run stopped by SIGTERM and its restart, two main.py starts."""
   workdir, log = tmp_path / 'run', tmp_path / 'term.log'
   # Checkpoints only at the end or on SIGTERM; log every step to see the loop running (the
   # SIGTERM handler is installed by then).

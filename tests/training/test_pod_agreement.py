@@ -148,6 +148,8 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 
 def test_a_process_lost_during_a_save_stops_the_other_and_the_last_step_resumes(
     harness, tmp_path, monkeypatch):
+  """Over a minute in CI: two processes start and train to the save that kills one, the
+  other waits out its peer check, then one process resumes from the last whole step."""
   killer = tmp_path / 'save_killer.py'
   killer.write_text(SAVE_KILLER)
   workdir = tmp_path / 'run'

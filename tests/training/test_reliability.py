@@ -85,6 +85,8 @@ def test_a_one_device_checkpoint_evaluates_on_a_tensor_parallel_mesh(harness, tm
 
 
 def test_the_recorded_mesh_is_fitted_to_the_devices_present(harness, tmp_path):
+  """Over a minute in CI: a run on 4 devices, its evaluation on 1, its resumption on 2 and a
+  refused evaluation are four main.py starts."""
   # Issue 35: a run trained on 4 devices (data=2, fsdp=2) could not be evaluated on 1 device
   # ("mesh ... needs 4 devices, 1 are available") nor resumed on 2. The mesh is the machine's:
   # a start that sets none fits the recorded one to the devices present, in one log line.

@@ -40,6 +40,8 @@ def _run(harness, tmp_path, name, monkeypatch):
 
 def test_adaptive_span_trains_and_recompiles_only_when_a_span_crosses_a_block(
     harness, tmp_path, monkeypatch):
+  """Over a minute in CI: the real loop trains long enough for the spans to grow across a
+  block, and each crossing compiles the step again (what the test counts)."""
   state, compiled = _run(harness, tmp_path, 'adaptive_span', monkeypatch)
   assert int(state.step) == STEPS
   fractions = np.stack([np.asarray(jax.device_get(
@@ -107,7 +109,8 @@ def _stream_config(tmp_path, total_steps):
 
 def test_segment_memory_is_carried_and_resumes_exactly(tmp_path, straight_and_resumed):
   """A run stopped at step 3 and resumed to 6 equals a run straight to 6: the checkpoint
-  holds the memory of every layer and the stream positions of every row."""
+  holds the memory of every layer and the stream positions of every row. Over a minute in CI:
+  the straight, stopped and resumed runs each compile the segment-memory step."""
   straight, resumed = straight_and_resumed(lambda steps: _stream_config(tmp_path, steps))
   memory = straight.memory['block_1']['attention']
   assert memory['hidden'].shape == (2, 24, 32)
