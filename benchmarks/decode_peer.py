@@ -15,6 +15,23 @@ import os
 import time
 
 
+def peer_model(args, max_len: int):
+  """(torch, x-transformers' TransformerWrapper) with the zoo's architecture: pre-norm RMSNorm,
+  SwiGLU of width args.mlp_dim, learned absolute positions, normalized queries and keys, untied
+  embeddings; torch on every core of this process, seeded. Raises ImportError without torch or
+  x-transformers."""
+  import torch  # pylint: disable=g-import-not-at-top
+  from x_transformers import Decoder, TransformerWrapper  # pylint: disable=g-import-not-at-top
+  torch.set_num_threads(len(os.sched_getaffinity(0)))
+  torch.manual_seed(0)
+  return torch, TransformerWrapper(
+      num_tokens=args.vocab, max_seq_len=max_len,
+      attn_layers=Decoder(dim=args.d_model, depth=args.depth, heads=args.heads,
+                          attn_dim_head=args.head_dim, ff_glu=True, ff_swish=True,
+                          ff_mult=args.mlp_dim / args.d_model, use_rmsnorm=True,
+                          attn_qk_norm=True))
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   for name in ('d_model', 'depth', 'heads', 'head_dim', 'mlp_dim', 'vocab', 'max_len', 'batch',
@@ -22,19 +39,11 @@ def main():
     parser.add_argument(f'--{name}', type=int, required=True)
   args = parser.parse_args()
   try:
-    import torch  # pylint: disable=g-import-not-at-top
-    from x_transformers import AutoregressiveWrapper, Decoder, TransformerWrapper  # pylint: disable=g-import-not-at-top
+    torch, net = peer_model(args, args.max_len)
+    from x_transformers import AutoregressiveWrapper  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     print(json.dumps({'missing': e.name}))
     return
-  torch.set_num_threads(len(os.sched_getaffinity(0)))
-  torch.manual_seed(0)
-  net = TransformerWrapper(
-      num_tokens=args.vocab, max_seq_len=args.max_len,
-      attn_layers=Decoder(dim=args.d_model, depth=args.depth, heads=args.heads,
-                          attn_dim_head=args.head_dim, ff_glu=True, ff_swish=True,
-                          ff_mult=args.mlp_dim / args.d_model, use_rmsnorm=True,
-                          attn_qk_norm=True))
   wrapper = AutoregressiveWrapper(net).eval()
   prompts = torch.randint(0, args.vocab, (args.batch, args.prompt))
   times = []

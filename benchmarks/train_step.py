@@ -131,6 +131,18 @@ def _child(tree: str, args, d: int, impl: str) -> dict:
       return json.load(f)['rows'][0]
 
 
+def _paired(values: dict[str, list[float]], first: str, second: str, ratio: str) -> dict:
+  """Medians and ranges of two series of tokens/s (keys '<name>_tok_s', '<name>_range'), their
+  ratio under the key `ratio` ('first/second' or 'second/first'), and the rounds."""
+  med = {name: statistics.median(values[name]) for name in (first, second)}
+  num, den = ratio.split('/')
+  return {f'{first}_tok_s': med[first], f'{second}_tok_s': med[second],
+          ratio: med[num] / med[den],
+          f'{first}_range': [min(values[first]), max(values[first])],
+          f'{second}_range': [min(values[second]), max(values[second])],
+          'rounds': len(values[second])}
+
+
 def _peer(zoo: dict, args) -> dict:
   """x-transformers' train step on the zoo row's architecture (benchmarks/train_step_peer.py),
   in a child process; {'missing': module} where the peer is not installed."""
@@ -168,11 +180,7 @@ def against_peer(args) -> None:
             f'x-transformers {peer["tokens_per_s"]:.0f} tokens/s '
             f'(parameters x{params_ratio:.4f})', flush=True)
       rows = [{'d': k, 'seq_len': args.seq_len, 'batch': args.batch, 'impl': zoo['impl'],
-               'zoo_tok_s': statistics.median(v['zoo']),
-               'peer_tok_s': statistics.median(v['peer']),
-               'zoo/peer': statistics.median(v['zoo']) / statistics.median(v['peer']),
-               'zoo_range': [min(v['zoo']), max(v['zoo'])],
-               'peer_range': [min(v['peer']), max(v['peer'])], 'rounds': len(v['zoo'])}
+               **_paired(v, 'zoo', 'peer', 'zoo/peer')}
               for k, v in samples.items() if v['zoo']]
       common.write_json(args.out, {'peer': 'x-transformers', 'torch': peer_version,
                                    'machine': common.machine(), 'settings': vars(args),
@@ -202,11 +210,7 @@ def before_after(args) -> None:
               f'{a["tokens_per_s"]:.0f} ({a["impl"]}) tokens/s', flush=True)
         rows = [{'d': k, 'seq_len': args.seq_len, 'batch': args.batch,
                  'before_impl': args.before_impl or args.impl, 'after_impl': args.impl,
-                 'before_tok_s': statistics.median(v['before']),
-                 'after_tok_s': statistics.median(v['after']),
-                 'after/before': statistics.median(v['after']) / statistics.median(v['before']),
-                 'before_range': [min(v['before']), max(v['before'])],
-                 'after_range': [min(v['after']), max(v['after'])], 'rounds': len(v['after'])}
+                 **_paired(v, 'before', 'after', 'after/before')}
                 for k, v in samples.items() if v['after']]
         common.write_json(args.out, {'before': args.before, 'after': after,
                                      'machine': common.machine(), 'settings': vars(args),

@@ -5,11 +5,10 @@ one process, slow each other down) and printed as one JSON line.
   python -m benchmarks.train_step_peer --d_model 512 --depth 8 --heads 8 --head_dim 64 \
       --mlp_dim 1408 --vocab 8192 --seq_len 512 --batch 8 --iters 10
 
-The step is what a PyTorch user writes for the same model: logits, cross-entropy over the
-vocabulary, backward, global-norm clipping at 1.0 and AdamW with decoupled weight decay 0.1,
-float32, on random tokens. The architecture matches the zoo's: pre-norm RMSNorm, SwiGLU of
-width mlp_dim, learned absolute positions, normalized queries and keys, untied embeddings.
-Options a run of torch may add (--compile: torch.compile of the model) are rows of their own.
+The step is what a PyTorch user writes for the same model (benchmarks/decode_peer.py's
+peer_model, the zoo's architecture): logits, cross-entropy over the vocabulary, backward,
+global-norm clipping at 1.0 and AdamW with decoupled weight decay 0.1, float32, eager, on
+random tokens.
 
 Needs torch and x-transformers (benchmarks/requirements-peer.txt); prints
 {"missing": "<module>"} without them.
@@ -17,9 +16,10 @@ Needs torch and x-transformers (benchmarks/requirements-peer.txt); prints
 
 import argparse
 import json
-import os
 import statistics
 import time
+
+from benchmarks.decode_peer import peer_model
 
 
 def main():
@@ -27,27 +27,16 @@ def main():
   for name in ('d_model', 'depth', 'heads', 'head_dim', 'mlp_dim', 'vocab', 'seq_len', 'batch',
                'iters'):
     parser.add_argument(f'--{name}', type=int, required=True)
-  parser.add_argument('--compile', type=int, default=0, help='1: torch.compile the model')
   parser.add_argument('--profile', type=int, default=0,
                       help='N: also run N steps under torch.profiler and print their split by '
                       'operator kind (the torch side of benchmarks/train_step_profile.py)')
   args = parser.parse_args()
   try:
-    import torch  # pylint: disable=g-import-not-at-top
-    from x_transformers import Decoder, TransformerWrapper  # pylint: disable=g-import-not-at-top
+    torch, net = peer_model(args, args.seq_len)
   except ImportError as e:
     print(json.dumps({'missing': e.name}))
     return
-  torch.set_num_threads(len(os.sched_getaffinity(0)))
-  torch.manual_seed(0)
-  net = TransformerWrapper(
-      num_tokens=args.vocab, max_seq_len=args.seq_len,
-      attn_layers=Decoder(dim=args.d_model, depth=args.depth, heads=args.heads,
-                          attn_dim_head=args.head_dim, ff_glu=True, ff_swish=True,
-                          ff_mult=args.mlp_dim / args.d_model, use_rmsnorm=True,
-                          attn_qk_norm=True))
   net.train()
-  model = torch.compile(net) if args.compile else net
   decay = [p for p in net.parameters() if p.ndim >= 2]
   no_decay = [p for p in net.parameters() if p.ndim < 2]
   opt = torch.optim.AdamW([{'params': decay, 'weight_decay': 0.1},
@@ -57,7 +46,7 @@ def main():
   inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
   def step():
-    logits = model(inputs)
+    logits = net(inputs)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab), targets.reshape(-1))
     loss.backward()
     torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
@@ -65,7 +54,7 @@ def main():
     opt.zero_grad(set_to_none=True)
     return loss.item()
 
-  step()  # Warm-up (and compilation with --compile).
+  step()  # Warm-up.
   times = []
   for _ in range(args.iters):
     start = time.perf_counter()
