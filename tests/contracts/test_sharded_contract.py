@@ -12,7 +12,9 @@ give, on 8 devices and on 1, the same
   optimizer state without compiling a second program;
 - parameters after the step (`steps.jit_train_step`, the loop's step, with its shardings).
 
-The model: 2 layers, d_model 32, 4 heads of 8 (2 per device with tensor=2), float32, on the
+The model: 1 layer (2 for the scanned stacks, whose parameters are stacked over layers; a
+second layer of an unrolled stack is the first one's sharding again and cost a fifth of the
+run's CPU time), d_model 32, 4 heads of 8 (2 per device with tensor=2), float32, on the
 Copy task (rows of 32 with padding, so document masks matter; most positions are scored), with
 pattern sizes of 2-16 so the sparse patterns are sparse at that length. The default runs use
 the einsum reference ('xla') and the TPU splash kernel (Pallas interpret mode, under shard_map
@@ -114,7 +116,7 @@ OPTIONS = {'stride': 4, 'summary': 2, 'window': 8, 'local_block': 8, 'block_memo
 # Dotted config keys applied on top of configs/tiny.py.
 CONFIG = {
     'data.name': 'copy', 'data.num_symbols': 28, 'data.max_length': 15,  # seq 32, 32 ids.
-    'model.d_model': 32, 'model.n_heads': 4, 'model.n_layers': 2, 'model.vocab_size': 32,
+    'model.d_model': 32, 'model.n_heads': 4, 'model.n_layers': 1, 'model.vocab_size': 32,
     'model.dtype': 'float32', 'model.param_dtype': 'float32', 'model.attention_block_size': 8,
     'batch_size': 8, 'warmup_steps': 0, 'adam_eps': ADAM_EPS, 'peak_tflops_per_device': 1.0,
     **{f'model.attention_options.{variant}.{k}': v for variant in attention.known()
@@ -139,6 +141,8 @@ for _label in EXTRA_CASES:
   if CASE_CONFIG[_label]['model.stack'] == 'universal':
     CASE_CONFIG[_label].update({'model.stack_options.steps': 3, 'model.stack_options.max_steps': 3,
                                 'model.stack_options.ponder': 0.05})
+  if CASE_CONFIG[_label]['model.stack'] in ('scan', 'scan_cycle'):
+    CASE_CONFIG[_label]['model.n_layers'] = 2  # Scanned parameters of more than one layer.
 
 _SCRIPT = textwrap.dedent('''\
     """One train step of every variant on 1 device and on 8-device meshes; saves the results."""
