@@ -12,7 +12,7 @@
 import os
 import sys
 
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # TensorFlow (event files) C++ chatter.
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # TensorFlow's (tf.data, TFDS) C++ chatter.
 
 from absl import app, flags, logging
 from ml_collections import config_flags

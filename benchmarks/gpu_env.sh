@@ -2,6 +2,8 @@
 # jax but neither tensorflow nor clu. clu and ml-collections come as wheels carried in .whl/
 # (see the device notes), installed once under /tmp/site; without tensorflow, clu's
 # SummaryWriter is pointed at its PyTorch TensorBoard writer for this machine only.
+# main.py itself no longer imports clu (training/metrics.py writes event files with the
+# tensorboard package alone); the shim stays for the earlier commits that --before runs.
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 if ls .whl/*.whl >/dev/null 2>&1; then
   [ -d /tmp/site/clu ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -1,10 +1,9 @@
-"""Console progress lines, TensorBoard scalars and texts (through clu metric writers)."""
+"""Console progress lines, TensorBoard scalars and texts."""
 
 import time
 
 import jax
 from absl import logging
-from clu import metric_writers
 
 
 class MetricLogger:
@@ -16,18 +15,16 @@ class MetricLogger:
   """
 
   def __init__(self, workdir: str, total_steps: int):
-    # The console line below replaces clu's LoggingWriter, so only event files are written.
-    writers = []
-    if jax.process_index() == 0:
-      writers.append(metric_writers.AsyncWriter(metric_writers.SummaryWriter(f'{workdir}/tensorboard')))
-    self._writer = metric_writers.MultiWriter(writers)
+    # Event files from process 0 only; the console line below is every process's.
+    self._writer = EventWriter(f'{workdir}/tensorboard') if jax.process_index() == 0 else None
     self._total = total_steps
     self._start = time.time()
     self._start_step = None
 
   def write(self, step: int, scalars: dict[str, float], prefix: str = 'train') -> None:
     """Logs `scalars` at `step` under `prefix/`."""
-    self._writer.write_scalars(step, {f'{prefix}/{k}': v for k, v in scalars.items()})
+    if self._writer:
+      self._writer.write_scalars(step, {f'{prefix}/{k}': v for k, v in scalars.items()})
     if prefix == 'train':
       if self._start_step is None:
         self._start_step, self._start = step, time.time()
@@ -43,12 +40,84 @@ class MetricLogger:
 
   def write_texts(self, step: int, texts: dict[str, str]) -> None:
     """Writes `texts` ({tag: markdown}) at `step` as TensorBoard text summaries."""
-    self._writer.write_texts(step, texts)
+    if self._writer:
+      self._writer.write_texts(step, texts)
 
   def close(self) -> None:
-    """Flushes and closes the writers."""
-    self._writer.flush()
-    self._writer.close()
+    """Flushes and closes the event file."""
+    if self._writer:
+      self._writer.close()
+
+
+class EventWriter:
+  """TensorBoard event files, written in a background thread with no TensorFlow in a local
+  folder.
+
+  The summaries are those tf.summary writes (a float32 scalar tensor under the 'scalars'
+  plugin, a string tensor under 'text'), in TFRecord framing, so TensorBoard, its
+  EventAccumulator (experiments/harness.py) and tf.compat.v1.train.summary_iterator read them
+  as before. Not clu's SummaryWriter, nor tensorboard's EventFileWriter: both import
+  TensorFlow where it is installed, about 8 CPU-seconds of every start of main.py on a 2-core
+  machine, for runs whose data needs none (the synthetic tasks, every `--mode=eval` or
+  `--mode=generate` of them). A remote folder (gs://...) is written through tf.io.gfile.
+
+  Args:
+    logdir: the folder of the event file (created if missing).
+  """
+
+  def __init__(self, logdir: str):
+    # pylint: disable=import-outside-toplevel
+    import concurrent.futures
+    import os
+    import socket
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.plugins.scalar import summary_v2 as scalar_summary
+    from tensorboard.plugins.text import summary_v2 as text_summary
+    from tensorboard.summary.writer import record_writer
+    self._event, self._summary = event_pb2.Event, summary_pb2.Summary
+    self._scalar, self._text = scalar_summary.scalar_pb, text_summary.text_pb
+    name = f'events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}'
+    if '://' in logdir:
+      import tensorflow as tf
+      tf.io.gfile.makedirs(logdir)
+      file = tf.io.gfile.GFile(f'{logdir.rstrip("/")}/{name}', 'wb')
+    else:
+      os.makedirs(logdir, exist_ok=True)
+      file = open(os.path.join(logdir, name), 'wb')  # pylint: disable=consider-using-with
+    self._records = record_writer.RecordWriter(file)
+    self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='event_writer')
+    self._pending = []
+    self._add(self._event(wall_time=time.time(), file_version='brain.Event:2'))
+
+  def _add(self, event) -> None:
+    """Queues `event`; the writer thread appends and flushes it (in order)."""
+    data = event.SerializeToString()
+    self._pending = [f for f in self._pending if not f.done() or f.exception()]
+    self._pending.append(self._thread.submit(self._write, data))
+
+  def _write(self, data: bytes) -> None:
+    self._records.write(data)
+    self._records.flush()
+
+  def _summaries(self, step: int, summaries) -> None:
+    values = [v for summary in summaries for v in summary.value]
+    self._add(self._event(wall_time=time.time(), step=int(step),
+                          summary=self._summary(value=values)))
+
+  def write_scalars(self, step: int, scalars: dict[str, float]) -> None:
+    """One event at `step` with a scalar summary per key."""
+    self._summaries(step, [self._scalar(tag, float(v)) for tag, v in scalars.items()])
+
+  def write_texts(self, step: int, texts: dict[str, str]) -> None:
+    """One event at `step` with a text summary (markdown) per key."""
+    self._summaries(step, [self._text(tag, text) for tag, text in texts.items()])
+
+  def close(self) -> None:
+    """Waits for the queued writes, closes the file, and raises the first write's error."""
+    self._thread.shutdown(wait=True)
+    self._records.close()
+    for future in self._pending:
+      future.result()
 
 
 def _per_layer(scalars: dict[str, float]) -> str:

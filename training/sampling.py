@@ -370,8 +370,8 @@ def write_samples(writer, step: int, samples: list[tuple[str, str]]) -> None:
   continuation) and logs them; nothing when `samples` is empty.
 
   Args:
-    writer: anything with write_texts(step, {key: text}): a metrics.MetricLogger or a clu
-      metric writer.
+    writer: anything with write_texts(step, {key: text}): a metrics.MetricLogger or
+      metrics.EventWriter.
     step: the training step.
     samples: (prompt, continuation) pairs, as eval_samples returns them.
   """
