@@ -2,7 +2,11 @@
 
 The attention is checked against a brute-force loop over (t, r) written from eq. 1-3 and the
 masked softmax; trimmed compute, the segment cache and decoding against the full forward.
+Every computation is jitted whole: run eagerly, a gradient dispatches (and compiles) each
+operation of the blocked loops alone, about ten times the one compile of the jitted program.
 """
+
+import functools
 
 import flax.linen as nn
 import jax
@@ -56,6 +60,7 @@ def _inputs(n=29, memory=5, heads=3, d=8, seed=0):
   return q, k, v, jnp.asarray(q_seg), jnp.asarray(k_seg), rel
 
 
+@functools.partial(jax.jit, static_argnames=('span', 'block', 'platform'))
 def _attend(q, k, v, q_seg, k_seg, rel, z, span=S, block=8, platform='cpu'):
   return A.span_attention(q, k, v, q_seg, k_seg, rel, z, ramp=R, span=span, block=block,
                           scale=q.shape[-1] ** -0.5, dtype=jnp.float32, platform=platform,
@@ -83,9 +88,9 @@ def test_gradient_reaches_z_only_through_the_ramp():
   def loss(z):
     return jnp.sum(_attend(q, k, v, q_seg, k_seg, rel, z) ** 2)
 
-  assert float(jnp.abs(jax.grad(loss)(jnp.full((3,), S - R + 0.0))).max()) > 0
+  assert float(jnp.abs(jax.jit(jax.grad(loss))(jnp.full((3,), S - R + 0.0))).max()) > 0
   short = _inputs(n=3, memory=0)
-  g = jax.grad(lambda z: jnp.sum(_attend(*short, z) ** 2))(jnp.full((3,), 5.0))
+  g = jax.jit(jax.grad(lambda z: jnp.sum(_attend(*short, z) ** 2)))(jnp.full((3,), 5.0))
   assert float(jnp.abs(g).max()) == 0  # Distances <= 2 < z: every weight has mask 1.
 
 
@@ -115,8 +120,10 @@ def test_the_accelerators_path_gives_the_same_gradients(loops, monkeypatch):
     return jnp.sum(jnp.sin(_attend(q, k, v, q_seg, k_seg, rel, z,
                                    platform='tpu' if accelerator else 'cpu')))
 
-  whole = jax.value_and_grad(lambda *a: loss(False, *a), argnums=(0, 1, 2, 3, 4))(q, k, v, z, rel)
-  split = jax.value_and_grad(lambda *a: loss(True, *a), argnums=(0, 1, 2, 3, 4))(q, k, v, z, rel)
+  whole = jax.jit(jax.value_and_grad(lambda *a: loss(False, *a), argnums=(0, 1, 2, 3, 4)))(
+      q, k, v, z, rel)
+  split = jax.jit(jax.value_and_grad(lambda *a: loss(True, *a), argnums=(0, 1, 2, 3, 4)))(
+      q, k, v, z, rel)
   np.testing.assert_allclose(whole[0], split[0], rtol=1e-5)
   for a, b in zip(whole[1], split[1]):
     np.testing.assert_allclose(a, b, atol=1e-5)
@@ -139,8 +146,9 @@ def test_trimmed_equals_untrimmed_outputs_and_gradients():
   def loss(span, q, k, v, z, rel):
     return jnp.sum(jnp.sin(_attend(q, k, v, q_seg, k_seg, rel, z, span=span)))
 
-  full = jax.value_and_grad(lambda *a: loss(S, *a), argnums=(0, 1, 2, 3, 4))(q, k, v, z, rel)
-  trimmed = jax.value_and_grad(lambda *a: loss(trim, *a), argnums=(0, 1, 2, 3, 4))(
+  full = jax.jit(jax.value_and_grad(lambda *a: loss(S, *a), argnums=(0, 1, 2, 3, 4)))(
+      q, k, v, z, rel)
+  trimmed = jax.jit(jax.value_and_grad(lambda *a: loss(trim, *a), argnums=(0, 1, 2, 3, 4)))(
       q, k, v, z, rel)
   np.testing.assert_allclose(full[0], trimmed[0], rtol=1e-5)
   for a, b in zip(full[1], trimmed[1]):
@@ -166,6 +174,15 @@ def _model(name='adaptive_span', memory=False, max_len=48, **extra):
   return transformer.Decoder(cfg)
 
 
+def _apply(model, params, tokens, **kwargs):
+  """model.apply, jitted (one compile, not one per operation)."""
+  return jax.jit(functools.partial(model.apply, **kwargs))({'params': params}, tokens)
+
+
+def _init(model, tokens):
+  return jax.jit(model.init)(jax.random.key(0), tokens)
+
+
 def _set_spans(params, fractions):
   params = jax.tree.map(lambda a: a, nn.unbox(params))
   for i, f in enumerate(fractions):
@@ -176,9 +193,8 @@ def _set_spans(params, fractions):
 def test_penalty_equals_its_formula_and_spans_are_logged():
   model = _model()
   tokens = jnp.zeros((2, 16), jnp.int32)
-  params = _set_spans(model.init(jax.random.key(0), tokens)['params'],
-                      [[0.25, 0.5], [0.0, 1.0]])
-  _, sown = model.apply({'params': params}, tokens, mutable=['losses', 'metrics'])
+  params = _set_spans(_init(model, tokens)['params'], [[0.25, 0.5], [0.0, 1.0]])
+  _, sown = _apply(model, params, tokens, mutable=['losses', 'metrics'])
   lam, m = OPTIONS['penalty'], 2
   expected = lam / m * S * (0.25 + 0.5) + lam / m * S * (0.0 + 1.0)  # (lambda / M) sum_i z_i
   np.testing.assert_allclose(float(steps.sum_collection(sown['losses'])), expected, rtol=1e-6)
@@ -206,7 +222,7 @@ def test_z_stays_in_zero_to_s_after_updates():
 
 def test_with_trims_follows_the_largest_span_per_layer():
   model = _model()
-  params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))['params']
+  params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))['params']
   cfg = transformer.specialized(model.config, _set_spans(params, [[0.1, 0.2], [0.0, 0.0]]))
   assert cfg.options_of('adaptive_span')['trim'] == (12, 4)  # ceil(4.8 + 4) -> 12; R -> 4
   same = transformer.specialized(model.config, _set_spans(params, [[0.1, 0.3], [0.0, 0.0]]))
@@ -216,33 +232,37 @@ def test_with_trims_follows_the_largest_span_per_layer():
 
 def test_trimmed_model_equals_untrimmed_model():
   model = _model()
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 40)))
-  params = _set_spans(model.init(jax.random.key(0), tokens)['params'], [[0.1, 0.3], [0.0, 0.5]])
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 24)))
+  params = _set_spans(_init(model, tokens)['params'], [[0.1, 0.3], [0.0, 0.5]])
   trimmed = transformer.Decoder(transformer.specialized(model.config, params))
   assert trimmed.config.options_of('adaptive_span')['trim'] == (12, 16)
-  np.testing.assert_allclose(trimmed.apply({'params': params}, tokens),
-                             model.apply({'params': params}, tokens), atol=2e-5)
+  np.testing.assert_allclose(_apply(trimmed, params, tokens), _apply(model, params, tokens),
+                             atol=2e-5)
 
 
 def test_a_stale_trim_computes_the_full_span():
   """The loop reads z only at its log steps: a model trimmed for smaller spans than its
   parameters now have computes all S keys (outputs and gradients of the untrimmed model),
-  and the trim is used while it still covers every z. About a minute in CI: the trimmed and
-  untrimmed models' forward and backward compile for each of the trims compared."""
+  and the trim is used while it still covers every z. The trimmed and untrimmed models'
+  forward and backward compile once each (one jitted program returns the outputs and the
+  gradients)."""
   model = _model()
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 40)))
-  small = _set_spans(model.init(jax.random.key(0), tokens)['params'], [[0.1, 0.2], [0.0, 0.0]])
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 24)))
+  small = _set_spans(_init(model, tokens)['params'], [[0.1, 0.2], [0.0, 0.0]])
   stale = transformer.Decoder(transformer.specialized(model.config, small))
   assert stale.config.options_of('adaptive_span')['trim'] == (12, 4)
   grown = _set_spans(small, [[0.1, 0.6], [0.0, 0.5]])  # z + R: 13.6 > 12 and 12 > 4
 
-  def loss(m, p):
-    return jnp.sum(m.apply({'params': p}, tokens) ** 2)
+  def outputs_and_gradients(m):
+    def loss(p):
+      out = m.apply({'params': p}, tokens)
+      return jnp.sum(out ** 2), out
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(grown)
+    return out, grads
 
-  np.testing.assert_allclose(stale.apply({'params': grown}, tokens),
-                             model.apply({'params': grown}, tokens), atol=2e-5)
-  for a, b in zip(jax.tree.leaves(jax.grad(loss, argnums=1)(stale, grown)),
-                  jax.tree.leaves(jax.grad(loss, argnums=1)(model, grown))):
+  (stale_out, stale_grads), (full_out, full_grads) = map(outputs_and_gradients, (stale, model))
+  np.testing.assert_allclose(stale_out, full_out, atol=2e-5)
+  for a, b in zip(jax.tree.leaves(stale_grads), jax.tree.leaves(full_grads)):
     np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
   # With the spans it was trimmed for, the trimmed model is not the S-wide computation's
   # program: it holds a conditional whose taken branch computes T keys.
@@ -255,27 +275,25 @@ def test_segment_cache_equals_one_pass_over_the_concatenation():
   model = _model(memory=True, max_len=2 * n)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, 40, (2, 2 * n)))
-  variables = model.init(jax.random.key(0), tokens[:, :n])
+  variables = _init(model, tokens[:, :n])
   params = _set_spans(variables['params'], [[0.3, 0.9], [0.5, 1.0]])  # z up to S = 24 > n
-  memory = variables['memory']
-  first, mutated = model.apply({'params': params, 'memory': memory}, tokens[:, :n],
-                               mutable=['memory'])
-  second, _ = model.apply({'params': params, 'memory': mutated['memory']}, tokens[:, n:],
-                          mutable=['memory'])
+  segment = jax.jit(functools.partial(model.apply, mutable=['memory']))
+  first, mutated = segment({'params': params, 'memory': variables['memory']}, tokens[:, :n])
+  second, _ = segment({'params': params, 'memory': mutated['memory']}, tokens[:, n:])
   plain = _model(memory=False, max_len=2 * n)
-  whole = plain.apply({'params': params}, tokens)
+  whole = _apply(plain, params, tokens)
   np.testing.assert_allclose(first, whole[:, :n], atol=2e-5)
   np.testing.assert_allclose(second, whole[:, n:], atol=2e-5)
   # Without the cache the second segment differs (it would not see the first).
-  alone = plain.apply({'params': params}, tokens[:, n:])
+  alone = _apply(plain, params, tokens[:, n:])
   assert float(jnp.abs(alone - whole[:, n:]).max()) > 1e-3
 
 
 @pytest.mark.parametrize('name', ['adaptive_span', 'dynamic_span'])
 def test_decoding_with_the_trimmed_cache_equals_the_full_forward(name):
   model = _model(name)
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 40)))
-  params = model.init(jax.random.key(0), tokens)['params']
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 24)))
+  params = _init(model, tokens)['params']
   if name == 'adaptive_span':
     params = _set_spans(params, [[0.1, 0.3], [0.0, 0.2]])
   else:  # A non-zero v makes the spans differ per token.
@@ -284,7 +302,7 @@ def test_decoding_with_the_trimmed_cache_equals_the_full_forward(name):
       att = params[f'block_{i}']['attention']
       att['span_v'] = jax.random.normal(jax.random.key(i), att['span_v'].shape)
   model = transformer.Decoder(transformer.specialized(model.config, params))
-  full = model.apply({'params': params}, tokens)
+  full = _apply(model, params, tokens)
   np.testing.assert_allclose(decode.score(model, params, tokens), full, atol=3e-5, rtol=3e-5)
   if name == 'adaptive_span':  # Per-layer caches of T = 12 and 12 keys instead of max_len 48.
     assert decode.cache_bytes(decode.init_cache(model, params, 2)) == 2 * 2 * (12 + 12) * 2 * 16 * 4
@@ -293,8 +311,8 @@ def test_decoding_with_the_trimmed_cache_equals_the_full_forward(name):
 def test_dynamic_span_starts_small_and_varies_per_token():
   model = _model('dynamic_span')
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (4, 32)))
-  params = nn.unbox(model.init(jax.random.key(0), tokens)['params'])
-  _, sown = model.apply({'params': params}, tokens, mutable=['metrics'])
+  params = nn.unbox(_init(model, tokens)['params'])
+  _, sown = _apply(model, params, tokens, mutable=['metrics'])
   logged = steps.sown_metrics(sown['metrics'])
   small = S * float(jax.nn.sigmoid(-4.0))  # b = -4 at init: z_t = S sigmoid(-4) = 0.43
   assert logged['span_mean/block_0'] == pytest.approx(small, rel=1e-5)

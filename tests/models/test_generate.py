@@ -1,7 +1,8 @@
 """The compiled sampler (models/decode.generate): top-k, top-p, EOS, prompts of different
 lengths in one batch, long caches read a chunk at a time, and a variant that cannot decode (a
 test-only one) is refused. Greedy output = the forward's argmax, and prefill = steps, for
-every variant, block and stack: tests/contracts/test_model_contract.py."""
+every variant, block and stack: tests/contracts/test_model_contract.py. Initialization and
+the forward passes compared with are jitted (eagerly, each operation compiles alone)."""
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +30,12 @@ def _config(name, **extra) -> transformer.TransformerConfig:
 
 def _model(name, **extra):
   model = transformer.Decoder(_config(name, **extra))
-  params = model.init(jax.random.key(0), jnp.zeros((1, MAX_LEN), jnp.int32))['params']
+  params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, MAX_LEN), jnp.int32))['params']
   return model, params
+
+
+def _forward(model, params, tokens):
+  return jax.jit(lambda p, t: model.apply({'params': p}, t))(params, tokens)
 
 
 def _prompts(batch=2, length=5, seed=0):
@@ -59,10 +64,11 @@ def test_decoding_reads_the_live_part_of_a_long_cache():
   prompts = _prompts(batch=2, length=60, seed=2)
   tokens, _ = decode.generate(model, params, prompts, [60, 20], 74, jax.random.key(0),
                               temperature=0.0)
+  # One causal forward over both rows: row 1's logits up to its end do not see its padding.
+  logits = _forward(model, params, tokens[:, :-1])
   for r, n in enumerate([60, 20]):
-    row = tokens[r:r + 1, :n + 74]
-    logits = model.apply({'params': params}, row[:, :-1])
-    np.testing.assert_array_equal(row[0, n:], jnp.argmax(logits[0, n - 1:], -1))
+    np.testing.assert_array_equal(tokens[r, n:n + 74],
+                                  jnp.argmax(logits[r, n - 1:n + 73], -1))
 
 
 def test_unrolled_keeps_the_values_of_a_scanned_stack():
@@ -70,8 +76,8 @@ def test_unrolled_keeps_the_values_of_a_scanned_stack():
   flat, flat_params = decode.unrolled(model, params)
   assert flat.config.stack == 'unrolled' and 'blocks' not in flat_params
   tokens = _prompts(length=9)
-  np.testing.assert_allclose(flat.apply({'params': flat_params}, tokens),
-                             model.apply({'params': params}, tokens), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(_forward(flat, flat_params, tokens), _forward(model, params, tokens),
+                             rtol=1e-5, atol=1e-5)
 
 
 def test_top_k_one_is_greedy():
@@ -146,7 +152,7 @@ def test_bad_requests_are_refused(no_decode):
   with pytest.raises(ValueError, match='max_new_tokens must be >= 1'):
     decode.generate(model, params, _prompts(), [5, 5], 0, jax.random.key(0))
   undecodable, undecodable_params = _model(no_decode)
-  assert undecodable.apply({'params': undecodable_params}, _prompts()).shape == (2, 5, VOCAB)
+  assert _forward(undecodable, undecodable_params, _prompts()).shape == (2, 5, VOCAB)
   with pytest.raises(NotImplementedError, match='NoDecodeAttention cannot decode: it has no '
                                                 'static pattern'):
     decode.generate(undecodable, undecodable_params, _prompts(), [5, 5], 5, jax.random.key(0))

@@ -7,7 +7,12 @@
 - The hash, the rotations' rng stream (fresh per key, replayed for the same key; one fixed
   set for every layer without it), the shared-QK self rule, packed documents, cost (no n x n
   tensor), the decoding caches made at init (decoding itself: test_lsh_decode.py), options.
+
+Every model and attention call is jitted whole: run eagerly, a forward and its gradient
+dispatch (and compile) each operation alone, several times the one compile of the program.
 """
+
+import functools
 
 import flax.linen as nn
 import jax
@@ -72,6 +77,7 @@ def _brute_force_allowed(buckets, segment_ids, chunk_len):
   return allowed
 
 
+@functools.partial(jax.jit, static_argnames='chunk_len')
 def _lsh(q, v, seg, buckets, chunk_len):
   return lsh.lsh_attention(q, v, jnp.asarray(seg), jnp.asarray(buckets), chunk_len=chunk_len,
                            scale=q.shape[-1] ** -0.5, dtype=jnp.float32)
@@ -79,11 +85,18 @@ def _lsh(q, v, seg, buckets, chunk_len):
 
 def _check_values_and_grads(q, v, seg, buckets, chunk_len, allowed, atol=2e-6):
   cot = jnp.asarray(np.random.default_rng(7).normal(size=q.shape), jnp.float32)
-  ours = lambda q, v: jnp.sum(_lsh(q, v, seg, buckets, chunk_len) * cot)
-  ref = lambda q, v: jnp.sum(_masked_shared_qk(q, v, jnp.asarray(allowed)) * cot)
-  np.testing.assert_allclose(_lsh(q, v, seg, buckets, chunk_len),
-                             _masked_shared_qk(q, v, jnp.asarray(allowed)), atol=atol)
-  for got, want in zip(jax.grad(ours, (0, 1))(q, v), jax.grad(ref, (0, 1))(q, v)):
+
+  def values_and_grads(f):  # One jitted program: the outputs and the gradients of q and v.
+    def loss(q, v):
+      out = f(q, v)
+      return jnp.sum(out * cot), out
+    return jax.jit(jax.grad(loss, (0, 1), has_aux=True))(q, v)
+
+  grads, out = values_and_grads(lambda q, v: _lsh(q, v, seg, buckets, chunk_len))
+  want_grads, want = values_and_grads(
+      lambda q, v: _masked_shared_qk(q, v, jnp.asarray(allowed)))
+  np.testing.assert_allclose(out, want, atol=atol)
+  for got, want in zip(grads, want_grads):
     np.testing.assert_allclose(got, want, atol=atol * 5)
 
 
@@ -181,6 +194,10 @@ def _model(n_buckets=4, n_hashes=2, chunk_len=4, n_layers=2, stack='unrolled'):
   return transformer.Decoder(cfg)
 
 
+def _init(model, tokens, **kwargs):
+  return jax.jit(functools.partial(model.init, **kwargs))(jax.random.key(0), tokens)
+
+
 def _tokens(n=24):
   return jnp.asarray(np.random.default_rng(0).integers(0, 16, (2, n)), jnp.int32)
 
@@ -190,22 +207,25 @@ def test_module_with_one_bucket_is_full_attention_of_its_own_projections():
   shared-QK attention with logits q . k (unit keys, no 1/sqrt(d)), its output projection."""
   model = _model(n_buckets=1, n_hashes=1, chunk_len=32, n_layers=1)
   tokens = _tokens()
-  params = model.init(jax.random.key(0), tokens)['params']
-  _, inter = model.apply({'params': params}, tokens, mutable=['intermediates'])
-  # Capture the attention input by running the pieces by hand.
+  params = _init(model, tokens)['params']
   attn = nn.unbox(params)['block_0']['attention']
   assert set(attn) == {'qv', 'q_norm', 'out'}  # Shared-QK: no key projection.
 
-  x_in = {}
+  def forward(params):  # The attention's input and output, captured in one jitted pass.
+    seen = {}
 
-  def grab(next_fun, args, kwargs, context):
-    if context.module.name == 'attention' and context.method_name == '__call__':
-      x_in['x'] = args[0]
-    return next_fun(*args, **kwargs)
+    def grab(next_fun, args, kwargs, context):
+      out = next_fun(*args, **kwargs)
+      if context.module.name == 'attention' and context.method_name == '__call__':
+        seen['x'], seen['y'] = args[0], out
+      return out
 
-  with nn.intercept_methods(grab):
-    model.apply({'params': params}, tokens)
-  x = x_in['x']
+    with nn.intercept_methods(grab):
+      _, inter = model.apply({'params': params}, tokens, mutable=['intermediates'])
+    return seen['x'], seen['y'], inter
+
+  x, y, inter = jax.jit(forward)(params)
+  # The attention's output computed by hand from its input.
   qv = jnp.einsum('bnd,dghk->bnghk', x, attn['qv'])
   q = qv[:, :, 0]
   q = q * jax.lax.rsqrt(jnp.mean(q * q, -1, keepdims=True) + 1e-6) * attn['q_norm']['scale']
@@ -213,16 +233,7 @@ def test_module_with_one_bucket_is_full_attention_of_its_own_projections():
   seg = np.ones(tokens.shape, np.int32)
   heads = _masked_shared_qk(q, v, jnp.asarray(_causal_docs(seg, 2)), scale=1.0)
   want = jnp.einsum('bnhk,hkd->bnd', heads, attn['out'])
-
-  def grab_out(next_fun, args, kwargs, context):
-    out = next_fun(*args, **kwargs)
-    if context.module.name == 'attention' and context.method_name == '__call__':
-      x_in['y'] = out
-    return out
-
-  with nn.intercept_methods(grab_out):
-    model.apply({'params': params}, tokens)
-  np.testing.assert_allclose(x_in['y'], want, atol=2e-5)
+  np.testing.assert_allclose(y, want, atol=2e-5)
   assert inter['intermediates']['block_0']['attention']['buckets'][0].shape == (2, 2, 1, 24)
 
 
@@ -233,20 +244,29 @@ def test_rotations_come_from_the_lsh_stream():
   copy that decoding runs hash alike)."""
   model = _model()
   tokens = _tokens()
-  params = model.init(jax.random.key(0), tokens)['params']
+  params = _init(model, tokens)['params']
 
-  def run(rngs, rotations=None):
+  @jax.jit  # Two compiles: with the stream and without.
+  def forward(rngs):
+    rotations = []
+
     def grab(next_fun, args, kwargs, context):
       out = next_fun(*args, **kwargs)
-      if context.method_name == 'rotations' and rotations is not None:
-        rotations.append(np.asarray(out))
+      if context.method_name == 'rotations':
+        rotations.append(out)
       return out
 
     with nn.intercept_methods(grab):
       out, inter = model.apply({'params': params}, tokens, rngs=rngs,
                                mutable=['intermediates'])
     b = inter['intermediates']
-    return out, [np.asarray(b[f'block_{i}']['attention']['buckets'][0]) for i in range(2)]
+    return out, [b[f'block_{i}']['attention']['buckets'][0] for i in range(2)], rotations
+
+  def run(rngs, rotations=None):
+    out, buckets, drawn = forward(rngs)
+    if rotations is not None:
+      rotations.extend(np.asarray(r) for r in drawn)
+    return out, [np.asarray(b) for b in buckets]
 
   drawn, fixed = [], []
   a, ba = run({'lsh': jax.random.key(1)}, drawn)
@@ -274,19 +294,24 @@ def test_gradients_use_the_forward_buckets(monkeypatch, remat):
   model = _model(n_layers=2)
   model = transformer.Decoder(transformer.dataclasses.replace(model.config, remat=remat))
   tokens = _tokens()
-  params = model.init(jax.random.key(0), tokens)['params']
+  params = _init(model, tokens)['params']
   rngs = {'lsh': jax.random.key(3)}
-  _, inter = model.apply({'params': params}, tokens, rngs=rngs, mutable=['intermediates'])
+  _, inter = jax.jit(functools.partial(model.apply, mutable=['intermediates']))(
+      {'params': params}, tokens, rngs=rngs)
   drawn = [inter['intermediates'][f'block_{i}']['attention']['buckets'][0] for i in range(2)]
-  loss = lambda p, r: jnp.mean(model.apply({'params': p}, tokens, rngs=r) ** 2)
-  g = jax.grad(loss)(params, rngs)
+
+  def grad(p, r):  # Jitted, traced afresh at each call (after each monkeypatch).
+    return jax.jit(jax.grad(lambda p, r: jnp.mean(model.apply({'params': p}, tokens,
+                                                              rngs=r) ** 2)))(p, r)
+
+  g = grad(params, rngs)
   monkeypatch.setattr(lsh.LSHAttention, 'buckets', lambda self, q: drawn[self.layer_index])
-  g_fixed = jax.grad(loss)(params, None)
+  g_fixed = grad(params, None)
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_fixed)):
     np.testing.assert_allclose(a, b, atol=1e-6)
   # Other buckets give another gradient, so the comparison can fail.
   monkeypatch.setattr(lsh.LSHAttention, 'buckets', lambda self, q: 3 - drawn[self.layer_index])
-  g_other = jax.grad(loss)(params, None)
+  g_other = grad(params, None)
   assert not all(np.allclose(a, b, atol=1e-6)
                  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_other)))
 
@@ -294,9 +319,9 @@ def test_gradients_use_the_forward_buckets(monkeypatch, remat):
 def test_scan_stack_gives_each_layer_its_own_rotations():
   model = _model(stack='scan')
   tokens = _tokens()
-  params = model.init(jax.random.key(0), tokens)['params']
-  _, inter = model.apply({'params': params}, tokens, rngs={'lsh': jax.random.key(1)},
-                         mutable=['intermediates'])
+  params = _init(model, tokens)['params']
+  _, inter = jax.jit(functools.partial(model.apply, mutable=['intermediates']))(
+      {'params': params}, tokens, rngs={'lsh': jax.random.key(1)})
   buckets = np.asarray(inter['intermediates']['blocks']['attention']['buckets'][0])
   assert buckets.shape[0] == 2 and not np.array_equal(buckets[0], buckets[1])
 
@@ -319,7 +344,7 @@ def test_init_with_decoding_makes_the_caches():
   """Unit keys, values and each position's bucket in every round, for all max_len
   positions (decoding itself: test_lsh_decode.py)."""
   model = _model()
-  cache = model.init(jax.random.key(0), _tokens(1), decode=True)['cache']
+  cache = _init(model, _tokens(1), decode=True)['cache']
   layer = cache['block_1']['attention']
   assert {k: v.shape for k, v in layer.items()} == {
       'key': (2, 2, 32, 16), 'value': (2, 2, 32, 16), 'bucket': (2, 2, 2, 32),

@@ -8,6 +8,9 @@
   the self rule), which differs from plain causal attention and from the chunked forward.
 - The cache: each slot's buckets are the hash of its key (and the forward's buckets), its
   layout and size (decode.cache_bytes); the prompt is read token by token (no prefill).
+
+Initialization, forward passes and decoding steps are jitted (eagerly, each operation is
+dispatched and compiled alone: several times the one compile of the program).
 """
 
 import jax
@@ -31,8 +34,13 @@ def _model(n_hashes=2, n_buckets=4, chunk_len=ONE_CHUNK, **extra):
            stack='unrolled', dtype='float32')
   m.update(extra)
   model = transformer.Decoder(transformer.TransformerConfig.from_config(m))
-  params = model.init(jax.random.key(0), jnp.zeros((1, MAX_LEN), jnp.int32))['params']
+  params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, MAX_LEN), jnp.int32))['params']
   return model, params
+
+
+def _apply(model, params, tokens):
+  """The forward pass's logits, jitted; traced at each call (tests patch the attention)."""
+  return jax.jit(lambda p, t: model.apply({'params': p}, t))(params, tokens)
 
 
 def _tokens(batch=2, length=20, seed=0):
@@ -42,16 +50,18 @@ def _tokens(batch=2, length=20, seed=0):
 def _stepped_cache(model, params, tokens):
   """The caches after decoding `tokens` one by one, and the logits of each step."""
   cache = decode.init_cache(model, params, tokens.shape[0])
+  step = jax.jit(lambda c, t, i: decode.step(model, params, c, t, i))  # As decode.score.
   out = []
   for i in range(tokens.shape[1]):
-    logits, cache = decode.step(model, params, cache, tokens[:, i], i)
+    logits, cache = step(cache, tokens[:, i], i)
     out.append(logits)
   return cache, jnp.stack(out, axis=1)
 
 
 def _forward_buckets(model, params, tokens):
   """Each layer's buckets (batch, heads, n_hashes, length) as the forward pass sows them."""
-  _, inter = model.apply({'params': params}, tokens, mutable=['intermediates'])
+  _, inter = jax.jit(lambda p, t: model.apply({'params': p}, t, mutable=['intermediates']))(
+      params, tokens)
   inter = inter['intermediates']
   return [np.asarray(inter[f'block_{i}']['attention']['buckets'][0])
           for i in range(model.config.n_layers)]
@@ -67,11 +77,11 @@ CASES = [(h, b, 'pre_ln', 'unrolled') for h in (1, 2) for b in (1, 4)]
 def test_one_chunk_decoding_equals_the_forward_pass(n_hashes, n_buckets, block, stack):
   model, params = _model(n_hashes, n_buckets, block=block, stack=stack)
   tokens = _tokens()
-  full = model.apply({'params': params}, tokens)
+  full = _apply(model, params, tokens)
   np.testing.assert_allclose(decode.score(model, params, tokens), full, rtol=1e-5, atol=2e-5)
   if n_buckets > 1:  # The buckets restrict the keys: one bucket gives other logits.
     one, _ = _model(n_hashes, 1, block=block, stack=stack)  # The same parameters.
-    assert not np.allclose(one.apply({'params': params}, tokens), full, atol=1e-3)
+    assert not np.allclose(_apply(one, params, tokens), full, atol=1e-3)
 
 
 def _bucket_attention(self, q, k, v, *, positions, segment_ids, deterministic,
@@ -109,13 +119,13 @@ def test_short_chunks_decode_the_whole_bucket(monkeypatch, n_hashes):
   model, params = _model(n_hashes, 4, chunk_len=4)
   tokens = _tokens()
   decoded = decode.score(model, params, tokens)
-  chunked = model.apply({'params': params}, tokens)
+  chunked = _apply(model, params, tokens)
   with monkeypatch.context() as m:
     m.setattr(lsh.LSHAttention, 'attend', _bucket_attention)
-    reference = model.apply({'params': params}, tokens)
+    reference = _apply(model, params, tokens)
     m.setattr(lsh.LSHAttention, 'attend',
               lambda self, *a, **kw: _bucket_attention(self, *a, **kw, restrict=False))
-    causal = model.apply({'params': params}, tokens)
+    causal = _apply(model, params, tokens)
   np.testing.assert_allclose(decoded, reference, rtol=1e-5, atol=2e-5)
   # The reference can fail: the buckets matter, and so do the chunks of the forward pass.
   assert not np.allclose(reference, causal, atol=1e-3)
@@ -183,5 +193,5 @@ def test_a_scanned_stack_and_its_unrolled_copy_evaluate_alike():
   model, params = _model(2, 4, stack='scan')
   flat, flat_params = decode.unrolled(model, params)
   tokens = _tokens()
-  np.testing.assert_allclose(flat.apply({'params': flat_params}, tokens),
-                             model.apply({'params': params}, tokens), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(_apply(flat, flat_params, tokens), _apply(model, params, tokens),
+                             rtol=1e-5, atol=1e-5)

@@ -3,8 +3,11 @@
 The layer is checked against a loop over (i, j) that evaluates the survey's four terms
 q_i k_j + q_i W_R r_{i-j} + u k_j + v W_R r_{i-j} from the layer's own weights, with a
 sinusoid written here; the recurrence against one pass over the concatenated segments;
-decoding against the forward pass.
+decoding against the forward pass. Initialization and every forward and gradient are jitted
+(eagerly, each operation is dispatched and compiled alone: several times the one compile).
 """
+
+import functools
 
 import flax.linen as nn
 import jax
@@ -86,13 +89,22 @@ def _case(n=11, m=6, seed=0):
   return x, jnp.asarray(ids), memory, jnp.asarray(memory_ids)
 
 
+def _init_layer(layer, shared, x, ids):
+  return jax.jit(lambda x, ids: layer.clone(shared=shared).init(
+      jax.random.key(0), x, positions=jnp.zeros_like(ids), segment_ids=ids))(x, ids)['params']
+
+
 def _apply(layer, params, shared, x, ids, memory, memory_ids):
   layer = layer.clone(shared=shared)
-  variables = {'params': params,
-               'memory': {'hidden': memory, 'segment_ids': memory_ids}}
-  out, _ = layer.apply(variables, x, positions=jnp.zeros_like(ids), segment_ids=ids,
-                       mutable=['memory'])
-  return out
+
+  @jax.jit
+  def apply(params, x, ids, memory, memory_ids):
+    variables = {'params': params,
+                 'memory': {'hidden': memory, 'segment_ids': memory_ids}}
+    out, _ = layer.apply(variables, x, positions=jnp.zeros_like(ids), segment_ids=ids,
+                         mutable=['memory'])
+    return out
+  return apply(params, x, ids, memory, memory_ids)
 
 
 @pytest.mark.parametrize('impl', ['xla', 'blocksparse'])
@@ -106,8 +118,7 @@ def test_relative_attention_equals_the_four_terms(impl, extra, reach):
   x, ids, memory, memory_ids = _case()
   layer = _layer(mem_len=6, impl=impl, **extra)
   shared = _shared()
-  params = layer.clone(shared=shared).init(
-      jax.random.key(0), x, positions=jnp.zeros_like(ids), segment_ids=ids)['params']
+  params = _init_layer(layer, shared, x, ids)
   got = _apply(layer, params, shared, x, ids, memory, memory_ids)
   want = _brute(params, shared, x, np.asarray(ids), memory, np.asarray(memory_ids),
                 clamp=extra.get('clamp_len', 0), reach=reach)
@@ -118,8 +129,7 @@ def test_clamp_changes_only_far_pairs():
   x, ids, memory, memory_ids = _case()
   shared = _shared()
   layer = _layer(mem_len=6)
-  params = layer.clone(shared=shared).init(
-      jax.random.key(0), x, positions=jnp.zeros_like(ids), segment_ids=ids)['params']
+  params = _init_layer(layer, shared, x, ids)
   far = _apply(_layer(mem_len=6, clamp_len=16), params, shared, x, ids, memory, memory_ids)
   plain = _apply(layer, params, shared, x, ids, memory, memory_ids)
   near = _apply(_layer(mem_len=6, clamp_len=2), params, shared, x, ids, memory, memory_ids)
@@ -137,7 +147,8 @@ def test_one_layer_segments_equal_the_concatenation_values_and_gradients():
   shared = _shared()
   with_memory = _layer(mem_len=n).clone(shared=shared)
   plain = _layer(mem_len=0).clone(shared=shared)
-  params = plain.init(jax.random.key(0), x, positions=ids, segment_ids=ids)['params']
+  params = jax.jit(functools.partial(plain.init, positions=ids, segment_ids=ids))(
+      jax.random.key(0), x)['params']
   g = jnp.asarray(rng.normal(size=(2, n, D_MODEL)), jnp.float32)
 
   def segmented(params, second):
@@ -151,8 +162,10 @@ def test_one_layer_segments_equal_the_concatenation_values_and_gradients():
                       positions=ids, segment_ids=ids)[:, n:]
     return jnp.sum(out * g), out
 
-  (_, a), grads_a = jax.value_and_grad(segmented, argnums=(0, 1), has_aux=True)(params, x[:, n:])
-  (_, b), grads_b = jax.value_and_grad(whole, argnums=(0, 1), has_aux=True)(params, x[:, n:])
+  (_, a), grads_a = jax.jit(jax.value_and_grad(segmented, argnums=(0, 1), has_aux=True))(
+      params, x[:, n:])
+  (_, b), grads_b = jax.jit(jax.value_and_grad(whole, argnums=(0, 1), has_aux=True))(
+      params, x[:, n:])
   np.testing.assert_allclose(a, b, atol=2e-5)
   for ga, gb in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
     np.testing.assert_allclose(ga, gb, atol=2e-5)
@@ -167,29 +180,34 @@ def _model(mem_len=0, max_len=32, stack='auto', **extra):
   return transformer.Decoder(cfg)
 
 
+def _run(model, variables, tokens, mutable=False):
+  """model.apply, jitted."""
+  return jax.jit(functools.partial(model.apply, mutable=mutable))(variables, tokens)
+
+
 @pytest.mark.parametrize('stack', ['scan', 'unrolled'])
 def test_decoder_segments_equal_one_pass_over_the_concatenation(stack):
   """Two layers: each layer's memory is its own input over the previous segment."""
   n = 8
   model = _model(mem_len=n, max_len=2 * n, stack=stack)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 2 * n)))
-  variables = model.init(jax.random.key(0), tokens[:, :n])
+  variables = jax.jit(model.init)(jax.random.key(0), tokens[:, :n])
   params = variables['params']
-  first, mutated = model.apply({'params': params, 'memory': variables['memory']},
-                               tokens[:, :n], mutable=['memory'])
-  second, _ = model.apply({'params': params, 'memory': mutated['memory']}, tokens[:, n:],
-                          mutable=['memory'])
+  segment = jax.jit(functools.partial(model.apply, mutable=['memory']))  # Compiled once.
+  first, mutated = segment({'params': params, 'memory': variables['memory']}, tokens[:, :n])
+  second, _ = segment({'params': params, 'memory': mutated['memory']}, tokens[:, n:])
   whole = _model(mem_len=0, max_len=2 * n, stack=stack)
-  both = whole.apply({'params': params}, tokens)
+  both = _run(whole, {'params': params}, tokens)
   np.testing.assert_allclose(first, both[:, :n], atol=2e-5)
   np.testing.assert_allclose(second, both[:, n:], atol=2e-5)
-  alone = whole.apply({'params': params}, tokens[:, n:])
+  alone = _run(whole, {'params': params}, tokens[:, n:])
   assert float(jnp.abs(alone - both[:, n:]).max()) > 1e-3  # The memory is what makes it equal.
 
 
 def test_u_and_v_are_one_pair_for_all_layers():
   model = _model(mem_len=4)
-  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))['params'])
+  params = nn.unbox(jax.eval_shape(model.init, jax.random.key(0),
+                                   jnp.zeros((1, 8), jnp.int32))['params'])
   assert set(params['txl_shared']) == {'u', 'v'}
   assert params['txl_shared']['u'].shape == (2, 16)
   layer = params['blocks']['attention']
@@ -200,13 +218,13 @@ def test_u_and_v_are_one_pair_for_all_layers():
 def test_decoding_equals_the_forward_pass(extra):
   model = _model(mem_len=6, max_len=20, **extra)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 20)))
-  variables = model.init(jax.random.key(0), tokens)
+  variables = jax.jit(model.init)(jax.random.key(0), tokens)
   params = jax.tree.map(lambda a: a, nn.unbox(variables['params']))
   # Non-zero u and v, so the biases' terms count.
   params['txl_shared'] = {k: jax.random.normal(jax.random.key(i), a.shape)
                           for i, (k, a) in enumerate(params['txl_shared'].items())}
   memory = segment_memory.fresh(nn.unbox(variables['memory']))
-  full, _ = model.apply({'params': params, 'memory': memory}, tokens, mutable=['memory'])
+  full, _ = _run(model, {'params': params, 'memory': memory}, tokens, mutable=['memory'])
   np.testing.assert_allclose(decode.score(model, params, tokens), full, atol=3e-5)
 
 

@@ -1,6 +1,7 @@
 """The Universal Transformer stack (models/universal.py): fixed steps against an unrolled stack
 of identical layers, ACT's halting bookkeeping against hand computations, the early-stopping
-inference loop and decoding against the training scan."""
+inference loop and decoding against the training scan. Initialization, the models' forward
+passes and gradients are jitted (eagerly, each operation is dispatched and compiled alone)."""
 
 import math
 
@@ -61,7 +62,13 @@ def _packed():
 
 
 def _params(config, seed=0):
-  return nn.unbox(transformer.Decoder(config).init(jax.random.key(seed), _tokens())['params'])
+  init = jax.jit(transformer.Decoder(config).init)
+  return nn.unbox(init(jax.random.key(seed), _tokens())['params'])
+
+
+def _apply(model, variables, x, mutable=False, **arrays):
+  """model.apply, jitted (`arrays`: positions, segment_ids)."""
+  return jax.jit(lambda v, x, a: model.apply(v, x, mutable=mutable, **a))(variables, x, arrays)
 
 
 def _with_halting(params, kernel_scale=1.0, bias=None):
@@ -75,8 +82,8 @@ def _with_halting(params, kernel_scale=1.0, bias=None):
 
 
 def _sown(config, params, x, **kwargs):
-  logits, sown = transformer.Decoder(config).apply(
-      {'params': params}, x, mutable=['intermediates', 'losses', 'metrics'], **kwargs)
+  logits, sown = _apply(transformer.Decoder(config), {'params': params}, x,
+                        mutable=['intermediates', 'losses', 'metrics'], **kwargs)
   return logits, sown
 
 
@@ -95,16 +102,16 @@ def test_fixed_steps_equal_an_unrolled_stack_with_identical_weights():
   params = _params(config)
   positions, segments = _packed()
   x = _tokens()
-  got = transformer.Decoder(config).apply({'params': params}, x, positions=positions,
-                                          segment_ids=segments)
+  got = _apply(transformer.Decoder(config), {'params': params}, x, positions=positions,
+               segment_ids=segments)
   unrolled, unrolled_params = _unrolled_equivalent(config, params, 3)
-  want = transformer.Decoder(unrolled).apply({'params': unrolled_params}, x,
-                                             positions=positions, segment_ids=segments)
+  want = _apply(transformer.Decoder(unrolled), {'params': unrolled_params}, x,
+                positions=positions, segment_ids=segments)
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
   # Two layers are not three steps: the comparison can fail.
   short, short_params = _unrolled_equivalent(config, params, 2)
-  other = transformer.Decoder(short).apply({'params': short_params}, x, positions=positions,
-                                           segment_ids=segments)
+  other = _apply(transformer.Decoder(short), {'params': short_params}, x, positions=positions,
+                 segment_ids=segments)
   assert np.max(np.abs(np.asarray(other - want))) > 1e-2
 
 
@@ -114,7 +121,7 @@ def test_forced_halting_at_step_one_equals_one_application_of_the_block():
   x = _tokens()
   logits, sown = _sown(config, params, x)
   unrolled, unrolled_params = _unrolled_equivalent(config, params, 1)
-  want = transformer.Decoder(unrolled).apply({'params': unrolled_params}, x)
+  want = _apply(transformer.Decoder(unrolled), {'params': unrolled_params}, x)
   np.testing.assert_allclose(logits, want, atol=2e-5, rtol=1e-5)
   np.testing.assert_array_equal(sown['intermediates']['universal']['act_steps'][0], 1)
   np.testing.assert_allclose(sown['intermediates']['universal']['act_remainder'][0], 1.0)
@@ -250,7 +257,7 @@ def test_act_gradients_reach_the_halting_unit_and_the_block():
                                rngs={'dropout': jax.random.key(0)})
     return jnp.mean(logits ** 2) + sum(jnp.sum(v) for v in jax.tree.leaves(sown['losses']))
 
-  grads = jax.grad(loss)(params)
+  grads = jax.jit(jax.grad(loss))(params)
   halting = grads['universal']['step']['halting']
   assert np.all(np.isfinite(jax.tree.leaves(grads)[0]))
   assert float(jnp.abs(halting['bias'])) > 0 and float(jnp.max(jnp.abs(halting['kernel']))) > 0
@@ -296,15 +303,15 @@ def test_relative_position_attention_gets_only_the_step_signal():
   params = _params(config)
   x = _tokens()
   model = transformer.Decoder(config)
-  base = model.apply({'params': params}, x)
-  shifted = model.apply({'params': params}, x,
-                        positions=jnp.broadcast_to(jnp.arange(N) + 3, (2, N)))
+  base = _apply(model, {'params': params}, x)
+  shifted = _apply(model, {'params': params}, x,
+                   positions=jnp.broadcast_to(jnp.arange(N) + 3, (2, N)))
   np.testing.assert_allclose(base, shifted, atol=1e-6)
   dense = _config()
   dense_params = _params(dense)
-  a = transformer.Decoder(dense).apply({'params': dense_params}, x)
-  b = transformer.Decoder(dense).apply(
-      {'params': dense_params}, x, positions=jnp.broadcast_to(jnp.arange(N)[::-1], (2, N)))
+  a = _apply(transformer.Decoder(dense), {'params': dense_params}, x)
+  b = _apply(transformer.Decoder(dense), {'params': dense_params}, x,
+             positions=jnp.broadcast_to(jnp.arange(N)[::-1], (2, N)))
   assert np.max(np.abs(np.asarray(a - b))) > 1e-3  # Absolute coordinates do move it.
 
 
@@ -336,15 +343,15 @@ def test_segment_memory_is_kept_per_step():
   holds the previous segment's inputs to step t), carried into the next segment."""
   config = _config(attention='txl', act=True, attention_options={'txl': {'mem_len': N}})
   model = transformer.Decoder(config)
-  variables = model.init(jax.random.key(0), _tokens())
+  variables = jax.jit(model.init)(jax.random.key(0), _tokens())
   params = nn.unbox(variables['params'])
   memory = variables['memory']
   hidden = nn.unbox(memory)['universal']['step']['block']['attention']['hidden']
   assert hidden.shape == (4, 2, N, D)  # M steps, batch, mem_len, d_model.
-  first, mutated = model.apply({'params': params, 'memory': memory}, _tokens(1),
-                               mutable=['memory'])
-  second, _ = model.apply({'params': params, **mutated}, _tokens(2), mutable=['memory'])
-  fresh, _ = model.apply({'params': params, 'memory': memory}, _tokens(2), mutable=['memory'])
+  segment = jax.jit(lambda v, x: model.apply(v, x, mutable=['memory']))  # Compiled once.
+  first, mutated = segment({'params': params, 'memory': memory}, _tokens(1))
+  second, _ = segment({'params': params, **mutated}, _tokens(2))
+  fresh, _ = segment({'params': params, 'memory': memory}, _tokens(2))
   filled = nn.unbox(mutated['memory'])['universal']['step']['block']['attention']['hidden']
   assert np.all(np.any(np.asarray(filled) != 0, axis=(1, 2, 3)))  # Every step wrote its own.
   assert np.max(np.abs(np.asarray(second - fresh))) > 1e-4  # The memory is read.
@@ -357,10 +364,10 @@ def test_read_only_collections_are_shared_by_the_steps():
   params = _params(config)
   model = transformer.Decoder(config)
   x = _tokens()
-  full = model.apply({'params': params}, x)
-  pruning = universal.Universal.stacked_tree(config, [{'attention': {'budget': 2}}])
-  pruned = model.apply({'params': params, 'pruning': pruning}, x)
+  full = _apply(model, {'params': params}, x)
+  pruned_by = jax.jit(lambda budget: model.apply({'params': params, 'pruning': (
+      universal.Universal.stacked_tree(config, [{'attention': {'budget': budget}}]))}, x))
+  pruned = pruned_by(jnp.asarray(2, jnp.int32))
   assert np.max(np.abs(np.asarray(pruned - full))) > 1e-4
   np.testing.assert_allclose(  # A budget of the whole row prunes nothing.
-      model.apply({'params': params, 'pruning': universal.Universal.stacked_tree(
-          config, [{'attention': {'budget': N}}])}, x), full, atol=1e-5)
+      pruned_by(jnp.asarray(N, jnp.int32)), full, atol=1e-5)
