@@ -76,8 +76,8 @@ def test_new_variant_decodes_through_its_pattern_and_is_inspected(tmp_path):
        'attention': NAME, 'attention_options': {NAME: {'test_dilation': 2}}})
   model = transformer.Decoder(cfg)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 16, (2, 12)), jnp.int32)
-  params = model.init(jax.random.key(0), tokens)['params']
-  full = model.apply({'params': params}, tokens)
+  params = jax.jit(model.init)(jax.random.key(0), tokens)['params']  # Jitted: op by op was slower.
+  full = jax.jit(model.apply)({'params': params}, tokens)
   cache = decode.init_cache(model, params, 2)
   step = jax.jit(lambda c, token, t: decode.step(model, params, c, token, t))
   out = []
@@ -95,8 +95,9 @@ def test_new_variant_decodes_through_its_pattern_and_is_inspected(tmp_path):
 def test_new_variant_runs_every_kernel_of_its_pattern():
   """Defining head_pattern is enough: 'auto' (the CPU kernel here, where it builds) and
   'blocksparse' compute the pattern and equal the 'xla' reference, and the per-layer log names
-  the kernel that runs."""
-  logits = {}
+  the kernel that runs. The three models share one set of params (the implementation adds
+  none), initialized once; each forward is one jitted program."""
+  logits, params = {}, None
   for impl in ('xla', 'blocksparse', 'auto'):
     cfg = transformer.TransformerConfig.from_config(
         {'vocab_size': 16, 'd_model': 32, 'n_heads': 2, 'n_layers': 2, 'max_len': 24,
@@ -108,7 +109,8 @@ def test_new_variant_runs_every_kernel_of_its_pattern():
       assert names[0] == impl
     model = transformer.Decoder(cfg)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 16, (2, 24)), jnp.int32)
-    params = model.init(jax.random.key(0), tokens)['params']
-    logits[impl] = model.apply({'params': params}, tokens)
+    if params is None:
+      params = jax.jit(model.init)(jax.random.key(0), tokens)['params']
+    logits[impl] = jax.jit(model.apply)({'params': params}, tokens)
   for impl in ('blocksparse', 'auto'):
     np.testing.assert_allclose(logits[impl], logits['xla'], atol=2e-5, rtol=2e-5)

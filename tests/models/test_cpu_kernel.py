@@ -111,20 +111,46 @@ def _reference(q, k, v, seg, allowed, scale):
   return o, lse, jnp.swapaxes(jnp.broadcast_to(sees, lse.shape[:1] + sees.shape[1:]), 1, 2)
 
 
+def _names_by_layout_and_shape():
+  """Every name in both layouts (the kernel reads rows differently), each with one of the two
+  shapes, alternating, so each (layout, shape) pair runs for half the names in CI. The rest of
+  the full product (each name in each layout at the other shape) repeats what those cases
+  prove, so it runs under -m slow."""
+  cases = []
+  for layout in ('in_place', 'by_head'):
+    for i, name in enumerate(sorted(PATTERNS) + sorted(MULTI_PART)):
+      for j, shape in enumerate(_SHAPES):
+        marks = () if (i + j + (layout == 'by_head')) % 2 == 0 else pytest.mark.slow
+        cases.append(pytest.param(name, *shape, layout, marks=marks,
+                                  id=f'{layout}-{shape[0]}-{shape[1]}-{shape[2]}-{name}'))
+  return cases
+
+
+# (n, h, d): a length that 16 does not divide with two heads, and a wider head.
+_SHAPES = [(75, 2, 16), (48, 1, 64)]
+
+
 @needs_kernel
-@pytest.mark.parametrize('name', sorted(PATTERNS) + sorted(MULTI_PART))
-@pytest.mark.parametrize('n,h,d', [(75, 2, 16), (48, 1, 64)])
-@pytest.mark.parametrize('layout', ['in_place', 'by_head'])
+@pytest.mark.parametrize('name,n,h,d,layout', _names_by_layout_and_shape())
 def test_kernel_matches_dense_softmax_values_and_gradients(name, n, h, d, layout, monkeypatch):
   # Rows read in the (b, n, h, d) layout, or heads made contiguous first (dense-like layouts).
   monkeypatch.setattr(cpu_kernel, 'STREAM_TILES', 10**9 if layout == 'in_place' else 0)
   _check_against_reference(name, b=2, n=n, h=h, d=d)
 
 
+# (n, threads) per name: a covering set (every name at both lengths and every thread count;
+# every thread count at both lengths). The other 9 cases of the full product run under -m slow.
+_RUNS_IN_CI = {'strided-two-parts': {(300, 1), (600, 2), (300, 5)},
+               'local': {(600, 1), (300, 2), (600, 5)},
+               'fixed-two-parts': {(300, 1), (600, 2), (600, 5)}}
+
+
 @needs_kernel
-@pytest.mark.parametrize('name', ['strided-two-parts', 'local', 'fixed-two-parts'])
-@pytest.mark.parametrize('threads', [1, 2, 5])
-@pytest.mark.parametrize('n', [300, 600])
+@pytest.mark.parametrize('n,threads,name', [
+    pytest.param(n, t, name, marks=() if (n, t) in _RUNS_IN_CI[name] else pytest.mark.slow,
+                 id=f'{n}-{t}-{name}')
+    for n in (300, 600) for t in (1, 2, 5) for name in ('strided-two-parts', 'local',
+                                                        'fixed-two-parts')])
 def test_kernel_over_several_runs_of_tiles_and_head_groups(name, threads, n, monkeypatch):
   # 300 positions are 19 query tiles (runs of 8 in the forward; two runs of 16 in the
   # backward's two phases), 600 are 38 (three runs of 16: runs 0 and 2 share a phase).
@@ -137,15 +163,16 @@ def test_kernel_over_several_runs_of_tiles_and_head_groups(name, threads, n, mon
 
 
 @needs_kernel
-@pytest.mark.parametrize('threads', [2, 7])
+# 7 helpers (more than the pool holds) is the harder case; 2 runs under -m slow.
+@pytest.mark.parametrize('threads', [pytest.param(2, marks=pytest.mark.slow), 7])
 def test_independent_calls_in_one_program_share_xla_thread_pool(threads, monkeypatch):
   # The kernel takes its helper threads from XLA's CPU pool, which may run independent calls
   # at the same time, each asking the same pool for helpers, and may start a helper late or
   # never (7 helpers asked of a pool of fewer threads). Every call must still finish with
-  # its own result.
+  # its own result. Four calls (six before: cheaper to compile, still several at once).
   monkeypatch.setattr(cpu_kernel, '_threads', lambda: threads)
   rng = np.random.default_rng(3)
-  n, h, d, calls = 200, 2, 32, 6
+  n, h, d, calls = 200, 2, 32, 4
   allowed, parts = MULTI_PART['strided-two-parts']
   seg = jnp.ones((1, n), jnp.int32)
   qkv = [tuple(jnp.asarray(rng.normal(size=(1, n, h, d)), jnp.float32) for _ in range(3))
@@ -238,16 +265,18 @@ CASES = [  # (name, layer, heads, overrides): every registry name and kind of pa
     ('fixed', 0, 2, {'factorization': 'multihead', 'distinct_heads': True}),
     ('local', 0, 2, {}),
     ('block_local', 0, 2, {}),
-    ('local_global', 0, 2, {}),
+    ('local_global', 0, 2, {}),                      # -m slow: the window 'local' runs.
     ('local_global', 1, 2, {}),                      # The global (dense) layer.
 ]
+_SLOW_CASES = {('local_global', 0)}  # Repeats another case (commented above).
 OPTIONS = dict(stride=8, summary=3, factorization='interleave', distinct_heads=False,
                window=11, local_block=8, block_memory=5, global_every=2, key_block=4, band_block=8)
 
 
 @needs_kernel
-@pytest.mark.parametrize('name,layer,heads,overrides', CASES,
-                         ids=[f'{c[0]}-{c[1]}-{c[3].get("factorization", "")}' for c in CASES])
+@pytest.mark.parametrize('name,layer,heads,overrides', [
+    pytest.param(*c, id=f'{c[0]}-{c[1]}-{c[3].get("factorization", "")}',
+                 marks=pytest.mark.slow if c[:2] in _SLOW_CASES else ()) for c in CASES])
 def test_module_with_kernel_matches_dense_reference(name, layer, heads, overrides):
   n, d = 70, 16
   rng = np.random.default_rng(1)

@@ -38,8 +38,9 @@ def _model(name, scan, **extra):
 def test_decoding_equals_full_forward(name, extra, scan):
   model = _model(name, scan, **extra)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 50, (2, _MAX_LEN)))
-  params = model.init(jax.random.key(0), tokens)['params']
-  full = model.apply({'params': params}, tokens)
+  # Init and forward jitted (op by op they were slower than the decoding itself).
+  params = jax.jit(model.init)(jax.random.key(0), tokens)['params']
+  full = jax.jit(model.apply)({'params': params}, tokens)
   cache = decode.init_cache(model, params, 2)
   run = jax.jit(lambda c, tok, t: decode.step(model, params, c, tok, t))
   steps = []
@@ -64,7 +65,7 @@ def test_cache_keeps_only_what_the_pattern_can_still_see():
 def test_sample_is_greedy_at_temperature_zero():
   model = _model('local', False)
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, 50, (1, 5)))
-  params = model.init(jax.random.key(0), tokens)['params']
+  params = jax.jit(model.init)(jax.random.key(0), tokens)['params']
   out = decode.sample(model, params, tokens, 3, jax.random.key(0), temperature=0.0)
   assert out.shape == (1, 8)
   np.testing.assert_array_equal(out[:, :5], tokens)

@@ -98,7 +98,7 @@ def _dense_model():
       attention_impl='xla', stack='unrolled'))
   model = transformer.Decoder(cfg)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 70, (5, 30)))
-  return model, model.init(jax.random.key(0), tokens)['params'], tokens
+  return model, jax.jit(model.init)(jax.random.key(0), tokens)['params'], tokens  # One program.
 
 
 def test_decoding_step_runs_the_kernels_and_training_does_not():
@@ -132,5 +132,5 @@ def test_decoding_with_the_kernels_equals_the_plain_jax_step(monkeypatch):
   monkeypatch.setattr(cpu_kernel, 'available', lambda: False)
   without = run()
   np.testing.assert_allclose(with_kernels, without, rtol=2e-5, atol=2e-5)
-  full = model.apply({'params': params}, tokens)
+  full = jax.jit(model.apply)({'params': params}, tokens)
   np.testing.assert_allclose(with_kernels, full, rtol=2e-5, atol=2e-5)

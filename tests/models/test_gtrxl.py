@@ -42,11 +42,11 @@ def _xy(seed=0, shape=(2, 5, D)):
 def test_gate_equals_the_papers_equations():
   x, y = _xy()
   gate = blocks.GRUGate()
-  params = nn.unbox(gate.init(jax.random.key(0), x, y)['params'])
+  params = nn.unbox(jax.jit(gate.init)(jax.random.key(0), x, y)['params'])
   np.testing.assert_array_equal(params['gate_bias'], np.full(D, 2.0))  # b_g starts at 2.
   # A b_g that is not constant, so a wrong sign or axis would show.
   params['gate_bias'] = jnp.linspace(-1.0, 3.0, D)
-  got = gate.apply({'params': params}, x, y)
+  got = jax.jit(gate.apply)({'params': params}, x, y)
   np.testing.assert_allclose(got, _gate_by_hand(params, x, y), atol=2e-6)
 
 
@@ -54,11 +54,11 @@ def test_gate_starts_near_the_identity():
   """With b_g = 2 the update gate z starts near σ(-2) and g(x, y) near x; with b_g = 0 the same
   weights put z near 1/2 and move the stream much further."""
   x, y = _xy(shape=(4, 64, 256))
-  params = nn.unbox(blocks.GRUGate().init(jax.random.key(0), x, y)['params'])
+  params = nn.unbox(jax.jit(blocks.GRUGate().init)(jax.random.key(0), x, y)['params'])
 
   def moved(bias):
     p = {**params, 'gate_bias': jnp.full(x.shape[-1], bias)}
-    out = blocks.GRUGate(gate_bias=bias).apply({'params': p}, x, y)
+    out = jax.jit(blocks.GRUGate(gate_bias=bias).apply)({'params': p}, x, y)
     return float(jnp.linalg.norm(out - x) / jnp.linalg.norm(x))
 
   near, plain = moved(2.0), moved(0.0)
@@ -86,13 +86,13 @@ def test_block_equals_the_wiring_by_hand():
   ctx = blocks.LayerContext(positions=jnp.broadcast_to(jnp.arange(6), (2, 6)),
                             segment_ids=jnp.ones((2, 6), jnp.int32))
   block = blocks.get('gtrxl')(config=cfg, attention_name='dense')
-  params = nn.unbox(block.init(jax.random.key(0), x, ctx)['params'])
+  params = nn.unbox(jax.jit(block.init)(jax.random.key(0), x, ctx)['params'])
   assert set(params) == {'pre_attention_norm', 'attention', 'attention_gate', 'pre_mlp_norm',
                          'mlp', 'mlp_gate'}
   # Norm scales other than ones, so each norm's place matters.
   params['pre_attention_norm']['scale'] = jnp.linspace(0.5, 1.5, cfg.d_model)
   params['pre_mlp_norm']['scale'] = jnp.linspace(1.5, 0.5, cfg.d_model)
-  got = block.apply({'params': params}, x, ctx)
+  got = jax.jit(block.apply)({'params': params}, x, ctx)
 
   def norm(p, a):
     a = np.asarray(a, np.float64)
@@ -101,11 +101,13 @@ def test_block_equals_the_wiring_by_hand():
   attn = blocks.make_attention(cfg, 'dense', 0)
   mlp = blocks.layers.SwiGLU(cfg.mlp_dim)
   h = norm(params['pre_attention_norm'], x)
-  y = np.asarray(attn.apply({'params': params['attention']}, jnp.asarray(h, jnp.float32),
-                            positions=ctx.positions, segment_ids=ctx.segment_ids))
+  # Each module applied as one jitted program (op by op was slower).
+  y = np.asarray(jax.jit(attn.apply)({'params': params['attention']},
+                                     jnp.asarray(h, jnp.float32), positions=ctx.positions,
+                                     segment_ids=ctx.segment_ids))
   x1 = _gate_by_hand(params['attention_gate'], x, np.maximum(y, 0.0))
   h = norm(params['pre_mlp_norm'], x1)
-  y = np.asarray(mlp.apply({'params': params['mlp']}, jnp.asarray(h, jnp.float32)))
+  y = np.asarray(jax.jit(mlp.apply)({'params': params['mlp']}, jnp.asarray(h, jnp.float32)))
   want = _gate_by_hand(params['mlp_gate'], x1, np.maximum(y, 0.0))
   np.testing.assert_allclose(got, want, atol=2e-5)
 
@@ -134,7 +136,7 @@ def test_gates_add_their_parameters_and_flops_with_any_variant(attention, stack,
 def test_every_gate_gets_a_gradient():
   model = transformer.Decoder(_config('dense', 'gtrxl', 'scan'))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 16)))
-  variables = model.init(jax.random.key(0), tokens)
+  variables = jax.jit(model.init)(jax.random.key(0), tokens)  # Jitted: op by op was slower.
   grads = jax.jit(jax.grad(lambda p: model.apply({**variables, 'params': p}, tokens,
                                                  mutable=True)[0].mean()))(variables['params'])
   gate_grads = [g for path, g in jax.tree_util.tree_leaves_with_path(nn.unbox(grads))

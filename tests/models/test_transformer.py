@@ -367,8 +367,16 @@ def _logits_and_grads(remat, scan):
   return logits, (_unscan(grads, cfg.n_layers) if scan else grads)
 
 
-@pytest.mark.parametrize('remat', transformer.REMAT_POLICIES)
-@pytest.mark.parametrize('scan', [True, False])
+# A covering set in CI: every policy once, and remat both under scan (the stack 'auto' picks
+# for a homogeneous model) and unrolled: 'full' unrolled, the dots policies under scan, and
+# scan alone ('none'). The other pairs repeat those checks, so they run under -m slow.
+_REMAT_IN_CI = {('none', True), ('dots_saveable', True),
+                ('dots_with_no_batch_dims_saveable', True), ('full', False), ('none', False)}
+
+
+@pytest.mark.parametrize('remat,scan', [
+    pytest.param(r, s, marks=() if (r, s) in _REMAT_IN_CI else pytest.mark.slow)
+    for s in (True, False) for r in transformer.REMAT_POLICIES])
 def test_remat_and_scan_match_plain_unrolled(remat, scan):
   if (remat, scan) == ('none', False):
     pytest.skip('the reference itself')
@@ -488,10 +496,16 @@ def test_swiglu_activation_matches_autodiff():
   h = jax.random.normal(jax.random.key(3), (2, 5, 2, 7)) * 3.0
   dy = jax.random.normal(jax.random.key(4), (2, 5, 7))
   plain = lambda h: jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
-  np.testing.assert_allclose(layers.swiglu_activation(h), plain(h), rtol=1e-6)
-  _, vjp_custom = jax.vjp(layers.swiglu_activation, h)
-  _, vjp_plain = jax.vjp(plain, h)
-  np.testing.assert_allclose(vjp_custom(dy)[0], vjp_plain(dy)[0], rtol=1e-5, atol=1e-6)
+
+  @jax.jit  # One program (op by op, each primitive compiled alone, was slower).
+  def both(h, dy):
+    y, vjp_custom = jax.vjp(layers.swiglu_activation, h)
+    y_plain, vjp_plain = jax.vjp(plain, h)
+    return y, y_plain, vjp_custom(dy)[0], vjp_plain(dy)[0]
+
+  y, y_plain, g, g_plain = both(h, dy)
+  np.testing.assert_allclose(y, y_plain, rtol=1e-6)
+  np.testing.assert_allclose(g, g_plain, rtol=1e-5, atol=1e-6)
 
 
 def test_swiglu_mlp_matches_autodiff():
@@ -505,10 +519,15 @@ def test_swiglu_mlp_matches_autodiff():
     h = jnp.einsum('btd,dgf->btgf', x, w_in)
     return jnp.einsum('btf,fd->btd', jax.nn.silu(h[..., 0, :]) * h[..., 1, :], w_out)
 
-  y, vjp_custom = jax.vjp(layers.swiglu_mlp, x, w_in, w_out)
-  y_plain, vjp_plain = jax.vjp(plain, x, w_in, w_out)
+  @jax.jit  # One program (op by op, each primitive compiled alone, was slower).
+  def both(x, w_in, w_out, dy):
+    y, vjp_custom = jax.vjp(layers.swiglu_mlp, x, w_in, w_out)
+    y_plain, vjp_plain = jax.vjp(plain, x, w_in, w_out)
+    return y, y_plain, vjp_custom(dy), vjp_plain(dy)
+
+  y, y_plain, g, g_plain = both(x, w_in, w_out, dy)
   np.testing.assert_allclose(y, y_plain, rtol=1e-5, atol=1e-6)
-  for got, want in zip(vjp_custom(dy), vjp_plain(dy)):
+  for got, want in zip(g, g_plain):
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -529,6 +548,6 @@ def test_sinusoidal_positions_join_the_embedding_at_its_scale():
                              atol=1e-7)
   tokens = jnp.ones((1, MAX_LEN), jnp.int32)  # Same token everywhere: only positions differ.
   model = transformer.Decoder(sin)
-  params = model.init(jax.random.key(0), tokens)
-  logits = model.apply(params, tokens)
+  params = jax.jit(model.init)(jax.random.key(0), tokens)  # Jitted: op by op was slower.
+  logits = jax.jit(model.apply)(params, tokens)
   assert np.max(np.abs(np.asarray(logits[0, 1:] - logits[0, :1]))) > 1e-4
