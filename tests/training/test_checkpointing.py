@@ -2,7 +2,9 @@
 resuming on another mesh.
 
 Most tests run `main.py` in subprocesses on the tiny recipe with a small batch (see
-conftest.FAST); the subprocesses share one JAX compilation cache.
+conftest.FAST); the subprocesses share one JAX compilation cache. The SIGTERM test and the
+eval on a pure data-parallel 8-device mesh are slow (`-m slow`): other tests cover them in CI
+(see their comments).
 """
 
 import json
@@ -110,8 +112,12 @@ def test_sigkill_and_restart_match_uninterrupted_run(harness, reference, tmp_pat
   assert harness.max_abs_diff(resumed.opt_state, uninterrupted.opt_state) <= RESUME_TOL
 
 
+# Slow: test_signals.py's second-SIGTERM test covers, in CI, a SIGTERM that saves one step,
+# exits 0 and leaves no temporary folder, and a resume from that step; a main.py restart that
+# resumes and finishes is the SIGKILL test's above.
+@pytest.mark.slow
 def test_sigterm_saves_exits_zero_and_restart_finishes(harness, tmp_path):
-  """About a minute in CI: a run stopped by SIGTERM and its restart, two main.py starts."""
+  """About a minute: a run stopped by SIGTERM and its restart, two main.py starts."""
   workdir, log = tmp_path / 'run', tmp_path / 'term.log'
   # Checkpoints only at the end or on SIGTERM; log every step to see the loop running (the
   # SIGTERM handler is installed by then).
@@ -289,7 +295,8 @@ def test_eval_mode_writes_json(eval_one_device):
 
 
 @pytest.mark.parametrize('mesh', [
-    {'mesh.data': 8},
+    # Slow: data2_fsdp4 restores onto 8 devices too, and also reshards over fsdp.
+    pytest.param({'mesh.data': 8}, marks=pytest.mark.slow),
     # The eval batch of 16 splits 8 ways and the parameters saved from one device are
     # resharded over fsdp on restore.
     {'mesh.data': 2, 'mesh.fsdp': 4},

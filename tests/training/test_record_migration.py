@@ -1,7 +1,12 @@
 """Runs recorded before a config key was renamed still evaluate and resume (run_config.RENAMED):
 the universal stack's settings were the top-level model.universal_* keys and are now its
 options, model.stack_options.*; a stack or block option's change kind is read from its
-declaration."""
+declaration.
+
+The evaluations and resumptions of the new and the old record build the same programs: the
+module uses the session's persistent compilation cache (conftest `compile_cache`), so the
+second of each pair loads them.
+"""
 
 import json
 import shutil
@@ -14,6 +19,8 @@ from configs import default
 from models import transformer
 from tests.training.test_universal_recipe import _config as universal_recipe_config
 from training import evaluation, run_config, settings, train
+
+pytestmark = pytest.mark.usefixtures('compile_cache')
 
 OLD_TO_NEW = {
     'model.universal_steps': 'model.stack_options.steps',

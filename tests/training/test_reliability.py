@@ -1,8 +1,12 @@
 """Runs that do not lose or mix anything: one run per workdir, the config record written only
-once the state matches, a checkpoint before every evaluation, honest accuracy (issue 20)."""
+once the state matches, a checkpoint before every evaluation, honest accuracy (issue 20).
+
+The tests that need a finished run copy one module fixture (2 steps in-process, one device).
+"""
 
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -36,10 +40,23 @@ def test_the_lock_of_a_dead_run_is_taken_over_with_a_note(tmp_path, caplog):
     pass
 
 
-def test_failed_restore_keeps_the_config_record(harness, tmp_path):
-  workdir = tmp_path / 'run'
+@pytest.fixture(scope='module')
+def two_steps(harness, tmp_path_factory):
+  """A run of 2 steps on one device, trained in this process, its checkpoint at step 2."""
+  workdir = tmp_path_factory.mktemp('two_steps') / 'run'
   train.train_and_evaluate(harness.config({'total_steps': 2, 'checkpoint_every_steps': 2}),
                            str(workdir))
+  return workdir
+
+
+def _copy(run, tmp_path):
+  workdir = tmp_path / 'run'
+  shutil.copytree(run, workdir)
+  return workdir
+
+
+def test_failed_restore_keeps_the_config_record(harness, two_steps, tmp_path):
+  workdir = _copy(two_steps, tmp_path)
   record = (workdir / 'config.json').read_text()
   with pytest.raises(Exception):  # Another model cannot restore this checkpoint.
     train.train_and_evaluate(harness.config({'total_steps': 4, 'model.d': 3}), str(workdir))
@@ -71,12 +88,11 @@ def test_accuracy_does_not_count_tied_logits_as_right():
   assert float(correct) == 3.0
 
 
-def test_a_one_device_checkpoint_evaluates_on_a_tensor_parallel_mesh(harness, tmp_path):
+def test_a_one_device_checkpoint_evaluates_on_a_tensor_parallel_mesh(harness, two_steps,
+                                                                     tmp_path):
   # The vocabulary taken from the data (model.vocab_size=0) is padded independently of the
   # mesh, so parameter shapes, and checkpoints, are the same on every mesh.
-  workdir = tmp_path / 'run'
-  train.train_and_evaluate(harness.config({'total_steps': 2, 'checkpoint_every_steps': 2}),
-                           str(workdir))
+  workdir = _copy(two_steps, tmp_path)
   proc = harness.run_main(workdir, {'total_steps': 2, 'mesh.data': 1, 'mesh.tensor': 2},
                           mode='eval', devices=2)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -84,17 +100,20 @@ def test_a_one_device_checkpoint_evaluates_on_a_tensor_parallel_mesh(harness, tm
   assert np.isfinite(result['loss'])
 
 
-def test_the_recorded_mesh_is_fitted_to_the_devices_present(harness, tmp_path):
-  """Over a minute in CI: a run on 4 devices, its evaluation on 1, its resumption on 2 and a
-  refused evaluation are four main.py starts."""
+def test_the_recorded_mesh_is_fitted_to_the_devices_present(harness, two_steps, tmp_path):
+  """Its evaluation on 1 device, its resumption on 2 and a refused evaluation: three main.py
+  starts."""
   # Issue 35: a run trained on 4 devices (data=2, fsdp=2) could not be evaluated on 1 device
   # ("mesh ... needs 4 devices, 1 are available") nor resumed on 2. The mesh is the machine's:
   # a start that sets none fits the recorded one to the devices present, in one log line.
-  workdir = tmp_path / 'run'
+  # What is fitted is the record's mesh, so the run is trained here on one device and its
+  # record then says data=2, fsdp=2: what a 4-device run records (a 4-device main.py run
+  # cost a third of the test; checkpoints restore onto any mesh: test_checkpointing.py).
+  workdir = _copy(two_steps, tmp_path)
   mesh = {'mesh.data': 2, 'mesh.fsdp': 2}
-  proc = harness.run_main(workdir, {'total_steps': 2, 'checkpoint_every_steps': 2, **mesh},
-                          devices=4)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  record = json.loads((workdir / 'config.json').read_text())
+  record['mesh'].update(data=2, fsdp=2)
+  (workdir / 'config.json').write_text(json.dumps(record, indent=2))
   proc = harness.run_main(workdir, {'total_steps': 2}, mode='eval', devices=1)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert ("the recorded mesh {'data': 2, 'fsdp': 2, 'tensor': 1, 'dcn_data': 1, 'dcn_fsdp': 1} "

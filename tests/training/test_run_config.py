@@ -1,5 +1,10 @@
 """WORKDIR/config.json is the run's config: resume, eval and inspect start from it, and a
-change of the model or the training is refused unless allowed (issue 20)."""
+change of the model or the training is refused unless allowed (issue 20).
+
+Several tests train or evaluate the recorded run in this process with the same settings (a
+resume to step 6, the evaluations): the module uses the session's persistent compilation
+cache (conftest `compile_cache`), so a program built before is loaded, not compiled again.
+"""
 
 import json
 import shutil
@@ -13,6 +18,8 @@ import pytest
 from configs import tiny
 from models.attention import base, registry
 from training import assembly, attention_maps, evaluation, optimizer, run_config, train
+
+pytestmark = pytest.mark.usefixtures('compile_cache')
 
 # A model the default recipe does not describe: evaluating with the recipe's defaults would
 # score dense attention with these parameters (same shapes), silently.
@@ -98,12 +105,22 @@ def test_eval_with_no_flags_scores_the_recorded_model(harness, trained, tmp_path
   assert result['loss'] == pytest.approx(reference['loss'], rel=1e-5)
 
 
+def _main_request(harness, given: dict) -> run_config.Request:
+  """The Request main.py makes of `harness.main_command(workdir, given)`: every flag of it,
+  the tiny recipe named with --config."""
+  return run_config.Request(keys=frozenset(harness.overrides(given)),
+                            recipe=str(harness.repo / 'configs' / 'tiny.py'), recipe_given=True)
+
+
 def test_eval_with_a_model_override_is_refused(harness, trained, tmp_path):
+  # In this process, with the request main.py makes of these flags (main.py's one error line
+  # and exit status for a refused change: test_a_different_recipe_file_counts_...).
   workdir = _copy(trained, tmp_path)
-  proc = harness.run_main(workdir, {**TRAINED, 'model.attention_options.local.window': 4},
-                          mode='eval')
-  assert proc.returncode == 1, proc.stderr[-3000:]
-  [error] = _errors(proc)
+  given = {**TRAINED, 'model.attention_options.local.window': 4}
+  with pytest.raises(ValueError) as info:
+    evaluation.evaluate_checkpoint(harness.config(given), str(workdir),
+                                   _main_request(harness, given))
+  error = str(info.value)
   assert 'model.attention_options.local.window: recorded 2, given 4' in error, error
   assert '--allow_config_change=model.attention_options.local.window' in error
   assert not list(workdir.glob('eval_step_*.json'))
@@ -122,9 +139,12 @@ def test_a_different_recipe_file_counts_but_its_defaults_do_not(harness, trained
 
 def test_eval_reads_parameters_only_so_optimizer_settings_never_block_it(harness, trained,
                                                                          tmp_path):
+  # In this process, with the request main.py makes of these flags: the eval program is the
+  # one test_eval_with_no_flags_scores_the_recorded_model built (the compile cache has it).
   workdir = _copy(trained, tmp_path)
-  proc = harness.run_main(workdir, {**TRAINED, 'clip_grad_norm': 0.0}, mode='eval')
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  given = {**TRAINED, 'clip_grad_norm': 0.0}
+  evaluation.evaluate_checkpoint(harness.config(given), str(workdir),
+                                 _main_request(harness, given))
   result = json.loads((workdir / 'eval_step_4.json').read_text())
   assert result['config_overrides'] == {'clip_grad_norm': 0.0}
   # Without a record (an older run) the config given is used as it is: its optimizer state

@@ -107,10 +107,12 @@ def _stream_config(tmp_path, total_steps):
   return config
 
 
+@pytest.mark.usefixtures('compile_cache')
 def test_segment_memory_is_carried_and_resumes_exactly(tmp_path, straight_and_resumed):
   """A run stopped at step 3 and resumed to 6 equals a run straight to 6: the checkpoint
-  holds the memory of every layer and the stream positions of every row. Over a minute in CI:
-  the straight, stopped and resumed runs each compile the segment-memory step."""
+  holds the memory of every layer and the stream positions of every row. The straight,
+  stopped and resumed runs build the segment-memory step; the session's persistent compile
+  cache (conftest `compile_cache`) loads what an earlier one compiled."""
   straight, resumed = straight_and_resumed(lambda steps: _stream_config(tmp_path, steps))
   memory = straight.memory['block_1']['attention']
   assert memory['hidden'].shape == (2, 24, 32)

@@ -1,5 +1,10 @@
 """Transformer-XL in the real training loop: memory carried, checkpointed and resumed; eval
-with its own (longer) memory. A stream of bytes from a small text, packed as 'stream'."""
+with its own (longer) memory. A stream of bytes from a small text, packed as 'stream'.
+
+The module uses the session's persistent compilation cache (conftest `compile_cache`): the
+straight, stopped and resumed runs and the evaluations build the same programs, which are then
+loaded instead of compiled again.
+"""
 
 import jax
 import numpy as np
@@ -7,6 +12,8 @@ import pytest
 
 from configs import transformer_xl_char
 from training import assembly, evaluation, train
+
+pytestmark = pytest.mark.usefixtures('compile_cache')
 
 N, MEM = 16, 16
 
@@ -48,12 +55,15 @@ def test_memory_is_carried_checkpointed_and_resumes_exactly(tmp_path, straight_a
 
 
 def test_eval_with_a_longer_memory_runs_and_changes_the_loss(tmp_path):
+  # 6 steps, as the straight run above: its train step is loaded from the compile cache.
+  steps = 6
   workdir = str(tmp_path / 'run')
-  train.train_and_evaluate(_config(tmp_path, 30), workdir)
-  base = evaluation.evaluate_checkpoint(_config(tmp_path, 30), workdir)
-  longer = evaluation.evaluate_checkpoint(_config(tmp_path, 30, eval_mem_len=4 * MEM), workdir)
+  train.train_and_evaluate(_config(tmp_path, steps), workdir)
+  base = evaluation.evaluate_checkpoint(_config(tmp_path, steps), workdir)
+  longer = evaluation.evaluate_checkpoint(_config(tmp_path, steps, eval_mem_len=4 * MEM),
+                                          workdir)
   assert np.isfinite(base['bits_per_byte']) and np.isfinite(longer['bits_per_byte'])
-  assert base['step'] == longer['step'] == 30
+  assert base['step'] == longer['step'] == steps
   assert abs(longer['loss'] - base['loss']) > 1e-4, (base, longer)
   assert longer['config_overrides'] == {'model.attention_options.txl.eval_mem_len': 4 * MEM}
 
