@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from selective_kit import ALL_ON, forward as _forward, model as _model, params as _params
+from selective_kit import ALL_ON, model as _model, params as _params
 
 from models import transformer
 from models.attention import selective as SEL
