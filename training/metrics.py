@@ -1,5 +1,6 @@
 """Console progress lines, TensorBoard scalars and texts."""
 
+import itertools
 import time
 
 import jax
@@ -49,6 +50,9 @@ class MetricLogger:
       self._writer.close()
 
 
+_FILE_IDS = itertools.count()  # EventWriter's file names, unique in a process.
+
+
 class EventWriter:
   """TensorBoard event files, written in a background thread with no TensorFlow in a local
   folder.
@@ -76,7 +80,10 @@ class EventWriter:
     from tensorboard.summary.writer import record_writer
     self._event, self._summary = event_pb2.Event, summary_pb2.Summary
     self._scalar, self._text = scalar_summary.scalar_pb, text_summary.text_pb
-    name = f'events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}'
+    # The counter keeps two writers of one process in one second (a run, then its evaluation,
+    # in the same folder) from opening, and so emptying, the same file.
+    name = (f'events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.'
+            f'{os.getpid()}.{next(_FILE_IDS)}')
     if '://' in logdir:
       import tensorflow as tf
       tf.io.gfile.makedirs(logdir)

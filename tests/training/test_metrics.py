@@ -40,6 +40,18 @@ def test_scalars_and_texts_read_back_as_tf_summary_writes_them(tmp_path):
                   (4, 'samples/0'): ('text', b'prompt:\n\n    the cat')}
 
 
+def test_two_writers_of_one_folder_keep_both_files(tmp_path):
+  """A run and its evaluation in one process, within one second: neither file empties the
+  other."""
+  first = metrics.EventWriter(str(tmp_path))
+  second = metrics.EventWriter(str(tmp_path))
+  first.write_scalars(1, {'train/loss': 1.0})
+  second.write_scalars(2, {'eval/loss': 2.0})
+  first.close()
+  second.close()
+  assert set(_read(tmp_path)) == {(1, 'train/loss'), (2, 'eval/loss')}
+
+
 def test_a_run_writes_its_events_without_importing_tensorflow(tmp_path):
   """The logger of every main.py start: TensorFlow's import is ~8 CPU-s of a 2-core start."""
   script = textwrap.dedent(f'''
