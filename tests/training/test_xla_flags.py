@@ -44,6 +44,18 @@ def test_matmuls_go_to_ynnpack_dot_fusions_on_the_checked_jaxlib_releases(monkey
   assert _defaults(monkeypatch, given, first) == given
 
 
+def test_fast_compile_names_the_fusion_emitter_flag_only_on_checked_releases(monkeypatch):
+  first, past = xla_flags.FUSION_EMITTERS_JAXLIB
+  for release in (first, (0, 10, 2)):
+    monkeypatch.setattr(xla_flags, '_jaxlib_version', lambda r=release: r)
+    assert xla_flags.FUSION_EMITTERS_OFF in xla_flags.fast_compile().split()
+  for release in ((0, 6, 2), past, ()):
+    monkeypatch.setattr(xla_flags, '_jaxlib_version', lambda r=release: r)
+    flags = xla_flags.fast_compile().split()
+    assert xla_flags.FUSION_EMITTERS_OFF not in flags
+    assert '--xla_backend_optimization_level=0' in flags
+
+
 def test_the_installed_jaxlib_release_is_read():
   release = xla_flags._jaxlib_version()  # pylint: disable=protected-access
   assert len(release) == 3 and release >= (0, 7, 0)
