@@ -280,8 +280,11 @@ def test_rotations_come_from_the_lsh_stream():
   np.testing.assert_array_equal(e, e2)
   assert len(drawn) == len(fixed) == 2 and drawn[0].shape == (2, 16, 2)
   assert not np.array_equal(drawn[0], drawn[1])  # Training: each layer its own.
-  for r in fixed:  # Evaluation: the same fixed rotations in every layer.
-    np.testing.assert_array_equal(r, lsh.eval_rotations(2, 16, 4))
+  # Evaluation: the same fixed rotations in every layer. Bit-equal between the layers (one
+  # program); against the same draw made outside the model to float32 rounding, since the
+  # normal sampler's arithmetic fused into the model may round its last bit differently.
+  np.testing.assert_array_equal(fixed[0], fixed[1])
+  np.testing.assert_allclose(fixed[0], lsh.eval_rotations(2, 16, 4), rtol=1e-6, atol=1e-6)
   assert not np.array_equal(be[0], be[1])  # The layers' queries still hash differently.
   assert len(np.unique(ba[0])) > 2  # Several buckets in use.
   assert transformer.rng_streams(model.config) == ('dropout', 'lsh')

@@ -39,7 +39,14 @@ def _config(tmp_path, total_steps, **options):
   config.update(seq_len=N, batch_size=2, total_steps=total_steps, warmup_steps=2,
                 learning_rate=0.01, log_every_steps=2, eval_every_steps=0, eval_steps=4,
                 checkpoint_every_steps=3, peak_tflops_per_device=1.0,
-                async_checkpointing=False)
+                async_checkpointing=False,
+                # The stopped run's first steps are another program (total_steps 3) than the
+                # straight run's: a gradient entry that is pure float32 rounding noise can
+                # flip sign between them, and with Adam's eps 1e-8 move its weight by the
+                # whole learning rate (7.8e-4 in the memory after 6 steps, with the suite's
+                # compile flags). eps 1e-3 bounds that, as tests/training/test_sharded_step.py
+                # does; a memory or stream position missing from the checkpoint moves far more.
+                adam_eps=1e-3)
   return config
 
 
@@ -51,7 +58,7 @@ def test_memory_is_carried_checkpointed_and_resumes_exactly(tmp_path, straight_a
   assert memory['hidden'].shape == (2, 2, MEM, 32)  # (layers, rows, M, d_model)
   assert np.all(np.asarray(memory['segment_ids']) > 0)  # Filled from the streams.
   for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)  # 3.7e-6 seen.
 
 
 def test_eval_with_a_longer_memory_runs_and_changes_the_loss(tmp_path):
