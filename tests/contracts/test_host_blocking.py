@@ -1,5 +1,6 @@
 """The training loop never waits for the device between log steps, for every variant, block
-and stack (cases.ONE_EACH; issue 47).
+and stack (cases.ONE_EACH, the static-pattern variants in the slow tier: cases.loop_cases;
+issue 47).
 
 A host call that waits for the device (jax.device_get, block_until_ready, an array turned
 into a numpy array or a Python number, a multihost all-gather) puts a round trip into the
@@ -68,7 +69,7 @@ def _sync_step(step: int) -> bool:
   return step % LOG_EVERY == 0 and step > 0
 
 
-@pytest.mark.parametrize('case', cases.ONE_EACH, ids=lambda c: c.id)
+@pytest.mark.parametrize('case', cases.loop_params())
 def test_the_loop_waits_only_at_log_steps(case, tmp_path, monkeypatch):
   spy = _Spy(monkeypatch)
   state = train.train_and_evaluate(_config(case), str(tmp_path), on_step=spy.on_step)

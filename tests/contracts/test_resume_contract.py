@@ -1,4 +1,5 @@
-"""Resume = straight run, for every variant and every block and stack (cases.ONE_EACH).
+"""Resume = straight run, for every variant and every block and stack (cases.ONE_EACH; the
+static-pattern variants in the slow tier, cases.loop_cases says why).
 
 The real training loop (training/train.py) runs 4 steps with a checkpoint at step 2; its
 step-4 checkpoint is then removed and the loop run again in the same workdir: it resumes
@@ -29,7 +30,7 @@ def _config(case: cases.Case):
   return config
 
 
-@pytest.mark.parametrize('case', cases.ONE_EACH, ids=lambda c: c.id)
+@pytest.mark.parametrize('case', cases.loop_params())
 def test_a_resumed_run_equals_the_straight_run(case, tmp_path):
   config = _config(case)
   straight = train.train_and_evaluate(config, str(tmp_path))
