@@ -48,10 +48,6 @@ def _checked(releases: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
   return first <= _jaxlib_version() < past
 
 
-def _ynn_dots_known() -> bool:
-  return _checked(YNN_DOTS_JAXLIB)
-
-
 # XLA:CPU without LLVM's optimization passes: compiles small programs several times faster
 # and runs them slower, with the same results. For programs that are compiled once and run for
 # milliseconds (the test suite uses it on CPU-only machines: tests/conftest.py).
@@ -116,7 +112,7 @@ def set_cpu_defaults() -> None:
   flags = os.environ.get('XLA_FLAGS', '')
   if 'xla_cpu_prefer_vector_width' not in flags and _cpu_has_avx512():
     flags += ' --xla_cpu_prefer_vector_width=512'
-  if 'xla_cpu_experimental_ynn_fusion_type' not in flags and _ynn_dots_known():
+  if 'xla_cpu_experimental_ynn_fusion_type' not in flags and _checked(YNN_DOTS_JAXLIB):
     flags += ' ' + YNN_DOTS
   fake = re.search(r'xla_force_host_platform_device_count=(\d+)', flags)
   count = int(fake.group(1)) if fake else 1

@@ -176,28 +176,27 @@ def component_cases(variants=('dense',)) -> dict[str, dict]:
   return out
 
 
-def loop_cases(cases: list[Case]) -> tuple[list[Case], list[Case]]:
-  """(CI's, slow's) split of `cases` for the contracts of the training loop (resume, host
-  waits): a variant whose connectivity is a static pattern (the sparse patterns, local)
-  keeps no state of its own outside its parameters and reads nothing back on the host, so in
-  the loop it takes dense attention's path, and its baseline case runs in the slow tier only.
-  Every other case stays: dense, the variants with a state or a host read of their own
+def loop_slow_cases(cases: list[Case]) -> list[Case]:
+  """The cases of `cases` that the contracts of the training loop (resume, host waits) run in
+  the slow tier only: the baselines of the variants whose connectivity is a static pattern
+  (the sparse patterns, local). Such a variant keeps no state outside its parameters and reads
+  nothing back on the host, so in the loop it takes dense attention's path. Every other case
+  stays in CI: dense, the variants with a state or a host read of their own
   (segment memory, adaptive span's trims, LSH's random stream, selective's budgets) and every
   block and stack."""
   from models.attention import traits  # pylint: disable=import-outside-toplevel
-  slow = [c for c in cases if (c.block, c.stack) == BASELINE and c.variant != BASELINE_VARIANT
+  return [c for c in cases if (c.block, c.stack) == BASELINE and c.variant != BASELINE_VARIANT
           and traits.of(c.variant).has_static_pattern()]
-  return [c for c in cases if c not in slow], slow
 
 
 ALL = _valid()
 COVERING = pairwise(ALL)
 ONE_EACH = one_each(COVERING)
-LOOP_CI, LOOP_SLOW = loop_cases(ONE_EACH)
+LOOP_SLOW = loop_slow_cases(ONE_EACH)
 
 
 def loop_params() -> list:
-  """ONE_EACH as pytest params, the static-pattern baselines (loop_cases) marked slow."""
+  """ONE_EACH as pytest params, the static-pattern baselines (loop_slow_cases) marked slow."""
   import pytest  # pylint: disable=import-outside-toplevel
   return [pytest.param(c, id=c.id, marks=[pytest.mark.slow] if c in LOOP_SLOW else [])
           for c in ONE_EACH]

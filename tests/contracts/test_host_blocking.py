@@ -1,5 +1,5 @@
 """The training loop never waits for the device between log steps, for every variant, block
-and stack (cases.ONE_EACH, the static-pattern variants in the slow tier: cases.loop_cases;
+and stack (cases.ONE_EACH, the static-pattern variants in the slow tier: cases.loop_slow_cases;
 issue 47).
 
 A host call that waits for the device (jax.device_get, block_until_ready, an array turned

@@ -1,5 +1,5 @@
 """Resume = straight run, for every variant and every block and stack (cases.ONE_EACH; the
-static-pattern variants in the slow tier, cases.loop_cases says why).
+static-pattern variants in the slow tier, cases.loop_slow_cases says why).
 
 The real training loop (training/train.py) runs 4 steps with a checkpoint at step 2; its
 step-4 checkpoint is then removed and the loop run again in the same workdir: it resumes
