@@ -92,7 +92,15 @@ def pytest_collection_modifyitems(config, items):
 def compile_cache_dir(tmp_path_factory) -> str:
   """The session's JAX persistent compilation cache: main.py subprocesses (the training
   Harness) and the in-process tests that ask for `compile_cache` share it, so a program
-  compiled once (the same HLO) is loaded, not compiled again, by the next run that builds it."""
+  compiled once (the same HLO) is loaded, not compiled again, by the next run that builds it.
+
+  With -n N (pytest-xdist) the workers share it too (a folder beside their own temporary
+  folders): both build the tiny recipe's programs in their main.py runs. JAX writes an entry
+  once per key, and a reader that meets an entry still being written warns and compiles."""
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    shared = tmp_path_factory.getbasetemp().parent / 'jax_compilation_cache'
+    shared.mkdir(exist_ok=True)
+    return str(shared)
   return str(tmp_path_factory.mktemp('jax_compilation_cache'))
 
 
