@@ -324,9 +324,8 @@ class MultiHeadAttention(nn.Module):
   def parts(self, head: int) -> list[blocksparse.Part]:
     """Disjoint parts of the head's pattern for the block-sparse paths (default: one part)."""
     p = self.head_pattern(head)
-    # Heads whose pattern does not depend on the head share one view (and one computation).
-    return [blocksparse.Part(blocksparse.HeadView(
-        p, head if getattr(p, 'distinct_heads', False) else 0))]
+    # Heads that see the same keys share one view (and one computation).
+    return [blocksparse.Part(blocksparse.HeadView(p, patterns.head_group(p, head)))]
 
   def target_platform(self) -> str:
     """The platform the program is compiled for: `platform`, or this process's backend."""

@@ -120,6 +120,35 @@ def test_allowed_on_jax_arrays_matches_numpy(pattern):
     np.testing.assert_array_equal(np.asarray(got), patterns.mask(pattern, n, head))
 
 
+# One instance of every pattern class, with sizes where heads could differ.
+HEAD_GROUP_CASES = [
+    patterns.Strided(4, 'a2'), patterns.Fixed(8, 2), patterns.Fixed(8, 2, 'a2', True),
+    patterns.Fixed(8, 3, 'union', True), patterns.Local(5), patterns.BlockLocal(8, 3),
+    patterns.Dense()]
+
+
+def test_every_pattern_class_has_a_head_group_case():
+  classes = {c for c in vars(patterns).values()
+             if isinstance(c, type) and hasattr(c, 'allowed')}
+  assert classes == {type(p) for p in HEAD_GROUP_CASES}
+
+
+@pytest.mark.parametrize('pattern', HEAD_GROUP_CASES, ids=repr)
+def test_heads_of_one_group_see_the_same_keys_and_other_groups_do_not(pattern):
+  """splash and the block-sparse paths compute one mask per head group (patterns.head_group):
+  a pattern whose `allowed` read its head without saying so would give every head head 0's
+  keys there."""
+  n, heads = 40, 8
+  masks = {h: patterns.mask(pattern, n, h) for h in range(heads)}
+  groups = {h: patterns.head_group(pattern, h) for h in range(heads)}
+  for h in range(heads):
+    np.testing.assert_array_equal(masks[h], patterns.mask(pattern, n, groups[h]))
+    for g in range(h):
+      assert np.array_equal(masks[h], masks[g]) == (groups[h] == groups[g]), (h, g, groups)
+    np.testing.assert_array_equal(patterns.latest_allowed(pattern, n, h),
+                                  patterns.latest_allowed(pattern, n, groups[h]))
+
+
 def _oracle_cases():
   for l in (1, 4, 8):
     for part in PARTS:
