@@ -10,6 +10,7 @@ import textwrap
 
 import jax
 import numpy as np
+import pytest
 
 from training import assembly, sharding, steps
 
@@ -92,7 +93,12 @@ _SCRIPT = textwrap.dedent('''\
     ''')
 
 
+@pytest.mark.slow
 def test_2x2x2_mesh_matches_single_device(tmp_path, harness):
+  """In the slow tier (12 s of CI's budget, issue 67): the CI tier has its cases, every
+  variant's step on this mesh against one device (tests/contracts/test_sharded_contract.py)
+  and several steps with the parameters split over processes and devices
+  (tests/contracts/test_multiprocess_contract.py's fsdp and tensor layouts)."""
   script = tmp_path / 'sharded_step.py'
   script.write_text(_SCRIPT)
   proc = harness.run_script(script, tmp_path, NUM_STEPS, ADAM_EPS, devices=8)
