@@ -21,6 +21,7 @@ tests/input_pipeline/test_paper_recipes_tiny.py runs each recipe's tiny line on 
 """
 
 import json
+import re
 
 import pytest
 
@@ -45,6 +46,11 @@ def _rows() -> dict:
     return {r['recipe']: r for r in json.load(f)['rows']}
 
 
+# The largest constant a recipe's train step may hold (splash's mask tables of the Sparse
+# Transformer: 384 KiB).
+MAX_CONSTANT_BYTES = 4 << 20
+
+
 @pytest.mark.parametrize('name', [pytest.param(n, marks=pytest.mark.slow) if n in SAME_MODEL
                                   else n for n in configs.PAPER_RECIPES])
 def test_the_train_step_lowers_for_the_recipes_slice(name):
@@ -57,6 +63,11 @@ def test_the_train_step_lowers_for_the_recipes_slice(name):
   lowered = aot.lower_train_step(setup)
   text = lowered.as_text()
   assert 'zoo_' not in text, 'a CPU kernel entered a TPU program'
+  # No array computed on the host is baked into the program at the batch's size (selective
+  # attention's triangles were six of 136 MB; the largest now are splash's mask tables).
+  largest = max((len(m.group(1)) // 2 for m in re.finditer(r'dense<"0x([0-9A-Fa-f]*)"', text)),
+                default=0)
+  assert largest <= MAX_CONSTANT_BYTES, f'a constant of {largest} bytes in the train step'
 
 
 @pytest.mark.parametrize('name', configs.PAPER_RECIPES)
