@@ -6,8 +6,8 @@ At the paper's scale, on a TPU slice (compiled ahead of time from a CPU host by
 `python -m benchmarks.tpu_compile --recipes selective_variable_assignment`, committed in
 results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
   slice:    v5e-4 (compile_topology 'v5e:2x2'), mesh data=4, remat 'none'
-  memory:   12.03 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
-  speed:    ~464,000 steps/day: a step of 186 ms, memory-bound, MFU 4% (FLOPs run: 5%)
+  memory:   11.52 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
+  speed:    ~474,000 steps/day: a step of 182 ms, memory-bound, MFU 4% (FLOPs run: 6%)
             (the roofline estimate of the compiled step, not measured): 65,536 steps in ~0.14 days
 
   python main.py --config=configs/selective_variable_assignment.py --mode=compile --workdir=/tmp/va
