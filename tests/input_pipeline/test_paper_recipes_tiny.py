@@ -21,10 +21,8 @@ import sys
 
 import pytest
 
-from absl import flags
-from ml_collections import config_flags
-
 import configs
+from experiments import compare
 from tests.harness import REPO
 from training import aot, assembly
 
@@ -77,17 +75,11 @@ RUN_IN_CI = ('selective_variable_assignment', 'universal_transformer_algorithmic
 
 
 def _parsed_config(argv: list[str]):
-  """The config main.py builds from `argv` (main.py's --config flags, as absl parses them)."""
+  """The config main.py builds from `argv` (its --config flags, read as main.py reads them)."""
   others = [a for a in argv[1:] if not a.startswith('--config')]
   assert [a.split('=', 1)[0] for a in others] == ['--workdir'], others
   recipe = argv[1].split('=', 1)[1]  # configs/<name>.py, from the repository's root.
-  config_argv = ['main.py', f'--config={REPO / recipe}'] + [
-      a for a in argv[2:] if a.startswith('--config.')]
-  values = flags.FlagValues()
-  config_flags.DEFINE_config_file('config', flag_values=values, lock_config=True,
-                                  sys_argv=config_argv)
-  values(config_argv)
-  return values.config
+  return compare.recipe(str(REPO / recipe), [a for a in argv[2:] if a.startswith('--config.')])
 
 
 @pytest.mark.parametrize('name', configs.PAPER_RECIPES)
