@@ -165,14 +165,19 @@ def _latest_allowed(pattern, n: int, head: int, chunk: int) -> np.ndarray:
   return out
 
 
-@functools.lru_cache(maxsize=256)
 def cache_plan(pattern, n: int, head: int = 0, chunk: int = 512) -> tuple[int, np.ndarray]:
   """Decoding-cache layout derived from the pattern: (capacity, slot of each position).
 
   Key j is kept from step j until the last query i < n with allowed(i, j); a slot freed by
   a key no query needs any more is reused. The capacity is the most keys alive at once: w for
   a sliding window, the block plus the summary cells for fixed attention, n for dense.
+  One plan per head group (head_group), computed once.
   """
+  return _cache_plan(pattern, n, head_group(pattern, head), chunk)
+
+
+@functools.lru_cache(maxsize=256)
+def _cache_plan(pattern, n: int, head: int, chunk: int) -> tuple[int, np.ndarray]:
   last_use = np.full(n, -1, np.int64)  # Last query that may see key j (-1: none).
   i_all = np.arange(n)[:, None]
   for s in range(0, n, chunk):
