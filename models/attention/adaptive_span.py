@@ -58,7 +58,7 @@ def trimmed_span(max_z: float, *, ramp: int, limit: int, block: int) -> int:
 
 def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span: int,
                    block: int, scale: float, dtype, platform: str = 'cpu',
-                   keep_layers: int = 0, devices: int = 1):
+                   keep_layers: int = 0, devices: int = 1, engine: dict | None = None):
   """Soft-masked attention over the keys 1..`span` positions back, query block by block.
 
   Args:
@@ -78,6 +78,7 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
     keep_layers: on a CPU, the layers of the model that keep their weights for the backward
       (blockloop.attention's keep_weights); 0: recompute them.
     devices: the devices the batch and heads are split over (the kept weights' share).
+    engine: blockloop.attention's kernel and interpret (MultiHeadAttention.engine).
 
   Returns:
     (batch, n, heads, head_dim); a query with no key in reach outputs zeros.
@@ -115,7 +116,7 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
   def score(params, qb, kb, i, j):
     p, z = params
     x = (m + i)[:, None] - j[None, :]  # distances (B, W); i and j are contiguous runs
-    logits = jnp.einsum('bhqd,bhkd->bhqk', qb, kb, preferred_element_type=jnp.float32)
+    logits = blockloop.head_einsum('bhqd,bhkd->bhqk', qb, kb, preferred_element_type=jnp.float32)
     # q . p_{x-1} (eq. 1's relative term); pairs outside [1, T] are not live.
     form = blockloop.relative_form(platform, p.shape[0], qb.shape[2], kb.shape[2])
     logits = (logits + blockloop.relative_term(qb, p, m + i[0] - j[0] - 1, kb.shape[2],
@@ -130,7 +131,9 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
                                (rel[:span].astype(dtype), z), table=table, q_block=block,
                                score=score, dtype=dtype, per_step=per_step,
                                keep_weights=keep_layers if platform == 'cpu' else 0,
-                               devices=devices)
+                               devices=devices, **(engine or {}),
+                               param_axes=((None, None), ('batch', 'heads', None) if per_token
+                                           else ('heads',)))
   return jnp.swapaxes(out, 1, 2)
 
 
@@ -245,7 +248,8 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
     attend = functools.partial(span_attention, q, k, v, segment_ids, key_segment_ids, rel, z,
                                ramp=ramp, block=impl_block, scale=self.head_dim ** -0.5,
                                dtype=self.dtype, platform=self.target_platform(),
-                               keep_layers=self.num_layers, devices=self.devices_split())
+                               keep_layers=self.num_layers, devices=self.devices_split(),
+                               engine=self.engine())
     reach = k.shape[1] - 1  # The farthest pair of the row.
     if self.dynamic or min(self.trim, reach) >= min(self.limit, reach):
       return attend(span=self.trim)

@@ -23,8 +23,11 @@ Dtype = Any
 # (plain JAX, any backend); 'cpu_kernel' is the fused C++ tile kernel of cpu_kernel.py (one
 # CPU device, static patterns); 'fused' is jax.nn.dot_product_attention (XLA's own einsum);
 # 'cudnn' forces the cuDNN flash kernel on NVIDIA GPUs; 'splash' is the Pallas TPU kernel
-# (interpret mode elsewhere, for tests).
-IMPLEMENTATIONS = ('auto', 'xla', 'blocksparse', 'cpu_kernel', 'fused', 'cudnn', 'splash')
+# (interpret mode elsewhere, for tests); 'pallas' is the project's own fused Pallas kernel with
+# the variant's score hook (pallas_kernel.py): every variant on the blocked engine and every
+# static pattern, compiled by Mosaic for a TPU, in interpret mode for a CPU.
+IMPLEMENTATIONS = ('auto', 'xla', 'blocksparse', 'cpu_kernel', 'fused', 'cudnn', 'splash',
+                   'pallas')
 
 # `cache` value of MultiHeadAttention.__call__ (and Decoder's `decode`) for a prompt's forward
 # that fills the decoding caches.
@@ -339,6 +342,14 @@ class MultiHeadAttention(nn.Module):
       return 1
     mesh, batch_axes, head_axes = layout
     return int(np.prod([mesh.shape[a] for a in batch_axes + head_axes]))
+
+  def engine(self) -> dict:
+    """blockloop.attention's `kernel` and `interpret` for this layer's blocked path: the fused
+    Pallas kernel for attention_impl='pallas' (interpret mode for a CPU target), else the XLA
+    engine."""
+    if self.impl != 'pallas':
+      return {}
+    return {'kernel': 'pallas', 'interpret': self.target_platform() == 'cpu'}
 
   def loop_block(self, n: int, *, prefix: bool = False) -> int:
     """The query block of this layer's blocked path over n queries (blockloop.query_block:

@@ -135,9 +135,29 @@ class Context(NamedTuple):
   starts: jax.Array
 
 
+def head_einsum(subscripts: str, a, b, **kwargs):
+  """jnp.einsum of two (batch, heads, ...) tiles pair by pair of (batch, head), e.g.
+  'bhqd,bhkd->bhqk', computed with the two axes merged into one: Mosaic (the TPU Pallas
+  compiler) takes a matmul with one batch dimension, and a score runs inside the fused Pallas
+  kernel as well as here (XLA merges them alike: the same program)."""
+  lhs, rest = subscripts.split(',')
+  rhs, out = rest.split('->')
+  if not lhs.startswith('bh') or not rhs.startswith('bh') or not out.startswith('bh'):
+    raise ValueError(f'head_einsum takes (batch, heads, ...) operands, got {subscripts!r}')
+  lead = a.shape[:2]
+  merged = jnp.einsum(f'z{lhs[2:]},z{rhs[2:]}->z{out[2:]}', a.reshape((-1,) + a.shape[2:]),
+                      b.reshape((-1,) + b.shape[2:]), **kwargs)
+  return merged.reshape(lead + merged.shape[1:])
+
+
+# What computes `attention`: these loops in plain JAX ('xla'), or the fused Pallas kernels.
+KERNELS = ('xla', 'pallas')
+
+
 def attention(q, k, v, q_segments, k_segments, params, *, table: Table, q_block: int,
               score: Callable, dtype, per_step: int = 1, out_dtype=None, carry=None,
-              keep_weights: int = 0, devices: int = 1):
+              keep_weights: int = 0, devices: int = 1, kernel: str = 'xla',
+              interpret=False, param_axes=None):
   """softmax attention of every query block over the key chunks `table` gives it.
 
   Args:
@@ -172,6 +192,12 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: Table, q_block:
       device come to at most KEEP_PAIRS, the forward keeps each pair's exp(s - lse) for the
       backward, which then does not compute the scores again. Without `carry` only.
     devices: the devices the batch and heads are split over: one holds 1/devices of the pairs.
+    kernel: 'xla' (these loops) or 'pallas' (the same attention as the fused Pallas kernels of
+      pallas_kernel.py, which ignore per_step and keep_weights).
+    interpret: with kernel='pallas', run the kernels as plain JAX (a CPU target).
+    param_axes: None, or a pytree like `params` of tuples naming each parameter's axes
+      ('batch', 'heads' or None): how the Pallas kernel slices it per row and splits it over
+      a mesh (pallas_kernel.attention).
 
   Returns:
     The output (batch, heads, n, head_dim) in `dtype` (zeros for a query that sees no key)
@@ -182,6 +208,14 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: Table, q_block:
   """
   if q_block < 1 or per_step < 1:
     raise ValueError(f'block sizes must be >= 1, got q_block={q_block}, per_step={per_step}')
+  if kernel not in KERNELS:
+    raise ValueError(f'unknown engine kernel {kernel!r}; known: {", ".join(KERNELS)}')
+  if kernel == 'pallas':
+    from models.attention import pallas_kernel  # It builds on this module.
+    return pallas_kernel.attention(q, k, v, q_segments, k_segments, params, table=table,
+                                   q_block=q_block, score=score, dtype=dtype,
+                                   out_dtype=out_dtype, carry=carry, param_axes=param_axes,
+                                   interpret=interpret)
   spec = _Spec(table, q_block, score, jnp.dtype(dtype), per_step,
                jnp.dtype(out_dtype or dtype), carry is not None)
   if carry is None and _short(spec, _queries(q)[0].shape[2]):
@@ -883,7 +917,8 @@ def step_keys(platform: str, block: int) -> int:
   return block if platform == 'cpu' else max(block, ACCELERATOR_KEYS)
 
 
-def causal(q, k, v, segment_ids, *, block_size: int, scale: float, dtype, per_step: int = 1):
+def causal(q, k, v, segment_ids, *, block_size: int, scale: float, dtype, per_step: int = 1,
+           **engine):
   """Causal attention by query blocks: block b reads the key blocks 0..b only, the blocks
   above the diagonal are never computed (about half of the dense work).
 
@@ -894,6 +929,7 @@ def causal(q, k, v, segment_ids, *, block_size: int, scale: float, dtype, per_st
     scale: logit multiplier.
     dtype: dtype of the weights fed to the value matmul and of the output.
     per_step: key blocks per loop step.
+    **engine: `attention`'s kernel and interpret.
 
   Returns:
     (batch, length, heads, head_dim).
@@ -909,10 +945,10 @@ def causal(q, k, v, segment_ids, *, block_size: int, scale: float, dtype, per_st
 
   def score(params, qb, kb, i, j):
     del params
-    logits = jnp.einsum('bhqd,bhkd->bhqk', qb, kb, preferred_element_type=jnp.float32)
+    logits = head_einsum('bhqd,bhkd->bhqk', qb, kb, preferred_element_type=jnp.float32)
     return logits * scale, (i[:, None] >= j[None, :])[None, None], None
 
   qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
   out, _ = attention(qh, kh, vh, segment_ids, segment_ids, None, table=table,
-                     q_block=block_size, score=score, dtype=dtype, per_step=per_step)
+                     q_block=block_size, score=score, dtype=dtype, per_step=per_step, **engine)
   return jnp.swapaxes(out, 1, 2)

@@ -148,6 +148,12 @@ def _table(allowed, n: int, q_block: int, k_block: int) -> blockloop.Table:
                                      k_block)
 
 
+def pattern_table(allowed, n: int, q_block: int, k_block: int) -> blockloop.Table:
+  """The key blocks of k_block keys each query block of `allowed` (sequence order) touches, as
+  blockloop's table (the fused Pallas kernel's, which computes every part at once)."""
+  return _table(allowed, n, q_block, k_block)
+
+
 def layout(part: Part, n: int, q_block: int, k_block: int):
   """(order, key indices per query block) of `part` in its computation order.
 
@@ -264,7 +270,7 @@ def _part_stats(q, k, v, segment_ids, part: Part, *, q_block, k_block, band_bloc
 
   def score(params, qb, kb, i, j):
     del params
-    logits = jnp.einsum('bhqd,bhkd->bhqk', qb, kb, preferred_element_type=jnp.float32)
+    logits = blockloop.head_einsum('bhqd,bhkd->bhqk', qb, kb, preferred_element_type=jnp.float32)
     return logits * scale, part.allowed(i[:, None], j[None, :])[None, None], None
 
   out, lse = blockloop.attention(q, k, v, segment_ids, segment_ids, None, table=table,

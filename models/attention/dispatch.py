@@ -77,6 +77,9 @@ def choose(impl: str, *, variant: str, static: bool, dense: bool, head_dim: int,
         and cpu_kernel.unusable(head_dim, platform, devices) is None):
       return 'cpu_kernel'
     return 'blocksparse'
+  if impl == 'pallas':
+    check_pallas(variant, platform)
+    return 'pallas'
   if impl in ('splash', 'cpu_kernel') and not static:
     raise ValueError(f'attention_impl={impl!r} computes a static pattern, and {variant} has '
                      "none: use 'auto', 'xla' or 'blocksparse'")
@@ -95,6 +98,15 @@ def choose(impl: str, *, variant: str, static: bool, dense: bool, head_dim: int,
     raise ValueError(f"{variant}: attention_impl='cudnn' is an NVIDIA GPU kernel and the "
                      f"program is compiled for {platform!r}: use 'auto', 'blocksparse' or 'xla'")
   return impl
+
+
+def check_pallas(variant: str, platform: str) -> None:
+  """Raises ValueError where the fused Pallas kernel (pallas_kernel.py) cannot run: it is
+  written for Mosaic (TPU) and runs in interpret mode for a CPU target; no GPU lowering yet."""
+  if platform == 'gpu':
+    raise ValueError(f"{variant}: attention_impl='pallas' is built for TPU (Mosaic) and runs in "
+                     "interpret mode on a CPU; it has no GPU lowering yet: use 'auto', "
+                     "'blocksparse' or 'cudnn'")
 
 
 # Head widths of cuDNN's flash kernel on every GPU it supports (Hopper also takes up to 256).
@@ -138,6 +150,8 @@ def attend(module, q, k, v, *, positions, segment_ids):
     return splash.splash_attention(q, k, v, segment_ids, positions, head_patterns,
                                    block_size=module.block_size, scale=scale, dtype=dtype,
                                    interpret=module.target_platform() == 'cpu')
+  if impl == 'pallas':
+    return pallas_patterns(module, q, k, v, segment_ids, head_patterns, scale)
   if impl == 'blocksparse' and dense:
     # Query block [s, e) sees keys [0, e): the blocks above the diagonal are never computed.
     block = module.loop_block(q.shape[1], prefix=True)
@@ -167,6 +181,38 @@ def attend(module, q, k, v, *, positions, segment_ids):
   out = reference.reference_attention(q, k, v, mask, scale=scale, dtype=dtype)
   sees_any = jnp.swapaxes(mask.any(axis=-1), 1, 2)[..., None]  # (b, q, h, 1)
   return jnp.where(sees_any, out, 0).astype(dtype)
+
+
+def pallas_patterns(module, q, k, v, segment_ids, head_patterns, scale):
+  """Every head's static pattern in one call of the fused Pallas kernel: its table is the
+  union of the key blocks the heads' patterns touch (blocksparse's layout, one per group of
+  heads that see the same keys), and the score masks each head with its own pattern."""
+  n = q.shape[1]
+  dense = all(isinstance(p, patterns.Dense) for p in head_patterns)
+  block = module.loop_block(n, prefix=dense)
+  if dense:
+    return blockloop.causal(q, k, v, segment_ids, block_size=block, scale=scale,
+                            dtype=module.dtype, **module.engine())
+  tables = {blocksparse.pattern_table(blocksparse.HeadView(p, patterns.head_group(p, h)), n,
+                                      block, block) for h, p in enumerate(head_patterns)}
+  nq = -(-n // block)
+  chunks = [np.unique(np.concatenate([
+      (t.start[b, r] + t.stride[b, r] * np.arange(t.count[b, r])) // block
+      for t in tables for r in range(t.start.shape[1])])) for b in range(nq)]
+  table = blockloop.Table.from_chunks(chunks, block)
+  views = [(p, patterns.head_group(p, h)) for h, p in enumerate(head_patterns)]
+
+  def score(params, qb, kb, i, j):
+    del params
+    logits = blockloop.head_einsum('bhqd,bhkd->bhqk', qb, kb, preferred_element_type=jnp.float32)
+    allowed = jnp.stack([p.allowed(i[:, None], j[None, :], g) for p, g in views])
+    return logits * scale, allowed[None], None
+
+  qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
+  out, _ = blockloop.attention(qh, kh, vh, segment_ids, segment_ids, None, table=table,
+                               q_block=block, score=score, dtype=module.dtype,
+                               **module.engine())
+  return jnp.swapaxes(out, 1, 2)
 
 
 def fused_attention(q, k, v, mask, *, impl: str, scale: float, dtype, bias=None):

@@ -336,8 +336,10 @@ class LSHTraits(traits.Traits):
 
   @classmethod
   def implementation(cls, impl, **kwargs):
-    """LSH attention has one path of its own (sort, chunk, attend); 'auto', 'xla' and
-    'blocksparse' all run it."""
+    """LSH attention has one path of its own (sort, chunk, attend); 'auto', 'xla',
+    'blocksparse' and 'pallas' all run it. Its keys are sorted by a hash drawn each step, so
+    no block table built on the host says which key blocks a query block reads; it stays on
+    its own path, reported as 'blocksparse'."""
     return cls.own_path_implementation(
-        impl, refused=('cpu_kernel', 'splash', 'fused', 'cudnn'),
+        impl, refused=('cpu_kernel', 'splash', 'fused', 'cudnn'), engine=False,
         why='lsh attention sorts positions by hash bucket and attends chunk by chunk', **kwargs)

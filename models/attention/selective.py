@@ -203,7 +203,8 @@ def _blocked_score(*, scale: float, separate: bool, shift: bool, relu: bool, mas
   def score(params, qb, kb, i, j, ctx: blockloop.Context):
     del params
     (qh, sq), (kh, sk) = (qb, kb) if separate else ((qb, None), (kb, None))
-    logits = jnp.einsum('bhqd,bhkd->bhqk', qh, kh, preferred_element_type=jnp.float32) * scale
+    logits = blockloop.head_einsum('bhqd,bhkd->bhqk', qh, kh,
+                                   preferred_element_type=jnp.float32) * scale
     if separate:                                            # S: its own form (A.3)
       s = jnp.einsum('bqd,bkd->bqk', sq[:, 0], sk[:, 0],
                      preferred_element_type=jnp.float32) * scale
@@ -227,23 +228,29 @@ def _sums_over_queries(s, *, exclusive: bool):
   `exclusive`), and its column sums, as batched triangular matmuls: within groups of 16
   rows, then over the groups' sums. XLA's CPU cumsum is a log-depth scan of slices, which
   took 2.5x as long forward and backward at T = 128, and the pass computes three per pair.
-  The triangles are batched like s so that no operand needs a transpose: broadcast in the
-  program from one (g, g) and one (T / g, T / g) constant. Broadcast in NumPy they were
-  constants of the batch's size in the program (six layers of 136 + 1 MB at the Variable
-  Assignment recipe's 2,048 rows: 16 s to lower its train step, now 1.5 s)."""
+  The triangles are batched like s so that no operand needs a transpose, built from iotas in
+  the program. Broadcast in NumPy they were constants of the batch's size in the program (six
+  layers of 136 + 1 MB at the Variable Assignment recipe's 2,048 rows: 16 s to lower its train
+  step, now 1.5 s)."""
   b, t, c = s.shape
   g = math.gcd(t, 16)
-  x, y = np.arange(g), np.arange(t // g)
-  within = jnp.broadcast_to(
-      jnp.asarray(x[:, None] > x[None, :] if exclusive else x[:, None] >= x[None, :], s.dtype),
-      (b, t // g, g, g))
-  before = jnp.broadcast_to(jnp.asarray(y[:, None] > y[None, :], s.dtype), (b, t // g, t // g))
+  within = _triangle((b, t // g, g, g), s.dtype, strict=exclusive)
+  before = _triangle((b, t // g, t // g), s.dtype, strict=True)
   groups = s.reshape(b, t // g, g, c)
   totals = jnp.sum(groups, axis=2)                          # (b, T / g, C)
   exact = jax.lax.Precision.HIGHEST  # F sums many S: no reduced-precision passes on a GPU.
   sums = (jnp.einsum('bgxy,bgyc->bgxc', within, groups, precision=exact)
           + jnp.einsum('bgh,bhc->bgc', before, totals, precision=exact)[:, :, None])
   return sums.reshape(b, t, c), jnp.sum(totals, axis=1)
+
+
+def _triangle(shape, dtype, *, strict: bool):
+  """Ones where the row index of the last two axes is >= (> when `strict`) the column's, as
+  iotas in the program: no constant, so the same code runs inside the Pallas kernel (a kernel
+  takes no captured array)."""
+  row = jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 2)
+  col = jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
+  return ((row > col) if strict else (row >= col)).astype(dtype)
 
 
 @register('selective')
@@ -294,11 +301,12 @@ class SelectiveAttention(base.MultiHeadAttention):
     selection = extra
     scale = q.shape[-1] ** -0.5
     pruning = self.budget or self.has_variable('pruning', 'budget')
-    if self.impl == 'blocksparse' and not pruning:
+    if self.impl in ('blocksparse', 'pallas') and not pruning:
       return self._attend_blocks(q, k, v, segment_ids, selection, scale)
     if self.impl in ('splash', 'cpu_kernel'):
       raise ValueError('selective attention subtracts F from the logits: use attention_impl '
-                       f"'auto', 'xla', 'blocksparse', 'fused' or 'cudnn', not {self.impl!r}")
+                       f"'auto', 'xla', 'blocksparse', 'pallas', 'fused' or 'cudnn', "
+                       f"not {self.impl!r}")
     mask = base.causal_segment_mask(segment_ids)  # (b, n, n)
     logits = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32) * scale
     if selection is None:
@@ -360,7 +368,7 @@ class SelectiveAttention(base.MultiHeadAttention):
     out, _, m_rows = blockloop.attention(
         qh, kh, vh, segment_ids, segment_ids, None, table=table, q_block=block, score=score,
         dtype=self.dtype, per_step=blockloop.step_keys(self.target_platform(), block) // block,
-        carry=jnp.zeros((batch, n), jnp.float32))
+        carry=jnp.zeros((batch, n), jnp.float32), **self.engine())
     if lmem:
       self._sow_memory_loss(doc_max_sum(m_rows, segment_ids), segment_ids)
     if self.is_mutable_collection('intermediates'):

@@ -246,16 +246,21 @@ class Traits:
 
   @classmethod
   def own_path_implementation(cls, impl: str, *, refused: tuple[str, ...], why: str,
-                              **kwargs) -> str:
+                              engine: bool = True, backend: str = 'cpu', **kwargs) -> str:
     """`implementation` for a variant that computes its scores on a path of its own (no
     static pattern, so no kernel): a name in `refused` raises ValueError('{why}:
-    attention_impl=... cannot run it; use ...'); 'xla' keeps its all-keys path; every other
-    name runs the variant's blocked path, reported as 'blocksparse'."""
+    attention_impl=... cannot run it; use ...'); 'xla' keeps its all-keys path; 'pallas' runs
+    the variant's score on the fused Pallas kernel where its path is the blocked engine's
+    (`engine`), else its own path; every other name runs the variant's blocked path, reported
+    as 'blocksparse'."""
     del kwargs
     base.check_known(impl)
     if impl in refused:
       raise ValueError(f"{why}: attention_impl={impl!r} cannot run it; use 'auto' (blocked), "
-                       "'blocksparse' or 'xla'")
+                       "'blocksparse', 'pallas' or 'xla'")
+    if impl == 'pallas' and engine:
+      dispatch.check_pallas(cls.module.__name__, backend)
+      return 'pallas'
     return impl if impl == 'xla' else 'blocksparse'
 
 

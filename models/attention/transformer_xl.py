@@ -65,7 +65,7 @@ def distance_table(length: int, clamp_len: int):
 
 
 def relative_attention(q, k, v, q_segments, k_segments, pos_keys, u, v_bias, *, reach, block,
-                       scale, dtype):
+                       scale, dtype, engine: dict | None = None):
   """Transformer-XL attention of n queries over m cached and n current keys, block by block.
 
   Args:
@@ -80,6 +80,7 @@ def relative_attention(q, k, v, q_segments, k_segments, pos_keys, u, v_bias, *, 
     block: query block length (n: one block).
     scale: logit multiplier (1 / sqrt(head_dim)).
     dtype: dtype of the weights fed to the value matmul and of the output.
+    engine: blockloop.attention's kernel and interpret (MultiHeadAttention.engine).
 
   Returns:
     (batch, n, heads, head_dim); a query with no visible key outputs zeros.
@@ -110,7 +111,8 @@ def relative_attention(q, k, v, q_segments, k_segments, pos_keys, u, v_bias, *, 
   def score(params, qb, kb, i, j):
     q_content, q_position = qb
     x = (m + i)[:, None] - j[None, :]  # (B, keys) distances
-    logits = jnp.einsum('bhqd,bhkd->bhqk', q_content, kb, preferred_element_type=jnp.float32)
+    logits = blockloop.head_einsum('bhqd,bhkd->bhqk', q_content, kb,
+                                   preferred_element_type=jnp.float32)
     # (q_i + v) W_R r_x once per query and distance of the step, shifted to each key
     # (blockloop.relative_term; x outside [0, reach] is masked).
     logits = (logits + blockloop.relative_term(q_position, params, m + i[0] - j[0],
@@ -124,7 +126,8 @@ def relative_attention(q, k, v, q_segments, k_segments, pos_keys, u, v_bias, *, 
   queries = (qh + u[None, :, None, :].astype(qh.dtype),
              qh + v_bias[None, :, None, :].astype(qh.dtype))
   out, _ = blockloop.attention(queries, kh, vh, q_segments, k_segments, pk, table=table,
-                               q_block=block, score=score, dtype=dtype, per_step=per_step)
+                               q_block=block, score=score, dtype=dtype, per_step=per_step,
+                               param_axes=('heads', None, None), **(engine or {}))
   return jnp.swapaxes(out, 1, 2)
 
 
@@ -190,7 +193,8 @@ class TransformerXLAttention(base.MultiHeadAttention):
     block = n if self.impl == 'xla' else self.loop_block(n)
     return relative_attention(q, k, v, segment_ids, key_segment_ids,
                               self.position_keys(extra, span), u, v_bias, reach=reach,
-                              block=block, scale=self.head_dim ** -0.5, dtype=self.dtype)
+                              block=block, scale=self.head_dim ** -0.5, dtype=self.dtype,
+                              engine=self.engine())
 
   def decode_step(self, q, k, v, *, positions, extra=None):
     """One token over a ring buffer of the last mem_len + max_len keys.
