@@ -29,7 +29,8 @@ Two readings:
   `tpu_custom_call`) are counted from their own analytic cost: FLOPs from the mask's
   non-empty blocks (the block table is a constant of the program; the text must hold large
   constants: `module_text`), bytes from their operands plus the key / value blocks they
-  stream. Other custom calls (a CPU kernel, cuDNN) count their operands' and outputs' bytes
+  stream; a kernel that states its own cost (pallas_call's cost_estimate: the project's fused
+  attention kernel, from its block table) by that. Other custom calls (a CPU kernel, cuDNN) count their operands' and outputs' bytes
   and no FLOPs, and are listed in `Cost.opaque`.
 
 training/roofline.py turns a Cost into a step time for a chip.
@@ -1312,9 +1313,36 @@ def _splash(inst: _Instruction, module: _Module, cost: Cost) -> tuple[dict, floa
   return {klass: flops}, once + stream
 
 
+_COST_ESTIMATE = re.compile(r'"cost_estimate":\{"flops":"?(\d+)"?,[^}]*?'
+                            r'"bytes_accessed":"?(\d+)"?')
+
+
+def _estimated(inst: _Instruction, module: _Module, cost: Cost) -> tuple[dict, float] | None:
+  """(FLOPs, HBM bytes) of a Mosaic kernel that states its own cost (pallas_call's
+  cost_estimate): the project's fused attention kernel computes it from its block table
+  (models/attention/pallas_kernel.py). FLOPs are classed by the kernel's first floating
+  operand (after its scalar-prefetched tables). None when the call states none."""
+  del cost
+  found = _COST_ESTIMATE.search(inst.rest.replace('\\"', '"'))
+  if not found or not int(found.group(1)):
+    return None
+  floating = next((o for o in inst.operands if module.by_name.get(o) is not None
+                   and arrays(module.by_name[o].type_text)
+                   and arrays(module.by_name[o].type_text)[0].dtype.startswith(('bf', 'f'))),
+                  None)
+  klass = (_flops_class(_Instruction(inst.name, '', 'dot', '%' + floating + ')'), module)
+           if floating else 'f32')
+  return {klass: float(found.group(1))}, float(found.group(2))
+
+
+def _mosaic(inst: _Instruction, module: _Module, cost: Cost) -> tuple[dict, float] | None:
+  """A Mosaic kernel: splash from its block table, else the cost the kernel states."""
+  return _splash(inst, module, cost) or _estimated(inst, module, cost)
+
+
 # Analytic costs of custom calls by target: fn(instruction, module, cost) -> (FLOPs by class,
 # bytes) or None (not this kernel). A kernel's owner may register its own.
-CUSTOM_CALL_COSTS = {'tpu_custom_call': _splash}
+CUSTOM_CALL_COSTS = {'tpu_custom_call': _mosaic}
 
 
 def analyze(hlo: str) -> Cost:

@@ -110,8 +110,11 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
   per_step = max(1, int(table.count.max()))
   z = jnp.asarray(z, jnp.float32)
   per_token = z.ndim != 1
-  if per_token:  # (b, n, h) -> (b, h, blocks x B): sliced by each block's queries.
-    z = jnp.pad(jnp.swapaxes(z, 1, 2), ((0, 0), (0, 0), (0, nq * block - n)))
+  # Shaped as the scores broadcast it (no vector of rank 1 enters the Pallas kernel).
+  if per_token:  # (b, n, h) -> (b, h, blocks x B, 1): sliced by each block's queries.
+    z = jnp.pad(jnp.swapaxes(z, 1, 2), ((0, 0), (0, 0), (0, nq * block - n)))[..., None]
+  else:
+    z = z[None, :, None, None]
 
   def score(params, qb, kb, i, j):
     p, z = params
@@ -121,8 +124,7 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
     form = blockloop.relative_form(platform, p.shape[0], qb.shape[2], kb.shape[2])
     logits = (logits + blockloop.relative_term(qb, p, m + i[0] - j[0] - 1, kb.shape[2],
                                                form=form)) * scale
-    z_block = (jax.lax.dynamic_slice_in_dim(z, i[0], block, axis=2)[..., None] if per_token
-               else z[None, :, None, None])
+    z_block = blockloop.query_rows(z, i, axis=2) if per_token else z
     live = (x >= 1) & (x <= span) & (x < ramp + z_block)  # m_z(x) > 0
     return logits, live, soft_mask(x, z_block, ramp)
 
@@ -132,8 +134,9 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
                                score=score, dtype=dtype, per_step=per_step,
                                keep_weights=keep_layers if platform == 'cpu' else 0,
                                devices=devices, **(engine or {}),
-                               param_axes=((None, None), ('batch', 'heads', None) if per_token
-                                           else ('heads',)))
+                               param_axes=(('distance', None),
+                                           ('batch', 'heads', 'queries', None) if per_token
+                                           else (None, 'heads', None, None)))
   return jnp.swapaxes(out, 1, 2)
 
 

@@ -41,6 +41,7 @@ scores' size; recomputing it would cost a pass over the earlier blocks.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -753,6 +754,35 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # ACCELERATOR_BLOCK and loop steps of at least ACCELERATOR_KEYS keys. A CPU keeps
 # model.attention_block_size (128 by default), its best size there, except on dense causal
 # attention's long rows (see query_block).
+# Non-empty while a score traces inside the fused Pallas kernel (pallas_kernel.py): there a
+# score's parameters come as the kernel gives them (per query block, distance tables
+# reversed; see pallas_kernel.attention's param_axes), and the helpers below read them so.
+_IN_KERNEL: list[bool] = []
+
+
+@contextlib.contextmanager
+def in_kernel():
+  """Scores traced in this context run inside the fused Pallas kernel."""
+  _IN_KERNEL.append(True)
+  try:
+    yield
+  finally:
+    _IN_KERNEL.pop()
+
+
+def inside_kernel() -> bool:
+  return bool(_IN_KERNEL)
+
+
+def query_rows(a, i, axis: int):
+  """A per-query parameter at the block's queries i (a contiguous run) along `axis`, e.g.
+  dynamic spans: this engine gives a score the whole array, the Pallas kernel the block's
+  slice already (param axis 'queries'; Mosaic slices no value at a traced offset)."""
+  if inside_kernel():
+    return a
+  return jax.lax.dynamic_slice_in_dim(a, i[0], i.shape[0], axis=axis)
+
+
 def relative_term(q, table, at0, keys: int, *, form: str = 'shift'):
   """q_r . table[at0 + r - t] at every pair (r, t) of a block of B contiguous queries and
   `keys` contiguous keys: a score's relative-position term (adaptive span's q . p_x,
@@ -782,6 +812,8 @@ def relative_term(q, table, at0, keys: int, *, form: str = 'shift'):
   """
   if form not in RELATIVE_FORMS:
     raise ValueError(f'unknown relative term form {form!r}; known: {", ".join(RELATIVE_FORMS)}')
+  if inside_kernel():
+    return _rolled_relative_term(q, table, at0, keys)
   if form != 'shift':
     return _gathered_relative_term(q, table, at0, keys, pairs=form == 'pairs')
   b = q.shape[2]
@@ -856,6 +888,57 @@ def _gathered_relative_term(q, table, at0, keys: int, *, pairs: bool):
     term = jnp.take_along_axis(products, jnp.broadcast_to(at, products.shape[:2] + at.shape),
                                axis=-1)
   return jnp.where((row >= 0) & (row < rows), term, 0.0)
+
+
+def _rolled_relative_term(q, reversed_table, at0, keys: int):
+  """relative_term inside the fused Pallas kernel, where the table comes reversed (param
+  axis 'distance': Mosaic reverses no vector, the kernel's caller does) and no value can be
+  sliced at a traced offset: q . every row, zero-padded to whole lanes, then each query's
+  products rolled into place by its own amount (one strided pltpu.roll: query r by s + r).
+  Row u of the reversed table is distance R - 1 - u, so pair (r, t) at distance at0 + r - t
+  reads column R - 1 - at0 - r + t. A pair whose distance lies off the table reads another
+  product, not zero: its score must not be live (no live pair of adaptive span or
+  Transformer-XL lies off its table)."""
+  batch, heads, b, d = q.shape
+  rows = reversed_table.shape[-2]
+  width = -(-max(rows, keys) // 128) * 128
+  pad = [(0, 0)] * reversed_table.ndim
+  pad[-2] = (0, width - rows)
+  padded = jnp.pad(reversed_table, pad).astype(q.dtype)
+  if padded.ndim == 2:
+    products = jax.lax.dot_general(q.reshape(-1, d), padded, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+    products = products.reshape(batch, heads, b, width)
+  else:  # One table per head: the heads as the matmul's batch dimension.
+    qh = jnp.swapaxes(q, 0, 1).reshape(heads, batch * b, d)
+    products = jnp.einsum('hqd,hxd->hqx', qh, padded, preferred_element_type=jnp.float32)
+    products = jnp.swapaxes(products.reshape(heads, batch, b, width), 0, 1)
+  shift = jnp.mod(jnp.asarray(at0, jnp.int32) + 1 - rows, width)
+  return _strided_roll(products, shift)[..., :keys]
+
+
+@jax.custom_vjp
+def _strided_roll(x, shift):
+  """x with row r of its last two axes rolled right by shift + r (pltpu.roll; in interpret
+  mode and plain XLA a roll per row)."""
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=import-outside-toplevel
+  return pltpu.roll(x, shift, axis=x.ndim - 1, stride=1, stride_axis=x.ndim - 2)
+
+
+def _strided_roll_fwd(x, shift):
+  return _strided_roll(x, shift), shift
+
+
+def _strided_roll_bwd(shift, g):
+  """Rolled back: row r by -(shift + r), i.e. (W - shift) + (W - 1) r modulo W."""
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=import-outside-toplevel
+  width = g.shape[-1]
+  back = pltpu.roll(g, jnp.mod(width - shift, width), axis=g.ndim - 1, stride=width - 1,
+                    stride_axis=g.ndim - 2)
+  return back, None
+
+
+_strided_roll.defvjp(_strided_roll_fwd, _strided_roll_bwd)
 
 
 # The forms of relative_term. 'shift' is a reshape, no gather; it multiplies q by every one of

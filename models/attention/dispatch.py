@@ -200,18 +200,31 @@ def pallas_patterns(module, q, k, v, segment_ids, head_patterns, scale):
       (t.start[b, r] + t.stride[b, r] * np.arange(t.count[b, r])) // block
       for t in tables for r in range(t.start.shape[1])])) for b in range(nq)]
   table = blockloop.Table.from_chunks(chunks, block)
-  views = [(p, patterns.head_group(p, h)) for h, p in enumerate(head_patterns)]
+  # The distinct masks (heads of one group see the same keys), and which one each head reads:
+  # a one-hot (group, 1, head, 1, 1) parameter split with the heads over a mesh, so that the
+  # score masks the heads a device holds (the kernel computes a device's heads at once).
+  heads_of = [(p, patterns.head_group(p, h)) for h, p in enumerate(head_patterns)]
+  views = list(dict.fromkeys(heads_of))
+  one_hot = None
+  if len(views) > 1:
+    one_hot = np.zeros((len(views), 1, len(heads_of), 1, 1), np.float32)
+    for h, view in enumerate(heads_of):
+      one_hot[views.index(view), 0, h] = 1.0
+    one_hot = jnp.asarray(one_hot)
 
   def score(params, qb, kb, i, j):
-    del params
     logits = blockloop.head_einsum('bhqd,bhkd->bhqk', qb, kb, preferred_element_type=jnp.float32)
-    allowed = jnp.stack([p.allowed(i[:, None], j[None, :], g) for p, g in views])
-    return logits * scale, allowed[None], None
+    masks = [p.allowed(i[:, None], j[None, :], g)[None, None] for p, g in views]
+    if params is None:
+      return logits * scale, masks[0], None
+    allowed = sum(params[g] * m.astype(jnp.float32) for g, m in enumerate(masks)) > 0.5
+    return logits * scale, allowed, None
 
   qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
-  out, _ = blockloop.attention(qh, kh, vh, segment_ids, segment_ids, None, table=table,
+  out, _ = blockloop.attention(qh, kh, vh, segment_ids, segment_ids, one_hot, table=table,
                                q_block=block, score=score, dtype=module.dtype,
-                               **module.engine())
+                               param_axes=None if one_hot is None else (
+                                   None, None, 'heads', None, None), **module.engine())
   return jnp.swapaxes(out, 1, 2)
 
 

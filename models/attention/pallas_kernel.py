@@ -136,7 +136,7 @@ class _Spec:
   n_k: int
   treedef: object         # the params' pytree
   n_params: int
-  row_leaves: tuple       # per parameter leaf: its axis 0 is the batch (read per row)
+  param_axes: tuple       # per parameter leaf: its axes' names (pallas_kernel.attention)
   stateful: bool
   has_rows: bool
   interpret: object
@@ -238,13 +238,15 @@ def _forward_kernel(spec: _Spec, *refs):
     params = jax.tree.unflatten(spec.treedef, [r[...] for r in p_refs])
     if spec.stateful:
       ctx = _context(state_sc, starts_ref, c, spec, real)
-      logits, live, gate, increment, row = spec.score(params, qb, kb, i, j, ctx)
+      with blockloop.in_kernel():
+        logits, live, gate, increment, row = spec.score(params, qb, kb, i, j, ctx)
       C = spec.plan.key_block
       state_sc[:, pl.ds(c * C, C)] += jnp.where(valid[None], increment, 0.0)
       if spec.has_rows:
         rows_ref[0, 0] += jnp.sum(jnp.where(ctx.real, row, 0.0), axis=-1)[0]
     else:
-      logits, live, gate = spec.score(params, qb, kb, i, j)
+      with blockloop.in_kernel():
+        logits, live, gate = spec.score(params, qb, kb, i, j)
     live = live & real
     logits = jnp.where(live, logits, NEG_INF)
     # Per-query statistics keep a trailing axis of 1 (queries on sublanes, as the tiles'):
@@ -293,17 +295,31 @@ def _whole(a):
   return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
 
 
-def _param_specs(spec: _Spec, leaves):
-  """BlockSpecs of the hook's parameters: whole, or the grid's batch row of a per-row one."""
-  return [pl.BlockSpec((1,) + a.shape[1:], lambda bi, *_, nd=a.ndim: (bi,) + (0,) * (nd - 1))
-          if row else _whole(a) for a, row in zip(leaves, spec.row_leaves)]
+def _param_specs(spec: _Spec, leaves, query_block=lambda bi, b, *_: b):
+  """BlockSpecs of the hook's parameters: whole, but for an axis named 'batch' the grid's
+  row and for one named 'queries' the query block `query_block(*grid indices, *tables)`."""
+  def one(a, names):
+    if not names:
+      return _whole(a)
+    shape = tuple(1 if x == 'batch' else spec.plan.q_block if x == 'queries' else size
+                  for x, size in zip(names, a.shape))
+
+    def index(bi, *rest):
+      at = {'batch': bi, 'queries': query_block(bi, *rest)}
+      return tuple(at.get(x, 0) for x in names)
+    return pl.BlockSpec(shape, index)
+  return [one(a, names) for a, names in zip(leaves, spec.param_axes)]
 
 
-def _init_param_grads(spec: _Spec, refs, first_of_grid, first_of_row):
+def _init_param_grads(spec: _Spec, refs, first_of_grid, first_of_row, first_of_block):
   """Zero the parameters' gradient blocks where their accumulation starts: at the first grid
-  step for a shared parameter, at each batch row's first for a per-row one."""
-  for r, row in zip(refs, spec.row_leaves):
-    @pl.when(first_of_row if row else first_of_grid)
+  step for a shared parameter, at each batch row's first for a per-row one, at each query
+  block's first for a per-query one."""
+  for r, names in zip(refs, spec.param_axes):
+    first = (first_of_block if 'queries' in names else first_of_row if 'batch' in names
+             else first_of_grid)
+
+    @pl.when(first)
     def _(r=r):
       r[...] = jnp.zeros(r.shape, r.dtype)
 
@@ -312,6 +328,33 @@ def _init_param_grads(spec: _Spec, refs, first_of_grid, first_of_row):
 # float32 score tiles of every head of a row (4 heads of 512 x 512 queries and keys: 21 MiB in
 # the dq kernel). v5e and v6e chips have 128 MiB of VMEM, v5p 95 MiB.
 VMEM_LIMIT = 64 << 20
+
+
+def _cost(spec: _Spec, phase: str, qs, ks, v) -> pl.CostEstimate:
+  """The kernel's cost from its block table, for XLA and the roofline (training/hlo_cost.py
+  reads it back): FLOPs of the matmuls of the (query block, key block) tiles it visits, one
+  exponential per pair, and the bytes of the blocks it reads and writes. What a hook adds
+  (a relative term's products) is not counted."""
+  p = spec.plan
+  rows, heads = v.shape[0], v.shape[1]
+  pairs = int(p.steps.sum()) * p.q_block * p.key_block * rows * heads
+  d_q = sum(a.shape[3] * a.shape[1] for a in qs) // heads
+  d_k = sum(a.shape[3] * a.shape[1] for a in ks) // heads
+  d_v = v.shape[3]
+  item = jnp.dtype(v.dtype).itemsize
+  visits = int(p.steps.sum()) * rows * heads
+  per_key, per_query = (d_k + d_v) * item, (d_q + d_v) * item
+  once = rows * heads * (p.q_blocks * p.q_block * per_query + p.key_blocks * p.key_block * per_key)
+  matmuls = {'fwd': d_q + d_v,                       # QK^T, PV
+             'dq': d_q + d_v + d_k,                  # QK^T again, dO V^T, dS K
+             'dkv': 2 * d_q + 2 * d_v,               # QK^T again, dO V^T, P^T dO, dS^T Q
+             'stateful_bwd': 2 * d_q + d_k + 2 * d_v}[phase]
+  streamed = {'fwd': p.key_block * per_key, 'dq': p.key_block * per_key,
+              'dkv': p.q_block * (per_query + d_v * item),
+              'stateful_bwd': p.key_block * per_key}[phase]
+  return pl.CostEstimate(flops=2 * pairs * matmuls,
+                         transcendentals=pairs,
+                         bytes_accessed=once + visits * streamed)
 
 
 def _compiler_params(sequential_axes: int):
@@ -353,6 +396,7 @@ def _forward(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, carry, starts):
   return pl.pallas_call(
       functools.partial(_forward_kernel, spec), grid_spec=grid_spec, out_shape=out_shape,
       compiler_params=_compiler_params(3 if spec.stateful else 1), interpret=spec.interpret,
+      cost_estimate=_cost(spec, 'fwd', qs, ks, v),
       name='score_hook_attention_fwd')(*_tables(p), *inputs)
 
 
@@ -374,7 +418,8 @@ def _score_grads(spec: _Spec, params, qb, kb, vb, do, lse, delta, i, j, real, ct
     return (logits, gate), live
 
   extra = (ctx.carried,) if spec.stateful else ()
-  outputs, vjp, live = jax.vjp(f, qb, kb, params, *extra, has_aux=True)
+  with blockloop.in_kernel():
+    outputs, vjp, live = jax.vjp(f, qb, kb, params, *extra, has_aux=True)
   logits, gate = outputs[:2]
   live = live & real
   e = jnp.where(live, jnp.exp(jnp.where(live, logits, NEG_INF) - lse), 0.0)
@@ -388,7 +433,8 @@ def _score_grads(spec: _Spec, params, qb, kb, vb, do, lse, delta, i, j, real, ct
   if spec.stateful:
     row = outputs[3]
     cot += (d_increment, None if row is None else jnp.where(ctx.real, d_row[..., None], 0.0))
-  return (p,) + tuple(vjp(cot))
+  with blockloop.in_kernel():
+    return (p,) + tuple(vjp(cot))
 
 
 def _unpack_bwd(spec: _Spec, refs):
@@ -411,7 +457,7 @@ def _dq_kernel(spec: _Spec, *refs):
   kv, steps = tables[0], tables[1]
   bi, b, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
-  _init_param_grads(spec, dp_refs, (bi == 0) & (b == 0) & (t == 0), (b == 0) & (t == 0))
+  _init_param_grads(spec, dp_refs, (bi == 0) & (b == 0) & (t == 0), (b == 0) & (t == 0), t == 0)
 
   @pl.when(t == 0)
   def _():
@@ -494,7 +540,7 @@ def _stateful_bwd_kernel(spec: _Spec, *refs):
   b = spec.plan.q_blocks - 1 - r
   C = spec.plan.key_block
 
-  _init_param_grads(spec, dp_refs, (bi == 0) & (r == 0) & (t == 0), (r == 0) & (t == 0))
+  _init_param_grads(spec, dp_refs, (bi == 0) & (r == 0) & (t == 0), (r == 0) & (t == 0), t == 0)
 
   @pl.when((r == 0) & (t == 0))
   def _():
@@ -565,8 +611,14 @@ def _bwd_inputs(spec, p, qs, ks, v, seg_q, seg_k, leaves, do, lse, delta, *, by_
                          lambda bi, b, t, *_: (bi, 0, qb(b), 0))
     sq = pl.BlockSpec((1, 1, p.q_block), lambda bi, b, t, *_: (bi, 0, qb(b)))
     sk = pl.BlockSpec((1, 1, p.key_block), lambda bi, b, t, kv, *_: (bi, 0, kv[qb(b), t]))
+  if by_key:
+    query_block = lambda bi, c, t, kv, st, qs_, *_: qs_[c, t]  # noqa: E731
+  elif reverse:
+    query_block = lambda bi, b, *_: nq - 1 - b  # noqa: E731
+  else:
+    query_block = lambda bi, b, *_: b  # noqa: E731
   in_specs = ([qspec(a) for a in qs] + [kspec(a) for a in ks] + [kspec(v), sq, sk]
-              + _param_specs(spec, leaves) + [qspec(do), rspec, rspec])
+              + _param_specs(spec, leaves, query_block) + [qspec(do), rspec, rspec])
   return in_specs, [*qs, *ks, v, seg_q, seg_k, *leaves, do, lse, delta]
 
 
@@ -586,6 +638,7 @@ def _backward(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, do, lse, delta):
                           for a in qs]),
       out_shape=[f32(a) for a in qs] + [f32(a) for a in leaves],
       compiler_params=_compiler_params(3), interpret=spec.interpret,
+      cost_estimate=_cost(spec, 'dq', qs, ks, v),
       name='score_hook_attention_dq')(*_tables(p), *inputs)
   dq, dparams = dq_and_params[:spec.n_q], dq_and_params[spec.n_q:]
   in_specs, inputs = _bwd_inputs(spec, p, qs, ks, v, seg_q, seg_k, leaves, do, lse, delta,
@@ -601,6 +654,7 @@ def _backward(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, do, lse, delta):
           scratch_shapes=[pltpu.VMEM(kshape(a), jnp.float32) for a in (*ks, v)]),
       out_shape=[f32(a) for a in (*ks, v)],
       compiler_params=_compiler_params(1), interpret=spec.interpret,
+      cost_estimate=_cost(spec, 'dkv', qs, ks, v),
       name='score_hook_attention_dkv')(*_tables(p), *inputs)
   return dq, dkv[:spec.n_k], dkv[spec.n_k], dparams, None
 
@@ -627,13 +681,15 @@ def _stateful_backward(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, do, lse, de
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=_N_TABLES, grid=(batch, nq, p.kv.shape[1]), in_specs=in_specs,
           out_specs=([_q_spec(a, p, reverse=True) for a in qs]
-                     + [whole_row(a) for a in (*ks, v)] + _param_specs(spec, leaves)
+                     + [whole_row(a) for a in (*ks, v)]
+                     + _param_specs(spec, leaves, lambda bi, r, *_: nq - 1 - r)
                      + [pl.BlockSpec((1, 1, nk_pad), lambda bi, *_: (bi, 0, 0))]),
           scratch_shapes=([pltpu.VMEM((1, a.shape[1], p.q_block, a.shape[3]), jnp.float32)
                            for a in qs] + [pltpu.VMEM((1, nk_pad), jnp.float32)])),
       out_shape=([f32(a) for a in (*qs, *ks, v)] + [f32(a) for a in leaves]
                  + [jax.ShapeDtypeStruct((batch, 1, nk_pad), jnp.float32)]),
       compiler_params=_compiler_params(3), interpret=spec.interpret,
+      cost_estimate=_cost(spec, 'stateful_bwd', qs, ks, v),
       name='score_hook_attention_stateful_bwd')(*_tables(p), *inputs)
   n_q, n_k = spec.n_q, spec.n_k
   return (outs[:n_q], outs[n_q:n_q + n_k], outs[n_q + n_k], outs[n_q + n_k + 1:-1],
@@ -693,9 +749,14 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
     q, k, v, q_segments, k_segments, params, table, q_block, score, dtype, out_dtype, carry:
       as blockloop.attention.
     param_axes: None (every parameter shared), or a pytree like `params` whose leaves are
-      tuples naming each axis of the parameter: 'batch' (adaptive span's per-token spans:
-      the kernel, which computes one row at a time, gives the score that row's slice),
-      'heads' (split with the heads), or None.
+      tuples naming each axis of the parameter (PARAM_AXES or None):
+        'batch'     the kernel, which computes one row at a time, gives the score that
+                    row's slice (a dynamic span per token);
+        'heads'     split with the heads over a mesh;
+        'queries'   the kernel gives the score the query block's slice (blockloop.query_rows
+                    reads it in both engines);
+        'distance'  a relative-position table's rows (distance x at row x): the kernel
+                    gives it reversed (blockloop.relative_term reads it so).
     key_block: keys per kernel tile (default q_block); any value gives the same result.
     interpret: run as plain JAX (a CPU target): True, or a pltpu.InterpretParams (race
       detection).
@@ -717,13 +778,23 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
   if len(axes) != len(leaves):
     raise ValueError(f'param_axes names the axes of {len(axes)} parameters, params has '
                      f'{len(leaves)}')
+  if not interpret and any(a.ndim < 2 for a in leaves):
+    raise ValueError('the Pallas TPU kernel takes score parameters of rank >= 2 (Mosaic '
+                     'cannot tile a vector of rank 1): shape them as the scores broadcast them, '
+                     f'got shapes {[a.shape for a in leaves]}')
+  unknown = {x for a in axes for x in a} - {None, *PARAM_AXES}
+  if unknown:
+    raise ValueError(f'unknown parameter axis names {sorted(unknown)}; known: {PARAM_AXES}')
+  # A distance table reversed (Mosaic reverses no vector; blockloop.relative_term reads it
+  # so inside the kernel); its gradient comes back through the flip.
+  leaves = [jnp.flip(a, axis=names.index('distance')) if 'distance' in names else a
+            for a, names in zip(leaves, axes)]
   flags = dict(q_tuple=isinstance(q, tuple), k_tuple=isinstance(k, tuple))
 
   def run(qs, ks, v, q_segments, k_segments, leaves, carry):
     return _attention(qs, ks, v, q_segments, k_segments, leaves, carry, plan=p,
-                      treedef=treedef, rows=tuple(bool(a) and a[0] == 'batch' for a in axes),
-                      score=score, dtype=dtype, out_dtype=out_dtype, interpret=interpret,
-                      keys=nk, **flags)
+                      treedef=treedef, param_axes=tuple(axes), score=score, dtype=dtype,
+                      out_dtype=out_dtype, interpret=interpret, keys=nk, **flags)
 
   layout = splash.mesh_layout()
   if layout is None:
@@ -751,13 +822,27 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
       out_specs=out_specs)(qs, ks, v, q_segments, k_segments, tuple(leaves), carry)
 
 
+# Names of a score parameter's axes (pallas_kernel.attention's param_axes).
+PARAM_AXES = ('batch', 'heads', 'queries', 'distance')
+
+
+def _tile_of(a, names, q_block):
+  """A parameter as one grid step reads it: one row, one query block."""
+  for axis, name in enumerate(names):
+    if name == 'batch':
+      a = jax.lax.slice_in_dim(a, 0, 1, axis=axis)
+    elif name == 'queries':
+      a = jax.lax.slice_in_dim(a, 0, q_block, axis=axis)
+  return a
+
+
 def _names_axes(x) -> bool:
   """Whether x is one parameter's axis names (a leaf of param_axes)."""
   return isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x)
 
 
-def _attention(qs, ks, v, q_segments, k_segments, leaves, carry, *, plan: Plan, treedef, rows,
-               score, dtype, out_dtype, interpret, keys, q_tuple, k_tuple):
+def _attention(qs, ks, v, q_segments, k_segments, leaves, carry, *, plan: Plan, treedef,
+               param_axes, score, dtype, out_dtype, interpret, keys, q_tuple, k_tuple):
   """`attention` on one device's arrays: padded to whole blocks, through the kernels."""
   p = plan
   n = qs[0].shape[2]
@@ -779,10 +864,11 @@ def _attention(qs, ks, v, q_segments, k_segments, leaves, carry, *, plan: Plan, 
     starts = jnp.pad((k_segments != prev).astype(jnp.int32),
                      ((0, 0), (0, nk_pad - keys)))[:, None]
     carry_p = jnp.pad(carry.astype(jnp.float32), ((0, 0), (0, nk_pad - keys)))[:, None]
-    tile_params = jax.tree.unflatten(treedef, [a[:1] if r else a for a, r in zip(leaves, rows)])
+    tile_params = jax.tree.unflatten(treedef, [_tile_of(a, names, q_block)
+                                               for a, names in zip(leaves, param_axes)])
     has_rows = _has_rows(score, tile_params, qs, ks, q_block, key_block, q_tuple, k_tuple)
   spec = _Spec(p, score, jnp.dtype(dtype), jnp.dtype(out_dtype or dtype), keys, q_tuple,
-               k_tuple, len(qs), len(ks), treedef, len(leaves), rows, stateful, has_rows,
+               k_tuple, len(qs), len(ks), treedef, len(leaves), param_axes, stateful, has_rows,
                interpret)
   out, lse, rows_sum = _call(spec, qs_p, ks_p, v_p, seg_q, seg_k, tuple(leaves), carry_p,
                              starts)
@@ -801,5 +887,6 @@ def _has_rows(score, params, qs, ks, q_block, key_block, q_tuple, k_tuple) -> bo
   ctx = blockloop.Context(sd((1, key_block), jnp.float32), sd((1, q_block, key_block), bool),
                           sd((1, key_block), bool))
   i, j = sd((q_block,), jnp.int32), sd((key_block,), jnp.int32)
-  return jax.eval_shape(score, params, _wrap(q_tuple, qb), _wrap(k_tuple, kb), i, j,
-                        ctx)[4] is not None
+  with blockloop.in_kernel():
+    return jax.eval_shape(score, params, _wrap(q_tuple, qb), _wrap(k_tuple, kb), i, j,
+                          ctx)[4] is not None

@@ -86,9 +86,18 @@ RUNS = {  # name: (model.attention_impl, meshes)
     # for 12 cases, issue 67); the slow run has every case.
     'splash_ci': ('splash', {'data2_fsdp2_tensor2': MESHES['data2_fsdp2_tensor2']}),
     'blocksparse': ('blocksparse', {**MESHES, **SLOW_MESHES}),
+    # The fused Pallas kernel of every variant on the blocked engine and every static pattern
+    # (models/attention/pallas_kernel.py), in interpret mode under shard_map: heads split over
+    # tensor except for a score with a carried state (selective), per-head parameters
+    # (Transformer-XL's R, fixed attention's distinct heads) and per-row ones (dynamic spans)
+    # split with them. CI runs PALLAS_CI's cases.
+    'pallas': ('pallas', {'data2_fsdp2_tensor2': MESHES['data2_fsdp2_tensor2']}),
+    'pallas_ci': ('pallas', {'data2_fsdp2_tensor2': MESHES['data2_fsdp2_tensor2']}),
     'xla_more_meshes': ('xla', SLOW_MESHES),
 }
-FAST_RUNS = ('xla', 'splash_ci')  # The others are slow (CI skips them).
+FAST_RUNS = ('xla', 'splash_ci', 'pallas_ci')  # The others are slow (CI skips them).
+# pallas_ci's cases: one of each way the kernel splits its inputs over the mesh (above).
+PALLAS_CI = ('fixed', 'txl', 'dynamic_span', 'selective')
 # splash_ci's cases: a sparse pattern (its kernel call carries a mask) and the block whose
 # backward pass replays the kernel.
 SPLASH_CI = ('local', 'reversible_block')
@@ -266,6 +275,8 @@ _SCRIPT = textwrap.dedent('''\
 
 def _run_cases(run):
   """The cases of a run: splash computes static patterns only (dense for the extra cases)."""
+  if run == 'pallas_ci':
+    return [c for c in CASES if c in PALLAS_CI]
   if RUNS[run][0] != 'splash':
     return CASES
   static = [c for c in CASES if c in EXTRA_CASES or attention.traits.of(c).has_static_pattern()]
