@@ -891,9 +891,9 @@ def _gathered_relative_term(q, table, at0, keys: int, *, pairs: bool):
 
 
 def _rolled_relative_term(q, reversed_table, at0, keys: int):
-  """relative_term inside the fused Pallas kernel, where the table comes reversed (param
-  axis 'distance': Mosaic reverses no vector, the kernel's caller does) and no value can be
-  sliced at a traced offset: q . every row, zero-padded to whole lanes, then each query's
+  """relative_term inside the fused Pallas kernel, where the table comes zero-padded to whole
+  lanes and reversed (param axis 'distance': Mosaic reverses no vector and pads none by a
+  few rows, the kernel's caller does) and no value can be sliced at a traced offset: q . every row, zero-padded to whole lanes, then each query's
   products rolled into place by its own amount (one strided pltpu.roll: query r by s + r).
   Row u of the reversed table is distance R - 1 - u, so pair (r, t) at distance at0 + r - t
   reads column R - 1 - at0 - r + t. A pair whose distance lies off the table reads another
@@ -902,9 +902,11 @@ def _rolled_relative_term(q, reversed_table, at0, keys: int):
   batch, heads, b, d = q.shape
   rows = reversed_table.shape[-2]
   width = -(-max(rows, keys) // 128) * 128
-  pad = [(0, 0)] * reversed_table.ndim
-  pad[-2] = (0, width - rows)
-  padded = jnp.pad(reversed_table, pad).astype(q.dtype)
+  padded = reversed_table.astype(q.dtype)
+  if width > rows:  # (Mosaic's pad takes no empty side.)
+    pad = [(0, 0)] * padded.ndim
+    pad[-2] = (0, width - rows)
+    padded = jnp.pad(padded, pad)
   if padded.ndim == 2:
     products = jax.lax.dot_general(q.reshape(-1, d), padded, (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32)

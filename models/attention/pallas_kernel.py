@@ -766,6 +766,13 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
   """
   qs = tuple(q) if isinstance(q, tuple) else (q,)
   ks = tuple(k) if isinstance(k, tuple) else (k,)
+  if (not interpret and str(jax.config.jax_default_matmul_precision).lower()
+      in splash.FULL_PRECISION and jnp.dtype(v.dtype).itemsize < 4):
+    # Mosaic computes a 16-bit matmul only at its own precision ("Bad lhs type" at HIGHEST):
+    # full float32 products, asked for process-wide, are products of float32 inputs.
+    qs, ks, v = (tuple(a.astype(jnp.float32) for a in qs),
+                 tuple(a.astype(jnp.float32) for a in ks), v.astype(jnp.float32))
+    out_dtype, dtype = out_dtype or dtype, jnp.float32  # the weights fed to P V too
   n, nk = qs[0].shape[2], v.shape[2]
   key_block = key_block or q_block
   p = plan(table, q_block, nk, key_block)
@@ -785,9 +792,10 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
   unknown = {x for a in axes for x in a} - {None, *PARAM_AXES}
   if unknown:
     raise ValueError(f'unknown parameter axis names {sorted(unknown)}; known: {PARAM_AXES}')
-  # A distance table reversed (Mosaic reverses no vector; blockloop.relative_term reads it
-  # so inside the kernel); its gradient comes back through the flip.
-  leaves = [jnp.flip(a, axis=names.index('distance')) if 'distance' in names else a
+  # A distance table zero-padded to whole lanes (at least a key block) and reversed: Mosaic
+  # reverses no vector and pads none by a few rows, and blockloop.relative_term reads it so
+  # inside the kernel. Its gradient comes back through the flip and the pad.
+  leaves = [_reversed_rows(a, names.index('distance'), key_block) if 'distance' in names else a
             for a, names in zip(leaves, axes)]
   flags = dict(q_tuple=isinstance(q, tuple), k_tuple=isinstance(k, tuple))
 
@@ -824,6 +832,16 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
 
 # Names of a score parameter's axes (pallas_kernel.attention's param_axes).
 PARAM_AXES = ('batch', 'heads', 'queries', 'distance')
+
+
+def _reversed_rows(table, axis: int, key_block: int):
+  """A distance table (distance x at row x) padded with zero rows to a multiple of 128 of at
+  least key_block rows, then reversed."""
+  rows = table.shape[axis]
+  width = -(-max(rows, key_block) // 128) * 128
+  pad = [(0, 0)] * table.ndim
+  pad[axis] = (0, width - rows)
+  return jnp.flip(jnp.pad(table, pad), axis=axis)
 
 
 def _tile_of(a, names, q_block):

@@ -13,6 +13,10 @@ sampling loop), for the chips of a v5e:2x2 slice that is not here
   pattern (a compile of a blocked path unrolled in Python takes 20-40 s here, so those are
   lowered only; benchmarks/tpu_compile.py compiles every variant);
 * the default recipe compiles on two slices joined over DCN (mesh.dcn_data=2);
+* with attention_impl='pallas', every variant but LSH (its own path) lowers on the mixed mesh
+  with the fused kernel's three calls (forward, dq, dk/dv; or the stateful backward) on each
+  device's rows and heads, and Transformer-XL's (the strided roll of its relative term)
+  compiles; the slow run compiles every one;
 * slow (run with -m slow, 8 min here): every case's train step compiles on both meshes and on
   two slices, and every static pattern's eval step and sampling loop compile (the CI tier
   compiles EVAL_COMPILED's only: its budget, issue 67).
@@ -138,6 +142,43 @@ def test_eval_and_decode_programs_compile_for_the_slice(case, devices):
     compiled, report = compile_fn(setup, TOPOLOGY)
     assert compiled is not None, report
     _check_kernels(compiled.as_text(), case)
+
+
+# The fused Pallas kernel (models/attention/pallas_kernel.py): every variant it runs.
+PALLAS_VARIANTS = [n for n in VARIANTS if n != 'lsh']
+PALLAS_COMPILED = 'txl'  # CI compiles it; the slow run the others.
+
+
+def _check_pallas(text: str, case: str, setup):
+  """The fused kernel's calls in the program, on per-device shapes (the batch over data and
+  fsdp; the heads over tensor, but for selective's carried state, which couples the heads)."""
+  assert 'zoo_' not in text, f'{case}: a CPU kernel entered the TPU program'
+  stateful = case == 'selective'
+  kernels = ['fwd', 'stateful_bwd'] if stateful else ['fwd', 'dq', 'dkv']
+  for kernel in kernels:
+    assert f'score_hook_attention_{kernel}' in text, f'{case}: no {kernel} kernel in the program'
+  mesh, mc = setup.mesh.shape, setup.model_config
+  rows = setup.config.batch_size // (mesh['data'] * mesh['fsdp'])
+  heads = mc.n_heads if stateful else mc.n_heads // mesh['tensor']
+  local = f'tensor<{rows}x{heads}x{setup.seq_len}x{mc.head_dim}x'
+  assert local in text, f'{case}: the kernel does not run on per-device shapes {local}...'
+
+
+@pytest.mark.parametrize('case', PALLAS_VARIANTS)
+def test_pallas_train_step_lowers_for_the_slice(case, devices):
+  setup = _setup(case, MESHES['fsdp2_tensor2'], devices, **{'model.attention_impl': 'pallas'})
+  _check_pallas(aot.lower_train_step(setup).as_text(), case, setup)
+
+
+@pytest.mark.parametrize('case', [c if c == PALLAS_COMPILED
+                                  else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in PALLAS_VARIANTS])
+def test_pallas_train_step_compiles_for_the_slice(case, devices):
+  setup = _setup(case, MESHES['fsdp2_tensor2'], devices, **{'model.attention_impl': 'pallas'})
+  compiled, report = aot.compile_train_step(setup, TOPOLOGY)
+  assert compiled is not None, report
+  text = compiled.as_text()
+  assert 'zoo_' not in text and 'score_hook_attention_fwd' in text
 
 
 @pytest.fixture(scope='module')
