@@ -5,6 +5,7 @@
   python -m benchmarks.tpu_compile --mesh fsdp=-1 --steps train eval decode
   python -m benchmarks.tpu_compile --recipes                # the paper recipes, each on its slice
   python -m benchmarks.tpu_compile --recipes reformer_enwik8
+  python -m benchmarks.tpu_compile --recipes selective_c4 --impl pallas  # another kernel
 
 The selective-attention paper's C4 model (configs/default.py at d=12: 12 layers x 12 heads,
 d_model 768, 8K vocabulary, rows of 512 tokens, batch 256, bfloat16) with each registered
@@ -28,7 +29,9 @@ it, on its own config.compile_topology): the train, eval and decoding programs, 
 `--mode=compile` does, with the roofline time estimate of the train step (training/roofline.py:
 its step time, bound and MFU), each recipe's fingerprint (configs.fingerprint) and the GiB per
 chip of its train step cut to one layer (layer_config, layer_gib: the budget the CI tier holds
-each layer to), into results/tpu_compile_recipes.json. The
+each layer to), into results/tpu_compile_recipes.json. With `--impl NAME` (not 'auto') the
+recipes' train steps alone are compiled with model.attention_impl=NAME, into
+results/tpu_compile_recipes_NAME.json (docs/tpu.md's pallas columns). The
 recipes' headers quote these numbers; tests/contracts/test_paper_recipes.py checks that they
 agree with the file and that the file is of the recipes as they are now.
 """
@@ -160,14 +163,17 @@ def layer_gib(config) -> tuple[int, float]:
   return layered.model.n_layers, train.total_bytes / GiB
 
 
-def bench_recipe(name: str) -> dict:
-  """One row: the recipe's train, eval and decoding programs compiled for its own slice."""
+def bench_recipe(name: str, impl: str = 'auto') -> dict:
+  """One row: the recipe's train, eval and decoding programs compiled for its own slice; with
+  another `impl` than the recipe's, its train step alone with that attention_impl."""
   config = configs.load(name)
   row = {'recipe': name, 'topology': config.compile_topology,
          'fingerprint': configs.fingerprint(config), 'remat': config.model.remat}
+  if impl != 'auto':
+    config.model.attention_impl = impl
   start = time.perf_counter()
   try:
-    report = aot.compile_config(config, aot.STEPS)
+    report = aot.compile_config(config, aot.STEPS if impl == 'auto' else ('train',))
   except (ValueError, NotImplementedError) as e:
     row.update(error=str(e)[:300], wall_s=time.perf_counter() - start)
     return row
@@ -185,12 +191,13 @@ def bench_recipe(name: str) -> dict:
       peak_tflops_per_chip=(estimate.get('peak_flops_per_chip') or 0) / 1e12,
       compile_s=sum(s.compile_seconds for s in report.steps.values()),
       report=report.to_json())
-  row['layer_n_layers'], row['layer_gib_per_chip'] = layer_gib(config)
+  if impl == 'auto':
+    row['layer_n_layers'], row['layer_gib_per_chip'] = layer_gib(config)
   row['wall_s'] = time.perf_counter() - start
   return row
 
 
-def recipes_main(names: list[str], out: str) -> None:
+def recipes_main(names: list[str], out: str, impl: str = 'auto') -> None:
   """--recipes: each paper recipe on its slice; rows merged into `out` by recipe name (a run
   of some recipes keeps the others' committed rows)."""
   unknown = sorted(set(names) - set(configs.PAPER_RECIPES))
@@ -201,7 +208,7 @@ def recipes_main(names: list[str], out: str) -> None:
     with open(out) as f:
       rows = {r['recipe']: r for r in json.load(f).get('rows', [])}
   for name in names:
-    row = bench_recipe(name)
+    row = bench_recipe(name, impl)
     rows[name] = row
     print(f'{name} on {row["topology"]}: ' + (f'error: {row["error"]}' if 'error' in row else
           f'{row["gib_per_chip"] or 0:.2f} GiB per chip, ~{row["steps_per_day"] or 0:,.0f} '
@@ -209,6 +216,8 @@ def recipes_main(names: list[str], out: str) -> None:
     ordered = [rows[n] for n in configs.PAPER_RECIPES if n in rows]
     common.write_json(out, {'note': compile_report.NOTE, 'rows': ordered})
   common.print_table([rows[n] for n in names], RECIPE_COLUMNS)
+  if impl != 'auto':  # Not the recipes as they run: no header, no docs table.
+    return
   for name in names:  # What each recompiled recipe's header must say.
     if not rows[name].get('error'):
       print(f'\nconfigs/{name}.py\'s header:\n' + configs.header_lines(rows[name]))
@@ -248,8 +257,9 @@ def main():
   args = parser.parse_args()
   results = common.RESULTS
   if args.recipes is not None:
+    name = 'tpu_compile_recipes' + ('' if args.impl == 'auto' else f'_{args.impl}') + '.json'
     recipes_main(args.recipes or list(configs.PAPER_RECIPES),
-                 args.out or os.path.join(results, 'tpu_compile_recipes.json'))
+                 args.out or os.path.join(results, name), args.impl)
     return
   args.out = args.out or os.path.join(results, 'tpu_compile.json')
   variants = args.variants or attention.known()

@@ -757,7 +757,8 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
                     reads it in both engines);
         'distance'  a relative-position table's rows (distance x at row x): the kernel
                     gives it reversed (blockloop.relative_term reads it so).
-    key_block: keys per kernel tile (default q_block); any value gives the same result.
+    key_block: keys per kernel tile (default q_block, rounded up to a multiple of 128 when
+      compiled); any value gives the same result.
     interpret: run as plain JAX (a CPU target): True, or a pltpu.InterpretParams (race
       detection).
 
@@ -774,7 +775,7 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
                  tuple(a.astype(jnp.float32) for a in ks), v.astype(jnp.float32))
     out_dtype, dtype = out_dtype or dtype, jnp.float32  # the weights fed to P V too
   n, nk = qs[0].shape[2], v.shape[2]
-  key_block = key_block or q_block
+  key_block = key_block or (q_block if interpret else compiled_key_block(q_block, v.shape[1]))
   p = plan(table, q_block, nk, key_block)
   if p.q_blocks * q_block < n:
     raise ValueError(f'the table has {p.q_blocks} query blocks of {q_block}, fewer than the '
@@ -828,6 +829,22 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
       in_specs=(tuple(tile(a) for a in qs), tuple(tile(a) for a in ks), tile(v), row, row,
                 param_specs, None if carry is None else row),
       out_specs=out_specs)(qs, ks, v, q_segments, k_segments, tuple(leaves), carry)
+
+
+# Bytes of one float32 score tile of every head a compiled kernel step holds: a backward step
+# holds several (logits, weights, their gradients), within VMEM_LIMIT. 4 heads of 512 x 512
+# (4 MiB) took 21 MiB in the dq kernel; selective attention's 12 heads, which its carried
+# state keeps together, ran out of 64 MiB at 512 x 512.
+TILE_BYTES = 4 << 20
+
+
+def compiled_key_block(q_block: int, heads: int) -> int:
+  """Keys per tile of a compiled kernel: whole lanes (Mosaic must prove that each slice of
+  the keys and of the state starts at a multiple of 128; a row of 389 queries is one block
+  of 389), at most TILE_BYTES of scores for all heads, and not past the query block."""
+  lanes = -(-q_block // 128) * 128
+  fits = TILE_BYTES // (4 * heads * q_block) // 128 * 128
+  return max(128, min(lanes, fits))
 
 
 # Names of a score parameter's axes (pallas_kernel.attention's param_axes).
