@@ -234,15 +234,18 @@ def _sums_over_queries(s, *, exclusive: bool):
   step, now 1.5 s)."""
   b, t, c = s.shape
   g = math.gcd(t, 16)
-  # The groups of every row as one batch axis: Mosaic takes a matmul with one batch dimension.
-  within = _triangle((b * (t // g), g, g), s.dtype, strict=exclusive)
   before = _triangle((b, t // g, t // g), s.dtype, strict=True)
   groups = s.reshape(b, t // g, g, c)
   totals = jnp.sum(groups, axis=2)                          # (b, T / g, C)
   exact = jax.lax.Precision.HIGHEST  # F sums many S: no reduced-precision passes on a GPU.
-  sums = (jnp.einsum('zxy,zyc->zxc', within, groups.reshape(b * (t // g), g, c),
-                     precision=exact).reshape(b, t // g, g, c)
-          + jnp.einsum('bgh,bhc->bgc', before, totals, precision=exact)[:, :, None])
+  if blockloop.inside_kernel():  # One batch axis: Mosaic takes a matmul with one.
+    within = _triangle((b * (t // g), g, g), s.dtype, strict=exclusive)
+    prefix = jnp.einsum('zxy,zyc->zxc', within, groups.reshape(b * (t // g), g, c),
+                        precision=exact).reshape(b, t // g, g, c)
+  else:
+    within = _triangle((b, t // g, g, g), s.dtype, strict=exclusive)
+    prefix = jnp.einsum('bgxy,bgyc->bgxc', within, groups, precision=exact)
+  sums = prefix + jnp.einsum('bgh,bhc->bgc', before, totals, precision=exact)[:, :, None]
   return sums.reshape(b, t, c), jnp.sum(totals, axis=1)
 
 
