@@ -171,6 +171,12 @@ def _positions(spec: _Spec, b, c):
   return i, j
 
 
+def _einsum(subscripts, a, b, **kwargs):
+  """blockloop.head_einsum as inside the kernel (batch and heads merged for Mosaic)."""
+  with blockloop.in_kernel():
+    return blockloop.head_einsum(subscripts, a, b, **kwargs)
+
+
 def _wrap(flag: bool, xs):
   return tuple(xs) if flag else xs[0]
 
@@ -256,7 +262,7 @@ def _forward_kernel(spec: _Spec, *refs):
     e = jnp.where(live, jnp.exp(logits - m_new), 0.0)
     w = e if gate is None else e * gate
     alpha = jnp.exp(m - m_new)
-    acc_sc[...] = acc_sc[...] * alpha + blockloop.head_einsum(
+    acc_sc[...] = acc_sc[...] * alpha + _einsum(
         'bhqk,bhkd->bhqd', w.astype(spec.dtype), v_ref[...],
         preferred_element_type=jnp.float32)
     l_sc[...] = l_sc[...] * alpha + jnp.sum(w, axis=-1, keepdims=True)
@@ -424,7 +430,7 @@ def _score_grads(spec: _Spec, params, qb, kb, vb, do, lse, delta, i, j, real, ct
   live = live & real
   e = jnp.where(live, jnp.exp(jnp.where(live, logits, NEG_INF) - lse), 0.0)
   p = e if gate is None else e * gate
-  dp = blockloop.head_einsum('bhqd,bhkd->bhqk', do, vb.astype(jnp.float32),
+  dp = _einsum('bhqd,bhkd->bhqk', do, vb.astype(jnp.float32),
                              preferred_element_type=jnp.float32)
   g_s = dp - delta
   d_gate = None if gate is None else blockloop._sum_to(jnp.where(live, e * g_s, 0.0),
@@ -508,7 +514,7 @@ def _dkv_kernel(spec: _Spec, *refs):
     p, _, dk, _ = _score_grads(
         spec, params, [r[...] for r in q_refs], [r[...] for r in k_refs], v_ref[...],
         do, lse_ref[...], delta_ref[...], i, j, real)
-    dv_sc[...] += blockloop.head_einsum('bhqk,bhqd->bhkd', p.astype(spec.dtype),
+    dv_sc[...] += _einsum('bhqk,bhqd->bhkd', p.astype(spec.dtype),
                                         do.astype(spec.dtype),
                                         preferred_element_type=jnp.float32)
     for s, x in zip(dk_sc, dk):
@@ -571,7 +577,7 @@ def _stateful_bwd_kernel(spec: _Spec, *refs):
     g_sc[:, pl.ds(c * C, C)] = g + jnp.where(valid[None], d_state, 0.0)
     for s, x in zip(dq_sc, dq):
       s[...] += x.astype(jnp.float32)
-    dv_ref[:, :, pl.ds(c * C, C), :] += blockloop.head_einsum(
+    dv_ref[:, :, pl.ds(c * C, C), :] += _einsum(
         'bhqk,bhqd->bhkd', p.astype(spec.dtype), do.astype(spec.dtype),
         preferred_element_type=jnp.float32)
     for x, y in zip(dk_refs, dk):
