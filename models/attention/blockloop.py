@@ -155,6 +155,16 @@ def head_einsum(subscripts: str, a, b, **kwargs):
 
 # What computes `attention`: these loops in plain JAX ('xla'), or the fused Pallas kernels.
 KERNELS = ('xla', 'pallas')
+# kernel name -> its `attention` (same arguments). pallas_kernel.py, which builds on this
+# module, registers itself when imported (models/attention/dispatch.py imports it).
+_KERNEL_CALLS: dict[str, Callable] = {}
+
+
+def register_kernel(name: str, call: Callable) -> None:
+  """Makes `attention(kernel=name)` run `call`."""
+  if name not in KERNELS:
+    raise ValueError(f'unknown engine kernel {name!r}; known: {", ".join(KERNELS)}')
+  _KERNEL_CALLS[name] = call
 
 
 def attention(q, k, v, q_segments, k_segments, params, *, table: Table, q_block: int,
@@ -213,12 +223,14 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: Table, q_block:
     raise ValueError(f'block sizes must be >= 1, got q_block={q_block}, per_step={per_step}')
   if kernel not in KERNELS:
     raise ValueError(f'unknown engine kernel {kernel!r}; known: {", ".join(KERNELS)}')
-  if kernel == 'pallas':
-    from models.attention import pallas_kernel  # It builds on this module.
-    return pallas_kernel.attention(q, k, v, q_segments, k_segments, params, table=table,
-                                   q_block=q_block, score=score, dtype=dtype,
-                                   out_dtype=out_dtype, carry=carry, param_axes=param_axes,
-                                   interpret=interpret)
+  if kernel != 'xla':
+    if kernel not in _KERNEL_CALLS:
+      raise ValueError(f'the {kernel!r} engine kernel is not loaded: import '
+                       'models.attention.pallas_kernel')
+    return _KERNEL_CALLS[kernel](q, k, v, q_segments, k_segments, params, table=table,
+                                 q_block=q_block, score=score, dtype=dtype,
+                                 out_dtype=out_dtype, carry=carry, param_axes=param_axes,
+                                 interpret=interpret)
   spec = _Spec(table, q_block, score, jnp.dtype(dtype), per_step,
                jnp.dtype(out_dtype or dtype), carry is not None)
   if carry is None and _short(spec, _queries(q)[0].shape[2]):

@@ -27,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import options as options_lib
-from models.attention import (blockloop, blocksparse, cpu_choice, cpu_kernel, patterns,
-                              reference, splash)
+# pallas_kernel registers the blocked engine's 'pallas' kernel with blockloop when imported.
+from models.attention import (blockloop, blocksparse, cpu_choice, cpu_kernel,  # noqa: F401
+                              pallas_kernel, patterns, reference, splash)
 
 # The options of the 'blocksparse' path of a static pattern (config.model.
 # attention_options.<variant>.<name>); PatternAttention declares them, and a variant that declares

@@ -931,3 +931,6 @@ def _has_rows(score, params, qs, ks, q_block, key_block, q_tuple, k_tuple) -> bo
   with blockloop.in_kernel():
     return jax.eval_shape(score, params, _wrap(q_tuple, qb), _wrap(k_tuple, kb), i, j,
                           ctx)[4] is not None
+
+
+blockloop.register_kernel('pallas', attention)
