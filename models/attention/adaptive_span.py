@@ -110,11 +110,14 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
   per_step = max(1, int(table.count.max()))
   z = jnp.asarray(z, jnp.float32)
   per_token = z.ndim != 1
-  # Shaped as the scores broadcast it (no vector of rank 1 enters the Pallas kernel).
-  if per_token:  # (b, n, h) -> (b, h, blocks x B, 1): sliced by each block's queries.
-    z = jnp.pad(jnp.swapaxes(z, 1, 2), ((0, 0), (0, 0), (0, nq * block - n)))[..., None]
-  else:
-    z = z[None, :, None, None]
+  if per_token:  # (b, n, h) -> (b, h, blocks x B): sliced by each block's queries.
+    z = jnp.pad(jnp.swapaxes(z, 1, 2), ((0, 0), (0, 0), (0, nq * block - n)))
+  # The Pallas kernel takes z shaped as the scores broadcast it (Mosaic tiles no vector of
+  # rank 1). The XLA engine keeps the shapes it was measured with: (b, h, blocks x B, 1) made
+  # the dynamic span's tiny train step 1.4x as slow on XLA:CPU.
+  pallas = (engine or {}).get('kernel') == 'pallas'
+  if pallas:
+    z = z[..., None] if per_token else z[None, :, None, None]
 
   def score(params, qb, kb, i, j):
     p, z = params
@@ -124,7 +127,11 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
     form = blockloop.relative_form(platform, p.shape[0], qb.shape[2], kb.shape[2])
     logits = (logits + blockloop.relative_term(qb, p, m + i[0] - j[0] - 1, kb.shape[2],
                                                form=form)) * scale
-    z_block = blockloop.query_rows(z, i, axis=2) if per_token else z
+    if per_token:
+      z_block = blockloop.query_rows(z, i, axis=2)
+      z_block = z_block if pallas else z_block[..., None]
+    else:
+      z_block = z if pallas else z[None, :, None, None]
     live = (x >= 1) & (x <= span) & (x < ramp + z_block)  # m_z(x) > 0
     return logits, live, soft_mask(x, z_block, ramp)
 
@@ -136,7 +143,7 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
                                devices=devices, **(engine or {}),
                                param_axes=(('distance', None),
                                            ('batch', 'heads', 'queries', None) if per_token
-                                           else (None, 'heads', None, None)))
+                                           else (None, 'heads', None, None)) if pallas else None)
   return jnp.swapaxes(out, 1, 2)
 
 
