@@ -30,8 +30,8 @@ Two readings:
   non-empty blocks (the block table is a constant of the program; the text must hold large
   constants: `module_text`), bytes from their operands plus the key / value blocks they
   stream; a kernel that states its own cost (pallas_call's cost_estimate: the project's fused
-  attention kernel, from its block table) by that. Other custom calls (a CPU kernel, cuDNN) count their operands' and outputs' bytes
-  and no FLOPs, and are listed in `Cost.opaque`.
+  attention kernel, from its block table) by that. Other custom calls (a CPU kernel, cuDNN)
+  count their operands' and outputs' bytes and no FLOPs, and are listed in `Cost.opaque`.
 
 training/roofline.py turns a Cost into a step time for a chip.
 

@@ -51,6 +51,7 @@ from typing import Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import tpu as pltpu
 
 from models.attention.reference import NEG_INF
 
@@ -905,31 +906,29 @@ def _gathered_relative_term(q, table, at0, keys: int, *, pairs: bool):
 
 
 def _rolled_relative_term(q, reversed_table, at0, keys: int):
-  """relative_term inside the fused Pallas kernel, where the table comes zero-padded to whole
-  lanes and reversed (param axis 'distance': Mosaic reverses no vector and pads none by a
-  few rows, the kernel's caller does) and no value can be sliced at a traced offset: q . every row, zero-padded to whole lanes, then each query's
-  products rolled into place by its own amount (one strided pltpu.roll: query r by s + r).
-  Row u of the reversed table is distance R - 1 - u, so pair (r, t) at distance at0 + r - t
-  reads column R - 1 - at0 - r + t. A pair whose distance lies off the table reads another
-  product, not zero: its score must not be live (no live pair of adaptive span or
-  Transformer-XL lies off its table)."""
+  """relative_term inside the fused Pallas kernel, where no value can be gathered, reversed or
+  sliced at a traced offset. The table comes reversed and zero-padded to whole lanes, at least
+  `keys` rows (param axis 'distance': pallas_kernel.attention does it outside the kernel).
+  q . every row, then each query's products rolled into place by its own amount (one strided
+  pltpu.roll: query r by s + r). Row u of the reversed table is distance R - 1 - u, so pair
+  (r, t) at distance at0 + r - t reads column R - 1 - at0 - r + t. A pair whose distance lies
+  off the table reads another product, not zero: its score must not be live (no live pair of
+  adaptive span or Transformer-XL lies off its table)."""
   batch, heads, b, d = q.shape
   rows = reversed_table.shape[-2]
-  width = -(-max(rows, keys) // 128) * 128
-  padded = reversed_table.astype(q.dtype)
-  if width > rows:  # (Mosaic's pad takes no empty side.)
-    pad = [(0, 0)] * padded.ndim
-    pad[-2] = (0, width - rows)
-    padded = jnp.pad(padded, pad)
-  if padded.ndim == 2:
-    products = jax.lax.dot_general(q.reshape(-1, d), padded, (((1,), (1,)), ((), ())),
+  if rows % 128 or rows < keys:
+    raise ValueError(f'the kernel\'s relative table needs a multiple of 128 rows, at least the '
+                     f'{keys} keys of a tile; got {rows}')
+  table = reversed_table.astype(q.dtype)
+  if table.ndim == 2:
+    products = jax.lax.dot_general(q.reshape(-1, d), table, (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32)
-    products = products.reshape(batch, heads, b, width)
+    products = products.reshape(batch, heads, b, rows)
   else:  # One table per head: the heads as the matmul's batch dimension.
     qh = jnp.swapaxes(q, 0, 1).reshape(heads, batch * b, d)
-    products = jnp.einsum('hqd,hxd->hqx', qh, padded, preferred_element_type=jnp.float32)
-    products = jnp.swapaxes(products.reshape(heads, batch, b, width), 0, 1)
-  shift = jnp.mod(jnp.asarray(at0, jnp.int32) + 1 - rows, width)
+    products = jnp.einsum('hqd,hxd->hqx', qh, table, preferred_element_type=jnp.float32)
+    products = jnp.swapaxes(products.reshape(heads, batch, b, rows), 0, 1)
+  shift = jnp.mod(jnp.asarray(at0, jnp.int32) + 1 - rows, rows)
   return _strided_roll(products, shift)[..., :keys]
 
 
@@ -937,7 +936,6 @@ def _rolled_relative_term(q, reversed_table, at0, keys: int):
 def _strided_roll(x, shift):
   """x with row r of its last two axes rolled right by shift + r (pltpu.roll; in interpret
   mode and plain XLA a roll per row)."""
-  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=import-outside-toplevel
   return pltpu.roll(x, shift, axis=x.ndim - 1, stride=1, stride_axis=x.ndim - 2)
 
 
@@ -947,7 +945,6 @@ def _strided_roll_fwd(x, shift):
 
 def _strided_roll_bwd(shift, g):
   """Rolled back: row r by -(shift + r), i.e. (W - shift) + (W - 1) r modulo W."""
-  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=import-outside-toplevel
   width = g.shape[-1]
   back = pltpu.roll(g, jnp.mod(width - shift, width), axis=g.ndim - 1, stride=width - 1,
                     stride_axis=g.ndim - 2)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -189,10 +189,9 @@ def _pair_mask(spec, tables, b, j, seg_q_ref, seg_k_ref):
   return valid[None, None, None, :] & (seg_q[:, None] == seg_k[None, :])[None, None], valid
 
 
-def _context(state_ref, starts_ref, c, spec, real):
-  """blockloop.Context of a step of key block c."""
-  C = spec.plan.key_block
-  carried = state_ref[:, pl.ds(c * C, C)]                     # (1, C)
+def _context(carried, starts_ref, real):
+  """blockloop.Context of a tile: the state at its keys (1, C), its pairs, its keys' document
+  starts."""
   return blockloop.Context(carried, real[:, 0], starts_ref[0, 0][None] != 0)
 
 
@@ -243,7 +242,8 @@ def _forward_kernel(spec: _Spec, *refs):
     kb = _wrap(spec.k_tuple, [r[...] for r in k_refs])
     params = jax.tree.unflatten(spec.treedef, [r[...] for r in p_refs])
     if spec.stateful:
-      ctx = _context(state_sc, starts_ref, c, spec, real)
+      ctx = _context(state_sc[:, pl.ds(c * spec.plan.key_block, spec.plan.key_block)],
+                     starts_ref, real)
       with blockloop.in_kernel():
         logits, live, gate, increment, row = spec.score(params, qb, kb, i, j, ctx)
       C = spec.plan.key_block
@@ -343,7 +343,7 @@ def _cost(spec: _Spec, phase: str, qs, ks, v) -> pl.CostEstimate:
   (a relative term's products) is not counted."""
   p = spec.plan
   rows, heads = v.shape[0], v.shape[1]
-  pairs = int(p.steps.sum()) * p.q_block * p.key_block * rows * heads
+  pairs = p.visited_pairs() * rows * heads
   d_q = sum(a.shape[3] * a.shape[1] for a in qs) // heads
   d_k = sum(a.shape[3] * a.shape[1] for a in ks) // heads
   d_v = v.shape[3]
@@ -443,42 +443,63 @@ def _score_grads(spec: _Spec, params, qb, kb, vb, do, lse, delta, i, j, real, ct
     return (p,) + tuple(vjp(cot))
 
 
+class _BwdRefs(NamedTuple):
+  """The inputs every backward kernel reads, in the order _bwd_inputs gives them."""
+  tables: tuple
+  q: tuple
+  k: tuple
+  v: object
+  seg_q: object
+  seg_k: object
+  params: tuple
+  do: object
+  lse: object
+  delta: object
+
+
 def _unpack_bwd(spec: _Spec, refs):
+  """(_BwdRefs, the kernel's remaining refs)."""
   tables, refs = refs[:_N_TABLES], refs[_N_TABLES:]
   q_refs, refs = refs[:spec.n_q], refs[spec.n_q:]
   k_refs, refs = refs[:spec.n_k], refs[spec.n_k:]
   v_ref, seg_q_ref, seg_k_ref, refs = refs[0], refs[1], refs[2], refs[3:]
   p_refs, refs = refs[:spec.n_params], refs[spec.n_params:]
   do_ref, lse_ref, delta_ref, refs = refs[0], refs[1], refs[2], refs[3:]
-  return tables, q_refs, k_refs, v_ref, seg_q_ref, seg_k_ref, p_refs, do_ref, lse_ref, \
-      delta_ref, refs
+  return _BwdRefs(tables, q_refs, k_refs, v_ref, seg_q_ref, seg_k_ref, p_refs, do_ref, lse_ref,
+                  delta_ref), refs
+
+
+def _tile_backward(spec: _Spec, ins: _BwdRefs, b, c, state=None):
+  """The backward of tile (query block b, key block c) from the refs: (dO in float32, which
+  keys are the row's, _score_grads' outputs). `state(real, valid)` gives a stateful score's
+  (ctx, d increment, d rows)."""
+  i, j = _positions(spec, b, c)
+  real, valid = _pair_mask(spec, ins.tables, b, j, ins.seg_q, ins.seg_k)
+  params = jax.tree.unflatten(spec.treedef, [r[...] for r in ins.params])
+  do = ins.do[...].astype(jnp.float32)
+  extra = state(real, valid) if state is not None else ()
+  grads = _score_grads(spec, params, [r[...] for r in ins.q], [r[...] for r in ins.k],
+                       ins.v[...], do, ins.lse[...], ins.delta[...], i, j, real, *extra)
+  return do, valid, grads
+
+
+def _zero(*refs):
+  for r in refs:
+    r[...] = jnp.zeros(r.shape, r.dtype)
 
 
 def _dq_kernel(spec: _Spec, *refs):
-  (tables, q_refs, k_refs, v_ref, seg_q_ref, seg_k_ref, p_refs, do_ref, lse_ref, delta_ref,
-   refs) = _unpack_bwd(spec, refs)
+  ins, refs = _unpack_bwd(spec, refs)
   dq_refs, refs = refs[:spec.n_q], refs[spec.n_q:]
-  dp_refs, refs = refs[:spec.n_params], refs[spec.n_params:]
-  dq_sc = refs
-  kv, steps = tables[0], tables[1]
+  dp_refs, dq_sc = refs[:spec.n_params], refs[spec.n_params:]
+  kv, steps = ins.tables[0], ins.tables[1]
   bi, b, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-
   _init_param_grads(spec, dp_refs, (bi == 0) & (b == 0) & (t == 0), (b == 0) & (t == 0), t == 0)
-
-  @pl.when(t == 0)
-  def _():
-    for s in dq_sc:
-      s[...] = jnp.zeros(s.shape, s.dtype)
+  pl.when(t == 0)(lambda: _zero(*dq_sc))
 
   @pl.when(t < steps[b])
   def _():
-    c = kv[b, t]
-    i, j = _positions(spec, b, c)
-    real, _ = _pair_mask(spec, tables, b, j, seg_q_ref, seg_k_ref)
-    params = jax.tree.unflatten(spec.treedef, [r[...] for r in p_refs])
-    _, dq, _, dparams = _score_grads(
-        spec, params, [r[...] for r in q_refs], [r[...] for r in k_refs], v_ref[...],
-        do_ref[...].astype(jnp.float32), lse_ref[...], delta_ref[...], i, j, real)
+    _, _, (_, dq, _, dparams) = _tile_backward(spec, ins, b, kv[b, t])
     for s, x in zip(dq_sc, dq):
       s[...] += x.astype(jnp.float32)
     for r, x in zip(dp_refs, jax.tree.leaves(dparams)):
@@ -491,32 +512,19 @@ def _dq_kernel(spec: _Spec, *refs):
 
 
 def _dkv_kernel(spec: _Spec, *refs):
-  (tables, q_refs, k_refs, v_ref, seg_q_ref, seg_k_ref, p_refs, do_ref, lse_ref, delta_ref,
-   refs) = _unpack_bwd(spec, refs)
+  ins, refs = _unpack_bwd(spec, refs)
   dk_refs, refs = refs[:spec.n_k], refs[spec.n_k:]
   dv_ref, refs = refs[0], refs[1:]
   dk_sc, dv_sc = refs[:spec.n_k], refs[spec.n_k]
-  qs, q_steps = tables[2], tables[3]
+  qs, q_steps = ins.tables[2], ins.tables[3]
   c, t = pl.program_id(1), pl.program_id(2)
-
-  @pl.when(t == 0)
-  def _():
-    for s in (*dk_sc, dv_sc):
-      s[...] = jnp.zeros(s.shape, s.dtype)
+  pl.when(t == 0)(lambda: _zero(*dk_sc, dv_sc))
 
   @pl.when(t < q_steps[c])
   def _():
-    b = qs[c, t]
-    i, j = _positions(spec, b, c)
-    real, _ = _pair_mask(spec, tables, b, j, seg_q_ref, seg_k_ref)
-    params = jax.tree.unflatten(spec.treedef, [r[...] for r in p_refs])
-    do = do_ref[...].astype(jnp.float32)
-    p, _, dk, _ = _score_grads(
-        spec, params, [r[...] for r in q_refs], [r[...] for r in k_refs], v_ref[...],
-        do, lse_ref[...], delta_ref[...], i, j, real)
-    dv_sc[...] += _einsum('bhqk,bhqd->bhkd', p.astype(spec.dtype),
-                                        do.astype(spec.dtype),
-                                        preferred_element_type=jnp.float32)
+    do, _, (p, _, dk, _) = _tile_backward(spec, ins, qs[c, t], c)
+    dv_sc[...] += _einsum('bhqk,bhqd->bhkd', p.astype(spec.dtype), do.astype(spec.dtype),
+                          preferred_element_type=jnp.float32)
     for s, x in zip(dk_sc, dk):
       s[...] += x.astype(jnp.float32)
 
@@ -529,8 +537,7 @@ def _dkv_kernel(spec: _Spec, *refs):
 def _stateful_bwd_kernel(spec: _Spec, *refs):
   """The query blocks of a row from the last to the first, G (the gradient of the state a
   block leaves) in scratch; dk, dv and the parameters' gradient resident."""
-  (tables, q_refs, k_refs, v_ref, seg_q_ref, seg_k_ref, p_refs, do_ref, lse_ref, delta_ref,
-   refs) = _unpack_bwd(spec, refs)
+  ins, refs = _unpack_bwd(spec, refs)
   states_ref, starts_ref, refs = refs[0], refs[1], refs[2:]
   if spec.has_rows:
     d_rows_ref, refs = refs[0], refs[1:]
@@ -539,49 +546,35 @@ def _stateful_bwd_kernel(spec: _Spec, *refs):
   dv_ref, refs = refs[0], refs[1:]
   dp_refs, refs = refs[:spec.n_params], refs[spec.n_params:]
   d_carry_ref, refs = refs[0], refs[1:]
-  dq_sc, refs = refs[:spec.n_q], refs[spec.n_q:]
-  g_sc = refs[0]
-  kv, steps = tables[0], tables[1]
+  dq_sc, g_sc = refs[:spec.n_q], refs[spec.n_q]
+  kv, steps = ins.tables[0], ins.tables[1]
   bi, r, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   b = spec.plan.q_blocks - 1 - r
   C = spec.plan.key_block
-
   _init_param_grads(spec, dp_refs, (bi == 0) & (r == 0) & (t == 0), (r == 0) & (t == 0), t == 0)
-
-  @pl.when((r == 0) & (t == 0))
-  def _():
-    for x in (*dk_refs, dv_ref):
-      x[...] = jnp.zeros(x.shape, x.dtype)
-    g_sc[...] = jnp.zeros(g_sc.shape, g_sc.dtype)
-
-  @pl.when(t == 0)
-  def _():
-    for s in dq_sc:
-      s[...] = jnp.zeros(s.shape, s.dtype)
+  pl.when((r == 0) & (t == 0))(lambda: _zero(*dk_refs, dv_ref, g_sc))
+  pl.when(t == 0)(lambda: _zero(*dq_sc))
 
   @pl.when(t < steps[b])
   def _():
     c = kv[b, t]
-    i, j = _positions(spec, b, c)
-    real, valid = _pair_mask(spec, tables, b, j, seg_q_ref, seg_k_ref)
-    params = jax.tree.unflatten(spec.treedef, [x[...] for x in p_refs])
-    ctx = blockloop.Context(states_ref[0, 0, :, pl.ds(c * C, C)], real[:, 0],
-                            starts_ref[0, 0][None] != 0)
-    g = g_sc[:, pl.ds(c * C, C)]
-    d_increment = jnp.where(valid[None], g, 0.0)
-    do = do_ref[...].astype(jnp.float32)
-    d_row = d_rows_ref[0] if spec.has_rows else None
-    p, dq, dk, dparams, d_state = _score_grads(
-        spec, params, [x[...] for x in q_refs], [x[...] for x in k_refs], v_ref[...], do,
-        lse_ref[...], delta_ref[...], i, j, real, ctx, d_increment, d_row)
-    g_sc[:, pl.ds(c * C, C)] = g + jnp.where(valid[None], d_state, 0.0)
+    keys = pl.ds(c * C, C)
+
+    def state(real, valid):
+      # The state block b read (kept by the forward) at these keys; G there is the
+      # cotangent of the block's increment.
+      ctx = _context(states_ref[0, 0, :, keys], starts_ref, real)
+      return ctx, jnp.where(valid[None], g_sc[:, keys], 0.0), (
+          d_rows_ref[0] if spec.has_rows else None)
+
+    do, valid, (p, dq, dk, dparams, d_state) = _tile_backward(spec, ins, b, c, state)
+    g_sc[:, keys] += jnp.where(valid[None], d_state, 0.0)
     for s, x in zip(dq_sc, dq):
       s[...] += x.astype(jnp.float32)
-    dv_ref[:, :, pl.ds(c * C, C), :] += _einsum(
-        'bhqk,bhqd->bhkd', p.astype(spec.dtype), do.astype(spec.dtype),
-        preferred_element_type=jnp.float32)
+    dv_ref[:, :, keys, :] += _einsum('bhqk,bhqd->bhkd', p.astype(spec.dtype),
+                                     do.astype(spec.dtype), preferred_element_type=jnp.float32)
     for x, y in zip(dk_refs, dk):
-      x[:, :, pl.ds(c * C, C), :] += y.astype(jnp.float32)
+      x[:, :, keys, :] += y.astype(jnp.float32)
     for x, y in zip(dp_refs, jax.tree.leaves(dparams)):
       x[...] += y.astype(jnp.float32)
 
