@@ -143,7 +143,8 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
                                devices=devices, **(engine or {}),
                                param_axes=(('distance', None),
                                            ('batch', 'heads', 'queries', None) if per_token
-                                           else (None, 'heads', None, None)) if pallas else None)
+                                           else (None, 'heads', None, None)) if pallas else None,
+                               distance_origin=m - 1)
   return jnp.swapaxes(out, 1, 2)
 
 

@@ -171,7 +171,7 @@ def register_kernel(name: str, call: Callable) -> None:
 def attention(q, k, v, q_segments, k_segments, params, *, table: Table, q_block: int,
               score: Callable, dtype, per_step: int = 1, out_dtype=None, carry=None,
               keep_weights: int = 0, devices: int = 1, kernel: str = 'xla',
-              interpret=False, param_axes=None):
+              interpret=False, param_axes=None, distance_origin: int = 0):
   """softmax attention of every query block over the key chunks `table` gives it.
 
   Args:
@@ -210,8 +210,11 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: Table, q_block:
       pallas_kernel.py, which ignore per_step and keep_weights).
     interpret: with kernel='pallas', run the kernels as plain JAX (a CPU target).
     param_axes: None, or a pytree like `params` of tuples naming each parameter's axes
-      ('batch', 'heads' or None): how the Pallas kernel slices it per row and splits it over
-      a mesh (pallas_kernel.attention).
+      ('batch', 'heads', 'queries', 'distance' or None): how the Pallas kernel slices it per
+      row and splits it over a mesh (pallas_kernel.attention).
+    distance_origin: the row of a 'distance' table that the pair (query 0, key 0) reads
+      (relative_term's at0 is distance_origin + i[0] - j[0]): the Pallas kernel gives each
+      tile only the rows its pairs reach.
 
   Returns:
     The output (batch, heads, n, head_dim) in `dtype` (zeros for a query that sees no key)
@@ -231,7 +234,7 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: Table, q_block:
     return _KERNEL_CALLS[kernel](q, k, v, q_segments, k_segments, params, table=table,
                                  q_block=q_block, score=score, dtype=dtype,
                                  out_dtype=out_dtype, carry=carry, param_axes=param_axes,
-                                 interpret=interpret)
+                                 distance_origin=distance_origin, interpret=interpret)
   spec = _Spec(table, q_block, score, jnp.dtype(dtype), per_step,
                jnp.dtype(out_dtype or dtype), carry is not None)
   if carry is None and _short(spec, _queries(q)[0].shape[2]):
@@ -772,13 +775,16 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # Non-empty while a score traces inside the fused Pallas kernel (pallas_kernel.py): there a
 # score's parameters come as the kernel gives them (per query block, distance tables
 # reversed; see pallas_kernel.attention's param_axes), and the helpers below read them so.
-_IN_KERNEL: list[bool] = []
+# Each entry is the distance offset of the tile being traced (see in_kernel).
+_IN_KERNEL: list = []
 
 
 @contextlib.contextmanager
-def in_kernel():
-  """Scores traced in this context run inside the fused Pallas kernel."""
-  _IN_KERNEL.append(True)
+def in_kernel(distance_offset=0):
+  """Scores traced in this context run inside the fused Pallas kernel. `distance_offset`: the
+  kernel gives a distance table as the window of rows a tile reads, whose row x is the whole
+  table's row x + distance_offset (relative_term subtracts it)."""
+  _IN_KERNEL.append(distance_offset)
   try:
     yield
   finally:
@@ -828,7 +834,7 @@ def relative_term(q, table, at0, keys: int, *, form: str = 'shift'):
   if form not in RELATIVE_FORMS:
     raise ValueError(f'unknown relative term form {form!r}; known: {", ".join(RELATIVE_FORMS)}')
   if inside_kernel():
-    return _rolled_relative_term(q, table, at0, keys)
+    return _rolled_relative_term(q, table, at0 - _IN_KERNEL[-1], keys)
   if form != 'shift':
     return _gathered_relative_term(q, table, at0, keys, pairs=form == 'pairs')
   b = q.shape[2]

@@ -140,6 +140,7 @@ class _Spec:
   stateful: bool
   has_rows: bool
   interpret: object
+  distance_origin: int    # the distance-table row of pair (query 0, key 0)
 
 
 def _tables(p: Plan):
@@ -187,6 +188,52 @@ def _pair_mask(spec, tables, b, j, seg_q_ref, seg_k_ref):
   seg_q = seg_q_ref[0, 0]                                     # (B,)
   seg_k = seg_k_ref[0, 0]                                     # (C,)
   return valid[None, None, None, :] & (seg_q[:, None] == seg_k[None, :])[None, None], valid
+
+
+# A tile reads of a distance table a window that starts at a multiple of this many rows
+# (lane-aligned, so that the window's products are whole lanes for the strided roll).
+_WINDOW_ALIGN = 128
+
+
+def window_rows(p: Plan, rows: int) -> int:
+  """Rows of a distance table of `rows` rows (a multiple of 128) that a tile reads: its
+  B + C - 1 distances from a start rounded down to _WINDOW_ALIGN, or the whole table."""
+  need = p.q_block + p.key_block - 1 + _WINDOW_ALIGN - 1
+  return min(rows, -(-need // _WINDOW_ALIGN) * _WINDOW_ALIGN)
+
+
+def _tile_params(spec: _Spec, p_refs, b, c):
+  """The hook's parameters as tile (query block b, key block c) reads them: a distance table
+  (reversed, R rows) as the window of W rows its pairs reach, not whole, so a long table's
+  products (B x R per head) never fill the chip (adaptive span's S = 8,192). Returns (values,
+  the index each was read at, the distance offset of the window for blockloop.in_kernel)."""
+  values, where, offset = [], [], 0
+  for r, names in zip(p_refs, spec.param_axes):
+    index = Ellipsis
+    if 'distance' in names:
+      axis = names.index('distance')
+      rows = r.shape[axis]
+      width = window_rows(spec.plan, rows)
+      if width < rows:
+        # Pair (i, j) reads row at0 + i - j: reversed row R - 1 - at0 - i + j. The tile's
+        # rows start at R - at0 - B (its last query, its first key).
+        at0 = spec.distance_origin + b * spec.plan.q_block - c * spec.plan.key_block
+        first = jnp.maximum(rows - at0 - spec.plan.q_block, 0)
+        start = jnp.minimum(jax.lax.div(first, _WINDOW_ALIGN) * _WINDOW_ALIGN, rows - width)
+        start = pl.multiple_of(start, _WINDOW_ALIGN)
+        index = tuple(pl.ds(start, width) if x == axis else slice(None)
+                      for x in range(len(r.shape)))
+        # The window as a reversed table of `width` rows holds rows from R - start - width.
+        offset = rows - start - width
+    values.append(r[index])
+    where.append(index)
+  return jax.tree.unflatten(spec.treedef, values), where, offset
+
+
+def _add_param_grads(dp_refs, where, dparams):
+  """Adds a tile's parameter gradients at the rows it read (_tile_params' index)."""
+  for r, index, x in zip(dp_refs, where, jax.tree.leaves(dparams)):
+    r[index] += x.astype(jnp.float32)
 
 
 def _context(carried, starts_ref, real):
@@ -240,18 +287,18 @@ def _forward_kernel(spec: _Spec, *refs):
     real, valid = _pair_mask(spec, tables, b, j, seg_q_ref, seg_k_ref)
     qb = _wrap(spec.q_tuple, [r[...] for r in q_refs])
     kb = _wrap(spec.k_tuple, [r[...] for r in k_refs])
-    params = jax.tree.unflatten(spec.treedef, [r[...] for r in p_refs])
+    params, _, offset = _tile_params(spec, p_refs, b, c)
     if spec.stateful:
       ctx = _context(state_sc[:, pl.ds(c * spec.plan.key_block, spec.plan.key_block)],
                      starts_ref, real)
-      with blockloop.in_kernel():
+      with blockloop.in_kernel(offset):
         logits, live, gate, increment, row = spec.score(params, qb, kb, i, j, ctx)
       C = spec.plan.key_block
       state_sc[:, pl.ds(c * C, C)] += jnp.where(valid[None], increment, 0.0)
       if spec.has_rows:
         rows_ref[0, 0] += jnp.sum(jnp.where(ctx.real, row, 0.0), axis=-1)[0]
     else:
-      with blockloop.in_kernel():
+      with blockloop.in_kernel(offset):
         logits, live, gate = spec.score(params, qb, kb, i, j)
     live = live & real
     logits = jnp.where(live, logits, NEG_INF)
@@ -336,14 +383,19 @@ def _init_param_grads(spec: _Spec, refs, first_of_grid, first_of_row, first_of_b
 VMEM_LIMIT = 64 << 20
 
 
-def _cost(spec: _Spec, phase: str, qs, ks, v) -> pl.CostEstimate:
+def _cost(spec: _Spec, phase: str, qs, ks, v, leaves) -> pl.CostEstimate:
   """The kernel's cost from its block table, for XLA and the roofline (training/hlo_cost.py
-  reads it back): FLOPs of the matmuls of the (query block, key block) tiles it visits, one
-  exponential per pair, and the bytes of the blocks it reads and writes. What a hook adds
-  (a relative term's products) is not counted."""
+  reads it back): FLOPs of the matmuls of the (query block, key block) tiles it visits, with
+  a relative term's products (q by the window of a distance table, its two gradient matmuls
+  in the dq kernel; the dk, dv kernel's pallas jaxpr drops them as dead), one exponential per
+  pair, and the bytes of the blocks it reads and writes. Elementwise work of a hook is not
+  counted."""
   p = spec.plan
   rows, heads = v.shape[0], v.shape[1]
   pairs = p.visited_pairs() * rows * heads
+  relative = sum(window_rows(p, a.shape[names.index('distance')]) * a.shape[-1]
+                 for a, names in zip(leaves, spec.param_axes) if 'distance' in names)
+  relative *= p.q_block * int(p.steps.sum()) * rows * heads  # multiply-adds, forward once
   d_q = sum(a.shape[3] * a.shape[1] for a in qs) // heads
   d_k = sum(a.shape[3] * a.shape[1] for a in ks) // heads
   d_v = v.shape[3]
@@ -358,7 +410,8 @@ def _cost(spec: _Spec, phase: str, qs, ks, v) -> pl.CostEstimate:
   streamed = {'fwd': p.key_block * per_key, 'dq': p.key_block * per_key,
               'dkv': p.q_block * (per_query + d_v * item),
               'stateful_bwd': p.key_block * per_key}[phase]
-  return pl.CostEstimate(flops=2 * pairs * matmuls,
+  relative_passes = {'fwd': 1, 'dq': 3, 'dkv': 1, 'stateful_bwd': 3}[phase]
+  return pl.CostEstimate(flops=2 * pairs * matmuls + 2 * relative * relative_passes,
                          transcendentals=pairs,
                          bytes_accessed=once + visits * streamed)
 
@@ -402,7 +455,7 @@ def _forward(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, carry, starts):
   return pl.pallas_call(
       functools.partial(_forward_kernel, spec), grid_spec=grid_spec, out_shape=out_shape,
       compiler_params=_compiler_params(3 if spec.stateful else 1), interpret=spec.interpret,
-      cost_estimate=_cost(spec, 'fwd', qs, ks, v),
+      cost_estimate=_cost(spec, 'fwd', qs, ks, v, leaves),
       name='score_hook_attention_fwd')(*_tables(p), *inputs)
 
 
@@ -410,7 +463,7 @@ def _forward(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, carry, starts):
 # Backward.
 
 
-def _score_grads(spec: _Spec, params, qb, kb, vb, do, lse, delta, i, j, real, ctx=None,
+def _score_grads(spec: _Spec, params, offset, qb, kb, vb, do, lse, delta, i, j, real, ctx=None,
                  d_increment=None, d_row=None):
   """One tile's backward: the weights P and the hook's VJP of (d logits, d gate[, d increment,
   d row]). Returns (P, dq, dk, dparams[, d state read])."""
@@ -424,7 +477,7 @@ def _score_grads(spec: _Spec, params, qb, kb, vb, do, lse, delta, i, j, real, ct
     return (logits, gate), live
 
   extra = (ctx.carried,) if spec.stateful else ()
-  with blockloop.in_kernel():
+  with blockloop.in_kernel(offset):
     outputs, vjp, live = jax.vjp(f, qb, kb, params, *extra, has_aux=True)
   logits, gate = outputs[:2]
   live = live & real
@@ -439,7 +492,7 @@ def _score_grads(spec: _Spec, params, qb, kb, vb, do, lse, delta, i, j, real, ct
   if spec.stateful:
     row = outputs[3]
     cot += (d_increment, None if row is None else jnp.where(ctx.real, d_row[..., None], 0.0))
-  with blockloop.in_kernel():
+  with blockloop.in_kernel(offset):
     return (p,) + tuple(vjp(cot))
 
 
@@ -471,16 +524,16 @@ def _unpack_bwd(spec: _Spec, refs):
 
 def _tile_backward(spec: _Spec, ins: _BwdRefs, b, c, state=None):
   """The backward of tile (query block b, key block c) from the refs: (dO in float32, which
-  keys are the row's, _score_grads' outputs). `state(real, valid)` gives a stateful score's
-  (ctx, d increment, d rows)."""
+  keys are the row's, where the parameters were read (_tile_params), _score_grads' outputs).
+  `state(real, valid)` gives a stateful score's (ctx, d increment, d rows)."""
   i, j = _positions(spec, b, c)
   real, valid = _pair_mask(spec, ins.tables, b, j, ins.seg_q, ins.seg_k)
-  params = jax.tree.unflatten(spec.treedef, [r[...] for r in ins.params])
+  params, where, offset = _tile_params(spec, ins.params, b, c)
   do = ins.do[...].astype(jnp.float32)
   extra = state(real, valid) if state is not None else ()
-  grads = _score_grads(spec, params, [r[...] for r in ins.q], [r[...] for r in ins.k],
+  grads = _score_grads(spec, params, offset, [r[...] for r in ins.q], [r[...] for r in ins.k],
                        ins.v[...], do, ins.lse[...], ins.delta[...], i, j, real, *extra)
-  return do, valid, grads
+  return do, valid, where, grads
 
 
 def _zero(*refs):
@@ -499,11 +552,10 @@ def _dq_kernel(spec: _Spec, *refs):
 
   @pl.when(t < steps[b])
   def _():
-    _, _, (_, dq, _, dparams) = _tile_backward(spec, ins, b, kv[b, t])
+    _, _, where, (_, dq, _, dparams) = _tile_backward(spec, ins, b, kv[b, t])
     for s, x in zip(dq_sc, dq):
       s[...] += x.astype(jnp.float32)
-    for r, x in zip(dp_refs, jax.tree.leaves(dparams)):
-      r[...] += x.astype(jnp.float32)
+    _add_param_grads(dp_refs, where, dparams)
 
   @pl.when(t == pl.num_programs(2) - 1)
   def _():
@@ -522,7 +574,7 @@ def _dkv_kernel(spec: _Spec, *refs):
 
   @pl.when(t < q_steps[c])
   def _():
-    do, _, (p, _, dk, _) = _tile_backward(spec, ins, qs[c, t], c)
+    do, _, _, (p, _, dk, _) = _tile_backward(spec, ins, qs[c, t], c)
     dv_sc[...] += _einsum('bhqk,bhqd->bhkd', p.astype(spec.dtype), do.astype(spec.dtype),
                           preferred_element_type=jnp.float32)
     for s, x in zip(dk_sc, dk):
@@ -567,7 +619,7 @@ def _stateful_bwd_kernel(spec: _Spec, *refs):
       return ctx, jnp.where(valid[None], g_sc[:, keys], 0.0), (
           d_rows_ref[0] if spec.has_rows else None)
 
-    do, valid, (p, dq, dk, dparams, d_state) = _tile_backward(spec, ins, b, c, state)
+    do, valid, where, (p, dq, dk, dparams, d_state) = _tile_backward(spec, ins, b, c, state)
     g_sc[:, keys] += jnp.where(valid[None], d_state, 0.0)
     for s, x in zip(dq_sc, dq):
       s[...] += x.astype(jnp.float32)
@@ -575,8 +627,7 @@ def _stateful_bwd_kernel(spec: _Spec, *refs):
                                      do.astype(spec.dtype), preferred_element_type=jnp.float32)
     for x, y in zip(dk_refs, dk):
       x[:, :, keys, :] += y.astype(jnp.float32)
-    for x, y in zip(dp_refs, jax.tree.leaves(dparams)):
-      x[...] += y.astype(jnp.float32)
+    _add_param_grads(dp_refs, where, dparams)
 
   @pl.when(t == pl.num_programs(2) - 1)
   def _():
@@ -637,7 +688,7 @@ def _backward(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, do, lse, delta):
                           for a in qs]),
       out_shape=[f32(a) for a in qs] + [f32(a) for a in leaves],
       compiler_params=_compiler_params(3), interpret=spec.interpret,
-      cost_estimate=_cost(spec, 'dq', qs, ks, v),
+      cost_estimate=_cost(spec, 'dq', qs, ks, v, leaves),
       name='score_hook_attention_dq')(*_tables(p), *inputs)
   dq, dparams = dq_and_params[:spec.n_q], dq_and_params[spec.n_q:]
   in_specs, inputs = _bwd_inputs(spec, p, qs, ks, v, seg_q, seg_k, leaves, do, lse, delta,
@@ -653,7 +704,7 @@ def _backward(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, do, lse, delta):
           scratch_shapes=[pltpu.VMEM(kshape(a), jnp.float32) for a in (*ks, v)]),
       out_shape=[f32(a) for a in (*ks, v)],
       compiler_params=_compiler_params(1), interpret=spec.interpret,
-      cost_estimate=_cost(spec, 'dkv', qs, ks, v),
+      cost_estimate=_cost(spec, 'dkv', qs, ks, v, leaves),
       name='score_hook_attention_dkv')(*_tables(p), *inputs)
   return dq, dkv[:spec.n_k], dkv[spec.n_k], dparams, None
 
@@ -688,7 +739,7 @@ def _stateful_backward(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, do, lse, de
       out_shape=([f32(a) for a in (*qs, *ks, v)] + [f32(a) for a in leaves]
                  + [jax.ShapeDtypeStruct((batch, 1, nk_pad), jnp.float32)]),
       compiler_params=_compiler_params(3), interpret=spec.interpret,
-      cost_estimate=_cost(spec, 'stateful_bwd', qs, ks, v),
+      cost_estimate=_cost(spec, 'stateful_bwd', qs, ks, v, leaves),
       name='score_hook_attention_stateful_bwd')(*_tables(p), *inputs)
   n_q, n_k = spec.n_q, spec.n_k
   return (outs[:n_q], outs[n_q:n_q + n_k], outs[n_q + n_k], outs[n_q + n_k + 1:-1],
@@ -736,7 +787,7 @@ _call.defvjp(_call_fwd, _call_bwd)
 
 def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table, q_block: int,
               score: Callable, dtype, out_dtype=None, carry=None, param_axes=None,
-              key_block: int | None = None, interpret=False):
+              distance_origin: int = 0, key_block: int | None = None, interpret=False):
   """blockloop.attention (same arguments, same results) as the fused Pallas kernels.
 
   Under a mesh the kernels run under jax.shard_map (XLA cannot partition a Mosaic kernel):
@@ -755,7 +806,10 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
         'queries'   the kernel gives the score the query block's slice (blockloop.query_rows
                     reads it in both engines);
         'distance'  a relative-position table's rows (distance x at row x): the kernel
-                    gives it reversed (blockloop.relative_term reads it so).
+                    gives it reversed, and to each tile only the window of rows its pairs
+                    reach (blockloop.relative_term reads it so).
+    distance_origin: the row of a 'distance' table that pair (query 0, key 0) reads: pair
+      (i, j) reads row distance_origin + i - j (blockloop.relative_term's at0).
     key_block: keys per kernel tile (default q_block, rounded up to a multiple of 128 when
       compiled); any value gives the same result.
     interpret: run as plain JAX (a CPU target): True, or a pltpu.InterpretParams (race
@@ -797,12 +851,18 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
   # inside the kernel. Its gradient comes back through the flip and the pad.
   leaves = [_reversed_rows(a, names.index('distance'), key_block) if 'distance' in names else a
             for a, names in zip(leaves, axes)]
+  tables = {a.shape[names.index('distance')] for a, names in zip(leaves, axes)
+            if 'distance' in names}
+  if len(tables) > 1:  # a tile reads every table at one window (blockloop.in_kernel's offset)
+    raise ValueError(f'distance tables of different lengths {sorted(tables)}: the kernel reads '
+                     'every distance table of a score at the same rows')
   flags = dict(q_tuple=isinstance(q, tuple), k_tuple=isinstance(k, tuple))
 
   def run(qs, ks, v, q_segments, k_segments, leaves, carry):
     return _attention(qs, ks, v, q_segments, k_segments, leaves, carry, plan=p,
                       treedef=treedef, param_axes=tuple(axes), score=score, dtype=dtype,
-                      out_dtype=out_dtype, interpret=interpret, keys=nk, **flags)
+                      out_dtype=out_dtype, interpret=interpret, keys=nk,
+                      distance_origin=int(distance_origin), **flags)
 
   layout = splash.mesh_layout()
   if layout is None:
@@ -876,7 +936,8 @@ def _names_axes(x) -> bool:
 
 
 def _attention(qs, ks, v, q_segments, k_segments, leaves, carry, *, plan: Plan, treedef,
-               param_axes, score, dtype, out_dtype, interpret, keys, q_tuple, k_tuple):
+               param_axes, score, dtype, out_dtype, interpret, keys, q_tuple, k_tuple,
+               distance_origin):
   """`attention` on one device's arrays: padded to whole blocks, through the kernels."""
   p = plan
   n = qs[0].shape[2]
@@ -903,7 +964,7 @@ def _attention(qs, ks, v, q_segments, k_segments, leaves, carry, *, plan: Plan, 
     has_rows = _has_rows(score, tile_params, qs, ks, q_block, key_block, q_tuple, k_tuple)
   spec = _Spec(p, score, jnp.dtype(dtype), jnp.dtype(out_dtype or dtype), keys, q_tuple,
                k_tuple, len(qs), len(ks), treedef, len(leaves), param_axes, stateful, has_rows,
-               interpret)
+               interpret, distance_origin)
   out, lse, rows_sum = _call(spec, qs_p, ks_p, v_p, seg_q, seg_k, tuple(leaves), carry_p,
                              starts)
   out, lse = out[:, :, :n], lse[:, :, :n]

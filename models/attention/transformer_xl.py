@@ -127,7 +127,8 @@ def relative_attention(q, k, v, q_segments, k_segments, pos_keys, u, v_bias, *, 
              qh + v_bias[None, :, None, :].astype(qh.dtype))
   out, _ = blockloop.attention(queries, kh, vh, q_segments, k_segments, pk, table=table,
                                q_block=block, score=score, dtype=dtype, per_step=per_step,
-                               param_axes=('heads', 'distance', None), **(engine or {}))
+                               param_axes=('heads', 'distance', None), distance_origin=m,
+                               **(engine or {}))
   return jnp.swapaxes(out, 1, 2)
 
 

@@ -50,6 +50,24 @@ def test_plan_visits_the_key_blocks_of_the_table_and_its_transpose():
   assert p.steps.tolist() == [3, 0] and p.kv[0].tolist() == [0, 2, 4]
 
 
+def test_stated_cost_counts_the_visited_tiles_and_a_relative_term_s_window():
+  """The cost each pallas_call states (what the TPU roofline reads): per visited tile and head,
+  QK^T and PV (2 x 16 x 16 x 8 multiply-adds each), and q by the 256-row window of a
+  512-row distance table (16 x 256 x 8), in the forward once, in the dq kernel three times."""
+  p = pallas_kernel.plan(blockloop.Table.runs([0, 0], [1, 2], 16), 16, 32, 16)
+  assert p.steps.tolist() == [1, 2]
+  v = jax.ShapeDtypeStruct((1, 2, 32, 8), jnp.float32)
+  spec = pallas_kernel._Spec(  # pylint: disable=protected-access
+      p, None, jnp.float32, jnp.float32, 32, False, False, 1, 1, None, 1,
+      (('distance', None),), False, False, True, 0)
+  cost = functools.partial(pallas_kernel._cost, spec,  # pylint: disable=protected-access
+                           qs=(v,), ks=(v,), v=v, leaves=(jnp.zeros((512, 8)),))
+  tiles = 3 * 2  # visited tiles x heads
+  assert cost('fwd').flops == tiles * (2 * 2 * 16 * 16 * 8 + 2 * 16 * 256 * 8)
+  assert cost('dq').flops == tiles * (2 * 3 * 16 * 16 * 8 + 3 * 2 * 16 * 256 * 8)
+  assert cost('fwd').transcendentals == tiles * 16 * 16
+
+
 def _inputs(dtype):
   keys = jax.random.split(jax.random.key(0), 6)
   q, q2, k, v = (jax.random.normal(x, (B, H, N, D)).astype(dtype) for x in keys[:4])
@@ -145,6 +163,60 @@ def test_backward_is_deterministic():
     np.testing.assert_array_equal(a, b)
 
 
+MEMORY, TABLE_ROWS = 360, 400  # keys m + N: distances up to 396 over a 400-row table
+
+
+def _relative(kernel, per_head):
+  """An adaptive-span-like score over a memory: q . k + q . table[x - 1] at distances x in
+  [1, 400] (blockloop.relative_term), the table shared or one per head."""
+  keys = MEMORY + N
+  chunks = blockloop.Table.runs(np.zeros(-(-N // 16)), np.full(-(-N // 16), -(-keys // 16)), 16)
+  seg_q = jnp.asarray(SEGMENTS)
+  seg_k = jnp.concatenate([jnp.full((B, MEMORY), 3), seg_q.at[0].set(3)], axis=1)
+  seg_q = seg_q.at[0].set(3)
+  engine = dict(kernel='pallas', interpret=True, distance_origin=MEMORY - 1,
+                param_axes=('heads', 'distance', None) if per_head else ('distance', None)
+                ) if kernel == 'pallas' else {}
+
+  def score(rel, qb, kb, i, j):
+    x = (MEMORY + i)[:, None] - j[None, :]
+    logits = jnp.einsum('bhqd,bhkd->bhqk', qb, kb, preferred_element_type=jnp.float32)
+    logits = logits + blockloop.relative_term(qb, rel, MEMORY + i[0] - j[0] - 1, kb.shape[2])
+    return logits * D ** -0.5, ((x >= 1) & (x <= TABLE_ROWS))[None, None], None
+
+  def f(q, k, v, rel):
+    return blockloop.attention(q, k, v, seg_q, seg_k, rel, table=chunks, q_block=16,
+                               score=score, dtype=jnp.float32, **engine)
+
+  def loss(*args):
+    out, lse = f(*args)
+    return jnp.sum(jnp.sin(out)) + 0.1 * jnp.sum(jnp.where(lse > -1e9, lse, 0.0))
+
+  return jax.jit(lambda *a: (f(*a), jax.grad(loss, argnums=range(4))(*a)))
+
+
+@pytest.mark.parametrize('per_head', [False, True])
+def test_a_long_distance_table_is_read_by_windows_with_the_engine_s_results(per_head):
+  """A tile reads only the rows of a distance table its pairs reach (400 rows: windows of 256
+  from every aligned start, clipped at both ends); outputs and gradients, the table's
+  included, equal the engine's."""
+  assert pallas_kernel.window_rows(pallas_kernel.plan(
+      blockloop.Table.runs([0], [1], 16), 16, 16, 16), 512) == 256
+  keys = jax.random.split(jax.random.key(3), 4)
+  q = jax.random.normal(keys[0], (B, H, N, D))
+  k, v = (jax.random.normal(x, (B, H, MEMORY + N, D)) for x in keys[1:3])
+  shape = (H, TABLE_ROWS, D) if per_head else (TABLE_ROWS, D)
+  table = jax.random.normal(keys[3], shape)
+  with jax.default_matmul_precision('highest'):
+    got, got_grads = _relative('pallas', per_head)(q, k, v, table)
+    want, want_grads = _relative('xla', per_head)(q, k, v, table)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+  for a, b in zip(got_grads, want_grads):
+    scale = float(jnp.max(jnp.abs(b)))
+    np.testing.assert_allclose(a / scale, b / scale, atol=1e-4)
+
+
 def _selective(kernel, *, separate, shift, interpret=True):
   score = selective._blocked_score(  # pylint: disable=protected-access
       scale=D ** -0.5, separate=separate, shift=shift, relu=True, mask_bos=True,
@@ -214,9 +286,11 @@ def test_no_race_where_scratch_crosses_grid_steps(race_verdicts):
   assert not any(r.races_found for r in race_verdicts)
 
 
+@pytest.mark.slow
 def test_race_detector_sees_a_gradient_shared_by_parallel_rows(race_verdicts, monkeypatch):
   """The check above can fail: with every grid axis parallel, the batch rows' cores add to
-  the one resident block of the hook parameters' gradient at once."""
+  the one resident block of the hook parameters' gradient at once. In the slow tier: it tests
+  the detector, not the kernels (10 s of CI)."""
   monkeypatch.setattr(pallas_kernel, '_compiler_params', lambda sequential_axes: (
       pltpu.CompilerParams(dimension_semantics=('parallel',) * 3)))
   _run('pallas', _tables()['gathered'], jnp.float32, interpret=RACES)(*_inputs(jnp.float32))
