@@ -868,6 +868,7 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
   if layout is None:
     return run(qs, ks, v, q_segments, k_segments, tuple(leaves), carry)
   mesh, batch_axes, head_axes = layout
+  batch_axes = splash.divisible_axes(mesh, batch_axes, v.shape[0])
   heads = v.shape[1]
   if carry is not None:
     head_axes = ()

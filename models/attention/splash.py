@@ -82,6 +82,14 @@ def mesh_layout():
   return mesh, _mesh_axes(spec[0]), _mesh_axes(spec[2])
 
 
+def divisible_axes(mesh, axes: tuple, size: int) -> tuple:
+  """`axes` if their devices divide an array dimension of `size`, else () (not split: every
+  device computes it whole). A batch of 1 row, as a model's init traces it under a mesh whose
+  batch axes span 2 devices, cannot be split over them."""
+  devices = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+  return axes if size % devices == 0 else ()
+
+
 def splash_attention(q, k, v, segment_ids, positions, head_patterns, *, block_size: int,
                      scale: float, dtype, interpret: bool):
   """Attention of each head over its pattern with the splash kernel.
@@ -119,6 +127,8 @@ def splash_attention(q, k, v, segment_ids, positions, head_patterns, *, block_si
     seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1)
   layout = mesh_layout()
   batch_axes, head_axes = (layout[1], layout[2]) if layout else ((), ())
+  if layout:
+    batch_axes = divisible_axes(layout[0], batch_axes, q.shape[0])
   head_shards = int(np.prod([layout[0].shape[a] for a in head_axes])) if head_axes else 1
   if h % head_shards:
     raise ValueError(f'{h} heads cannot be split over the mesh axes {head_axes} '

@@ -33,7 +33,9 @@ What CI runs (the rest is `-m slow`):
 Slow: every registered variant's baseline and every other block and stack setting
 (cases.ONE_EACH) in the tensor layout; dense in the data layout; ONE_EACH's block and stack
 cases in the data and fsdp layouts; segment memory in the data and fsdp layouts; the variant
-modes (inspect, selective's budgets).
+modes (inspect, selective's budgets); the fused Pallas kernel (interpret mode) with the heads
+split over the hosts (Transformer-XL's segment memory, 65 s) and with the batch rows split over
+them (selective attention, 33 s).
 
 Cost, measured on 2 cores shared with other work (load 4-6), one persistent compilation
 cache: a multi-process start is 10-15 s before any compile (imports, joining the
@@ -270,6 +272,25 @@ def test_inspect_with_heads_split_across_hosts(harness, tmp_path, case):
   multiprocess.run(harness, tmp_path / 'run', tmp_path, flags, 'inspect', mode='inspect')
   written = sorted(p.name for p in (tmp_path / 'run' / 'inspect').iterdir())
   assert 'connectivity.npz' in written and len(written) > 2, written
+
+
+# The fused Pallas kernel (interpret mode) under shard_map across the hosts: Transformer-XL's
+# segment memory with its per-head R split with the heads over both hosts (tensor=4), and
+# selective attention, whose carried state keeps a row's heads together, with the batch rows
+# split over them (data=2).
+PALLAS_CASES = {'txl_memory_tensor': ('txl', 'tensor'), 'selective_data': ('selective', 'data')}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('case', PALLAS_CASES)
+def test_the_pallas_kernel_across_hosts_equals_one_host(harness, tmp_path, corpus, case):
+  variant, layout = PALLAS_CASES[case]
+  if variant == 'txl':
+    flags = _memory_flags(corpus)
+  else:
+    flags = _case_flags(next(c for c in BASELINES if c.variant == variant))
+  flags['model.attention_impl'] = 'pallas'
+  check_case(harness, tmp_path, flags, layout, phases=('train', 'resume'))
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ bfloat16 2e-2).
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,6 +67,31 @@ def test_stated_cost_counts_the_visited_tiles_and_a_relative_term_s_window():
   assert cost('fwd').flops == tiles * (2 * 2 * 16 * 16 * 8 + 2 * 16 * 256 * 8)
   assert cost('dq').flops == tiles * (2 * 3 * 16 * 16 * 8 + 3 * 2 * 16 * 256 * 8)
   assert cost('fwd').transcendentals == tiles * 16 * 16
+
+
+def test_a_batch_the_mesh_cannot_split_is_computed_whole_on_each_device():
+  """A model's init traces one row under the run's mesh: with the batch over 2 devices the
+  kernel's shard_map leaves that batch unsplit (2 processes of main.py stopped at the start
+  with "2 does not evenly divide 1"); a batch of 2 is split."""
+  mesh = jax.sharding.AbstractMesh((2, 1, 2), ('data', 'fsdp', 'tensor'),
+                                   axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  table = blockloop.Table.runs([0, 0], [1, 2], 8)
+
+  def score(params, qb, kb, i, j):
+    del params
+    logits = blockloop.head_einsum('bhqd,bhkd->bhqk', qb, kb, preferred_element_type=jnp.float32)
+    return logits, (j[None, :] <= i[:, None])[None, None], None
+
+  def f(q):
+    seg = jnp.ones(q.shape[:1] + (16,), jnp.int32)
+    return pallas_kernel.attention(q, q, q, seg, seg, None, table=table, q_block=8, score=score,
+                                   dtype=jnp.float32, interpret=True)[0]
+
+  with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(
+      (('batch', ('data', 'fsdp')), ('heads', 'tensor'))):
+    for rows in (1, 2):
+      assert jax.eval_shape(f, jax.ShapeDtypeStruct((rows, 4, 16, 8), jnp.float32)).shape == (
+          rows, 4, 16, 8)
 
 
 def _inputs(dtype):
