@@ -32,8 +32,8 @@ WORKDIR/config_history.jsonl, and later starts begin from the record with them a
 override lasts for the one command only.
 
 WORKDIR/config_history.jsonl has one JSON line per successful start of training: time,
-'new' or 'resume', step, recipe file, the command-line overrides and the changes (key,
-recorded, given, kind). A workdir without config.json (a run older than this record) uses
+'new' or 'resume', step, recipe file, the command-line overrides, the changes (key,
+recorded, given, kind) and the attention implementation each layer ran. A workdir without config.json (a run older than this record) uses
 the config given, with a warning. A start of training in a workdir whose record has no
 checkpoint yet (the first start died before saving) is a new start: the given config
 replaces the record, and the old record is kept in the history line.
@@ -555,9 +555,12 @@ def _log(changes: tuple[Change, ...], trains: bool, request: Request) -> None:
                     ','.join(request.allow), ', '.join(unused))
 
 
-def record_start(workdir: str, resolved: Resolved, step: int) -> None:
+def record_start(workdir: str, resolved: Resolved, step: int,
+                 implementations: dict | None = None) -> None:
   """Records a start of training whose state is restored or initialized: writes config.json
-  on a new start (never on a resume) and appends a line to config_history.jsonl.
+  on a new start (never on a resume) and appends a line to config_history.jsonl, with
+  `implementations` (the attention implementation each layer runs, and what chose it), so
+  that the record says which program ran.
 
   Call it on process 0 only.
   """
@@ -574,6 +577,8 @@ def record_start(workdir: str, resolved: Resolved, step: int) -> None:
                     if request.keys is not None else None),
       'changes': [c.to_json() for c in resolved.changes],
   }
+  if implementations is not None:
+    line['implementations'] = implementations
   if request.allow:
     line['allowed'] = list(request.allow)
   if resolved.replaced is not None:

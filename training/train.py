@@ -146,9 +146,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                'parameters; %.3g training FLOPs/token; peak %.3g FLOP/s/device (%s); mesh %s',
                mc.n_layers, mc.stack_name, mc.n_heads, mc.d_model, ','.join(sorted(set(mc.attention))),
                n_params / 1e6, flops_per_token, peak, peak_source, dict(setup.mesh.shape))
+  per_layer = transformer.implementations(mc)
   logging.info('attention implementation per layer: %s', ', '.join(
-      f'{i} {name}:{impl}' for i, (name, impl) in
-      enumerate(zip(mc.attention, transformer.implementations(mc)))))
+      f'{i} {name}:{impl}' for i, (name, impl) in enumerate(zip(mc.attention, per_layer))))
   ckpt = checkpoints.Checkpointer(workdir, keep=config.keep_checkpoints,
                                   async_save=config.async_checkpointing)
   logger = metrics_lib.MetricLogger(workdir, config.total_steps)
@@ -162,7 +162,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     else:
       state = assembly.init_state(setup, config.seed)
     if jax.process_index() == 0:  # Only once the state matches: a failed restore keeps it.
-      run_config.record_start(workdir, resolved, int(state.step))
+      run_config.record_start(workdir, resolved, int(state.step), implementations={
+          'attention_impl': mc.attention_impl, 'per_layer': per_layer})
     return _train_loop(setup, state, data_state, ckpt, logger, peak, exits, on_step, compiled)
   finally:  # Also on errors: pending checkpoint writes finish, event files are flushed.
     setup.data.close()

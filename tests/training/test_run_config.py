@@ -87,6 +87,11 @@ def test_the_first_start_records_the_config_and_the_recipe(trained):
   assert start['start'] == 'new' and start['step'] == 0
   assert start['recipe'].endswith('configs/tiny.py')
   assert start['overrides']['model.attention_options.local.window'] == 2
+  # The program that ran: the implementation each layer's attention resolved to.
+  assert start['implementations']['attention_impl'] == record['model']['attention_impl']
+  per_layer = start['implementations']['per_layer']
+  assert len(per_layer) == record['model']['d'] == 2  # n_layers = d
+  assert set(per_layer) <= set(base.IMPLEMENTATIONS) - {'auto'}, per_layer
 
 
 def test_eval_with_no_flags_scores_the_recorded_model(harness, trained, tmp_path):
