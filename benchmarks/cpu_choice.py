@@ -10,8 +10,9 @@ For each variant with a static pattern, the real train step of the C4 recipe's a
 attention_impl='cpu_kernel' and 'blocksparse', and the two are timed in alternation (one call
 of each per round, --iters rounds), so that a slow phase of the machine hits both. A variant's
 choice is the path with the smaller sum over the sizes of the median step times. The choices
-are recorded for this CPU and this build of the kernel; until then 'auto' runs the XLA path.
-Results also go to results/cpu_choice.json.
+go to this CPU model's entry of results/cpu_paths.json (commit it: 'auto' reads that file,
+and runs the XLA path on a CPU without an entry). Measure again after changing the kernel.
+The measurement's rows also go to results/cpu_choice.json.
 """
 
 import argparse
@@ -121,8 +122,10 @@ def main():
     print('dry run: nothing recorded')
     return
   where = cpu_choice.record(choice, {'rows': rows, 'machine': common.machine(),
+                                     'kernel_build': cpu_kernel.library_key(),
                                      'measured_at': time.strftime('%Y-%m-%d %H:%M:%S')})
-  print(f'recorded for this CPU in {where}: ' + ', '.join(f'{k} {v}' for k, v in choice.items()))
+  print(f'recorded for {cpu_choice.host_key()!r} in {where} (commit it): '
+        + ', '.join(f'{k} {v}' for k, v in choice.items()))
 
 
 if __name__ == '__main__':

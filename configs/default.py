@@ -34,7 +34,7 @@ MODEL_SETTINGS = Group('The model.', change=MODEL, settings={
     'attention': Setting('dense', 'Registry name, or a comma list with one name per layer.'),
     'attention_impl': Setting(
         'auto', "'auto' (per backend and variant), 'xla', 'blocksparse', 'cpu_kernel', "
-        "'fused', 'cudnn', 'splash'.", change=RUNTIME),  # The same attention, another kernel.
+        "'fused', 'cudnn', 'splash', 'pallas'.", change=RUNTIME),  # The same attention, another kernel.
     'attention_block_size': Setting(
         128, "Query/key block length of 'blocksparse' (at least 512 on GPU/TPU; twice this for "
         "dense and selective attention's rows of >= 4,096 on a CPU).", change=RUNTIME),

@@ -16,6 +16,7 @@ from jax.experimental import multihost_utils
 
 import input_pipeline
 from models import transformer
+from models.attention import cpu_choice
 from training import (aot, assembly, checkpoints, evaluation, flops, metrics as metrics_lib,
                       optimizer, run_config, sampling, settings, sharding, steps, workdir_lock)
 
@@ -149,6 +150,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   per_layer = transformer.implementations(mc)
   logging.info('attention implementation per layer: %s', ', '.join(
       f'{i} {name}:{impl}' for i, (name, impl) in enumerate(zip(mc.attention, per_layer))))
+  if 'cpu_paths' in (record := _implementations_record(mc, per_layer)):
+    logging.info("attention_impl=auto on this CPU follows %s, entry %r: %s",
+                 record['cpu_paths']['file'], record['cpu_paths']['entry'],
+                 record['cpu_paths']['choice'] or 'nothing measured (the XLA path)')
   ckpt = checkpoints.Checkpointer(workdir, keep=config.keep_checkpoints,
                                   async_save=config.async_checkpointing)
   logger = metrics_lib.MetricLogger(workdir, config.total_steps)
@@ -162,8 +167,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     else:
       state = assembly.init_state(setup, config.seed)
     if jax.process_index() == 0:  # Only once the state matches: a failed restore keeps it.
-      run_config.record_start(workdir, resolved, int(state.step), implementations={
-          'attention_impl': mc.attention_impl, 'per_layer': per_layer})
+      run_config.record_start(workdir, resolved, int(state.step),
+                              implementations=_implementations_record(mc, per_layer))
     return _train_loop(setup, state, data_state, ckpt, logger, peak, exits, on_step, compiled)
   finally:  # Also on errors: pending checkpoint writes finish, event files are flushed.
     setup.data.close()
@@ -214,6 +219,15 @@ def _gather_data_state(state: dict, shard: tuple[int, int]) -> dict:
   rows = multihost_utils.process_allgather(buf)
   return {'process_count': jax.process_count(),
           'processes': [json.loads(bytes(r).rstrip(b'\0')) for r in np.asarray(rows)]}
+
+
+def _implementations_record(mc, per_layer: list[str]) -> dict:
+  """What the run's record says of its attention programs: the setting, what each layer runs
+  and, for 'auto' on a CPU, the measurements that chose (cpu_choice.source)."""
+  out = {'attention_impl': mc.attention_impl, 'per_layer': per_layer}
+  if mc.attention_impl == 'auto' and jax.default_backend() == 'cpu':
+    out['cpu_paths'] = cpu_choice.source()
+  return out
 
 
 def _this_process_data_state(saved: dict | None, shard: tuple[int, int]) -> dict | None:

@@ -1,17 +1,17 @@
-"""Which path `attention_impl='auto'` runs on a CPU: what was measured fastest on this CPU.
+"""Which path `attention_impl='auto'` runs on a CPU: what was measured fastest on this kind of
+CPU, read from a committed file.
 
 The C++ tile kernel (cpu_kernel.py) was tuned on one host. On another it can lose to XLA's
 plain-JAX block-sparse path: on a 2-core Intel Xeon the C4 recipe's d=8 train step ran 440-460
-tokens/s with the kernel and 535 without, where on the AMD EPYC it was tuned on the kernel
-won. A kernel tuned on one CPU is no default for all of them, so 'auto' runs the kernel only
-where it was measured faster on this CPU, variant by variant, and the XLA path where nothing
-was measured.
+tokens/s with the kernel and 535 without. So 'auto' runs the kernel only for a variant where it
+was measured faster on this CPU model and core count, and the XLA path elsewhere.
 
-`python -m benchmarks.cpu_choice` measures both paths' train steps for each static-pattern
-variant and records the faster here. The record is keyed by the CPU (model, flags, core
-count) and by the kernel's build (its sources, flags and jax version: the library's cache
-key), so a record is never applied to another CPU or to a changed kernel. It lives beside the
-kernel's build, in $ZOO_KERNEL_CACHE/cpu_choice.json, or wherever $ZOO_CPU_CHOICE points.
+The measurements are an input of the run, not a cache: results/cpu_paths.json, committed with
+the code and keyed by CPU model and core count ("AMD EPYC / 2 cores"), so the same command
+builds the same program on the same kind of machine. `python -m benchmarks.cpu_choice`
+measures both paths on this CPU and writes its entry there (commit it). $ZOO_CPU_CHOICE names
+another file instead (the test suite writes its own). Each start of training logs and records
+(config_history.jsonl) which file and entry decided (`source`).
 """
 
 from __future__ import annotations
@@ -20,25 +20,39 @@ import functools
 import json
 import logging
 import os
+import platform
 from pathlib import Path
-
-from models.attention import cpu_kernel
 
 KERNEL, XLA = 'cpu_kernel', 'blocksparse'
 COMMAND = 'python -m benchmarks.cpu_choice'
 
 
+# The committed measurements (results/ beside the package).
+COMMITTED = Path(__file__).resolve().parents[2] / 'results' / 'cpu_paths.json'
+
+
 def path() -> Path:
-  """The file that holds the measured choices."""
+  """The file that holds the measured choices: $ZOO_CPU_CHOICE, else COMMITTED."""
   if os.environ.get('ZOO_CPU_CHOICE'):
     return Path(os.environ['ZOO_CPU_CHOICE'])
-  return cpu_kernel.cache_dir() / 'cpu_choice.json'
+  return COMMITTED
+
+
+def cpu_model() -> str:
+  """This CPU's model name (/proc/cpuinfo's, else the platform's)."""
+  try:
+    with open('/proc/cpuinfo') as f:
+      for line in f:
+        if line.startswith('model name'):
+          return line.split(':', 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine() or 'unknown CPU'
 
 
 def host_key() -> str:
-  """This CPU and this build of the kernel: the kernel library's cache key (sources, flags,
-  jax, CPU model and flags) and the core count."""
-  return f'{cpu_kernel.library_key()}-{os.cpu_count()}cpu'
+  """The entry of this kind of machine: CPU model and core count."""
+  return f'{cpu_model()} / {os.cpu_count()} cores'
 
 
 def _read() -> dict:
@@ -58,15 +72,22 @@ def measured() -> dict[str, str]:
   return dict(_read().get(host_key(), {}).get('choice', {}))
 
 
+def source() -> dict:
+  """What decides 'auto' on this CPU, for the run's record: the file, this machine's entry,
+  and its choices ({} where nothing was measured: the XLA path)."""
+  return {'file': str(path()), 'entry': host_key(), 'choice': measured()}
+
+
 @functools.cache
 def _warn_unmeasured(variant: str) -> None:
-  logging.info("attention_impl=auto on this CPU: the C++ kernel has not been measured against "
-               "the XLA path here, so %s runs the XLA path ('blocksparse'); `%s` measures "
-               'both and makes auto pick the faster', variant, COMMAND)
+  logging.info("attention_impl=auto on this CPU: %s has no entry for %r, so %s runs the XLA "
+               "path ('blocksparse'); `%s` measures both paths and writes the entry",
+               path(), host_key(), variant, COMMAND)
 
 
 def kernel_is_faster(variant: str) -> bool:
-  """Whether the kernel was measured faster than the XLA path for `variant` on this CPU."""
+  """Whether the kernel was measured faster than the XLA path for `variant` on this kind of
+  CPU."""
   choice = measured().get(variant)
   if choice is None:
     _warn_unmeasured(variant)
@@ -74,8 +95,8 @@ def kernel_is_faster(variant: str) -> bool:
 
 
 def record(choice: dict[str, str], evidence: dict) -> Path:
-  """Saves this CPU's choices ({variant class name: path}) with what they were measured
-  from; other CPUs' records in the file are kept."""
+  """Saves this kind of CPU's choices ({variant class name: path}) with what they were
+  measured from, in path(); other CPUs' entries in the file are kept."""
   bad = {k: v for k, v in choice.items() if v not in (KERNEL, XLA)}
   if bad:
     raise ValueError(f'a CPU path choice is {KERNEL!r} or {XLA!r}, got {bad}')

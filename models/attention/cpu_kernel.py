@@ -73,7 +73,7 @@ def _cpu_id() -> str:
 
 
 def cache_dir() -> Path:
-  """Where the kernel's builds (and cpu_choice.py's measurements) are kept."""
+  """Where the kernel's builds are kept."""
   return Path(os.environ.get('ZOO_KERNEL_CACHE', Path.home() / '.cache' / 'attention_zoo'))
 
 

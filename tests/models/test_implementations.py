@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import json
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -113,8 +114,8 @@ def test_auto_picks_the_documented_implementation(name, kernel_builds):
 
 def test_auto_on_a_cpu_runs_the_kernel_only_where_it_was_measured_faster(nothing_measured):
   """A kernel tuned on one CPU is no default for every CPU: with nothing measured here 'auto'
-  runs the XLA path; a record of this CPU picks per variant; another CPU's record, or one
-  made with another build of the kernel, is not read."""
+  runs the XLA path; a record of this CPU picks per variant; another CPU's record is not
+  read."""
   del nothing_measured
   assert [_auto(n, 'cpu') for n in STATIC] == ['blocksparse'] * len(STATIC)
   cpu_choice.record({'DenseAttention': 'blocksparse', 'LocalAttention': 'cpu_kernel'},
@@ -129,6 +130,24 @@ def test_auto_on_a_cpu_runs_the_kernel_only_where_it_was_measured_faster(nothing
   assert _auto('local', 'cpu') == 'blocksparse'
   with pytest.raises(ValueError, match='cpu_kernel'):
     cpu_choice.record({'DenseAttention': 'fast'}, {})
+
+
+def test_without_an_override_auto_reads_the_committed_measurements(monkeypatch):
+  """No per-machine cache decides: the choices come from results/cpu_paths.json, committed
+  with the code and keyed by CPU model and core count, unless $ZOO_CPU_CHOICE names a file."""
+  monkeypatch.delenv('ZOO_CPU_CHOICE')
+  assert cpu_choice.path() == cpu_choice.COMMITTED
+  assert cpu_choice.COMMITTED.relative_to(cpu_choice.COMMITTED.parents[1]).as_posix() == (
+      'results/cpu_paths.json')
+  entries = json.loads(cpu_choice.COMMITTED.read_text())
+  assert entries, 'no measured CPU committed'
+  for key, entry in entries.items():
+    assert re.fullmatch(r'.+ / \d+ cores', key), key
+    assert set(entry['choice'].values()) <= {cpu_choice.KERNEL, cpu_choice.XLA}, key
+    assert set(entry['choice']) <= {attention.get(n).__name__ for n in STATIC}, key
+    assert entry['evidence']['rows'], key
+  assert cpu_choice.source() == {'file': str(cpu_choice.COMMITTED), 'entry': cpu_choice.host_key(),
+                                 'choice': entries.get(cpu_choice.host_key(), {}).get('choice', {})}
 
 
 def test_an_unreadable_choice_file_runs_the_xla_path(nothing_measured, caplog):

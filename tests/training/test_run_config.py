@@ -7,6 +7,7 @@ cache (conftest `compile_cache`), so a program built before is loaded, not compi
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -92,6 +93,8 @@ def test_the_first_start_records_the_config_and_the_recipe(trained):
   per_layer = start['implementations']['per_layer']
   assert len(per_layer) == record['model']['d'] == 2  # n_layers = d
   assert set(per_layer) <= set(base.IMPLEMENTATIONS) - {'auto'}, per_layer
+  if record['model']['attention_impl'] == 'auto':  # What chose on this CPU (the suite's file).
+    assert start['implementations']['cpu_paths']['file'] == os.environ['ZOO_CPU_CHOICE']
 
 
 def test_eval_with_no_flags_scores_the_recorded_model(harness, trained, tmp_path):
