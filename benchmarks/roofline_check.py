@@ -3,9 +3,9 @@
   python -m benchmarks.roofline_check                        # dense, local, adaptive_span; d=2,4,8
   python -m benchmarks.roofline_check --variants dense selective --d 2 4 --rounds 5
 
---mode=compile estimates a TPU step from the compiled program (training/roofline.py: compute,
-memory, collectives and overhead; loops counted with their trip counts, training/hlo_cost.py)
-and a chip's published figures (training/chips.py); nothing runs there. This script checks the
+--mode=compile estimates a TPU step from the compiled program (analysis/roofline.py: compute,
+memory, collectives and overhead; loops counted with their trip counts, analysis/hlo_cost.py)
+and a chip's published figures (analysis/chips.py); nothing runs there. This script checks the
 same estimator where a step can be measured: the machine it runs on (its default jax device)
 described by measurements -- a jitted 2048^3 float32 matmul's FLOP/s, a jitted element-wise
 pass over 256 MB (bytes/s), a one-op program's launch time and a kernel's launch time
@@ -41,7 +41,8 @@ import jax  # noqa: E402
 
 from benchmarks import common, train_step  # noqa: E402
 from models import transformer  # noqa: E402
-from training import chips, hlo_cost, roofline, sharding  # noqa: E402,I100
+from analysis import chips, hlo_cost, roofline  # noqa: E402,I100
+from training import sharding  # noqa: E402
 
 COLUMNS = ('variant', 'd', 'params_m', 'gflop', 'mib', 'launches', 'compute_ms', 'memory_ms',
            'overhead_ms', 'bound', 'estimate_ms', 'measured_ms', 'ratio', 'round_ratio')

@@ -26,7 +26,7 @@ across stacks). Results go to results/tpu_compile.json.
 
 `--recipes` compiles the paper recipes instead (configs.PAPER_RECIPES, each as its file sets
 it, on its own config.compile_topology): the train, eval and decoding programs, as
-`--mode=compile` does, with the roofline time estimate of the train step (training/roofline.py:
+`--mode=compile` does, with the roofline time estimate of the train step (analysis/roofline.py:
 its step time, bound and MFU), each recipe's fingerprint (configs.fingerprint) and the GiB per
 chip of its train step cut to one layer (layer_config, layer_gib: the budget the CI tier holds
 each layer to), into results/tpu_compile_recipes.json. With `--impl NAME` (not 'auto') the
@@ -52,8 +52,8 @@ from benchmarks import common  # noqa: E402
 import configs  # noqa: E402
 from configs import default  # noqa: E402
 from models import attention  # noqa: E402
-from training import (aot, assembly, compile_report, program_stats,  # noqa: E402,I100
-                      tpu_topology)
+from analysis import compile_report, program_stats  # noqa: E402,I100
+from training import aot, assembly, tpu_topology  # noqa: E402
 
 GiB = program_stats.GiB
 

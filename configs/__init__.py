@@ -86,7 +86,7 @@ def _percent(fraction: float) -> str:
 
 
 def _duration(seconds: float) -> str:
-  from training.roofline import duration  # pylint: disable=import-outside-toplevel
+  from analysis.roofline import duration  # pylint: disable=import-outside-toplevel
   return duration(seconds)
 
 

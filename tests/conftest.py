@@ -46,7 +46,8 @@ jax.config.update('jax_default_matmul_precision', 'highest')
 # in KINDS_BY_FILE or its module sets pytestmark: `-m unit` is the quick loop while
 # editing, `-m "not system"` everything that runs in the test process.
 KINDS_BY_FOLDER = {'models': 'model', 'contracts': 'model', 'training': 'system',
-                   'input_pipeline': 'unit', 'experiments': 'unit', 'benchmarks': 'system'}
+                   'input_pipeline': 'unit', 'experiments': 'unit', 'benchmarks': 'system',
+                   'analysis': 'unit'}
 KINDS_BY_FILE = {
     'models/test_patterns.py': 'unit',            # Pattern sets and plans, no model.
     'training/test_losses.py': 'model',
@@ -54,7 +55,6 @@ KINDS_BY_FILE = {
     'training/test_modes.py': 'unit',
     'training/test_multislice.py': 'unit',        # Meshes of an absent TPU slice.
     'training/test_inspect.py': 'unit',           # Masks from the pattern definitions.
-    'training/test_aot_estimate.py': 'unit',      # The compile report's arithmetic.
     'input_pipeline/test_packing.py': 'model',
     'input_pipeline/test_c4.py': 'system',        # Trains on a local C4 build.
     'input_pipeline/test_local_text.py': 'system',

@@ -8,14 +8,18 @@ bodies included), so nothing is imported here.
 """
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
 pytestmark = pytest.mark.unit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ('configs', 'models', 'input_pipeline', 'training', 'experiments', 'benchmarks')
+PACKAGES = ('configs', 'models', 'input_pipeline', 'training', 'experiments', 'benchmarks',
+            'analysis')
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -120,3 +124,28 @@ def test_the_model_layer_names_no_training_module_by_string(tmp_path):
   planted.write_text('"""Doc naming training.pruning is prose."""\n'
                      "MODES = {'prune': ('training.pruning:allocate_budgets', 'help')}\n")
   assert _strings_naming(planted, 'training') == ['training.pruning:allocate_budgets']
+
+
+def test_the_program_analysis_is_a_leaf_that_training_imports_only_to_compile():
+  """analysis/ (HLO cost, roofline, chips, the compile report) imports no other project code,
+  and training/ imports it only in aot.py, which --mode=compile and the fit check at the start
+  of a TPU run load when they run (issue 69)."""
+  graph = import_graph(_modules())
+  leaf = sorted((m, t) for m, targets in graph.items() if m.startswith('analysis')
+                for t in targets if not t.startswith('analysis'))
+  assert not leaf, f'analysis/ importing other project code: {leaf}'
+  users = sorted({m for m, targets in graph.items() if m.startswith('training')
+                 for t in targets if t.startswith('analysis')})
+  assert users == ['training.aot'], users
+
+
+def test_a_training_run_loads_no_program_analysis():
+  """`import training.train` (what a training run loads) imports neither the compiled-program
+  analysis nor aot.py."""
+  code = ('import sys, training.train; '
+          'print(sorted(m for m in sys.modules if m.split(".")[0] == "analysis" '
+          'or m == "training.aot"))')
+  proc = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.strip() == '[]', proc.stdout

@@ -8,13 +8,13 @@ models/decode.py) are lowered with abstract arguments -- shapes, dtypes and shar
 arrays -- and compiled by the real TPU compiler (libtpu). No data is read (assembly.build with
 data=False). MaxText's train_compile.py is the model.
 
-The report (training/compile_report.py, from each program as training/program_stats.py reads
+The report (analysis/compile_report.py, from each program as analysis/program_stats.py reads
 it), per chip: parameter and optimizer-state bytes (from the state's shardings), the
 compiler's temporaries and generated code, their total against the chip's HBM; the FLOPs of
-each program counted with its loops' trip counts (training/hlo_cost.py) next to XLA's own
+each program counted with its loops' trip counts (analysis/hlo_cost.py) next to XLA's own
 count (each loop body once) and the model's; the collectives in each compiled program; the
 compile time; and a roofline estimate of each program's time on the chip
-(training/roofline.py with training/chips.py's figures: compute, memory, collectives and
+(analysis/roofline.py with analysis/chips.py's figures: compute, memory, collectives and
 overhead, the bound named), the train step's as steps per day and MFU. It is printed and
 written to WORKDIR/compile_<topology>.json, the only file the mode writes. Memory is the
 compiler's estimate; nothing runs, so speed is estimated, not measured (docs/tpu.md says how
@@ -36,9 +36,9 @@ import ml_collections
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from analysis import chips, compile_report, program_stats
 from models import decode, transformer
-from training import (assembly, chips, compile_report, program_stats, run_config, sampling,
-                      sharding, steps, tpu_topology)
+from training import assembly, run_config, sampling, sharding, steps, tpu_topology
 
 STEPS = ('train', 'eval', 'decode')
 

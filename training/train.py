@@ -17,7 +17,7 @@ from jax.experimental import multihost_utils
 import input_pipeline
 from models import transformer
 from models.attention import cpu_choice
-from training import (aot, assembly, checkpoints, evaluation, flops, metrics as metrics_lib,
+from training import (assembly, checkpoints, evaluation, flops, metrics as metrics_lib,
                       optimizer, run_config, sampling, settings, sharding, steps, workdir_lock)
 
 
@@ -135,6 +135,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     # state are loaded. An adaptive-span model is checked at its untrimmed spans: the most
     # memory it can need.
     try:
+      from training import aot  # pylint: disable=import-outside-toplevel  (TPU runs only)
       _, compiled = aot.check_train_step_fits(setup)
     except BaseException:
       setup.data.close()

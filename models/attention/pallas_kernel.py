@@ -384,7 +384,7 @@ VMEM_LIMIT = 64 << 20
 
 
 def _cost(spec: _Spec, phase: str, qs, ks, v, leaves) -> pl.CostEstimate:
-  """The kernel's cost from its block table, for XLA and the roofline (training/hlo_cost.py
+  """The kernel's cost from its block table, for XLA and the roofline (analysis/hlo_cost.py
   reads it back): FLOPs of the matmuls of the (query block, key block) tiles it visits, with
   a relative term's products (q by the window of a distance table, its two gradient matmuls
   in the dq kernel; the dk, dv kernel's pallas jaxpr drops them as dead), one exponential per

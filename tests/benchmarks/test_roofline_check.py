@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks import roofline_check
 from tests.harness import REPO
-from training import chips
+from analysis import chips
 
 pytestmark = pytest.mark.unit
 

@@ -27,7 +27,8 @@ import pytest
 
 import configs
 from tests.harness import REPO
-from training import aot, assembly, program_stats, tpu_topology
+from analysis import program_stats
+from training import aot, assembly, tpu_topology
 
 pytestmark = pytest.mark.system
 

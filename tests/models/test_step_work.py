@@ -5,7 +5,7 @@ window sized for the variant's longest reach instead of the row (dynamic span's 
 per query) did 25x dense's matmul work there, and trained 39x slower, while a benchmark of one
 attention layer at 1K-8K rows saw nothing. A time would be noisy on a shared machine; the
 work is a count: the FLOPs of the compiled train step's dot instructions, each multiplied by
-the trip counts of the loops around it (training/hlo_cost.py), against dense's. At 10 tokens
+the trip counts of the loops around it (analysis/hlo_cost.py), against dense's. At 10 tokens
 attention is a small part of a step, so every variant's step is within WORK_RATIO of dense's
 unless it computes far more attention than the row holds.
 
@@ -16,7 +16,8 @@ import pytest
 
 from configs import tiny
 from models import attention
-from training import aot, assembly, hlo_cost
+from analysis import hlo_cost
+from training import aot, assembly
 
 VARIANTS = [n for n in attention.known() if attention.get(n).__module__.startswith('models.')]
 WORK_RATIO = 1.5

@@ -14,9 +14,9 @@ import re
 
 import pytest
 
+from analysis import chips, compile_report, program_stats, roofline
 from configs import tiny
-from training import (aot, assembly, chips, compile_report, evaluation, program_stats, roofline,
-                      steps, tpu_topology, train)
+from training import aot, assembly, evaluation, steps, tpu_topology, train
 
 TOPOLOGY = 'v5e:2x2'
 

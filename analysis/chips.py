@@ -1,4 +1,4 @@
-"""What a chip can do, for the roofline step-time estimate (training/roofline.py).
+"""What a chip can do, for the roofline step-time estimate (analysis/roofline.py).
 
 One table, CHIPS, of the accelerators a run is sized for: peak matmul FLOP/s by operand type,
 HBM capacity and bandwidth, inter-chip (ICI / NVLink) and data-center network bandwidth per
@@ -199,7 +199,7 @@ def measure_overheads(repeats: int = 20) -> tuple[float, float]:
   iterations whose body is one tiny op (the loop's condition and body are a few kernels)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from training import hlo_cost  # pylint: disable=import-outside-toplevel
+  from analysis import hlo_cost  # pylint: disable=import-outside-toplevel
   x = jnp.ones((8,), jnp.float32)
   one = jax.jit(lambda v: v + 1.0)
   step = _best_seconds(lambda: one(x).block_until_ready(), repeats)

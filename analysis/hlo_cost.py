@@ -33,7 +33,7 @@ Two readings:
   attention kernel, from its block table) by that. Other custom calls (a CPU kernel, cuDNN)
   count their operands' and outputs' bytes and no FLOPs, and are listed in `Cost.opaque`.
 
-training/roofline.py turns a Cost into a step time for a chip.
+analysis/roofline.py turns a Cost into a step time for a chip.
 
   work = hlo_cost.dot_flops(jitted.lower(*args).compile().as_text())
   work.flops, work.unknown_loops, work.by_op   # by_op: FLOPs per op_name metadata

@@ -3,7 +3,7 @@
 training/aot.py compiles a run's programs; this module reads each compiled program into a
 `StepReport`: the compiler's memory analysis (arguments, outputs, temporaries, code), XLA's own
 FLOP count (each loop body once), the matmul FLOPs with every loop's trip count and the roofline
-estimate on the chip (training/hlo_cost.py, training/roofline.py), the collectives in its HLO,
+estimate on the chip (analysis/hlo_cost.py, analysis/roofline.py), the collectives in its HLO,
 and the amounts in the TPU compiler's out-of-memory message when it refused the program. It
 also gives what one chip holds of a sharded tree and the HBM of a chip. training/
 compile_report.py turns the reports into the mode's table and JSON.
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from training import chips, hlo_cost, roofline
+from analysis import chips, hlo_cost, roofline
 
 GiB = 1 << 30
 

@@ -1,8 +1,8 @@
 """A step time from the compiled program and the chip: the roofline estimate.
 
-For one device's program (training/hlo_cost.py `analyze`: every kernel with its matmul FLOPs,
+For one device's program (analysis/hlo_cost.py `analyze`: every kernel with its matmul FLOPs,
 HBM bytes and run count, loops counted with their trip counts; every collective) on one chip
-(training/chips.py):
+(analysis/chips.py):
 
 - compute: each kernel's matmul FLOPs over the chip's peak for their operand type;
 - memory: each kernel's HBM bytes over the chip's HBM bandwidth;
@@ -29,8 +29,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from training import chips as chips_lib
-from training import hlo_cost
+from analysis import chips as chips_lib
+from analysis import hlo_cost
 
 BOUNDS = ('compute', 'memory', 'collectives', 'overhead')
 

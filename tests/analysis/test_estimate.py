@@ -1,10 +1,11 @@
 """The compile report's slice names and its step-time estimate (training/tpu_topology.py,
-training/compile_report.py, training/roofline.py, training/chips.py): pure arithmetic, no
+analysis/compile_report.py, analysis/roofline.py, analysis/chips.py): pure arithmetic, no
 compiler."""
 
 import pytest
 
-from training import chips, compile_report, hlo_cost, program_stats, roofline, tpu_topology
+from analysis import chips, compile_report, hlo_cost, program_stats, roofline
+from training import tpu_topology
 
 
 @pytest.mark.parametrize('topology,name', [('v5e:2x2', 'v5e-4'), ('v5e:4x4', 'v5e-16'),

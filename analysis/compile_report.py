@@ -1,6 +1,6 @@
 """The --mode=compile report: a run's compiled programs on one chip of a TPU slice.
 
-training/aot.py compiles the programs and training/program_stats.py reads each into a
+training/aot.py compiles the programs and analysis/program_stats.py reads each into a
 StepReport; a `Report` holds them with the slice (chips, HBM, mesh) and the state's bytes per
 chip, and says whether each program fits one chip's HBM, the train step's roofline estimate as
 steps per day and MFU, the console table (`Report.table`), the JSON written to
@@ -14,13 +14,13 @@ import dataclasses
 import re
 from typing import Any
 
-from training import chips, program_stats, roofline
+from analysis import chips, program_stats, roofline
 
 NOTE = ('Memory is the TPU compiler\'s estimate for the compiled programs; FLOPs and bytes are '
         'counted from them with every loop\'s trip count (XLA\'s own FLOPs count a loop body '
         'once); speed is not measured (nothing ran): the time is a roofline estimate from '
         'those counts and the chip\'s published peak FLOP/s, HBM and interconnect bandwidth '
-        '(training/chips.py), the bound named. Collectives are counted once per instruction in '
+        '(analysis/chips.py), the bound named. Collectives are counted once per instruction in '
         'the table, with their trip counts in the estimate.')
 
 
@@ -86,7 +86,7 @@ class Report:
     return chips.chip_for(self.device_kind)
 
   def estimate(self, step: str = 'train') -> dict | None:
-    """The roofline estimate of `step` on the chip (training/roofline.py), with steps per day,
+    """The roofline estimate of `step` on the chip (analysis/roofline.py), with steps per day,
     days to total_steps, MFU (the model FLOPs per step and chip, 6 N + the full causal
     attention term, PaLM's convention, over the step time at the chip's peak for the model's
     dtype: above 1 for sparse attention, which computes far fewer scores than that counts) and
@@ -192,7 +192,7 @@ class Report:
     train_step = self.steps.get('train')
     if not estimate or chip is None or train_step is None:
       if self.steps.get('train') and not self.steps['train'].out_of_memory:
-        return [f'estimate: no figures for {self.device_kind} in training/chips.py']
+        return [f'estimate: no figures for {self.device_kind} in analysis/chips.py']
       return []
     est = train_step.estimate
     parts = estimate['parts_seconds']

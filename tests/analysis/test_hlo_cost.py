@@ -1,4 +1,4 @@
-"""training/hlo_cost.py `analyze`: a compiled program's kernels, bytes and collectives, with
+"""analysis/hlo_cost.py `analyze`: a compiled program's kernels, bytes and collectives, with
 its loops counted as many times as they run. Small jitted CPU programs (compiled in well under
 a second each) and HLO text as the TPU compiler prints it (shortened)."""
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from training import hlo_cost
+from analysis import hlo_cost
 
 pytestmark = pytest.mark.unit
 
