@@ -90,10 +90,19 @@ def _duration(seconds: float) -> str:
   return duration(seconds)
 
 
+def slice_name(topology: str) -> str:
+  """Cloud TPU's name of the slice of `topology`: v5e counts chips (v5e:2x4 is v5e-8), v4 and
+  v5p count TensorCores, two per chip (v4:2x2x1 is v4-8)."""
+  generation, _, shape = topology.partition(':')
+  chips = 1
+  for n in shape.split('x'):
+    chips *= int(n)
+  return f'{generation}-{chips * 2 if generation in ("v4", "v5p", "v5") else chips}'
+
+
 def header_lines(row: dict) -> str:
   """The 'slice:', 'memory:' and 'speed:' lines of a recipe's docstring, from its row of
   results/tpu_compile_recipes.json (benchmarks/tpu_compile.py --recipes)."""
-  from training.tpu_topology import slice_name  # pylint: disable=import-outside-toplevel
   per_day = _three_digits(row['steps_per_day'])
   head = (f"  slice:    {slice_name(row['topology'])} (compile_topology '{row['topology']}'), "
           f"mesh {_mesh(row)}, remat '{row['remat']}'\n"
@@ -115,7 +124,6 @@ def header_lines(row: dict) -> str:
 
 def recipes_markdown(rows: list[dict]) -> str:
   """The table of docs/tpu.md ("The papers at their own scale") from the committed rows."""
-  from training.tpu_topology import slice_name  # pylint: disable=import-outside-toplevel
   lines = ['| paper: experiment | recipe | slice | mesh, remat | GiB per chip (HBM) | '
            'step (est.) | bound | MFU (FLOPs run) (est.) | steps/day (est.) | '
            'days to the paper\'s steps (est.) |',

@@ -52,7 +52,6 @@ def paper_scale(folders: list[str], recipes: tuple[str, ...]) -> str:
   """The section's 'at the paper's scale' commands, with each recipe's slice, per-chip
   memory and estimated days from tpu_compile_recipes.json (benchmarks/tpu_compile.py
   --recipes) when that file is there."""
-  from training.tpu_topology import slice_name  # pylint: disable=import-outside-toplevel
   rows = {r['recipe']: r
           for r in (load(folders, 'tpu_compile_recipes.json') or {}).get('rows', [])}
   items = []
@@ -65,7 +64,7 @@ def paper_scale(folders: list[str], recipes: tuple[str, ...]) -> str:
       amount, unit = ((days, 'day') if days >= 1 else (24 * days, 'hour') if days >= 1 / 24
                       else (1440 * days, 'minute'))
       time = f'{amount:.2g} {unit}' + ('' if f'{amount:.2g}' == '1' else 's')
-      text += (f' ({slice_name(row["topology"])}, {row["gib_per_chip"]:.1f} GiB per chip, '
+      text += (f' ({configs.slice_name(row["topology"])}, {row["gib_per_chip"]:.1f} GiB per chip, '
                + (f'about {time} to the paper\'s steps by the roofline estimate, '
                   f'{row["bound"]}-bound)' if 'bound' in row else
                   f'about {time} to the paper\'s steps at {100 * row["assumed_mfu"]:.0f}% MFU '

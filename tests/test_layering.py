@@ -149,3 +149,17 @@ def test_a_training_run_loads_no_program_analysis():
                         text=True, timeout=300, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stdout.strip() == '[]', proc.stdout
+
+
+def test_imports_run_one_way_between_top_level_folders():
+  """No two top-level folders import each other (configs/ and training/ did: the settings
+  schema one way, the slice names of the recipe headers the other)."""
+  edges = {}
+  for module, targets in import_graph(_modules()).items():
+    for target in targets:
+      a, b = module.split('.')[0], target.split('.')[0]
+      if a != b:
+        edges.setdefault((a, b), []).append((module, target))
+  both = {(a, b): (edges[(a, b)][:3], edges[(b, a)][:3]) for a, b in edges
+          if (b, a) in edges and a < b}
+  assert not both, f'folders that import each other: {both}'

@@ -18,6 +18,7 @@ import tempfile
 import jax
 from jax.experimental import topologies
 
+from configs import slice_name
 from training import xla_flags
 
 # Topology name prefixes whose chips hold two TensorCores that JAX drives as one device
@@ -131,13 +132,3 @@ def topology_devices(topology: str, num_slices: int = 1) -> list[jax.Device]:
                      'GENERATION:SHAPE as Cloud TPU names the chip layout, e.g. v5e:2x2, '
                      'v5e:4x4, v4:2x2x4, v5p:2x2x2, v6e:2x2') from e
   return list(desc.devices)
-
-
-def slice_name(topology: str) -> str:
-  """Cloud TPU's name of the slice of `topology`: v5e counts chips (v5e:2x4 is v5e-8), v4 and
-  v5p count TensorCores, two per chip (v4:2x2x1 is v4-8)."""
-  generation, _, shape = topology.partition(':')
-  chips = 1
-  for n in shape.split('x'):
-    chips *= int(n)
-  return f'{generation}-{chips * 2 if generation in ("v4", "v5p", "v5") else chips}'

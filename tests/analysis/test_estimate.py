@@ -1,9 +1,10 @@
-"""The compile report's slice names and its step-time estimate (training/tpu_topology.py,
-analysis/compile_report.py, analysis/roofline.py, analysis/chips.py): pure arithmetic, no
+"""The compile report's slice names and its step-time estimate (configs.slice_name,
+training/tpu_topology.py, analysis/compile_report.py, analysis/roofline.py, analysis/chips.py): pure arithmetic, no
 compiler."""
 
 import pytest
 
+import configs
 from analysis import chips, compile_report, hlo_cost, program_stats, roofline
 from training import tpu_topology
 
@@ -13,7 +14,7 @@ from training import tpu_topology
                                            ('v4:2x2x4', 'v4-32'), ('v5p:2x2x1', 'v5p-8'),
                                            ('v6e:2x2', 'v6e-4')])
 def test_slice_names_count_chips_on_v5e_and_v6e_and_cores_on_v4_and_v5p(topology, name):
-  assert tpu_topology.slice_name(topology) == name
+  assert configs.slice_name(topology) == name
 
 
 def test_accelerator_types_name_the_slice_as_cloud_tpu_does():

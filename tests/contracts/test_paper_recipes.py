@@ -143,7 +143,7 @@ def test_the_header_quotes_the_committed_numbers(name):
   configs.header_lines writes them (the benchmark prints them after a recompile)."""
   doc, row, config = _doc(name), _rows()[name], configs.load(name)
   assert row['remat'] == config.model.remat
-  assert tpu_topology.slice_name(config.compile_topology) in configs.header_lines(row)
+  assert configs.slice_name(config.compile_topology) in configs.header_lines(row)
   assert configs.header_lines(row) in doc, (
       f'configs/{name}.py\'s header differs from the committed compile; it should read:\n'
       + configs.header_lines(row))
