@@ -62,6 +62,10 @@ def _bad_command_line(error: Exception, argv) -> None:
   if renamed:  # A key that was renamed: name the new one (run_config.renamed_keys).
     print(f'error: bad command line: {renamed}', file=sys.stderr)
     sys.exit(1)
+  unknown = run_config.unknown_option_message(given)
+  if unknown:  # An option its group does not declare: name the ones it has.
+    print(f'error: bad command line: {unknown}', file=sys.stderr)
+    sys.exit(1)
   print(f'error: bad command line ({what}); config overrides given: '
         f'{" ".join(overrides) or "none"}. Fields and their types are in the recipe and '
         'configs/default.py', file=sys.stderr)

@@ -315,6 +315,32 @@ def renamed_message(keys, variants=None, prefix: str = 'config key ', new_prefix
   return '; '.join(out)
 
 
+def unknown_option_message(keys, prefix: str = '--config.') -> str:
+  """For each dotted key among `keys` that names an option no registered component declares
+  (model.attention_options.<variant>.<name>, model.block_options.<name>,
+  model.stack_options.<name>), what the group does declare; joined with '; ' ('' when none)."""
+  out = []
+  for key in sorted(keys):
+    parts = key.split('.')
+    if len(parts) < 3 or parts[0] != 'model' or parts[1] not in transformer.OPTION_GROUPS:
+      continue
+    registry = transformer.OPTION_GROUPS[parts[1]]
+    group = f'{prefix}model.{parts[1]}'
+    if not registry.per_entry:
+      if parts[2] not in registry.options():
+        out.append(f'{prefix}{key}: no registered {registry.kind} has the option '
+                   f'{parts[2]!r}; {group} has: {", ".join(sorted(registry.options()))}')
+    elif parts[2] not in registry.known():
+      out.append(f'{prefix}{key}: {parts[2]!r} is no registered {registry.kind} (known: '
+                 f'{", ".join(registry.known())})')
+    elif len(parts) == 4:
+      declared = options_lib.declared(registry.get(parts[2]))
+      if parts[3] not in declared:
+        out.append(f'{prefix}{key}: {parts[2]} has no option {parts[3]!r}; its options: '
+                   f'{", ".join(sorted(declared)) or "none"}')
+  return '; '.join(out)
+
+
 def check_renamed(keys, variants=None) -> None:
   """Raises ValueError naming the new key of each renamed key among dotted `keys` (a config
   given now, or the --config overrides of a command line)."""

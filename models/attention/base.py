@@ -198,6 +198,16 @@ class MultiHeadAttention(nn.Module):
   # The variant's own hyper-parameters (name -> Option); subclasses inherit their parents'.
   OPTIONS: ClassVar[dict[str, Option]] = {}
 
+  def __post_init__(self):
+    # An option the variant does not declare (a misspelt or old flat name: span_limit for
+    # adaptive_span's limit) would otherwise leave the default in force without a word.
+    declared = options_lib.declared(type(self))
+    unknown = sorted(k for k, _ in self.options if k not in declared)
+    if unknown:
+      raise ValueError(f'{type(self).__name__} has no option {", ".join(map(repr, unknown))}; '
+                       f'its options: {", ".join(sorted(declared)) or "none"}')
+    super().__post_init__()
+
   def option(self, name: str):
     """The variant's hyper-parameter `name` (config.model.attention_options.<variant>.<name>;
     its declared default when the options leave it out)."""

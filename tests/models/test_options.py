@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import options, transformer
+from models import attention, options, transformer
 from models.attention import base
 from models.registry import Registry
 
@@ -64,6 +64,15 @@ def test_an_unknown_option_lists_the_declared_ones():
   empty = Registry('gadget', 'model.gadget_options')
   with pytest.raises(ValueError, match='the registered gadgets declare: none'):
     empty.resolve_options({'x': 1}, [])
+
+
+def test_a_module_built_with_an_option_it_does_not_declare_refuses_it():
+  """A script or notebook that builds a variant with an old flat option name (span_limit,
+  now adaptive_span's limit) used to get the default silently."""
+  span = attention.get('adaptive_span')
+  with pytest.raises(ValueError, match=r"has no option 'span_limit'; its options: .*limit"):
+    span(num_heads=2, head_dim=8, options=(('span_limit', 24),))
+  span(num_heads=2, head_dim=8, options=(('limit', 24),))  # Declared: accepted.
 
 
 def test_one_flat_namespace_per_registry():

@@ -10,7 +10,8 @@ import textwrap
 
 import pytest
 
-from training import assembly, evaluation, train
+from models import attention, stacks
+from training import assembly, evaluation, run_config, train
 
 _BAD_CONFIGS = {
     'unknown_attention': (
@@ -162,6 +163,9 @@ def test_parameter_not_divisible_by_mesh_axis_fails_in_build(harness, tmp_path):
     # absl's message names the flag; the bare reason did not (issue 35).
     ('--mode=bogus', 'flag --mode=bogus: value should be one of <train|eval'),
     ('--num_processes=x', "flag --num_processes=x: invalid literal for int() with base 10: 'x'"),
+    # The variant's options are named, not only "KeyError: 'bogus'" (issue 69).
+    ('--config.model.attention_options.selective.bogus=3',
+     "selective has no option 'bogus'; its options: budgets, lmem_eps"),
 ])
 def test_bad_command_line_is_one_line_and_exit_1(harness, tmp_path, flag, message):
   proc = subprocess.run(harness.main_command(tmp_path / 'run') + [flag], env=harness.env(),
@@ -204,3 +208,16 @@ def test_out_of_memory_is_one_line_naming_the_levers_and_the_recipes_slice(harne
                               "the TPU slice 'v5e:2x2'"), errors[0]
   for lever in ('config.batch_size', 'config.model.remat=full', 'config.mesh', '--mode=compile'):
     assert lever in errors[0], errors[0]
+
+
+def test_an_option_no_component_declares_is_named_with_the_ones_its_group_has():
+  message = run_config.unknown_option_message([
+      'model.attention_options.local.windw', 'model.attention_options.nope.x',
+      'model.stack_options.stepz', 'model.attention_options.local.window', 'total_steps'])
+  assert message == '; '.join([
+      "--config.model.attention_options.local.windw: local has no option 'windw'; its "
+      f"options: {', '.join(sorted(attention.options('local')))}",
+      "--config.model.attention_options.nope.x: 'nope' is no registered attention variant "
+      f"(known: {', '.join(attention.known())})",
+      "--config.model.stack_options.stepz: no registered stack has the option 'stepz'; "
+      f"--config.model.stack_options has: {', '.join(sorted(stacks.STACKS.options()))}"])
