@@ -68,7 +68,7 @@ def _bad_command_line(error: Exception, argv) -> None:
     sys.exit(1)
   print(f'error: bad command line ({what}); config overrides given: '
         f'{" ".join(overrides) or "none"}. Fields and their types are in the recipe and '
-        'configs/default.py', file=sys.stderr)
+        "configs/schema.py", file=sys.stderr)
   sys.exit(1)
 
 

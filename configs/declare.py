@@ -1,6 +1,6 @@
 """A run setting declared once: its default, doc, range and what a change of it is.
 
-configs/default.py declares every setting of a run as a tree of `Group`s of `Setting`s (a
+configs/schema.py declares every setting of a run as a tree of `Group`s of `Setting`s (a
 `models.options.Option` with a range), and everything else reads that one declaration:
 
 - `build` makes the ConfigDict that every recipe in configs/ starts from;

@@ -29,7 +29,7 @@ class Option:
     default: the value configs start from; its type is the type the option must have
       (a float option takes ints; None takes anything).
     doc: one line: what it is, with the paper's symbol.
-    internal: set by the training loop, not by users (kept out of configs/default.py).
+    internal: set by the training loop, not by users (kept out of configs/schema.py).
     change: what a change of it on a recorded run is (training/run_config.py): 'model' (the
       parameters mean something else: refused in every mode unless allowed), 'training'
       (the same parameters, other training: eval may change it, a resume may not) or

@@ -81,7 +81,7 @@ class Registry:
     return out
 
   def default_options(self) -> dict:
-    """What configs/default.py starts from: name -> default of every user-facing option; per
+    """What configs/schema.py declares: name -> default of every user-facing option; per
     entry, {entry: {name: default}} (every entry has a group, an empty one too)."""
     if self.per_entry:
       return {entry: _defaults(options_lib.declared(cls)) for entry, cls in self.items()}

@@ -32,7 +32,7 @@ OPTION_GROUPS = {
 
 def default_options(group: str) -> dict:
   """The defaults of every user-facing option of `group` (a key of OPTION_GROUPS): what
-  configs/default.py starts from (per variant for attention_options: {variant: {name: v}})."""
+  configs/schema.py declares (per variant for attention_options: {variant: {name: v}})."""
   return OPTION_GROUPS[group].default_options()
 
 
@@ -91,7 +91,7 @@ class TransformerConfig:
   max_len: int
   attention: tuple[str, ...]
   position_embedding: str = 'learned'
-  attention_impl: str = 'xla'
+  attention_impl: str = 'auto'
   attention_block_size: int = 128
   attention_options: tuple = ()
   qk_norm: bool = True
@@ -212,7 +212,7 @@ class TransformerConfig:
     so a block has ~12 d_model^2 parameters as in the paper's table 8).
 
     Args:
-      model_cfg: mapping with the keys of configs/default.py's `model` section.
+      model_cfg: mapping with the keys of configs/schema.py's `model` section.
 
     Returns:
       The validated TransformerConfig.
@@ -241,21 +241,24 @@ class TransformerConfig:
     if isinstance(att, str):
       names = [a.strip() for a in att.split(',') if a.strip()]
       att = tuple(names * n_layers if len(names) == 1 else names)
+    # A key the mapping leaves out takes the field's default: the one default of each setting
+    # (tests/models/test_transformer.py checks them against configs/schema.py's).
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)
+                if f.default is not dataclasses.MISSING}
+    get = lambda key: m[key] if m.get(key) is not None else defaults[key]  # noqa: E731
     return cls(
         vocab_size=m['vocab_size'], d_model=d_model, n_heads=n_heads, n_layers=n_layers,
         head_dim=head_dim, mlp_dim=mlp_dim, max_len=m['max_len'], attention=tuple(att),
-        position_embedding=m.get('position_embedding', 'learned'),
-        attention_impl=m.get('attention_impl', 'xla'),
-        attention_block_size=m.get('attention_block_size', 128),
-        attention_options=m.get('attention_options') or {},
-        qk_norm=m.get('qk_norm', True),
-        tied_embeddings=m.get('tied_embeddings', False), dropout_rate=m.get('dropout_rate', 0.0),
-        dtype=jnp.dtype(m.get('dtype', 'float32')), param_dtype=jnp.dtype(m.get('param_dtype', 'float32')),
-        remat=m.get('remat', 'none'), block=m.get('block', 'pre_ln'), stack=m.get('stack', 'auto'),
-        ff_chunk_len=m.get('ff_chunk_len', 0),
+        position_embedding=get('position_embedding'), attention_impl=get('attention_impl'),
+        attention_block_size=get('attention_block_size'),
+        attention_options=m.get('attention_options') or {}, qk_norm=get('qk_norm'),
+        tied_embeddings=get('tied_embeddings'), dropout_rate=get('dropout_rate'),
+        dtype=jnp.dtype(get('dtype')), param_dtype=jnp.dtype(get('param_dtype')),
+        remat=get('remat'), block=get('block'), stack=get('stack'),
+        ff_chunk_len=get('ff_chunk_len'),
         block_options=tuple(sorted(dict(m.get('block_options') or {}).items())),
         stack_options=tuple(sorted(dict(m.get('stack_options') or {}).items())),
-        target_platform=m.get('target_platform', ''), target_devices=m.get('target_devices', 0))
+        target_platform=get('target_platform'), target_devices=get('target_devices'))
 
   def num_params(self) -> int:
     """Number of trainable parameters, counted from the shapes `Decoder.init` creates (no

@@ -13,7 +13,7 @@ even if configs/ has changed since, or the run was trained with overrides. Calle
 Python without a Request, every field of the config passed counts as asked for.
 
 Each asked-for value that differs from the record is a change, of one of three kinds (each
-setting declares its own in configs/default.py; KINDS below, by dotted-key prefix):
+setting declares its own in configs/schema.py; KINDS below, by dotted-key prefix):
 
 - runtime: how the run is executed (steps, evaluation, logging, checkpoint cadence, mesh,
   data paths, attention kernel). Applied and logged, never refused.
@@ -66,7 +66,7 @@ import ml_collections
 from absl import logging
 from etils import epath
 
-from configs import declare, default
+from configs import declare, schema
 from models import attention, transformer
 from models import options as options_lib
 from training import sharding
@@ -79,13 +79,13 @@ TRAINING = declare.TRAINING
 MODEL = declare.MODEL
 
 # Dotted config key, or group of keys, -> kind of change (see the module docstring), from
-# the one declaration of every run setting (configs/default.py SETTINGS: a setting without a
+# the one declaration of every run setting (configs/schema.py SETTINGS: a setting without a
 # kind of its own takes its group's). The longest entry that is the key or a group above it
 # decides; a key no entry covers (a field of an older run) is a model change. An option of
 # model.attention_options, model.block_options or model.stack_options declares its own kind
 # where its variant, block or stack declares it (models/options.Option.change), read from the
 # registry by `kind`.
-KINDS = declare.kinds(default.SETTINGS)
+KINDS = declare.kinds(schema.SETTINGS)
 
 ALL = 'all'
 

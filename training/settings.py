@@ -7,9 +7,9 @@ compile) refuses such a config in one line naming the key, before any data is re
 
 Two rules:
 - every floating-point field of the config, at any depth, must be finite (no field of
-  configs/default.py means anything as NaN or infinity);
+  configs/schema.py means anything as NaN or infinity);
 - the run-level settings in RANGES must lie in their range (integers where they count
-  something), as configs/default.py declares each one. Model, data, sampling and pruning
+  something), as configs/schema.py declares each one. Model, data, sampling and pruning
   options are range-checked by the modules that use them (models/, input_pipeline/,
   training/sampling.py, training/pruning.py), which know what each option means.
 """
@@ -19,12 +19,12 @@ from typing import Any
 
 import ml_collections
 
-from configs import declare, default
+from configs import declare, schema
 from training import run_config
 
 # dotted key -> the range a run-level setting must lie in, and what its 0 means where that is
-# not zero of it: from the one declaration of every run setting (configs/default.py).
-_RANGED = declare.ranges(default.SETTINGS)
+# not zero of it: from the one declaration of every run setting (configs/schema.py).
+_RANGED = declare.ranges(schema.SETTINGS)
 RANGES: dict[str, declare.Range] = {key: setting.bounds for key, setting in _RANGED.items()}
 ZERO_MEANS = {key: setting.zero_means for key, setting in _RANGED.items() if setting.zero_means}
 

@@ -13,7 +13,7 @@ known = VARIANTS.known
 get = VARIANTS.get
 # Class decorator: makes an attention module available under a name in configs.
 register = VARIANTS.register
-# {variant: {name: default}} of every user-facing option (what configs/default.py starts from).
+# {variant: {name: default}} of every user-facing option (what configs/schema.py declares).
 default_options = VARIANTS.default_options
 
 

@@ -1,5 +1,6 @@
 """Tests for models.transformer: config resolution, Decoder packing, scan/remat, aux losses."""
 
+import dataclasses
 import functools
 import math
 
@@ -10,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 
+from configs import declare, schema
 from models import attention, layers, stacks, transformer
 from models.attention import dense, traits
 from training import steps
@@ -104,9 +106,29 @@ def test_from_config_d_knob_defaults():
   assert (cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.head_dim) == (512, 8, 8, 64)
   assert cfg.mlp_dim == 1408  # 8/3 * 512 = 1365.3, rounded up to a multiple of 64.
   assert cfg.attention == ('dense',) * 8
-  assert cfg.attention_impl == 'xla' and cfg.remat == 'none'
+  assert cfg.attention_impl == 'auto' and cfg.remat == 'none'
   assert cfg.qk_norm and cfg.stack == 'auto' and not cfg.tied_embeddings
   assert cfg.dtype == jnp.float32 and cfg.param_dtype == jnp.float32
+
+
+def test_every_default_of_the_model_config_is_the_schema_s():
+  """One default per setting: TransformerConfig's (what a notebook that builds a Decoder gets,
+  and what from_config fills in) equal configs/schema.py's (what main.py starts from); before,
+  attention_impl was 'xla' against 'auto' and dtype float32 against bfloat16."""
+  declared = schema.MODEL_SETTINGS.settings
+  fields = {f.name: f.default for f in dataclasses.fields(transformer.TransformerConfig)
+            if f.default is not dataclasses.MISSING}
+  compared = set()
+  for name, default in fields.items():
+    if name in declared and isinstance(declared[name], declare.Setting):
+      want = declared[name].default
+      got = jnp.dtype(default).name if name.endswith('dtype') else default
+      assert got == want, (name, got, want)
+      compared.add(name)
+  assert compared == set(fields) - {'attention_options', 'block_options', 'stack_options',
+                                    'target_platform', 'target_devices'}
+  # The set-by-the-loop fields are no user setting; the option groups are the registries'.
+  assert set(fields) - set(declared) == {'target_platform', 'target_devices'}
 
 
 def test_from_config_explicit_overrides_win():

@@ -1,13 +1,13 @@
-"""Every run setting is declared once (configs/default.py, configs/declare.py: default, doc,
+"""Every run setting is declared once (configs/schema.py, configs/declare.py: default, doc,
 range, change kind), and the config, the change-kind check (training/run_config.py) and the
 range check (training/settings.py) all read that declaration (issue 49): before, a setting
-was declared in four places, and a field added to configs/default.py was a model change
+was declared in four places, and a field added to the declaration was a model change
 until someone listed it in run_config.KINDS."""
 
 import ml_collections
 import pytest
 
-from configs import declare, default
+from configs import declare, default, schema
 from configs.declare import INTEGER, REAL, RUNTIME, TRAINING, Group, Options, Range, Setting
 from training import run_config, settings
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.unit
 
 
 def _declared_leaves() -> dict[str, Setting]:
-  return {key: entry for key, entry, _ in declare.walk(default.SETTINGS)
+  return {key: entry for key, entry, _ in declare.walk(schema.SETTINGS)
           if isinstance(entry, Setting)}
 
 
@@ -27,12 +27,12 @@ def test_every_field_of_the_base_config_is_declared_once_with_a_doc():
   assert fields == set(leaves), fields ^ set(leaves)
   assert all(s.doc.strip() for s in leaves.values())
   # The option groups are their registries' (models/options.Option next to each variant).
-  assert {k for k, e, _ in declare.walk(default.SETTINGS) if isinstance(e, Options)} == {
+  assert {k for k, e, _ in declare.walk(schema.SETTINGS) if isinstance(e, Options)} == {
       g.rstrip('.') for g in run_config.OPTION_GROUPS}
 
 
 def test_the_change_check_and_the_range_check_read_the_declaration():
-  for key, entry, change in declare.walk(default.SETTINGS):
+  for key, entry, change in declare.walk(schema.SETTINGS):
     if not isinstance(entry, Options):
       assert run_config.kind(key) == change, key
   assert run_config.kind('seed') == TRAINING  # Its own kind, inside a 'model' top level.
