@@ -68,8 +68,8 @@ def check_profile(config: ml_collections.ConfigDict) -> tuple[int, int]:
   Raises:
     ValueError: either is not an integer >= 0.
   """
-  values = {name: config.get(name, default)
-            for name, default in (('profile_start_step', 2), ('profile_steps', 0))}
+  values = {name: config.get(name, schema.SETTINGS.settings[name].default)
+            for name in ('profile_start_step', 'profile_steps')}
   for name, value in values.items():
     _check(name, value, RANGES[name])
   return int(values['profile_start_step']), int(values['profile_steps'])
