@@ -22,36 +22,12 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Union
 
 import ml_collections
-import numpy as np
 
 from models import options as options_lib
 from models import transformer
 
 RUNTIME, TRAINING, MODEL = 'runtime', 'training', 'model'
-INTEGER, REAL = True, False
-
-
-@dataclasses.dataclass(frozen=True)
-class Range:
-  """Values a numeric setting may take: `lo` <= value (< `hi`, or <= with `hi_inclusive`),
-  an integer where `integer` (it counts something)."""
-  integer: bool
-  lo: float
-  hi: float | None = None
-  hi_inclusive: bool = False
-
-  def describe(self) -> str:
-    """'an integer >= 1', 'a finite number in [0, 1)', ..."""
-    what = 'an integer' if self.integer else 'a finite number'
-    if self.hi is None:
-      return f'{what} >= {self.lo}'
-    return f'{what} in [{self.lo}, {self.hi}{"]" if self.hi_inclusive else ")"}'
-
-  def holds(self, value: Any) -> bool:
-    return (isinstance(value, (int, float, np.integer)) and not isinstance(value, bool)
-            and (not self.integer or float(value).is_integer()) and value >= self.lo
-            and (self.hi is None or value < self.hi
-                 or (self.hi_inclusive and value == self.hi)))
+INTEGER, REAL, Range = options_lib.INTEGER, options_lib.REAL, options_lib.Range
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +44,6 @@ class Setting(options_lib.Option):
     zero_means: what 0 means where it is not zero of it ('no clipping', 'the latest').
   """
   change: str = ''
-  bounds: Range | None = None
-  zero_means: str = ''
 
   def __post_init__(self):
     if self.change:

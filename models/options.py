@@ -12,8 +12,47 @@ its type (the default's), a one-line doc and what a change of it on a recorded r
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 # What a change of an option on a recorded run is (Option.change; training/run_config.py).
 CHANGES = ('model', 'training', 'runtime')
+INTEGER, REAL = True, False
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+  """Values a numeric setting may take: `lo` <= value (< with `lo_exclusive`) and value <
+  `hi` (<= with `hi_inclusive`), an integer where `integer` (it counts something)."""
+  integer: bool
+  lo: float
+  hi: float | None = None
+  hi_inclusive: bool = False
+  lo_exclusive: bool = False
+
+  def describe(self) -> str:
+    """'an integer >= 1', 'a finite number in [0, 1)', 'a finite number > 0', ..."""
+    what = 'an integer' if self.integer else 'a finite number'
+    if self.hi is None:
+      return f'{what} {">" if self.lo_exclusive else ">="} {self.lo}'
+    return (f'{what} in {"(" if self.lo_exclusive else "["}{self.lo}, {self.hi}'
+            f'{"]" if self.hi_inclusive else ")"}')
+
+  def holds(self, value: Any) -> bool:
+    return (isinstance(value, (int, float, np.integer)) and not isinstance(value, bool)
+            and np.isfinite(value)
+            and (not self.integer or float(value).is_integer())
+            and (value > self.lo if self.lo_exclusive else value >= self.lo)
+            and (self.hi is None or value < self.hi
+                 or (self.hi_inclusive and value == self.hi)))
+
+
+def check_range(key: str, value: Any, bounds: Range, zero_means: str = '') -> None:
+  """Raises ValueError naming `key` unless `value` lies in `bounds`: one message for every
+  range, run settings' (training/settings.py) and options' alike."""
+  if bounds.holds(value):
+    return
+  zero = f' (0 = {zero_means})' if zero_means else ''
+  raise ValueError(f'{key} must be {bounds.describe()}{zero}, got {value!r}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,18 +74,24 @@ class Option:
       (the same parameters, other training: eval may change it, a resume may not) or
       'runtime' (the same values computed otherwise, or an eval-time setting: always
       allowed).
+    bounds: the range a numeric value must lie in (checked with the type, in check); None:
+      any value of its type (the component's own checks, if any).
+    zero_means: what 0 means where it is not zero of it ('no clamp').
   """
   default: Any
   doc: str
   internal: bool = False
   change: str = 'model'
+  bounds: Range | None = None
+  zero_means: str = ''
 
   def __post_init__(self):
     if self.change not in CHANGES:
       raise ValueError(f'Option.change must be one of {CHANGES}, got {self.change!r}')
 
   def check(self, name: str, value, group: str = 'model.attention_options') -> None:
-    """Raises ValueError if `value` does not have the default's type.
+    """Raises ValueError if `value` does not have the default's type or lies outside the
+    option's bounds.
 
     Args:
       name: the option's name.
@@ -68,6 +113,8 @@ class Option:
       ok, kind = isinstance(value, type(d)), f'a {type(d).__name__}'
     if not ok:
       raise ValueError(f'{group}.{name} ({self.doc}) must be {kind}, got {value!r}')
+    if self.bounds is not None and not (value is None and d is None):
+      check_range(f'{group}.{name}', value, self.bounds, self.zero_means)
 
 
 def declared(cls: type) -> dict[str, Option]:

@@ -20,6 +20,7 @@ from typing import Any
 import ml_collections
 
 from configs import declare, schema
+from models import options as options_lib
 from training import run_config
 
 # dotted key -> the range a run-level setting must lie in, and what its 0 means where that is
@@ -30,11 +31,9 @@ ZERO_MEANS = {key: setting.zero_means for key, setting in _RANGED.items() if set
 
 
 def _check(key: str, value: Any, allowed: declare.Range) -> None:
-  """Raises ValueError naming `key` unless `value` is a number in `allowed`."""
-  if allowed.holds(value):
-    return
-  zero = f' (0 = {ZERO_MEANS[key]})' if key in ZERO_MEANS else ''
-  raise ValueError(f'{key} must be {allowed.describe()}{zero}, got {value!r}')
+  """Raises ValueError naming `key` unless `value` is a number in `allowed` (the message of
+  every range, the attention options' too: models/options.check_range)."""
+  options_lib.check_range(key, value, allowed, ZERO_MEANS.get(key, ''))
 
 
 def check(config: ml_collections.ConfigDict) -> None:

@@ -191,11 +191,16 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
   """
   dynamic: ClassVar[bool] = False
   OPTIONS = {
-      'limit': base.Option(1024, 'S: the longest span a head may learn'),
-      'ramp': base.Option(32, "R: width of the soft mask's ramp"),
-      'init': base.Option(0.0, "z' = z / S at init (paper: 0)"),
-      'penalty': base.Option(2e-6, 'lambda of the L1 penalty (lambda / M) sum z'),
-      'block': base.Option(64, 'the trimmed span T is rounded up to a multiple of this'),
+      'limit': base.Option(1024, 'S: the longest span a head may learn',
+                           bounds=base.Range(base.INTEGER, 1)),
+      'ramp': base.Option(32, "R: width of the soft mask's ramp",
+                          bounds=base.Range(base.INTEGER, 1)),
+      'init': base.Option(0.0, "z' = z / S at init (paper: 0)",
+                          bounds=base.Range(base.REAL, 0, 1, hi_inclusive=True)),
+      'penalty': base.Option(2e-6, 'lambda of the L1 penalty (lambda / M) sum z',
+                             bounds=base.Range(base.REAL, 0)),
+      'block': base.Option(64, 'the trimmed span T is rounded up to a multiple of this',
+                           bounds=base.Range(base.INTEGER, 1)),
       'learned': base.Option(True, 'False: z = S for every head (fixed-span baseline)'),
       'memory': base.Option(False, "attend into the previous segment (needs data.packing="
                             "'stream'; the loop carries the 'memory' collection)"),
@@ -441,17 +446,7 @@ class AdaptiveSpanTraits(traits.Traits):
   @classmethod
   def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
     del n_heads
-    limit, ramp = options['limit'], options['ramp']
-    if limit < 1:
-      raise ValueError(f'limit (S) must be >= 1, got {limit}')
-    if ramp < 1:
-      raise ValueError(f'ramp (R) must be >= 1, got {ramp}')
-    if not 0.0 <= options['init'] <= 1.0:
-      raise ValueError(f'init (z\' at init) must be in [0, 1], got {options["init"]}')
-    if options['penalty'] < 0:
-      raise ValueError(f'penalty must be >= 0, got {options["penalty"]}')
-    if options['block'] < 1:
-      raise ValueError(f'block must be >= 1, got {options["block"]}')
+    limit = options['limit']  # The ranges of the options are their declarations' (bounds).
     trim = options['trim']
     if trim is not None and (len(trim) != n_layers or any(not 1 <= t <= limit for t in trim)):
       raise ValueError(f'trim={trim} must give each of the {n_layers} layers a span in '

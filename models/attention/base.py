@@ -116,9 +116,10 @@ def constrain_heads(a):
   return nn.with_logical_constraint(a, ('batch', 'length', 'heads', 'kv'))
 
 
-# Option and CHANGES live in models/options.py (blocks and stacks declare options too); the
-# variants use them under these names (base.Option).
+# Option, its Range and CHANGES live in models/options.py (blocks and stacks declare options
+# too); the variants use them under these names (base.Option, base.Range).
 Option = options_lib.Option
+Range, INTEGER, REAL = options_lib.Range, options_lib.INTEGER, options_lib.REAL
 CHANGES = options_lib.CHANGES
 
 

@@ -207,9 +207,10 @@ class LSHAttention(base.MultiHeadAttention):
       'n_buckets': base.Option(8, 'b: hash buckets per round, even (1: one bucket, no hashing)',
                                change='training'),
       'n_hashes': base.Option(1, 'rounds of hashing; a query sees the union of its rounds',
-                              change='training'),
+                              change='training', bounds=base.Range(base.INTEGER, 1)),
       'chunk_len': base.Option(64, 'm: sorted positions per chunk; a chunk attends to itself '
-                                   'and the previous one', change='training'),
+                                   'and the previous one', change='training',
+                               bounds=base.Range(base.INTEGER, 1)),
   }
 
   def project(self, x):
@@ -326,9 +327,6 @@ class LSHTraits(traits.Traits):
     if b < 1 or (b > 1 and b % 2):
       raise ValueError(f'n_buckets must be 1 or an even number (the hash '
                        f'is an argmax over [xR; -xR], R of b/2 columns), got {b}')
-    for name in ('n_hashes', 'chunk_len'):
-      if options[name] < 1:
-        raise ValueError(f'{name} must be >= 1, got {options[name]}')
 
   @classmethod
   def rng_streams(cls, options: dict) -> tuple[str, ...]:

@@ -50,8 +50,10 @@ OPTIONS = {
     'mask_bos': Option(True, "constraint 2: a document's <BOS> is never masked (A.5)"),
     'mask_diag': Option(True, 'constraint 3: a token never masks itself (A.5)'),
     'separate_bilinear': Option(False, 'S from its own bilinear form, not head 0 (A.3)'),
-    'lmem_eps': Option(0.0, 'eps of L_mem (eq. 2); 0 = off (paper: 0.1)'),
-    'lmem_tau': Option(1.0, "tau of L_mem's M^l_i (the clamp of F)"),
+    'lmem_eps': Option(0.0, 'eps of L_mem (eq. 2); 0 = off (paper: 0.1)',
+                       bounds=base.Range(base.REAL, 0), zero_means='no L_mem'),
+    'lmem_tau': Option(1.0, "tau of L_mem's M^l_i (the clamp of F)",
+                       bounds=base.Range(base.REAL, 0, lo_exclusive=True)),
     'budgets': Option((), 'K_l per layer (context pruning); () = keep everything'),
 }
 # Eviction score of what may not be evicted (<BOS>, empty slots, other documents).
@@ -468,12 +470,6 @@ class SelectiveTraits(traits.Traits):
   @classmethod
   def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
     del n_heads
-    eps = options.get('lmem_eps', 0.0)
-    if not isinstance(eps, (int, float)) or eps < 0:
-      raise ValueError(f'lmem_eps (eps of L_mem) must be >= 0, got {eps!r}')
-    tau = options.get('lmem_tau', 1.0)
-    if not isinstance(tau, (int, float)) or tau <= 0:
-      raise ValueError(f'lmem_tau (tau of L_mem) must be > 0, got {tau!r}')
     budgets = options.get('budgets') or ()
     if budgets and (not isinstance(budgets, tuple) or len(budgets) != n_layers
                     or any(isinstance(k, bool) or not isinstance(k, int) or k < 2

@@ -132,21 +132,26 @@ def relative_attention(q, k, v, q_segments, k_segments, pos_keys, u, v_bias, *, 
   return jnp.swapaxes(out, 1, 2)
 
 
+_COUNT = base.Range(base.INTEGER, 0)  # A length or distance: 0 or more.
+
+
 @register('txl')
 class TransformerXLAttention(base.MultiHeadAttention):
   """Transformer-XL: attention into the previous segment's layer inputs with the four-term
   relative score. Options mem_len, eval_mem_len, clamp_len, same_length, attn_window."""
   OPTIONS = {
       'mem_len': base.Option(128, "M: previous-segment inputs each layer attends into (0: "
-                                  "none; needs data.packing='stream')"),
+                                  "none; needs data.packing='stream')",
+                             bounds=_COUNT, zero_means='no memory'),
       'eval_mem_len': base.Option(0, 'M at evaluation (0: mem_len); the paper evaluates with '
                                      'a longer memory than it trains with',
-                                  change='runtime'),
-      'clamp_len': base.Option(0, 'distances beyond this share its encoding r (0: no clamp)'),
+                                  change='runtime', bounds=_COUNT, zero_means='mem_len'),
+      'clamp_len': base.Option(0, 'distances beyond this share its encoding r (0: no clamp)',
+                               bounds=_COUNT, zero_means='no clamp'),
       'same_length': base.Option(False, 'every query sees the same number of keys: those '
                                         'fewer than M back'),
       'attn_window': base.Option(0, 'w: keys at most w positions back, across the memory '
-                                    '(0: all M + i)'),
+                                    '(0: all M + i)', bounds=_COUNT, zero_means='all M + i'),
   }
 
   @property
@@ -253,9 +258,6 @@ class TransformerXLTraits(traits.Traits):
   @classmethod
   def validate(cls, options: dict, n_heads: int, n_layers: int) -> None:
     del n_heads, n_layers
-    for name in ('mem_len', 'eval_mem_len', 'clamp_len', 'attn_window'):
-      if options[name] < 0:
-        raise ValueError(f'{name} must be >= 0, got {options[name]}')
     if options['same_length'] and options['mem_len'] < 1:
       raise ValueError('same_length limits each query to the keys fewer '
                        'than mem_len back: it needs mem_len >= 1')

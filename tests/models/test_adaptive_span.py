@@ -339,10 +339,14 @@ def test_dynamic_span_starts_small_and_varies_per_token():
 
 
 def test_invalid_span_options_are_rejected():
-  group = 'model.attention_options.adaptive_span: '
-  for bad, match in [({'limit': 0}, 'limit'), ({'ramp': 0}, 'ramp'), ({'init': 1.5}, 'init'),
-                     ({'penalty': -1.0}, 'penalty'), ({'block': 0}, 'block'),
-                     ({'trim': (4,)}, 'trim')]:
+  group = r'model\.attention_options\.adaptive_span'
+  # The declared ranges (Option.bounds), in the run settings' words; trim is the variant's own.
+  for bad, match in [({'limit': 0}, r'\.limit must be an integer >= 1, got 0'),
+                     ({'ramp': 0}, r'\.ramp must be an integer >= 1, got 0'),
+                     ({'init': 1.5}, r'\.init must be a finite number in \[0, 1\], got 1.5'),
+                     ({'penalty': -1.0}, r'\.penalty must be a finite number >= 0, got -1.0'),
+                     ({'block': 0}, r'\.block must be an integer >= 1, got 0'),
+                     ({'trim': (4,)}, ': trim')]:
     with pytest.raises(ValueError, match=group + match):
       _model(**bad)
 

@@ -358,8 +358,10 @@ def test_init_with_decoding_makes_the_caches():
 @pytest.mark.parametrize('options,match', [
     ((('lsh', (('n_buckets', 3),)),),
      'model.attention_options.lsh: n_buckets must be 1 or an even'),
-    ((('lsh', (('n_hashes', 0),)),), 'model.attention_options.lsh: n_hashes must be >= 1'),
-    ((('lsh', (('chunk_len', 0),)),), 'model.attention_options.lsh: chunk_len must be >= 1'),
+    ((('lsh', (('n_hashes', 0),)),),
+     'model.attention_options.lsh.n_hashes must be an integer >= 1'),
+    ((('lsh', (('chunk_len', 0),)),),
+     'model.attention_options.lsh.chunk_len must be an integer >= 1'),
 ])
 def test_bad_options_are_refused(options, match):
   with pytest.raises(ValueError, match=match):

@@ -75,6 +75,23 @@ def test_a_module_built_with_an_option_it_does_not_declare_refuses_it():
   span(num_heads=2, head_dim=8, options=(('limit', 24),))  # Declared: accepted.
 
 
+def test_an_option_s_range_is_checked_with_the_run_settings_words():
+  """Option.bounds: the same Range and the same message as a run setting's
+  (training/settings.py), checked with the option's type when its group is resolved."""
+  limit = options.Option(4, 'S', bounds=options.Range(options.INTEGER, 1))
+  limit.check('limit', 1, 'model.attention_options.x')
+  with pytest.raises(ValueError, match=r'^model\.attention_options\.x\.limit must be an integer '
+                     r'>= 1, got 0$'):
+    limit.check('limit', 0, 'model.attention_options.x')
+  tau = options.Option(1.0, 'tau', bounds=options.Range(options.REAL, 0, lo_exclusive=True),
+                       zero_means='never')
+  with pytest.raises(ValueError, match=r'g\.tau must be a finite number > 0 \(0 = never\), '
+                     r'got -1.0'):
+    tau.check('tau', -1.0, 'g')
+  with pytest.raises(ValueError, match='finite'):
+    tau.check('tau', float('nan'), 'g')
+
+
 def test_one_flat_namespace_per_registry():
   reg = _registry()
   with pytest.raises(ValueError, match=r"widget 'copy' declares option 'turns', which 'knobbed' "

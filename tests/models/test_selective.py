@@ -187,8 +187,9 @@ def test_memory_loss_equals_eq_2_on_a_hand_built_f():
 def test_invalid_options_are_rejected():
   group = r'model.attention_options.selective'
   for bad, match in [({'shift': 1}, group + r'.shift \(.*\) must be True or False, got 1'),
-                     ({'lmem_eps': -0.1}, group + ': lmem_eps'),
-                     ({'lmem_tau': 0.0}, group + ': lmem_tau'),
+                     ({'lmem_eps': -0.1}, group + r'.lmem_eps must be a finite number >= 0 '
+                                           r'\(0 = no L_mem\), got -0.1'),
+                     ({'lmem_tau': 0.0}, group + r'.lmem_tau must be a finite number > 0, got 0.0'),
                      ({'budgets': (8,)}, group + r': budgets=\(8,\)'),
                      ({'budgets': (8, 1)}, group + r': budgets=\(8, 1\)')]:
     with pytest.raises(ValueError, match=match):

@@ -235,7 +235,8 @@ def test_position_embedding_must_be_none():
 
 
 @pytest.mark.parametrize('options,match', [
-    ({'mem_len': -1}, 'model.attention_options.txl: mem_len must be >= 0'),
+    ({'mem_len': -1}, r'model.attention_options.txl.mem_len must be an integer >= 0 '
+                      r'\(0 = no memory\), got -1'),
     ({'mem_len': 0, 'same_length': True},
      'model.attention_options.txl: same_length .* needs mem_len >= 1'),
     ({'mem_len': 0, 'eval_mem_len': 8}, 'model.attention_options.txl: eval_mem_len needs'),
