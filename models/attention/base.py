@@ -167,7 +167,8 @@ class MultiHeadAttention(nn.Module):
     num_heads: number of attention heads.
     head_dim: width of each head.
     qk_norm: RMS-normalize queries and keys per head (Dehghani et al., 2023).
-    impl: one of IMPLEMENTATIONS.
+    impl: one of IMPLEMENTATIONS; 'auto' (the default, as model.attention_impl's) is resolved
+      when the module is built, as the Decoder resolves model.attention_impl.
     block_size: query/key block length of the 'blocksparse' implementation.
     layer_index: the index the stack gives this layer; a variant may read it only as its
       traits declare (`layer_period`, models/stacks.py).
@@ -185,7 +186,7 @@ class MultiHeadAttention(nn.Module):
   num_heads: int
   head_dim: int
   qk_norm: bool = True
-  impl: str = 'xla'
+  impl: str = 'auto'
   block_size: int = 128
   layer_index: int = 0
   max_len: int = 0
@@ -207,7 +208,22 @@ class MultiHeadAttention(nn.Module):
     if unknown:
       raise ValueError(f'{type(self).__name__} has no option {", ".join(map(repr, unknown))}; '
                        f'its options: {", ".join(sorted(declared)) or "none"}')
+    if self.impl == 'auto':  # Built directly (a script): resolved as the Decoder resolves it.
+      object.__setattr__(self, 'impl', self._resolved_auto())
     super().__post_init__()
+
+  def _resolved_auto(self) -> str:
+    """What impl='auto' runs for this module on its platform (Traits.implementation, as
+    models/blocks.py resolves model.attention_impl); 'xla' for a class no name registers."""
+    from models.attention import registry, traits  # pylint: disable=import-outside-toplevel
+    name = next((n for n, cls in registry.VARIANTS.items() if cls is type(self)), None)
+    if name is None:
+      return 'xla'
+    options = registry.resolve_options({name: dict(self.options)}, [name])[name]
+    return traits.of(name).implementation(
+        'auto', options=options, head_dim=self.head_dim, backend=self.target_platform(),
+        dtype=self.dtype, block_size=self.block_size, devices=jax.device_count(),
+        layer_index=self.layer_index)
 
   def option(self, name: str):
     """The variant's hyper-parameter `name` (config.model.attention_options.<variant>.<name>;

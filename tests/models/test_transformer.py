@@ -129,6 +129,19 @@ def test_every_default_of_the_model_config_is_the_schema_s():
                                     'target_platform', 'target_devices'}
   # The set-by-the-loop fields are no user setting; the option groups are the registries'.
   assert set(fields) - set(declared) == {'target_platform', 'target_devices'}
+  # An attention module built directly starts from the same defaults, 'auto' resolved as the
+  # Decoder resolves it.
+  module = {f.name: f.default for f in dataclasses.fields(attention.base.MultiHeadAttention)}
+  for name, setting in (('impl', 'attention_impl'), ('block_size', 'attention_block_size'),
+                        ('qk_norm', 'qk_norm')):
+    assert module[name] == declared[setting].default, name
+  for name in ('dtype', 'param_dtype'):
+    assert jnp.dtype(module[name]).name == declared[name].default, name
+  built = attention.get('local')(num_heads=2, head_dim=64)
+  assert built.impl == transformer.implementations(transformer.TransformerConfig.from_config(
+      {'d': 1, 'd_model': 128, 'n_heads': 2, 'attention': 'local', 'vocab_size': VOCAB,
+       'max_len': MAX_LEN}))[0]
+  assert built.impl != 'auto'
 
 
 def test_from_config_explicit_overrides_win():
