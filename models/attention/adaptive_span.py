@@ -272,15 +272,10 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
     # The training loop sets T from z read at its log steps; z may have grown since. A key at
     # distance x weighs m_z(x) > 0 while x < R + z, so T keys are exact while max z + R <= T + 1;
     # a step whose spans outgrew T computes all S (exact, slower) until the loop trims again.
-    # Differentiating a cond keeps the residuals of both branches, the one not taken filled
-    # with zeros: the S-wide branch is rematerialized, so its residuals are its inputs and a
-    # step that takes the trimmed branch writes no S-wide zeros (the 512-token step had run
-    # 1.2-1.4x b39f426's, which had no fallback), and that branch keeps its own residuals.
-    # A short row's blocks are unrolled and differentiated by autodiff (blockloop.unrolled),
-    # whose residuals the cond writes out whole: there the trimmed branch is rematerialized
-    # too (its residuals are its inputs), which made the 512-token step 0.95 of b39f426's
-    # where it had been 1.10 (in-process A/B). A longer row's loops keep only their
-    # statistics, and recomputing the forward cost 3% at 2K and 7% at 8K.
+    # Differentiating a cond keeps the residuals of both branches, the one not taken as zeros.
+    # So the S-wide branch is rematerialized (its residuals are its inputs) and a trimmed step
+    # writes no S-wide zeros; a short row's unrolled trimmed branch is rematerialized too,
+    # since the cond writes autodiff's residuals out whole.
     trimmed = lambda: attend(span=self.trim)
     if blockloop.unrolled(-(-q.shape[1] // impl_block), q.shape[1]):
       trimmed = jax.checkpoint(trimmed)

@@ -728,10 +728,9 @@ def _sum_to(x, shape):
   """x summed over the axes that `shape` broadcasts (the cotangent of a broadcast value).
 
   Leading axes (the batch of a gate shared by the rows: adaptive span's (1, heads, B, keys))
-  are summed by a product with ones (HIGHEST: an accelerator's default would round to bf16):
-  as a reduction XLA:CPU ran them in a YNNPACK fusion at 8 ms a query block of batch 8 x 2
-  heads x 128 x 192 pairs, a quarter of the learned span's layer gradient at 2K (410 against
-  300 ms a layer so; b39f426's unrolled code 330)."""
+  are summed by a product with ones, at HIGHEST precision (an accelerator's default would
+  round to bf16): XLA:CPU runs it as a matmul, where the reduction took a quarter of the
+  learned span's layer gradient at 2K."""
   lead = x.ndim - len(shape)
   axes = tuple(range(lead)) + tuple(lead + a for a, s in enumerate(shape)
                                     if s == 1 and x.shape[lead + a] != 1)
@@ -991,19 +990,16 @@ CPU_LONG_ROW = 4096
 def query_block(platform: str, block_size: int, n: int, *, prefix: bool = False) -> int:
   """The query block of a blocked path over n queries compiled for `platform`:
   model.attention_block_size on a CPU, at least ACCELERATOR_BLOCK elsewhere, and never more
-  than n (a row shorter than a block is one block of its own length: padded to the block, the
-  tiny recipe's 10-token rows computed 128 x 128 scores each).
+  than n (a row shorter than a block is one block of its own length, not a padded block).
 
   prefix: the layer's blocks read every earlier key in one pass (dense causal attention,
-  selective attention). Its loop then runs nq (nq + 1) / 2 steps, and on a CPU the block is
-  twice block_size from CPU_LONG_ROW queries: at 8K the recipes' batch is 2 rows, and the
-  2,080 steps of 128 x 128 blocks kept 1.4 of two cores busy. One causal layer's forward and
-  backward (2 heads of 64, batch 16384 / n; blocks of 128 / 256 / 512): 16K 10.2 / 7.2 / 7.7 s,
-  8K 4.3 / 2.7 / 3.4 s, 4K 1.59 / 1.49 / 1.87 s; with 8 heads at 8K 14.2 / 13.4 / 14.7 s. Below
-  4K the gain was within noise (2K 0.90 / 0.86 s), and at 512 blocks of 128 were faster (0.27
-  / 0.31 s). Selective attention's layer at 8K: 5.2 / 3.5 s (its train step 11.6 / 8.0 s).
-  Transformer-XL reads the prefix too but keeps block_size: its train step at 4K was slower
-  with blocks of 256 (10.1 against 8.6 s), and a banded layer's keys grow with its block."""
+  selective attention), so its loop runs nq (nq + 1) / 2 steps. On a CPU such a layer takes
+  blocks of twice block_size from CPU_LONG_ROW queries: with few rows a step, small blocks
+  left the cores idle (the causal layer's step at 8K and 16K was 1.4-1.6x faster so; below
+  4K there was no gain). Transformer-XL reads the prefix too but keeps block_size: a banded
+  layer's keys grow with its block, and its 4K step was slower with larger blocks
+  (docs/blocked_loops.md).
+  """
   if platform != 'cpu':
     block = max(block_size, ACCELERATOR_BLOCK)
   elif prefix and n >= CPU_LONG_ROW:
@@ -1039,8 +1035,8 @@ def causal(q, k, v, segment_ids, *, block_size: int, scale: float, dtype, per_st
   n = q.shape[1]
   if block_size < 1:
     raise ValueError(f'attention block size must be >= 1, got {block_size}')
-  # A row shorter than a block is one block of its own length (query_block clips so too; a
-  # caller's own block is clipped here: the tiny recipe's dense step had run 5x b39f426's).
+  # A row shorter than a block is one block of its own length (query_block clips so too), not
+  # a block padded to block_size.
   block_size = min(block_size, n)
   nq = -(-n // block_size)
   table = Table.runs(np.zeros(nq), np.arange(1, nq + 1), block_size)
