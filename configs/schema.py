@@ -20,14 +20,21 @@ from configs.declare import (INTEGER, MODEL, REAL, RUNTIME, TRAINING, Group, Opt
                              Setting)
 
 MODEL_SETTINGS = Group('The model.', change=MODEL, settings={
-    'd': Setting(8, 'Size knob: d_model = 64 d, n_heads = n_layers = d.'),
-    'd_model': Setting(0, 'Residual width; 0 = 64 d.'),
-    'n_heads': Setting(0, 'Heads per layer; 0 = d.'),
-    'n_layers': Setting(0, 'Blocks; 0 = d.'),
-    'head_dim': Setting(0, 'Per-head width; 0 = d_model / n_heads.'),
-    'mlp_dim': Setting(0, 'SwiGLU width; 0 = 8/3 d_model rounded up to 64.'),
-    'vocab_size': Setting(8192, 'Token ids (the 8K SentencePiece vocabulary).'),
-    'max_len': Setting(512, 'Learned position table size (>= seq_len).'),
+    'd': Setting(8, 'Size knob: d_model = 64 d, n_heads = n_layers = d.',
+                 bounds=Range(INTEGER, 0), zero_means='d_model, n_heads and n_layers given'),
+    'd_model': Setting(0, 'Residual width; 0 = 64 d.', bounds=Range(INTEGER, 0),
+                       zero_means='64 d'),
+    'n_heads': Setting(0, 'Heads per layer; 0 = d.', bounds=Range(INTEGER, 0), zero_means='d'),
+    'n_layers': Setting(0, 'Blocks; 0 = d.', bounds=Range(INTEGER, 0), zero_means='d'),
+    'head_dim': Setting(0, 'Per-head width; 0 = d_model / n_heads.', bounds=Range(INTEGER, 0),
+                        zero_means='d_model / n_heads'),
+    'mlp_dim': Setting(0, 'SwiGLU width; 0 = 8/3 d_model rounded up to 64.',
+                       bounds=Range(INTEGER, 0), zero_means='8/3 d_model rounded up to 64'),
+    'vocab_size': Setting(8192, "Token ids (the 8K SentencePiece vocabulary); 0 = the data's "
+                          'vocabulary, padded to a multiple of 128.', bounds=Range(INTEGER, 0),
+                          zero_means="the data's vocabulary"),
+    'max_len': Setting(512, 'Learned position table size (>= seq_len); 0 = the sequence '
+                       'length.', bounds=Range(INTEGER, 0), zero_means='the sequence length'),
     'position_embedding': Setting(
         'learned', "'learned' absolute positions, 'sinusoidal' (fixed, at the embedding's "
         "scale), or 'none' (variants with relative positions, e.g. transformer_xl; the "
@@ -38,7 +45,8 @@ MODEL_SETTINGS = Group('The model.', change=MODEL, settings={
         "'fused', 'cudnn', 'splash', 'pallas'.", change=RUNTIME),  # The same attention, another kernel.
     'attention_block_size': Setting(
         128, "Query/key block length of 'blocksparse' (at least 512 on GPU/TPU; twice this for "
-        "dense and selective attention's rows of >= 4,096 on a CPU).", change=RUNTIME),
+        "dense and selective attention's rows of >= 4,096 on a CPU).", change=RUNTIME,
+        bounds=Range(INTEGER, 1)),
     'attention_options': Options(
         'attention_options', "The variants' hyper-parameters, one group per variant, with the "
         'defaults each variant declares next to its code (OPTIONS in '
@@ -70,7 +78,8 @@ MODEL_SETTINGS = Group('The model.', change=MODEL, settings={
         'unrolled.'),
     'ff_chunk_len': Setting(
         0, 'Positions per chunk of the SwiGLU feed-forward (its hidden activation is never '
-        'whole); 0 = no chunking.', change=RUNTIME),  # The same values.
+        'whole); 0 = no chunking.', change=RUNTIME,  # The same values.
+        bounds=Range(INTEGER, 0), zero_means='no chunking'),
     'stack_options': Options(
         'stack_options', "Every stack's hyper-parameters, with the defaults each stack declares "
         'next to its code (OPTIONS in models/stacks.py and models/universal.py), as '

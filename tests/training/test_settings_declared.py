@@ -46,6 +46,12 @@ def test_the_change_check_and_the_range_check_read_the_declaration():
   with pytest.raises(ValueError, match=r'clip_grad_norm must be a finite number >= 0 '
                      r'\(0 = no clipping\), got -1.0'):
     settings.check(config)
+  # The model's sizes too, in the same words, before anything is built (issue 69).
+  config = default.get_config()
+  config.model.n_heads = -1
+  with pytest.raises(ValueError, match=r'^model\.n_heads must be an integer >= 0 \(0 = d\), '
+                     r'got -1$'):
+    settings.check(config)
 
 
 def test_a_setting_declared_in_one_place_reaches_every_reader():
