@@ -116,6 +116,9 @@ def constrain_heads(a):
   return nn.with_logical_constraint(a, ('batch', 'length', 'heads', 'kv'))
 
 
+# impl='auto' of a module built directly -> its implementation (set by traits.py).
+RESOLVE_AUTO = None
+
 # Option, its Range and CHANGES live in models/options.py (blocks and stacks declare options
 # too); the variants use them under these names (base.Option, base.Range).
 Option = options_lib.Option
@@ -213,17 +216,9 @@ class MultiHeadAttention(nn.Module):
     super().__post_init__()
 
   def _resolved_auto(self) -> str:
-    """What impl='auto' runs for this module on its platform (Traits.implementation, as
-    models/blocks.py resolves model.attention_impl); 'xla' for a class no name registers."""
-    from models.attention import registry, traits  # pylint: disable=import-outside-toplevel
-    name = next((n for n, cls in registry.VARIANTS.items() if cls is type(self)), None)
-    if name is None:
-      return 'xla'
-    options = registry.resolve_options({name: dict(self.options)}, [name])[name]
-    return traits.of(name).implementation(
-        'auto', options=options, head_dim=self.head_dim, backend=self.target_platform(),
-        dtype=self.dtype, block_size=self.block_size, devices=jax.device_count(),
-        layer_index=self.layer_index)
+    """What impl='auto' runs for this module on its platform, as models/blocks.py resolves
+    model.attention_impl (traits.py installs RESOLVE_AUTO; it imports this module)."""
+    return RESOLVE_AUTO(self) if RESOLVE_AUTO is not None else 'xla'
 
   def option(self, name: str):
     """The variant's hyper-parameter `name` (config.model.attention_options.<variant>.<name>;

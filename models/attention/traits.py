@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 
 from models.attention import base, dispatch, registry
@@ -313,3 +314,19 @@ def of(name: str) -> type[Traits]:
   if name not in _DEFAULTS or _DEFAULTS[name].module is not module:
     _DEFAULTS[name] = type(f'{module.__name__}Traits', (Traits,), {'module': module})
   return _DEFAULTS[name]
+
+
+def _resolve_auto(module) -> str:
+  """impl='auto' of an attention module built directly (base.MultiHeadAttention): what the
+  Decoder would give its registered variant; 'xla' for a class no name registers."""
+  name = next((n for n, cls in registry.VARIANTS.items() if cls is type(module)), None)
+  if name is None:
+    return 'xla'
+  options = registry.resolve_options({name: dict(module.options)}, [name])[name]
+  return of(name).implementation(
+      'auto', options=options, head_dim=module.head_dim, backend=module.target_platform(),
+      dtype=module.dtype, block_size=module.block_size, devices=jax.device_count(),
+      layer_index=module.layer_index)
+
+
+base.RESOLVE_AUTO = _resolve_auto
