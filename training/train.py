@@ -151,7 +151,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   per_layer = transformer.implementations(mc)
   logging.info('attention implementation per layer: %s', ', '.join(
       f'{i} {name}:{impl}' for i, (name, impl) in enumerate(zip(mc.attention, per_layer))))
-  if 'cpu_paths' in (record := _implementations_record(mc, per_layer)):
+  record = _implementations_record(mc, per_layer)  # Logged now, recorded once the state is.
+  if 'cpu_paths' in record:
     logging.info("attention_impl=auto on this CPU follows %s, entry %r: %s",
                  record['cpu_paths']['file'], record['cpu_paths']['entry'],
                  record['cpu_paths']['choice'] or 'nothing measured (the XLA path)')
@@ -168,8 +169,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     else:
       state = assembly.init_state(setup, config.seed)
     if jax.process_index() == 0:  # Only once the state matches: a failed restore keeps it.
-      run_config.record_start(workdir, resolved, int(state.step),
-                              implementations=_implementations_record(mc, per_layer))
+      run_config.record_start(workdir, resolved, int(state.step), implementations=record)
     return _train_loop(setup, state, data_state, ckpt, logger, peak, exits, on_step, compiled)
   finally:  # Also on errors: pending checkpoint writes finish, event files are flushed.
     setup.data.close()
