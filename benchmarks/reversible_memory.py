@@ -1,11 +1,11 @@
-"""What the reversible block saves: a train step's compiled memory and time against depth.
+"""What the reversible wiring saves: a train step's compiled memory and time against depth.
 
   python -m benchmarks.reversible_memory                      # 2, 4, 8, 16 layers
   python -m benchmarks.reversible_memory --layers 2 8 --iters 2 --ff_chunk_len 0 128
 
 The real sharded train step of training/train.py (AdamW, fused loss, donated state) of a
 dense-attention model at fixed width (d_model 256, 4 heads, seq 512, batch 4, float32 by
-default), with model.block = 'pre_ln' and 'reversible', for each number of layers. For each
+default), with model.residual = 'pre_ln' and 'reversible', for each number of layers. For each
 row: XLA's compiled temporary memory of the step (what the step allocates besides its
 arguments and outputs: stored activations, gradients before the update), its growth per layer
 from the shallowest row, and the median step time. Pre-LN stores every layer's activations
@@ -32,7 +32,7 @@ from training import assembly, sharding, steps  # noqa: E402,I100
 MB = 2.0 ** 20
 
 
-def bench(block: str, n_layers: int, ff_chunk_len: int, args) -> dict:
+def bench(wiring: str, n_layers: int, ff_chunk_len: int, args) -> dict:
   """Compiles and times one configuration's train step."""
   config = default.get_config()
   config.model.d_model = args.d_model
@@ -40,7 +40,7 @@ def bench(block: str, n_layers: int, ff_chunk_len: int, args) -> dict:
   config.model.n_layers = n_layers
   config.model.dtype = args.dtype
   config.model.attention_impl = args.impl
-  config.model.block = block
+  config.model.residual = wiring
   config.model.ff_chunk_len = ff_chunk_len
   config.model.max_len = args.seq_len
   config.data.name = 'parity'              # Any embedded source: only shapes matter here.
@@ -65,7 +65,7 @@ def bench(block: str, n_layers: int, ff_chunk_len: int, args) -> dict:
   with sharding.activate(setup.mesh, setup.rules):
     t = common.time_fn(run, warmup=1, iters=args.iters)
   mc = setup.model_config
-  return {'block': block, 'n_layers': n_layers, 'ff_chunk_len': ff_chunk_len,
+  return {'residual': wiring, 'n_layers': n_layers, 'ff_chunk_len': ff_chunk_len,
           'stack': mc.stack_name, 'impl': ','.join(dict.fromkeys(transformer.implementations(mc))),
           'params_M': mc.num_params() / 1e6,
           'temp_MB': memory.temp_size_in_bytes / MB,
@@ -77,7 +77,8 @@ def main():
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument('--layers', type=int, nargs='+', default=[2, 4, 8, 16])
-  p.add_argument('--blocks', nargs='+', default=['pre_ln', 'reversible'])
+  p.add_argument('--residual', nargs='+', default=['pre_ln', 'reversible'],
+                 help='model.residual wirings to run')
   p.add_argument('--ff_chunk_len', type=int, nargs='+', default=[0],
                  help='model.ff_chunk_len values to run (0: the whole feed-forward)')
   p.add_argument('--d_model', type=int, default=256)
@@ -92,17 +93,17 @@ def main():
   args = p.parse_args()
 
   rows = []
-  for block in args.blocks:
+  for wiring in args.residual:
     for chunk in args.ff_chunk_len:
       first = None
       for n_layers in sorted(args.layers):
-        row = bench(block, n_layers, chunk, args)
+        row = bench(wiring, n_layers, chunk, args)
         first = first or row
         row['temp_MB_per_layer'] = ((row['temp_MB'] - first['temp_MB'])
                                     / max(1, n_layers - first['n_layers']))
         rows.append(row)
         print(row, flush=True)
-  common.print_table(rows, ['block', 'ff_chunk_len', 'n_layers', 'stack', 'impl', 'params_M',
+  common.print_table(rows, ['residual', 'ff_chunk_len', 'n_layers', 'stack', 'impl', 'params_M',
                             'temp_MB', 'temp_MB_per_layer', 'argument_MB', 'step_s'])
   common.write_json(args.out, {'d_model': args.d_model, 'heads': args.heads,
                                'seq_len': args.seq_len, 'batch': args.batch,

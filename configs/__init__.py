@@ -56,6 +56,12 @@ def fingerprint(config: ml_collections.ConfigDict) -> str:
   only those the project's own modules declare count, so that a variant registered at run
   time (a user's, or a test's) does not change the recipes' fingerprints.
   """
+  return hash_settings(fingerprint_settings(config))
+
+
+def fingerprint_settings(config: ml_collections.ConfigDict) -> dict:
+  """The settings `fingerprint` hashes: config.to_dict() with the option groups filtered to
+  what the project's own modules declare."""
   from models import options as options_lib  # pylint: disable=import-outside-toplevel
   from models import transformer  # pylint: disable=import-outside-toplevel
   settings = config.to_dict()
@@ -66,6 +72,10 @@ def fingerprint(config: ml_collections.ConfigDict) -> str:
       continue
     own = {o for name in ours for o in options_lib.declared(registry.get(name))}
     settings['model'][group] = {k: v for k, v in settings['model'][group].items() if k in own}
+  return settings
+
+
+def hash_settings(settings: dict) -> str:
   text = json.dumps(settings, sort_keys=True, default=str)
   return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -35,7 +35,7 @@ def get_config():
   opts.limit = 1024                     # S.
   opts.ramp = 32                        # R.
   opts.penalty = 2e-6                   # lambda.
-  opts.block = 64                       # Trimmed spans are multiples of this.
+  opts.trim_multiple = 64               # Trimmed spans are multiples of this.
   opts.memory = True                    # Attend into the previous segments, up to S back.
 
   config.seq_len = 256

@@ -21,9 +21,9 @@ def _universal(config: ml_collections.ConfigDict) -> dict[str, Any]:
 # name -> (the recipe's config -> overrides, dotted keys).
 PRESETS: dict[str, Callable[[ml_collections.ConfigDict], dict[str, Any]]] = {
     # GTrXL (Parisotto et al., 2020): Transformer-XL attention in gated residual blocks.
-    'gtrxl': lambda config: {'model.attention': 'txl', 'model.block': 'gtrxl'},
-    # Reformer (Kitaev et al., 2020): LSH attention in reversible blocks.
-    'reformer': lambda config: {'model.attention': 'lsh', 'model.block': 'reversible'},
-    # Universal Transformer (Dehghani et al., 2019): one shared block applied for d steps.
+    'gtrxl': lambda config: {'model.attention': 'txl', 'model.residual': 'gtrxl'},
+    # Reformer (Kitaev et al., 2020): LSH attention in reversible layers.
+    'reformer': lambda config: {'model.attention': 'lsh', 'model.residual': 'reversible'},
+    # Universal Transformer (Dehghani et al., 2019): one shared layer applied for d steps.
     'universal': _universal,
 }

@@ -52,7 +52,7 @@ def get_config():
   config.data.chunk_bytes = 1 << 20
 
   config.model.attention = 'lsh'
-  config.model.block = 'reversible'     # 3: reversible residual layers.
+  config.model.residual = 'reversible'     # 3: reversible residual layers.
   config.model.position_embedding = 'sinusoidal'  # See above.
   config.model.d = 0
   config.model.n_layers = 12            # 5: "a 12-layer Reformer ... on enwik8".

@@ -64,17 +64,17 @@ MODEL_SETTINGS = Group('The model.', change=MODEL, settings={
     'remat': Setting('none', "'none', 'full', 'dots_saveable', "
                      "'dots_with_no_batch_dims_saveable'.",
                      change=RUNTIME),  # Recomputation: the same values.
-    'block': Setting('pre_ln', 'Residual wiring of a layer: pre_ln | gtrxl | reversible '
-                     '(models/blocks.py).'),
-    'block_options': Options(
-        'block_options', "Every block's hyper-parameters, with the defaults each block declares "
-        'next to its code (OPTIONS in models/blocks.py), as '
-        "--config.model.block_options.<name>=<value>: gate_bias (GTrXL's gate bias b_g at "
+    'residual': Setting('pre_ln', 'Residual wiring of a layer: pre_ln | gtrxl | reversible '
+                        '(models/residual.py).'),
+    'residual_options': Options(
+        'residual_options', "Every residual wiring's hyper-parameters, with the defaults each "
+        'declares next to its code (OPTIONS in models/residual.py), as '
+        "--config.model.residual_options.<name>=<value>: gate_bias (GTrXL's gate bias b_g at "
         'init).'),
     'stack': Setting(
-        'auto', "How blocks are applied (models/stacks.py): 'unrolled', 'scan' (identical "
+        'auto', "How layers are applied (models/stacks.py): 'unrolled', 'scan' (identical "
         "layers), 'scan_cycle' (a repeating cycle, e.g. interleaved strided A1/A2), "
-        "'universal' (one shared block, several steps); 'auto' = scan where it applies, else "
+        "'universal' (one shared layer, several steps); 'auto' = scan where it applies, else "
         'unrolled.'),
     'ff_chunk_len': Setting(
         0, 'Positions per chunk of the SwiGLU feed-forward (its hidden activation is never '

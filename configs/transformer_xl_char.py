@@ -7,7 +7,7 @@
       --config.model.attention_options.txl.eval_mem_len=512
   # GTrXL's gated residual instead of Pre-LN (Parisotto et al., 2019):
   python main.py --config=configs/transformer_xl_char.py --workdir=/tmp/gtrxl \
-      --config.model.block=gtrxl
+      --config.model.residual=gtrxl
 
 The paper's enwik8 base model is 12 layers x 512 wide, 8 heads, segments of 512 with a
 memory of 512 (eval: 2100 with clamp_len 820 in the authors' scripts; 3800 is the 18- and

@@ -3,8 +3,8 @@
 per character with 41M parameters). The mechanism is in ../shared/papers/the-transformer-
 family.md; the base model's settings are those of the authors' released enwik8 base scripts
 (kimiyoung/transformer-xl, run_enwik8_base.sh), which the paper's text does not list.
-configs/transformer_xl_char.py is this model scaled down for a CPU; GTrXL's gated block:
---config.model.block=gtrxl.
+configs/transformer_xl_char.py is this model scaled down for a CPU; GTrXL's gated layer:
+--config.model.residual=gtrxl.
 
 At the paper's scale, on a TPU slice (compiled ahead of time from a CPU host by
 `python -m benchmarks.tpu_compile --recipes transformer_xl_enwik8`, committed in

@@ -49,7 +49,7 @@ def get_config():
   config.model.d_model = 128            # t2t universal_transformer_tiny: hidden_size 128,
   config.model.n_heads = 4              # num_heads 4,
   config.model.mlp_dim = 512            # filter_size 512 (SwiGLU here).
-  config.model.n_layers = 0             # 0 = 1 for the universal stack (one shared block).
+  config.model.n_layers = 0             # 0 = 1 for the universal stack (one shared layer).
   config.model.vocab_size = 0           # The task's vocabulary, padded to a multiple of 128.
   config.model.max_len = 128            # Longest row: 2 x 40 + 3 (no table: sinusoids).
   config.model.position_embedding = 'none'  # The universal stack's position + step sinusoid.

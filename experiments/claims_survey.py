@@ -298,10 +298,10 @@ def dup_lsh_under_full(results):
 
 def _memory_rows(results, chunk: int = 0):
   rows = [r for r in results['reversible_memory.json']['rows'] if r['ff_chunk_len'] == chunk]
-  by_block = {}
+  by_wiring = {}
   for r in rows:
-    by_block.setdefault(r['block'], []).append(r)
-  return {b: sorted(rs, key=lambda r: r['n_layers']) for b, rs in by_block.items()}
+    by_wiring.setdefault(r['residual'], []).append(r)
+  return {w: sorted(rs, key=lambda r: r['n_layers']) for w, rs in by_wiring.items()}
 
 
 def _per_layer(rows, key='temp_MB'):
@@ -310,8 +310,8 @@ def _per_layer(rows, key='temp_MB'):
 
 @_guarded
 def reversible_memory(results):
-  blocks = _memory_rows(results)
-  rev, pre = blocks['reversible'], blocks['pre_ln']
+  wirings = _memory_rows(results)
+  rev, pre = wirings['reversible'], wirings['pre_ln']
   rev_slope, pre_slope = _per_layer(rev), _per_layer(pre)
   param_mib = _per_layer(rev, 'params_M') * 1e6 * 4 / 2 ** 20  # float32 gradients.
   depths = f'{rev[0]["n_layers"]} → {rev[-1]["n_layers"]} layers'
@@ -427,7 +427,7 @@ def ut_depth(results):
   ours = (f'accuracy within the training lengths, {"; ".join(parts)}. ut_fixed: '
           f'{value("ut_fixed", "eval/params"):,} params (pre_ln_1: '
           f'{value("pre_ln_1", "eval/params"):,}; pre_ln_4: {value("pre_ln_4", "eval/params"):,}), '
-          f'{value("ut_fixed", "applications"):g} block applications a token (pre_ln_4: '
+          f'{value("ut_fixed", "applications"):g} layer applications a token (pre_ln_4: '
           f'{value("pre_ln_4", "applications"):g})')
   if saturated:
     return ours, 'not testable here', (

@@ -18,9 +18,9 @@ Variants (--variants, a comma list):
   NAME:KEY=V[:KEY=V]   with options: KEY is an attention option (window, stride, mem_len, ...),
                        a stack or block option (act, steps, gate_bias, ...), a model field
                        (block, stack, ...) or a dotted config key; e.g. local:window=64,
-                       dense:block=gtrxl, lsh:n_hashes=2:chunk_len=32, universal:act=true
-  PRESET[:KEY=V...]    a block or stack preset: gtrxl (txl attention + GTrXL gated blocks),
-                       reformer (lsh attention + reversible blocks), universal (one shared
+                       dense:residual=gtrxl, lsh:n_hashes=2:chunk_len=32, universal:act=true
+  PRESET[:KEY=V...]    a block or stack preset: gtrxl (txl attention + GTrXL gated layers),
+                       reformer (lsh attention + reversible layers), universal (one shared
                        dense block applied n_layers times, the universal stack's coordinates)
   registered, presets  every registered variant / every preset (the default: registered)
 A variant gets what it needs to run: relative-position variants (txl) no absolute positions,

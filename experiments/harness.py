@@ -70,7 +70,7 @@ from ml_collections import config_flags  # noqa: E402
 from benchmarks import common  # noqa: E402
 from configs import presets  # noqa: E402
 from experiments import rows as rows_lib  # noqa: E402
-from models import attention, blocks, decode, transformer  # noqa: E402
+from models import attention, decode, residual, transformer  # noqa: E402
 from training import assembly, evaluation, run_config, sharding, steps, train  # noqa: E402
 
 
@@ -185,7 +185,7 @@ def describe(base: ml_collections.ConfigDict) -> dict:
 
 def option_keys(config, key: str) -> list[str]:
   """The dotted config keys a spec option names: an option of the attention variants in use
-  (model.attention_options.<variant>.<key>, for each that declares it), a stack or block
+  (model.attention_options.<variant>.<key>, for each that declares it), a stack or residual
   option, a model field, or a dotted (or top-level) config key."""
   variants = list(dict.fromkeys(n.strip() for n in config.model.attention.split(',')))
   found = [f'model.attention_options.{v}.{key}' for v in variants
@@ -199,12 +199,14 @@ def option_keys(config, key: str) -> list[str]:
     return [f'model.{key}']
   if key in flatten(config):
     return [key]
-  renamed = run_config.renamed_keys(f'model.attention_options.{key}', variants)
+  # A renamed option of a variant in use, else a renamed model field (block -> residual).
+  renamed = ([k for k in run_config.renamed_keys(f'model.attention_options.{key}', variants)
+              if k.split('.')[2] in variants] or run_config.renamed_keys(f'model.{key}'))
   if renamed:
     raise ValueError(f'{key} was renamed {renamed[0].split(".")[-1]} '
                      f'({", ".join(renamed)})')
   raise ValueError(f'{key!r} is neither an attention option of {", ".join(variants)}, a stack '
-                   'or block option, a model field nor a config key')
+                   'or residual option, a model field nor a config key')
 
 
 def parse_spec(spec: str) -> tuple[str, list[tuple[str, str]]]:
@@ -330,7 +332,7 @@ class _OneAttentionLayer(nn.Module):
                                                  cfg.head_dim)
     shared = (transformer.SharedParams(specs, cfg.param_dtype, name=f'{variant}_shared')()
               if specs else None)
-    return blocks.make_attention(cfg, variant, self.index, name='attention', shared=shared)(
+    return residual.make_attention(cfg, variant, self.index, name='attention', shared=shared)(
         x, positions=positions, segment_ids=segment_ids, deterministic=False)
 
 

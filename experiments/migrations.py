@@ -39,13 +39,20 @@ MIGRATIONS, in order:
   'train_loss', ...}) becomes a row of seed None: its lists of [step, value] curves, its
   evaluations ('evals', or 'eval' and 'eval_TAG' beside the rest: txl_experiment.json's) its
   'evals'. The numbers are moved, never changed.
+- block_meanings: "block" came to mean only attention's query/key blocks. The residual wiring
+  became model.residual (model.block before) with its options in model.residual_options
+  (model.block_options), and adaptive span's rounding of the trimmed span the option
+  trim_multiple (block): config keys (run_config.renamed_keys, which also moves the universal
+  stack's settings of old overrides into model.stack_options), specs ('dense:block=gtrxl' ->
+  'dense:residual=gtrxl', 'adaptive_span:block=64' -> 'adaptive_span:trim_multiple=64'),
+  command lines, and the 'block' field of a benchmark row that names a wiring. A compile
+  result's fingerprint of an unchanged recipe is renewed by recipe_fingerprints.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
-import hashlib
 import json
 import os
 import re
@@ -55,7 +62,7 @@ from typing import Any, Callable
 import configs
 from configs import presets
 from experiments import rows as rows_lib
-from models import attention
+from models import attention, residual
 from models import options as options_lib
 from models import transformer
 from training import run_config
@@ -79,11 +86,12 @@ def _spec_variants(spec: str) -> list[str]:
 
 
 def _renamed_option(variants: list[str], name: str) -> str:
-  """A spec's option name `name` as the variants in `variants` declare it now."""
+  """A spec's key `name` as it is called now: an option of the variants in `variants`, or a
+  model field (transformer.RENAMED_FIELDS: block -> residual)."""
   new = run_config.OPTION_RENAMED.get(name)
   if new and any(new in attention.options(v) for v in variants if v in attention.known()):
     return new
-  return name
+  return transformer.RENAMED_FIELDS.get(name, name)
 
 
 def _spec(spec: str) -> str:
@@ -176,20 +184,34 @@ def flat_layout_fingerprint(config) -> str:
   for variant in in_use:
     flat.update({old_name.get(k, k): v
                  for k, v in config.model.attention_options[variant].to_dict().items()})
-  settings = config.to_dict()
+  settings = configs.fingerprint_settings(config)
   settings['model']['attention_options'] = flat
-  for group in ('block_options', 'stack_options'):  # As configs.fingerprint filters them.
-    own = {o for _, cls in transformer.OPTION_GROUPS[group].items()
-           if cls.__module__.startswith('models.')
-           for o in options_lib.declared(cls)}
-    settings['model'][group] = {k: v for k, v in settings['model'][group].items() if k in own}
-  text = json.dumps(settings, sort_keys=True, default=str)
-  return hashlib.sha256(text.encode()).hexdigest()[:16]
+  _old_model_fields(settings)
+  return configs.hash_settings(settings)
+
+
+def _old_model_fields(settings: dict) -> None:
+  """Fingerprint settings with the model fields under their names before block_meanings
+  (model.block, model.block_options), in place."""
+  for old, new in transformer.RENAMED_FIELDS.items():
+    settings['model'][old] = settings['model'].pop(new)
+
+
+def before_block_meanings_fingerprint(config) -> str:
+  """configs.fingerprint(config) as it was computed before block_meanings: the residual
+  wiring's fields and adaptive span's rounding under their old names."""
+  settings = configs.fingerprint_settings(config)
+  _old_model_fields(settings)
+  for options in settings['model']['attention_options'].values():
+    if 'trim_multiple' in options:
+      options['block'] = options.pop('trim_multiple')
+  return configs.hash_settings(settings)
 
 
 def recipe_fingerprints(data: Any) -> Any:
-  """A compile result's rows ({'recipe', 'fingerprint', ...}) with the fingerprint of the
-  per-variant layout where the row's is its unchanged recipe's in the flat one."""
+  """A compile result's rows ({'recipe', 'fingerprint', ...}) with today's fingerprint where
+  the row's is its unchanged recipe's in an older layout (the flat one, or the names before
+  block_meanings)."""
   rows = data.get('rows') if isinstance(data, dict) else None
   if not isinstance(rows, list) or not all(
       isinstance(r, dict) and {'recipe', 'fingerprint'} <= set(r) for r in rows):
@@ -198,7 +220,8 @@ def recipe_fingerprints(data: Any) -> Any:
   for row in rows:
     if row['recipe'] in configs.PAPER_RECIPES:
       config = configs.load(row['recipe'])
-      if row['fingerprint'] == flat_layout_fingerprint(config):
+      if row['fingerprint'] in (flat_layout_fingerprint(config),
+                                before_block_meanings_fingerprint(config)):
         row = {**row, 'fingerprint': configs.fingerprint(config)}
     out.append(row)
   return {**data, 'rows': out}
@@ -256,8 +279,36 @@ def one_row_format(data: Any, name: str = '') -> Any:
   return data
 
 
+_OLD_MODEL_FIELD = re.compile(
+    r'\bmodel\.(' + '|'.join(transformer.RENAMED_FIELDS) + r')\b')
+
+
+def block_meanings(data: Any) -> Any:
+  """`data` with the names "block" lost when it came to mean only attention's query/key
+  blocks (see the module docstring)."""
+  if isinstance(data, dict):
+    out = {}
+    for key, value in data.items():
+      if key in KEPT:
+        out[key] = value
+        continue
+      value = block_meanings(value)
+      if key == 'block' and isinstance(value, str) and value in residual.known():
+        key = 'residual'  # A benchmark row's wiring (benchmarks/reversible_memory.py).
+      elif key.startswith('model.') and run_config.flat_option(key) is None:
+        key = (run_config.renamed_keys(key) or [key])[0]
+      out[key] = value
+    return out
+  if isinstance(data, list):
+    return [block_meanings(item) for item in data]
+  if isinstance(data, str):
+    return _OLD_MODEL_FIELD.sub(lambda m: 'model.' + transformer.RENAMED_FIELDS[m.group(1)],
+                                _text(data))
+  return data
+
+
 MIGRATIONS: tuple[Callable[[Any], Any], ...] = (per_variant_options, recipe_fingerprints,
-                                                one_row_format)
+                                                one_row_format, block_meanings)
 
 
 def migrate(data: Any) -> Any:

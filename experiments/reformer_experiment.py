@@ -21,7 +21,7 @@ symbols, d_model = d_ff = 256, chunks of 64 in 16 buckets); the JSON records eve
 differs from the recipe's among each run's overrides.
 
 Part 'bytes' (configs/local_text.py on --text, 4 layers of 128, rows of 256 bytes, batch 16):
-trains pre_ln and reversible blocks (dense attention) for the same steps, and reports
+trains pre_ln and reversible layers (dense attention) for the same steps, and reports
 validation bits per byte and the training curves.
 
 Each run has its own workdir under --out/<part> (a finished run is not trained again; an
@@ -72,8 +72,8 @@ def dup_runs(seq: int = SEQ, lsh: dict = None, hashes=HASHES) -> tuple:
 DUP_EVALS = dup_evals()
 RUNS = {
     'dup': dup_runs(),
-    'bytes': (harness.Run('pre_ln', {'model.block': 'pre_ln'}),
-              harness.Run('reversible', {'model.block': 'reversible'})),
+    'bytes': (harness.Run('pre_ln', {'model.residual': 'pre_ln'}),
+              harness.Run('reversible', {'model.residual': 'reversible'})),
 }
 # A run's evaluations: [(tag, eval-time overrides)]; [('eval', {})] for a run not named here.
 EVALS = {'dense': [('dense', {})],

@@ -5,7 +5,7 @@ number of steps down" needs (experiments/claims_survey.py).
   python -m experiments.survey_act_ponder --tasks copy,parity --out OUT/act_ponder.json
 
 Trains experiments/universal_experiment.py's `ut_act` run (configs/universal_algorithmic.py:
-one shared block of width 64, ACT with at most M = 8 steps) with model.stack_options.ponder = τ
+one shared layer of width 64, ACT with at most M = 8 steps) with model.stack_options.ponder = τ
 for each τ of --taus (default 0: no ponder cost; the recipe's τ = 0.01 run is
 universal_experiment.json's ut_act, same seed, data and steps). The runs are data (runs(taus),
 RUNS for the default τ), trained in process through experiments/harness.py as

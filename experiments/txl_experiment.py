@@ -11,8 +11,8 @@ again, nor one that diverged; an interrupted one resumes):
   dense        dense attention, learned absolute positions, no memory (rows cut from the text)
   txl_mem0     Transformer-XL's relative attention without memory (streams, M = 0)
   txl          Transformer-XL, M = 128, evaluated with eval_mem_len 128 and 512
-  txl_gtrxl    the same with GTrXL's gated blocks
-  pre_ln_lrX   txl at each learning rate X of --high_lrs (Pre-LN blocks)
+  txl_gtrxl    the same with GTrXL's gated layers
+  pre_ln_lrX   txl at each learning rate X of --high_lrs (Pre-LN layers)
   gtrxl_lrX    txl_gtrxl at the same learning rates
 
 then evaluates each on the whole validation split in process (EVALS: what
@@ -38,7 +38,7 @@ RUNS = (
                           'data.packing': 'concat'}),
     harness.Run('txl_mem0', {'model.attention_options.txl.mem_len': 0}),
     harness.Run('txl', {}),
-    harness.Run('txl_gtrxl', {'model.block': 'gtrxl'}),
+    harness.Run('txl_gtrxl', {'model.residual': 'gtrxl'}),
 )
 # Each evaluation is on the whole validation split; a run's evaluations: [(tag, eval-time
 # overrides)], [('eval', {})] for a run not named here.
@@ -53,7 +53,7 @@ def high_lr_runs(lrs: list[float]) -> tuple[harness.Run, ...]:
   runs = []
   for lr in lrs:
     runs.append(harness.Run(f'pre_ln_lr{lr:g}', {'learning_rate': lr}))
-    runs.append(harness.Run(f'gtrxl_lr{lr:g}', {'learning_rate': lr, 'model.block': 'gtrxl'}))
+    runs.append(harness.Run(f'gtrxl_lr{lr:g}', {'learning_rate': lr, 'model.residual': 'gtrxl'}))
   return tuple(runs)
 
 

@@ -10,8 +10,8 @@ The runs are data (RUNS, on configs/universal_algorithmic.py: width 64, 4 heads,
 TASKS sets the task):
   pre_ln_1   1 Pre-LN layer, sinusoid positions: the UT's parameters (one block)
   pre_ln_T   T distinct Pre-LN layers, sinusoid positions: the fixed UT's compute
-  ut_fixed   one shared block applied T times (universal stack, its own coordinates)
-  ut_act     one shared block, ACT halting per position, at most M steps, ponder cost τ
+  ut_fixed   one shared layer applied T times (universal stack, its own coordinates)
+  ut_act     one shared layer, ACT halting per position, at most M steps, ponder cost τ
 
 Each run trains in process through experiments/harness.py in --out/<task>/<run> (a finished
 run is kept, an interrupted one resumes; no evaluation during training, a log line every 25

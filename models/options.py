@@ -3,7 +3,7 @@
 An attention variant, a block or a stack lists its own hyper-parameters in a class attribute
 `OPTIONS` (name -> Option; a subclass inherits its parents'). Each registry (models/registry.py)
 collects the options of its entries into one config group: config.model.attention_options
-(one sub-group per variant: attention_options.<variant>.<name>), config.model.block_options
+(one sub-group per variant: attention_options.<variant>.<name>), config.model.residual_options
 and config.model.stack_options (flat). Each option carries its default,
 its type (the default's), a one-line doc and what a change of it on a recorded run is
 (training/run_config.py reads `change` from the registry; nothing is listed there by hand).

@@ -1,13 +1,13 @@
 """Name -> class registries for the backbone's switches: attention, block and stack.
 
-Each switch (`model.attention`, `model.block`, `model.stack`) is one `Registry`; an entry
+Each switch (`model.attention`, `model.residual`, `model.stack`) is one `Registry`; an entry
 registers itself on import with the registry's decorator, and an unknown name is an error that
 lists the known ones.
 
 A registry also knows its entries' declared options (models/options.py: a class attribute
 `OPTIONS`, name -> Option), in one config group per registry. The attention variants' group is
 per entry (model.attention_options.<variant>.<name>: each variant sees only its own, so two
-variants may use one name); blocks and stacks share one flat group (model.block_options,
+variants may use one name); blocks and stacks share one flat group (model.residual_options,
 model.stack_options), so a name that two of them declare separately is refused at
 registration. `resolve_options` fills in the defaults and checks the types of the options of
 the entries in use.
@@ -22,7 +22,7 @@ class Registry:
   """Names of one kind of component (e.g. 'attention variant'), their classes and options.
 
   Attributes:
-    kind: what an entry is, for messages ('attention variant', 'block', 'stack').
+    kind: what an entry is, for messages ('attention variant', 'residual wiring', 'stack').
     group: the config group of the entries' options (e.g. 'model.stack_options').
     per_entry: the group holds one sub-group per entry (group.<entry>.<option>), each entry's
       own; else one flat namespace that the entries share.

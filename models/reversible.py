@@ -1,6 +1,6 @@
-"""Training a stack of reversible blocks without storing its activations (Gomez et al. 2017).
+"""Training a stack of reversible layers without storing its activations (Gomez et al. 2017).
 
-Layer i of model.block='reversible' (models/blocks.py Reversible) maps the pair (x1, x2) to
+Layer i of model.residual='reversible' (models/residual.py Reversible) maps the pair (x1, x2) to
 
   y1 = x1 + F(x2),   y2 = x2 + G(y1)        F = attention sublayer, G = feed-forward sublayer
 
@@ -18,7 +18,7 @@ reverse; at layer i, from (y1, y2) and their cotangents (dy1, dy2):
 
 and the parameter cotangents of F and G, so each sublayer's forward runs once more in the
 backward pass (the recompute; TransformerConfig.train_flops_per_token does not count it).
-A custom_vjp around each block alone would not do: autodiff would store every block's output.
+A custom_vjp around each layer alone would not do: autodiff would store every layer's output.
 
 The layers run as the stack lays them out (Stack.cycle): `repeats` applications of a cycle
 of p layers, the repeats under lax.scan with the cycle unrolled in its body (unrolled: one
@@ -26,10 +26,10 @@ repeat of all layers; scan: n_layers repeats of one; scan_cycle: n_layers / p re
 so a scanned stack compiles one layer, forward and backward, and its stacked parameters are
 never sliced. Each layer is the Reversible module applied functionally to its parameters.
 
-What the block needs besides its parameters:
+What the layer needs besides its parameters:
 - rng keys: the Decoder draws one key per stream (dropout, and the variants' own such as LSH's
   rotations) and layer i folds in i. The forward and the recompute use the same keys, and F
-  and G alone draw what they draw inside the whole block (their modules are named), so every
+  and G alone draw what they draw inside the whole layer (their modules are named), so every
   dropout mask and LSH bucketing of the backward pass is the forward's.
 - shared attention parameters (LayerContext.shared, e.g. Transformer-XL's u, v): an input of
   the custom_vjp; their cotangent sums every layer's.
@@ -46,18 +46,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import blocks, stacks
+from models import residual, stacks
 
 # Collections a layer sows that `run` returns (laid out like the parameters).
 SOWN = ('losses', 'metrics')
 
 
-def run(config, params, carry, ctx: blocks.LayerContext, keys: dict, reads: dict, *,
+def run(config, params, carry, ctx: residual.LayerContext, keys: dict, reads: dict, *,
         custom_vjp: bool = True):
   """Applies the reversible stack to `carry`, with the backward pass that rebuilds inputs.
 
   Args:
-    config: the model's TransformerConfig (model.block='reversible').
+    config: the model's TransformerConfig (model.residual='reversible').
     params: the model's parameters (unboxed); the stack's layers are read from them.
     carry: (x1, x2), each (batch, length, d_model) float32.
     ctx: the layer context (decode False; its flags are static).
@@ -74,7 +74,7 @@ def run(config, params, carry, ctx: blocks.LayerContext, keys: dict, reads: dict
   """
   if ctx.decode:
     raise ValueError('the reversible backward pass is for full sequences: decoding runs the '
-                     'blocks as modules (Decoder with decode=True)')
+                     'layers as modules (Decoder with decode=True)')
   stack = stacks.of(config)
   repeats, p = stack.cycle(config)
   places = lambda tree: [stack.cycle_tree(config, tree, k) for k in range(p)]
@@ -86,14 +86,14 @@ def run(config, params, carry, ctx: blocks.LayerContext, keys: dict, reads: dict
 
 
 def _apply(config, deterministic, k, i, half, params, shared, inputs, side, reads):
-  """Layer i (place k of the cycle) applied to `inputs`: the whole block (half None) or F or G
+  """Layer i (place k of the cycle) applied to `inputs`: the whole layer (half None) or F or G
   alone. Returns (output, {collection: sown tree} for SOWN)."""
   positions, segment_ids, keys = side
-  ctx = blocks.LayerContext(positions=positions, segment_ids=segment_ids, shared=shared,
-                            deterministic=deterministic)
-  block = blocks.get(config.block)(config, config.attention[k], layer_index=k, parent=None)
+  ctx = residual.LayerContext(positions=positions, segment_ids=segment_ids, shared=shared,
+                              deterministic=deterministic)
+  layer = residual.get(config.residual)(config, config.attention[k], layer_index=k, parent=None)
   rngs = {stream: jax.random.fold_in(key, i) for stream, key in keys.items()}
-  out, sown = block.apply({'params': params, **reads}, inputs, ctx, half=half, rngs=rngs,
+  out, sown = layer.apply({'params': params, **reads}, inputs, ctx, half=half, rngs=rngs,
                           mutable=list(SOWN))
   return out, {c: dict(sown.get(c, {})) for c in SOWN}
 

@@ -1,9 +1,9 @@
-"""How blocks are applied (`model.stack`): a registry, one entry per way of stacking.
+"""How layers are applied (`model.stack`): a registry, one entry per way of stacking.
 
   unrolled    n_layers distinct blocks in Python: parameters 'block_{i}'; any mix of variants.
   scan        one block scanned n_layers times (nn.scan): parameters 'blocks' with a leading
               layer axis; needs identical layers that ignore their index.
-  scan_cycle  a repeating cycle of p blocks scanned n_layers / p times (as MaxText scans
+  scan_cycle  a repeating cycle of p layers scanned n_layers / p times (as MaxText scans
               Gemma 3's local/global pattern): parameters 'cycle/layer_{k}' with a leading
               repeat axis; p is the least common multiple of each layer's period (below) and
               of the period of the list of variant names.
@@ -12,7 +12,7 @@
 A variant's period (Traits.layer_period) says how its module depends on the layer
 index: 1, not at all; p, only through index mod p (strided's interleaved A1/A2: 2); None,
 every layer is its own (per-layer trimmed spans or budgets), so only `unrolled` applies.
-A stack gives each block the index it may read: i unrolled, k (the place in the cycle)
+A stack gives each layer the index it may read: i unrolled, k (the place in the cycle)
 under scan_cycle, 0 under scan.
 
 The stack owns the layer naming: `layer_tree(config, tree, i)` is layer i's part of any tree
@@ -31,7 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import attention, blocks
+from models import attention, residual
 from models.registry import Registry
 
 STACKS = Registry('stack', 'model.stack_options')
@@ -78,10 +78,10 @@ def cycle_length(config) -> int | None:
 
 
 class Stack:
-  """A way of applying the blocks; subclasses are registered under their config name."""
+  """A way of applying the layers; subclasses are registered under their config name."""
 
-  # Whether models/reversible.py can train this stack's reversible blocks (it replays the
-  # layers through `cycle`); a stack without it runs reversible blocks as plain modules.
+  # Whether models/reversible.py can train this stack's reversible layers (it replays the
+  # layers through `cycle`); a stack without it runs reversible layers as plain modules.
   REVERSIBLE_TRAINING = True
   # The stack's own hyper-parameters, config.model.stack_options.<name>: name -> Option
   # (models/options.py), each with its default, doc and change kind. Options of all stacks
@@ -98,21 +98,21 @@ class Stack:
     del config
 
   @classmethod
-  def apply(cls, config, x, ctx: blocks.LayerContext):
-    """Applies the blocks to x; runs inside the Decoder's compact __call__, so the modules it
+  def apply(cls, config, x, ctx: residual.LayerContext):
+    """Applies the layers to x; runs inside the Decoder's compact __call__, so the modules it
     creates are the Decoder's children."""
     raise NotImplementedError
 
   @classmethod
   def applications(cls, config, metrics=None) -> float:
-    """Block applications per token, for the FLOPs count: n_layers. A stack whose depth is
+    """Layer applications per token, for the FLOPs count: n_layers. A stack whose depth is
     decided at run time reads it from `metrics` (the logged training metrics) when given."""
     del metrics
     return float(config.n_layers)
 
   @classmethod
   def extra_matmul_weights(cls, config) -> int:
-    """Matmul weights per application beyond the block's (the stack's own), for the FLOPs
+    """Matmul weights per application beyond the layer's (the stack's own), for the FLOPs
     count."""
     del config
     return 0
@@ -144,7 +144,7 @@ class Stack:
   @classmethod
   def cycle(cls, config) -> tuple[int, int]:
     """(repeats, p): the layers as `repeats` applications of a cycle of p layers; layer
-    i = r p + k is place k of repeat r, and its block gets layer_index k and
+    i = r p + k is place k of repeat r, and its layer gets layer_index k and
     config.attention[k]."""
     raise NotImplementedError
 
@@ -161,8 +161,8 @@ class Stack:
     raise NotImplementedError
 
 
-def _block(config):
-  return blocks.get(config.block)
+def _layer(config):
+  return residual.get(config.residual)
 
 
 @register('unrolled')
@@ -171,9 +171,9 @@ class Unrolled(Stack):
 
   @classmethod
   def apply(cls, config, x, ctx):
-    block = remat(_block(config), config.remat, scanned=False)
+    layer = remat(_layer(config), config.remat, scanned=False)
     for i, name in enumerate(config.attention):
-      x = block(config, name, layer_index=i, name=f'block_{i}')(x, ctx)
+      x = layer(config, name, layer_index=i, name=f'block_{i}')(x, ctx)
     return x
 
   @classmethod
@@ -197,14 +197,14 @@ class Unrolled(Stack):
     return {f'block_{k}': _index(sub, 0) for k, sub in enumerate(per_place) if sub}
 
 
-def carry_only(block_cls):
-  """`block_cls` with the (carry, output) signature nn.scan needs: (x, ctx) -> (x, None)."""
+def carry_only(layer_cls):
+  """`layer_cls` with the (carry, output) signature nn.scan needs: (x, ctx) -> (x, None)."""
 
-  class Scanned(block_cls):
+  class Scanned(layer_cls):
     def __call__(self, x, ctx):
       return super().__call__(x, ctx), None
 
-  Scanned.__name__ = f'Scanned{block_cls.__name__}'
+  Scanned.__name__ = f'Scanned{layer_cls.__name__}'
   return Scanned
 
 
@@ -233,7 +233,7 @@ class Scan(Stack):
 
   @classmethod
   def apply(cls, config, x, ctx):
-    body = remat(carry_only(_block(config)), config.remat, scanned=True)
+    body = remat(carry_only(_layer(config)), config.remat, scanned=True)
     x, _ = _scan(body, config.n_layers)(
         config, config.attention[0], name='blocks')(x, ctx)
     return x
@@ -260,15 +260,15 @@ class Scan(Stack):
 
 
 class _Cycle(nn.Module):
-  """The p blocks of one cycle, applied in order; (carry, None) for nn.scan."""
+  """The p layers of one cycle, applied in order; (carry, None) for nn.scan."""
   config: object
   names: tuple[str, ...]
 
   @nn.compact
   def __call__(self, x, ctx):
-    block = remat(_block(self.config), self.config.remat, scanned=True)
+    layer = remat(_layer(self.config), self.config.remat, scanned=True)
     for k, name in enumerate(self.names):
-      x = block(self.config, name, layer_index=k, name=f'layer_{k}')(x, ctx)
+      x = layer(self.config, name, layer_index=k, name=f'layer_{k}')(x, ctx)
     return x, None
 
 

@@ -12,20 +12,24 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import attention, blocks, layers, options, reversible, stacks
+from models import attention, layers, options, residual, reversible, stacks
 from models import universal  # noqa: F401  (registers model.stack='universal')
 
 Dtype = Any
 POSITION_EMBEDDINGS = ('learned', 'sinusoidal', 'none')
 REMAT_POLICIES = stacks.REMAT_POLICIES
 
+# Model settings renamed since runs were recorded: old name -> new (training/run_config.py
+# migrates records and refuses the old name on the command line; from_config names the new one).
+RENAMED_FIELDS = {'block': 'residual', 'block_options': 'residual_options'}
+
 # The option groups of config.model: field -> the registry whose entries declare them
 # (models/options.py). The attention variants' group has one sub-group per variant
-# (attention_options.<variant>.<name>); the blocks' and stacks' are flat. TransformerConfig
-# holds them resolved.
+# (attention_options.<variant>.<name>); the residual wirings' and stacks' are flat.
+# TransformerConfig holds them resolved.
 OPTION_GROUPS = {
     'attention_options': attention.registry.VARIANTS,
-    'block_options': blocks.BLOCKS,
+    'residual_options': residual.RESIDUALS,
     'stack_options': stacks.STACKS,
 }
 
@@ -44,7 +48,7 @@ class TransformerConfig:
     vocab_size: number of token ids.
     d_model: residual width.
     n_heads: attention heads per layer.
-    n_layers: number of blocks.
+    n_layers: number of layers.
     head_dim: width of each head.
     mlp_dim: SwiGLU hidden width.
     max_len: size of the learned position table (and of decoding caches).
@@ -65,14 +69,14 @@ class TransformerConfig:
     dtype: computation dtype.
     param_dtype: parameter dtype.
     remat: rematerialization policy, one of REMAT_POLICIES.
-    block: residual wiring of each layer, a name in models/blocks.py.
-    stack: how the blocks are applied, a name in models/stacks.py or 'auto'.
+    residual: residual wiring of each layer, a name in models/residual.py.
+    stack: how the layers are applied, a name in models/stacks.py or 'auto'.
     ff_chunk_len: positions per chunk of the SwiGLU feed-forward (layers.chunked_swiglu_mlp:
       its (tokens, mlp_dim) hidden activation is never whole); 0 = all positions at once. A
       length that does not divide the sequence is padded.
-    block_options: the blocks' hyper-parameters (config.model.block_options, e.g. GTrXL's
-      gate_bias), sorted (name, value) pairs; every option a registered block declares,
-      defaults filled in. Read one with `block_option`.
+    residual_options: the residual wirings' hyper-parameters (config.model.residual_options, e.g. GTrXL's
+      gate_bias), sorted (name, value) pairs; every option a registered wiring declares,
+      defaults filled in. Read one with `residual_option`.
     stack_options: the stacks' hyper-parameters (config.model.stack_options, e.g. the
       universal stack's steps, act, max_steps, ponder), sorted (name, value) pairs; every
       option a registered stack declares, defaults filled in. Read one with `stack_option`.
@@ -100,10 +104,10 @@ class TransformerConfig:
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
   remat: str = 'none'
-  block: str = 'pre_ln'
+  residual: str = 'pre_ln'
   stack: str = 'auto'
   ff_chunk_len: int = 0
-  block_options: tuple = ()
+  residual_options: tuple = ()
   stack_options: tuple = ()
   target_platform: str = ''
   target_devices: int = 0
@@ -145,12 +149,12 @@ class TransformerConfig:
         self.ff_chunk_len < 0):
       raise ValueError(f'model.ff_chunk_len must be an integer >= 0 (0 = no chunking), got '
                        f'{self.ff_chunk_len!r}')
-    resolved = blocks.BLOCKS.resolve_options(dict(self.block_options), [self.block])
-    object.__setattr__(self, 'block_options', tuple(sorted(resolved.items())))
+    resolved = residual.RESIDUALS.resolve_options(dict(self.residual_options), [self.residual])
+    object.__setattr__(self, 'residual_options', tuple(sorted(resolved.items())))
     stack = [self.stack] if self.stack != 'auto' else []  # 'auto' runs a stack with no options.
     resolved = stacks.STACKS.resolve_options(dict(self.stack_options), stack)
     object.__setattr__(self, 'stack_options', tuple(sorted(resolved.items())))
-    blocks.get(self.block).check(self)
+    residual.get(self.residual).check(self)
     if self.stack != 'auto':
       stacks.get(self.stack).check(self)
 
@@ -172,9 +176,9 @@ class TransformerConfig:
       return self
     return dataclasses.replace(self, attention_options=_pairs(options))
 
-  def block_option(self, name: str):
-    """The block option `name` (config.model.block_options; its default when not given)."""
-    return options.lookup(self.block_options, name, 'model.block_options')
+  def residual_option(self, name: str):
+    """The residual wiring's option `name` (config.model.residual_options; its default when not given)."""
+    return options.lookup(self.residual_options, name, 'model.residual_options')
 
   def stack_option(self, name: str):
     """The stack option `name` (config.model.stack_options; its default when not given)."""
@@ -200,7 +204,7 @@ class TransformerConfig:
 
   @property
   def stack_name(self) -> str:
-    """The stack the blocks run in: `stack`, with 'auto' resolved (models/stacks.py)."""
+    """The stack the layers run in: `stack`, with 'auto' resolved (models/stacks.py)."""
     return stacks.resolve(self)
 
   @classmethod
@@ -209,7 +213,7 @@ class TransformerConfig:
 
     d_model = 64 d and n_heads = n_layers = d unless overridden; head_dim = d_model / n_heads;
     mlp_dim = 8/3 d_model rounded up to a multiple of 64 (keeps SwiGLU at ~8 d_model^2 params,
-    so a block has ~12 d_model^2 parameters as in the paper's table 8).
+    so a layer has ~12 d_model^2 parameters as in the paper's table 8).
 
     Args:
       model_cfg: mapping with the keys of configs/schema.py's `model` section.
@@ -221,12 +225,14 @@ class TransformerConfig:
     known = {f.name for f in dataclasses.fields(cls)} | {'d'}
     unknown = sorted(set(m) - known)
     if unknown:  # A misspelt or renamed key would otherwise be ignored: its default runs.
-      raise ValueError(f'unknown model setting(s) {", ".join(unknown)}; known: '
+      renamed = ''.join(f' ({k} was renamed {RENAMED_FIELDS[k]})' for k in unknown
+                        if k in RENAMED_FIELDS)
+      raise ValueError(f'unknown model setting(s) {", ".join(unknown)}{renamed}; known: '
                        f'{", ".join(sorted(known))}')
     d = m.get('d') or 0
     d_model = m.get('d_model') or 64 * d
     n_heads = m.get('n_heads') or d
-    # The universal stack applies one block: its depth is its steps.
+    # The universal stack applies one layer: its depth is its steps.
     n_layers = m.get('n_layers') or (1 if m.get('stack') == 'universal' else d)
     if not (d_model and n_heads and n_layers):
       raise ValueError('set model.d (size knob) or all of model.d_model, model.n_heads, model.n_layers')
@@ -254,9 +260,9 @@ class TransformerConfig:
         attention_options=m.get('attention_options') or {}, qk_norm=get('qk_norm'),
         tied_embeddings=get('tied_embeddings'), dropout_rate=get('dropout_rate'),
         dtype=jnp.dtype(get('dtype')), param_dtype=jnp.dtype(get('param_dtype')),
-        remat=get('remat'), block=get('block'), stack=get('stack'),
+        remat=get('remat'), residual=get('residual'), stack=get('stack'),
         ff_chunk_len=get('ff_chunk_len'),
-        block_options=tuple(sorted(dict(m.get('block_options') or {}).items())),
+        residual_options=tuple(sorted(dict(m.get('residual_options') or {}).items())),
         stack_options=tuple(sorted(dict(m.get('stack_options') or {}).items())),
         target_platform=get('target_platform'), target_devices=get('target_devices'))
 
@@ -268,9 +274,9 @@ class TransformerConfig:
   def train_flops_per_token(self, seq_len: int, metrics: dict | None = None) -> float:
     """Training FLOPs per token: 6 N_matmul + 12 L H d_head T (PaLM, appendix B).
 
-    N_matmul counts the weights used in matmuls (blocks, with the block wiring's own, such as
+    N_matmul counts the weights used in matmuls (layers, with the residual wiring's own, such as
     GTrXL's gates, and the output projection, not the embedding lookups); the attention term
-    counts the full T x T score matrix as PaLM does. L is the number of block applications
+    counts the full T x T score matrix as PaLM does. L is the number of layer applications
     per token (Stack.applications): n_layers, or the universal stack's steps; with ACT, the
     mean steps the tokens took (N, from `metrics`, the logged training metrics; without
     them the cap M). The ACT scan computes all M steps for every position and discards the
@@ -278,7 +284,7 @@ class TransformerConfig:
 
     These are model FLOPs, the MFU convention: recomputation is not counted. The reversible
     block (same count as pre_ln) recomputes each sublayer's forward once in the backward pass
-    (about 4/3 of these FLOPs for the blocks are executed), and model.remat and
+    (about 4/3 of these FLOPs for the layers are executed), and model.remat and
     model.ff_chunk_len (which recomputes the feed-forward's hidden activation) add theirs.
 
     Args:
@@ -291,7 +297,7 @@ class TransformerConfig:
     depth = stack.applications(self, metrics)
     matmul = depth * (4 * self.n_heads * self.head_dim * self.d_model
                       + 3 * self.d_model * self.mlp_dim
-                      + blocks.get(self.block).extra_matmul_weights(self.d_model)
+                      + residual.get(self.residual).extra_matmul_weights(self.d_model)
                       + stack.extra_matmul_weights(self)) + self.d_model * self.vocab_size
     return 6.0 * matmul + 12.0 * depth * self.n_heads * self.head_dim * seq_len
 
@@ -316,15 +322,15 @@ class Decoder(nn.Module):
         shared[variant] = SharedParams(specs, cfg.param_dtype, name=f'{variant}_shared')()
     return shared
 
-  def reversible_stack(self, carry, ctx: blocks.LayerContext):
-    """The stack of reversible blocks through models/reversible.py, whose backward pass
+  def reversible_stack(self, carry, ctx: residual.LayerContext):
+    """The stack of reversible layers through models/reversible.py, whose backward pass
     rebuilds each layer's input instead of storing it.
 
     The layers' parameters (and any other collection given, e.g. 'pruning') are read from
     this module's variables; each rng stream gets one key here, which layer i folds i into.
-    The 'losses' and 'metrics' the layers sow are put where the blocks would sow them.
+    The 'losses' and 'metrics' the layers sow are put where the layers would sow them.
     Initialization, decoding and calls that collect 'intermediates' (--mode=inspect) run the
-    blocks as modules instead (the same values; parameters and caches made there).
+    layers as modules instead (the same values; parameters and caches made there).
     """
     cfg = self.config
     keys = {s: self.make_rng(s) for s in rng_streams(cfg) if self.has_rng(s)}
@@ -377,18 +383,18 @@ class Decoder(nn.Module):
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
     x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
 
-    ctx = blocks.LayerContext(positions=positions, segment_ids=segment_ids,
-                              deterministic=deterministic, decode=decode,
-                              shared=self.shared_attention_params())
-    block = blocks.get(cfg.block)
-    carry = block.split(x)
-    if (block.REVERSIBLE and stacks.of(cfg).REVERSIBLE_TRAINING and not decode
+    ctx = residual.LayerContext(positions=positions, segment_ids=segment_ids,
+                                deterministic=deterministic, decode=decode,
+                                shared=self.shared_attention_params())
+    wiring = residual.get(cfg.residual)
+    carry = wiring.split(x)
+    if (wiring.REVERSIBLE and stacks.of(cfg).REVERSIBLE_TRAINING and not decode
         and not self.is_initializing()
         and not self.is_mutable_collection('intermediates')):
       carry = self.reversible_stack(carry, ctx)
     else:
       carry = stacks.of(cfg).apply(cfg, carry, ctx)
-    x = block.merge(carry)
+    x = wiring.merge(carry)
 
     x = layers.RMSNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype, name='final_norm')(x)
     if cfg.tied_embeddings:
@@ -472,7 +478,7 @@ def rng_streams(config: TransformerConfig) -> tuple[str, ...]:
 
 def implementations(config: TransformerConfig) -> list[str]:
   """The implementation each layer's attention runs on this backend (model.attention_impl
-  resolved per variant, as models/blocks.py builds the modules).
+  resolved per variant, as models/residual.py builds the modules).
 
   Raises:
     ValueError: model.attention_impl names one that a layer's variant cannot run here.
@@ -480,7 +486,7 @@ def implementations(config: TransformerConfig) -> list[str]:
   out = []
   for i, name in enumerate(config.attention):
     try:
-      out.append(blocks.make_attention(config, name, i, parent=None).impl)
+      out.append(residual.make_attention(config, name, i, parent=None).impl)
     except ValueError as e:
       raise ValueError(f'model.attention {name!r} (layer {i}): {e}') from None
   return out

@@ -1,4 +1,4 @@
-"""Universal Transformer stack (`model.stack='universal'`): one weight-shared block applied
+"""Universal Transformer stack (`model.stack='universal'`): one weight-shared layer applied
 for T recurrent steps, or for a number of steps each position chooses with Adaptive
 Computation Time (Dehghani et al. 2019; Graves 2016; the survey's "Make it Recurrent" and
 "Adaptive Computation Time").
@@ -17,7 +17,7 @@ is comparable to it. This backbone's state is an un-normalized Pre-LN stream tha
 the token embedding (std 0.02) and grows step by step; P added as is would outweigh the
 tokens 50 to 1 at the first step (at initialization every position then halted after the same
 number of steps, whatever its token), and be outweighed by the stream later. With the scale,
-the block's first norm sees RMSNorm(s) + P up to a factor: the paper's input at every step.
+the layer's first norm sees RMSNorm(s) + P up to a factor: the paper's input at every step.
 
 The stack's settings are its options, config.model.stack_options (Universal.OPTIONS): steps
 (T), act, max_steps (M) and ponder (τ).
@@ -42,18 +42,18 @@ with that step's coordinates added.
 How it runs:
 - Training, and every call that needs per-step state (decoding caches, segment memory,
   collected intermediates, init): a masked `nn.scan` over all M (or T) steps, which stays
-  differentiable. Parameters are broadcast (one block); every other collection gets a leading
+  differentiable. Parameters are broadcast (one layer); every other collection gets a leading
   step axis: one decoding cache per step, one segment memory per step, sown losses and
   metrics per step.
 - Inference otherwise (deterministic ACT forward, e.g. evaluation): an `nn.while_loop` that
-  stops once every position has halted, with the same outputs. The block's own sown losses
+  stops once every position has halted, with the same outputs. The layer's own sown losses
   and metrics are not collected there (evaluation reads neither).
 - Decoding: each new token runs the M steps of the scan with one cache per step; after it
   halts its state stays frozen, and the later steps' caches still receive that frozen state,
   because later tokens that compute longer attend to it there (as in the forward pass).
 
-The block may be any `model.block` and any attention variant. A reversible block runs its
-two-stream wiring here, but its activations are stored like any block's: models/reversible.py
+The layer may have any `model.residual` and any attention variant. A reversible layer runs its
+two-stream wiring here, but its activations are stored like any layer's: models/reversible.py
 trains the layered stacks only.
 """
 
@@ -66,7 +66,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import attention, blocks, layers, stacks
+from models import attention, layers, residual, stacks
 from models.attention import base, traits
 from models.options import Option
 
@@ -129,8 +129,8 @@ def _relative(config) -> bool:
 
 
 class UniversalStep(nn.Module):
-  """One recurrent step: the shared block on the state plus its coordinates, and (ACT) the
-  halting bookkeeping. `carry` is a dict: 'state' (the block's carry), 'n' (steps done), and
+  """One recurrent step: the shared layer on the state plus its coordinates, and (ACT) the
+  halting bookkeeping. `carry` is a dict: 'state' (the layer's carry), 'n' (steps done), and
   with ACT 'out' (Σ p s so far, float32), 'cum' (Σ h of the steps before halting), 'remainder'
   (R, set at halting), 'steps' (N so far) and 'halted' (bool), each (batch, length).
 
@@ -140,20 +140,20 @@ class UniversalStep(nn.Module):
   config: Any
 
   @nn.compact
-  def __call__(self, carry, ctx: blocks.LayerContext):
+  def __call__(self, carry, ctx: residual.LayerContext):
     cfg = self.config
-    block_cls = blocks.get(cfg.block)
+    layer_cls = residual.get(cfg.residual)
     state = carry['state']
     n = carry['n'] + 1  # This step's number.
-    block = stacks.remat(block_cls, cfg.remat, scanned=True)(
+    layer = stacks.remat(layer_cls, cfg.remat, scanned=True)(
         cfg, cfg.attention[0], layer_index=0, name='block')
-    new = block(add_coordinates(state, ctx.positions, n, with_positions=not _relative(cfg)),
+    new = layer(add_coordinates(state, ctx.positions, n, with_positions=not _relative(cfg)),
                 ctx.replace(step=carry['n']))
     if not cfg.stack_option('act'):
       return {'state': new, 'n': n}
     running = ~carry['halted']
     state = _where(running, new, state)  # A halted position's state stops changing.
-    h = HaltingUnit(param_dtype=cfg.param_dtype, name='halting')(block_cls.merge(state))
+    h = HaltingUnit(param_dtype=cfg.param_dtype, name='halting')(layer_cls.merge(state))
     cum = carry['cum']
     reached = running & ((cum + h >= 1.0 - ACT_EPSILON) | (n >= cfg.stack_option('max_steps')))
     p = jnp.where(reached, 1.0 - cum, jnp.where(running, h, 0.0))
@@ -172,7 +172,7 @@ class UniversalStep(nn.Module):
 
 def _scan(length: int, broadcast: list[str]):
   """nn.scan of the step: the `broadcast` collections (the parameters, and read-only inputs
-  such as selective attention's 'pruning' budgets: one block, one of each) are shared by
+  such as selective attention's 'pruning' budgets: one layer, one of each) are shared by
   every step; every other collection (caches, segment memory, sown values) and every rng
   stream but 'params' gets one entry per step."""
   return nn.scan(stacks.carry_only(UniversalStep), variable_broadcast=list(broadcast),
@@ -182,14 +182,14 @@ def _scan(length: int, broadcast: list[str]):
 
 
 class UniversalLoop(nn.Module):
-  """The recurrent steps over the block carry x (see the module docstring).
+  """The recurrent steps over the layer's carry x (see the module docstring).
 
   Attributes:
     config: the model config.
   """
   config: Any
 
-  def early_stop(self, ctx: blocks.LayerContext) -> bool:
+  def early_stop(self, ctx: residual.LayerContext) -> bool:
     """True where the loop may stop once every position has halted: a deterministic ACT
     forward that keeps no per-step state (no decoding cache, segment memory, init or
     collected intermediates)."""
@@ -198,7 +198,7 @@ class UniversalLoop(nn.Module):
             and not self.is_mutable_collection('intermediates'))
 
   @nn.compact
-  def __call__(self, carry, ctx: blocks.LayerContext):
+  def __call__(self, carry, ctx: residual.LayerContext):
     cfg = self.config
     init = {'state': carry, 'n': jnp.zeros((), jnp.int32)}
     broadcast = ['params'] + [c for c in self.variables
@@ -240,12 +240,12 @@ class UniversalLoop(nn.Module):
 
 @stacks.register('universal')
 class Universal(stacks.Stack):
-  """One weight-shared block applied for model.stack_options.steps steps, or with ACT for up
+  """One weight-shared layer applied for model.stack_options.steps steps, or with ACT for up
   to model.stack_options.max_steps: parameters 'universal/step/block' (and
   'universal/step/halting' with ACT)."""
 
   REVERSIBLE_TRAINING = False
-  TEST_CONFIG = {'n_layers': 1, 'position_embedding': 'none'}  # One block; its coordinates.
+  TEST_CONFIG = {'n_layers': 1, 'position_embedding': 'none'}  # One layer; its coordinates.
   # config.model.stack_options. The same parameters run for other step counts, so evaluation
   # may change steps and max_steps (e.g. more steps than trained); ponder weighs a training
   # loss only; act adds the halting unit's parameters.
@@ -262,14 +262,14 @@ class Universal(stacks.Stack):
   def check(cls, config):
     if config.n_layers != 1:
       raise ValueError(
-          f"model.stack='universal' applies one weight-shared block: set model.n_layers=1 "
+          f"model.stack='universal' applies one weight-shared layer: set model.n_layers=1 "
           f"(got {config.n_layers}); its depth is model.stack_options.steps, or "
           f"model.stack_options.max_steps with model.stack_options.act=True")
     period = stacks.layer_periods(config)[0]
     if period not in (1, None):
       raise ValueError(
           f"model.stack='universal': {config.attention[0]} attention alternates its pattern "
-          f"with the layer index (period {period}), but the universal stack applies one block "
+          f"with the layer index (period {period}), but the universal stack applies one layer "
           f"at every step, which would only ever use the first pattern. Use a factorization "
           f"that does not depend on the layer (model.attention_options."
           f"{config.attention[0]}.factorization='merged' or 'multihead'), or a layered stack")
@@ -289,7 +289,7 @@ class Universal(stacks.Stack):
 
   @classmethod
   def applications(cls, config, metrics=None) -> float:
-    """Block applications per token: T, or with ACT the mean N of `metrics` (the logged
+    """Layer applications per token: T, or with ACT the mean N of `metrics` (the logged
     'act_steps/universal') when given, else the cap M."""
     if not config.stack_option('act'):
       return float(config.stack_option('steps'))
@@ -303,7 +303,7 @@ class Universal(stacks.Stack):
 
   @classmethod
   def sown_layers(cls, config, tree):
-    """The block's sown tree per step (each step as a layer, for the variants' figures)."""
+    """The layer's sown tree per step (each step as a layer, for the variants' figures)."""
     block = cls.layer_tree(config, tree, 0)
     leaves = jax.tree.leaves(block)
     steps = leaves[0].shape[0] if leaves else 0
@@ -351,7 +351,7 @@ class Universal(stacks.Stack):
   @classmethod
   def layer_tree(cls, config, tree, i):
     if i:
-      raise IndexError(f'the universal stack has one block, not layer {i}')
+      raise IndexError(f'the universal stack has one layer, not layer {i}')
     return tree.get('universal', {}).get('step', {}).get('block', {})
 
   @classmethod
@@ -361,5 +361,5 @@ class Universal(stacks.Stack):
 
   @classmethod
   def cycle(cls, config):
-    raise NotImplementedError('the universal stack applies one block for several steps; it '
+    raise NotImplementedError('the universal stack applies one layer for several steps; it '
                               'has no cycle of distinct layers (models/reversible.py)')

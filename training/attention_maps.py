@@ -32,7 +32,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from models import attention, blocks, host, stacks, transformer
+from models import attention, host, residual, stacks, transformer
 from models.attention import patterns
 from training import agreement, assembly, run_config, sharding, steps
 
@@ -42,7 +42,7 @@ def connectivity(model_config: transformer.TransformerConfig, n: int) -> dict[st
   causal mask for a variant without one (what it may attend to at most)."""
   out = {}
   for layer, name in enumerate(model_config.attention):
-    module = blocks.make_attention(model_config, name, layer)
+    module = residual.make_attention(model_config, name, layer)
     for head in range(model_config.n_heads):
       pattern = module.head_pattern(head) or patterns.Dense()
       out[f'layer{layer}_head{head}'] = patterns.mask(pattern, n, head)

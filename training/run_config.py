@@ -82,7 +82,7 @@ MODEL = declare.MODEL
 # the one declaration of every run setting (configs/schema.py SETTINGS: a setting without a
 # kind of its own takes its group's). The longest entry that is the key or a group above it
 # decides; a key no entry covers (a field of an older run) is a model change. An option of
-# model.attention_options, model.block_options or model.stack_options declares its own kind
+# model.attention_options, model.residual_options or model.stack_options declares its own kind
 # where its variant, block or stack declares it (models/options.Option.change), read from the
 # registry by `kind`.
 KINDS = declare.kinds(schema.SETTINGS)
@@ -101,7 +101,21 @@ RENAMED = {
     'model.universal_act': 'model.stack_options.act',
     'model.universal_max_steps': 'model.stack_options.max_steps',
     'model.universal_ponder': 'model.stack_options.ponder',
+    # "block" was also the residual wiring; it now means only attention's query/key blocks.
+    **{f'model.{old}': f'model.{new}' for old, new in transformer.RENAMED_FIELDS.items()},
 }
+
+
+def _renamed(key: str) -> str | None:
+  """The new name of dotted `key` by RENAMED: its own entry, or the entry of a group above it
+  (model.block_options.gate_bias -> model.residual_options.gate_bias); None if not renamed."""
+  if key in RENAMED:
+    return RENAMED[key]
+  for old, new in RENAMED.items():
+    if key.startswith(old + '.'):
+      return new + key[len(old):]
+  return None
+
 
 # Prefix of the attention options' keys.
 OPTIONS_GROUP = 'model.attention_options.'
@@ -111,8 +125,11 @@ OPTIONS_GROUP = 'model.attention_options.'
 # dynamic_span.limit): old flat name -> name in the variant's group. Every other flat option
 # kept its name. Add a line here when an attention option is renamed.
 OPTION_RENAMED = {
-    **{f'span_{n}': n for n in ('limit', 'ramp', 'init', 'penalty', 'block', 'learned',
-                                'memory', 'trim')},
+    # Adaptive span's rounding of the trimmed span was 'block' in its group, 'span_block' flat.
+    'block': 'trim_multiple',
+    'span_block': 'trim_multiple',
+    **{f'span_{n}': n for n in ('limit', 'ramp', 'init', 'penalty', 'learned', 'memory',
+                                'trim')},
     'dynamic_span_bias': 'bias',
     **{f'selective_{n}': n for n in ('shift', 'relu', 'mask_bos', 'mask_diag',
                                      'separate_bilinear', 'lmem_eps', 'lmem_tau', 'budgets')},
@@ -234,17 +251,27 @@ def renamed_keys(key: str, variants=None) -> list[str]:
   """The new keys of dotted `key` if it was renamed (RENAMED; an old flat attention option:
   `option_keys` for `variants`, the variants in use where known; an old prefixed name in a
   variant's group, e.g. model.attention_options.selective.selective_relu), else []."""
-  if key in RENAMED:
-    return [RENAMED[key]]
+  if _renamed(key):
+    return [_renamed(key)]
   name = flat_option(key)
   if name is not None:
     return option_keys(name, variants) or option_keys(name)
   if key.startswith(OPTIONS_GROUP):
     variant, _, name = key[len(OPTIONS_GROUP):].partition('.')
-    new = OPTION_RENAMED.get(name)
-    if new and variant in attention.known() and new in attention.options(variant):
+    new = _variant_option(variant, name)
+    if new:
       return [f'{OPTIONS_GROUP}{variant}.{new}']
   return []
+
+
+def _variant_option(variant: str, name: str) -> str | None:
+  """The new name of option `name` in `variant`'s group when it was renamed (OPTION_RENAMED,
+  the new name declared by the variant and the old one not), else None."""
+  new = OPTION_RENAMED.get(name)
+  if (new and variant in attention.known() and new in attention.options(variant)
+      and name not in attention.options(variant)):
+    return new
+  return None
 
 
 def migrate(flat: dict[str, Any]) -> dict[str, Any]:
@@ -253,11 +280,8 @@ def migrate(flat: dict[str, Any]) -> dict[str, Any]:
   option under each variant's key that declares it (a new key present wins)."""
   out = {}
   for key, value in flat.items():
-    if key in RENAMED:
-      new = [RENAMED[key]]
-    elif flat_option(key) is not None:
-      new = option_keys(flat_option(key))
-    else:
+    new = option_keys(flat_option(key)) if flat_option(key) is not None else renamed_keys(key)
+    if not new:
       out[key] = value
       continue
     out.update({k: value for k in new if k not in flat})
@@ -269,7 +293,14 @@ def _migrate_options(tree: dict) -> None:
   group) as per-variant groups, in place: each option under every variant that declares it."""
   model = tree.get('model')
   group = model.get('attention_options') if isinstance(model, dict) else None
-  if not isinstance(group, dict) or all(isinstance(v, dict) for v in group.values()):
+  if not isinstance(group, dict):
+    return
+  if all(isinstance(v, dict) for v in group.values()):  # Per variant: rename options only.
+    for variant, options in group.items():
+      for name in list(options):
+        new = _variant_option(variant, name)
+        if new:
+          options.setdefault(new, options.pop(name))
     return
   nested = {v: {} for v in attention.known()}
   for name, value in group.items():
@@ -286,7 +317,7 @@ def _migrate_tree(tree: dict) -> dict:
   """A nested record (config.json) with every RENAMED key moved to its new place."""
   tree = copy.deepcopy(tree)
   _migrate_options(tree)
-  for old, new in RENAMED.items():
+  for old, new in RENAMED.items():  # A renamed group moves whole: its keys keep their names.
     *parents, leaf = old.split('.')
     node = tree
     for p in parents:
@@ -317,7 +348,7 @@ def renamed_message(keys, variants=None, prefix: str = 'config key ', new_prefix
 
 def unknown_option_message(keys, prefix: str = '--config.') -> str:
   """For each dotted key among `keys` that names an option no registered component declares
-  (model.attention_options.<variant>.<name>, model.block_options.<name>,
+  (model.attention_options.<variant>.<name>, model.residual_options.<name>,
   model.stack_options.<name>), what the group does declare; joined with '; ' ('' when none)."""
   out = []
   for key in sorted(keys):

@@ -15,7 +15,7 @@ token and head, b initialized to -4. Both sow the L1 penalty (lambda / M) sum_i 
 'losses' (M = heads per layer; the dynamic penalty averages z_t over the scored tokens).
 
 Trimmed compute: a key at distance x >= R + z has weight 0, so only the last T keys are
-computed, T = ceil(max_h z_h + R) rounded up to the option `block` (`trimmed_span`). T is static:
+computed, T = ceil(max_h z_h + R) rounded up to the option `trim_multiple` (`trimmed_span`). T is static:
 the training loop reads z at its log and eval steps (where the host waits for the device
 anyway) and recompiles only when a layer's T changes (the option trim carries the
 per-layer T; absent, T = S). A step whose z outgrew T since computes all S keys instead
@@ -50,10 +50,10 @@ def soft_mask(x, z, ramp: float):
   return jnp.clip((ramp + z - x) / ramp, 0.0, 1.0)
 
 
-def trimmed_span(max_z: float, *, ramp: int, limit: int, block: int) -> int:
-  """Keys a head with span <= max_z can weigh (x < R + z), rounded up to `block`, <= S."""
+def trimmed_span(max_z: float, *, ramp: int, limit: int, multiple: int) -> int:
+  """Keys a head with span <= max_z can weigh (x < R + z), rounded up to `multiple`, <= S."""
   needed = max(1, math.ceil(max_z + ramp))
-  return int(min(limit, -(-needed // block) * block))
+  return int(min(limit, -(-needed // multiple) * multiple))
 
 
 def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span: int,
@@ -162,10 +162,10 @@ def span_report(config, head_spans: np.ndarray) -> dict:
   """
   opts = config.options_of(next(n for n in config.attention
                                  if issubclass(registry.get(n), AdaptiveSpanAttention)))
-  limit, ramp, block = opts['limit'], opts['ramp'], opts['block']
+  limit, ramp, multiple = opts['limit'], opts['ramp'], opts['trim_multiple']
   d = config.head_dim
   reach = np.minimum(head_spans + ramp, limit)  # Keys with a non-zero mask.
-  trims = [trimmed_span(float(z.max()), ramp=ramp, limit=limit, block=block) for z in head_spans]
+  trims = [trimmed_span(float(z.max()), ramp=ramp, limit=limit, multiple=multiple) for z in head_spans]
   heads = config.n_heads
   flops = {'per_head': float(4 * d * reach.sum()),
            'trimmed': float(4 * d * heads * sum(trims)),
@@ -199,8 +199,8 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
                           bounds=base.Range(base.REAL, 0, 1, hi_inclusive=True)),
       'penalty': base.Option(2e-6, 'lambda of the L1 penalty (lambda / M) sum z',
                              bounds=base.Range(base.REAL, 0)),
-      'block': base.Option(64, 'the trimmed span T is rounded up to a multiple of this',
-                           bounds=base.Range(base.INTEGER, 1)),
+      'trim_multiple': base.Option(64, 'the trimmed span T is rounded up to a multiple of this',
+                                   bounds=base.Range(base.INTEGER, 1)),
       'learned': base.Option(True, 'False: z = S for every head (fixed-span baseline)'),
       'memory': base.Option(False, "attend into the previous segment (needs data.packing="
                             "'stream'; the loop carries the 'memory' collection)"),
@@ -376,7 +376,7 @@ class DynamicSpanAttention(AdaptiveSpanAttention):
 @traits.declare('adaptive_span')
 class AdaptiveSpanTraits(traits.Traits):
   TEST_CONFIG = {'position_embedding': 'none',
-                 'attention_options': {'limit': 16, 'ramp': 4, 'block': 4}}
+                 'attention_options': {'limit': 16, 'ramp': 4, 'trim_multiple': 4}}
 
   @classmethod
   def layer_period(cls, options, n_layers):
@@ -435,7 +435,7 @@ class AdaptiveSpanTraits(traits.Traits):
     trims = [limit] * config.n_layers
     for i, frac in zip(layers, fractions):
       trims[i] = trimmed_span(limit * float(np.max(frac)), ramp=opts['ramp'], limit=limit,
-                              block=opts['block'])
+                              multiple=opts['trim_multiple'])
     return {'trim': tuple(trims)}
 
   @classmethod

@@ -216,7 +216,7 @@ class MultiHeadAttention(nn.Module):
     super().__post_init__()
 
   def _resolved_auto(self) -> str:
-    """What impl='auto' runs for this module on its platform, as models/blocks.py resolves
+    """What impl='auto' runs for this module on its platform, as models/residual.py resolves
     model.attention_impl (traits.py installs RESOLVE_AUTO; it imports this module)."""
     return RESOLVE_AUTO(self) if RESOLVE_AUTO is not None else 'xla'
 

@@ -2,10 +2,10 @@
 stack is covered without a line of test code.
 
 A case is (attention variant, block, stack setting): the variant at the small size it declares
-(Traits.TEST_CONFIG), on a block wiring of models/blocks.py, in a stack of
+(Traits.TEST_CONFIG), on a block wiring of models/residual.py, in a stack of
 models/stacks.py (with the stack's own test settings, Stack.TEST_CONFIG, and each of its
 boolean options both ways: the universal stack with and without ACT). A combination the
-config refuses (TransformerConfig raises ValueError: reversible blocks with segment memory, a
+config refuses (TransformerConfig raises ValueError: reversible layers with segment memory, a
 scan over layers that differ) is no case.
 
 Every valid combination (about 110) times every property would take most of CI's time, so the
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from models import attention, blocks, stacks, transformer
+from models import attention, residual, stacks, transformer
 
 VOCAB = 50
 MAX_LEN = 24
@@ -67,7 +67,7 @@ def model_settings(variant: str, block: str, stack: str) -> dict:
   stack_name, stack_options = stack_settings()[stack]
   declared = dict(attention.traits.of(variant).TEST_CONFIG)
   m = dict(d=0, d_model=32, n_heads=4, n_layers=2, attention=variant,
-           attention_options={variant: declared.pop('attention_options', {})}, block=block,
+           attention_options={variant: declared.pop('attention_options', {})}, residual=block,
            stack=stack_name, dtype='float32')
   m.update(declared)
   m.update(stacks.get(stack_name).TEST_CONFIG)
@@ -94,7 +94,7 @@ def run_config(case: Case, **model):
   settings = model_settings(case.variant, case.block, case.stack)
   for variant, values in settings.pop('attention_options').items():
     config.model.attention_options[variant].update(values)
-  for group in ('stack_options', 'block_options'):
+  for group in ('stack_options', 'residual_options'):
     for key, value in settings.pop(group, {}).items():
       config.model[group][key] = value
   config.model.update(vocab_size=0, max_len=0, **{**settings, **model})
@@ -103,8 +103,8 @@ def run_config(case: Case, **model):
 
 def _valid() -> list[Case]:
   out = []
-  for variant, block, stack in itertools.product(product_variants(), blocks.known(),
-                                                 stack_settings()):
+  for variant, block, stack in itertools.product(product_variants(), residual.known(),
+                                                   stack_settings()):
     try:
       out.append(Case(variant, block, stack, model_config(variant, block, stack)))
     except ValueError:
@@ -157,17 +157,17 @@ def component_cases(variants=('dense',)) -> dict[str, dict]:
   block or stack accepts: the cases of the contract tests that build a run per case (a train
   step on several devices, the TPU programs), where one case per component is affordable."""
   out = {}
-  for label, block, stack in ([(f'{b}_block', b, BASELINE[1]) for b in blocks.known()
-                               if b != BASELINE[0]]
-                              + [(f'{s}_stack', BASELINE[0], s) for s in stack_settings()
-                                 if s != BASELINE[1]]):
+  for label, block, stack in ([(f'{b}_block', b, BASELINE[1]) for b in residual.known()
+                                 if b != BASELINE[0]]
+                                + [(f'{s}_stack', BASELINE[0], s) for s in stack_settings()
+                                   if s != BASELINE[1]]):
     for variant in variants:
       try:
         model_config(variant, block, stack)
       except ValueError:
         continue
       settings = model_settings(variant, block, stack)
-      keys = {'model.attention': variant, 'model.block': block, 'model.stack': settings['stack']}
+      keys = {'model.attention': variant, 'model.residual': block, 'model.stack': settings['stack']}
       keys.update({f'model.{k}': v for k, v in stacks.get(settings['stack']).TEST_CONFIG.items()})
       keys.update({f'model.stack_options.{k}': v
                    for k, v in settings.get('stack_options', {}).items()})

@@ -8,7 +8,7 @@
 - generate = argmax: the compiled greedy sampler (models/decode.generate) picks the full
   forward's argmax at every new position, for prompts of different lengths in one batch;
 - gradients: the training loss (dropout on, auxiliary losses included) has finite gradients,
-  not all zero, through the training path (the reversible block's own backward pass).
+  not all zero, through the training path (the reversible layer's own backward pass).
 
 Decoding and gradients run on the pairwise covering set (cases.COVERING); the sampler's two
 properties on each variant's baseline and each block and stack once (cases.ONE_EACH): they

@@ -120,7 +120,7 @@ ADAM_EPS = 1e-3
 # buckets in chunks of 8.
 # Each is given to every variant that declares an option of that name.
 OPTIONS = {'stride': 4, 'summary': 2, 'window': 8, 'local_block': 8, 'block_memory': 4,
-           'key_block': 4, 'limit': 16, 'ramp': 4, 'block': 4, 'init': 0.25, 'lmem_eps': 0.1,
+           'key_block': 4, 'limit': 16, 'ramp': 4, 'trim_multiple': 4, 'init': 0.25, 'lmem_eps': 0.1,
            'chunk_len': 8, 'n_buckets': 4, 'n_hashes': 2}
 # Dotted config keys applied on top of configs/tiny.py.
 CONFIG = {
@@ -133,7 +133,7 @@ CONFIG = {
 }
 
 # Cases beyond one per variant: each block wiring and stack setting, on dense attention, with
-# dropout so that the masks a block or stack replays (the reversible block's backward pass,
+# dropout so that the masks a block or stack replays (the reversible layer's backward pass,
 # the universal stack's per-step masks) are compared too.
 EXTRA_CASES = list(cases.component_cases())
 CASES = VARIANTS + EXTRA_CASES

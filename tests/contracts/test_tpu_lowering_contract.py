@@ -8,7 +8,7 @@ sampling loop), for the chips of a v5e:2x2 slice that is not here
   static pattern's program calls the splash kernel (a Mosaic `tpu_custom_call`) on each
   device's own rows and heads, i.e. under shard_map (XLA cannot partition a Mosaic kernel:
   outside shard_map the TPU compile fails); no program calls a CPU kernel (`zoo_*` FFI);
-* libtpu's compiler compiles the train step of the reversible block (whose backward replays
+* libtpu's compiler compiles the train step of the reversible layer (whose backward replays
   the kernel) on the mixed mesh (COMPILED), and the eval step and sampling loop of one static
   pattern (a compile of a blocked path unrolled in Python takes 20-40 s here, so those are
   lowered only; benchmarks/tpu_compile.py compiles every variant);

@@ -122,9 +122,9 @@ def test_reversible_memory_fails_when_it_grows_like_pre_ln():
   def edit(results):
     rows = results['reversible_memory.json']['rows']
     pre = {(r['n_layers'], r['ff_chunk_len']): r['temp_MB'] for r in rows
-           if r['block'] == 'pre_ln'}
+           if r['residual'] == 'pre_ln'}
     for r in rows:
-      if r['block'] == 'reversible':
+      if r['residual'] == 'reversible':
         r['temp_MB'] = pre[r['n_layers'], r['ff_chunk_len']]
   assert _verdict('reversible_memory') == 'reproduces'
   assert _verdict('reversible_memory', edit) == 'does not hold at this scale'

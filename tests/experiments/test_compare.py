@@ -35,19 +35,22 @@ def test_variant_config_adds_only_the_variant_and_what_it_needs():
       'model.attention': 'txl', 'model.position_embedding': 'none',
       'model.attention_options.txl.mem_len': 0}
   gtrxl = harness.own_keys(base, harness.variant_config(base, 'gtrxl'))
-  assert gtrxl['model.block'] == 'gtrxl' and gtrxl['data.packing'] == 'stream'
+  assert gtrxl['model.residual'] == 'gtrxl' and gtrxl['data.packing'] == 'stream'
   assert harness.own_keys(base, harness.variant_config(base, 'reformer:n_hashes=2')) == {
-      'model.attention': 'lsh', 'model.block': 'reversible',
+      'model.attention': 'lsh', 'model.residual': 'reversible',
       'model.attention_options.lsh.n_hashes': 2}
-  # A stack option (model.stack_options) and a block option (model.block_options).
+  # A stack option (model.stack_options) and a residual option (model.residual_options).
   universal = harness.variant_config(base, 'universal:act=true')
   assert (universal.model.stack, universal.model.stack_options.steps,
           universal.model.stack_options.act) == ('universal', 1, True)
-  gated = harness.variant_config(base, 'dense:block=gtrxl:gate_bias=1')
-  assert harness.own_keys(base, gated) == {'model.block': 'gtrxl',
-                                           'model.block_options.gate_bias': 1.0}
+  gated = harness.variant_config(base, 'dense:residual=gtrxl:gate_bias=1')
+  assert harness.own_keys(base, gated) == {'model.residual': 'gtrxl',
+                                           'model.residual_options.gate_bias': 1.0}
   # A model field and a dotted key.
-  assert harness.variant_config(base, 'dense:block=gtrxl').model.block == 'gtrxl'
+  assert harness.variant_config(base, 'dense:residual=gtrxl').model.residual == 'gtrxl'
+  # A renamed model field names its new name ("block" is attention's query/key blocks only).
+  with pytest.raises(ValueError, match=r'block was renamed residual \(model\.residual\)'):
+    harness.variant_config(base, 'dense:block=gtrxl')
   assert harness.variant_config(base, 'dense:data.packing=packed').data.packing == 'packed'
 
 
@@ -140,7 +143,7 @@ def test_compare_two_variants_end_to_end(tmp_path):
   # LSH decodes (whole buckets): the unit keys and values of every position, as dense.
   assert value(reformer, 'decode_cache_bytes') == value(rows['dense'], 'decode_cache_bytes')
   assert 'decode_refused' not in reformer
-  assert reformer['own_keys']['model.block'] == 'reversible'
+  assert reformer['own_keys']['model.residual'] == 'reversible'
   assert '| reformer:chunk_len=8:n_buckets=4 |' in result['table']
   assert png.stat().st_size > 10_000
   # Real runs: each workdir holds its recorded config and the last checkpoint.

@@ -71,3 +71,35 @@ def test_a_rewritten_file_keeps_its_layout(tmp_path):
   path.write_text(json.dumps(OLD, indent=1))
   assert migrations.main(['--check', str(path)]) == 1
   assert json.loads(path.read_text()) == OLD  # --check writes nothing.
+
+
+def test_the_names_block_lost_are_migrated_in_keys_specs_and_command_lines():
+  old = {'command': 'python -m experiments.compare --variants dense:block=gtrxl,'
+                    'adaptive_span:block=64 --set model.block=reversible',
+         'rows': [{'own_keys': {'model.attention': 'txl', 'model.block': 'gtrxl',
+                                'model.block_options.gate_bias': 1.0}},
+                  {'own_keys': {'model.attention': 'adaptive_span',
+                                'model.attention_options.adaptive_span.block': 32}},
+                  {'block': 'reversible', 'n_layers': 2}, {'block': 128, 'heads': 4}]}
+  new = {'command': 'python -m experiments.compare --variants dense:residual=gtrxl,'
+                    'adaptive_span:trim_multiple=64 --set model.residual=reversible',
+         'rows': [{'own_keys': {'model.attention': 'txl', 'model.residual': 'gtrxl',
+                                'model.residual_options.gate_bias': 1.0}},
+                  {'own_keys': {'model.attention': 'adaptive_span',
+                                'model.attention_options.adaptive_span.trim_multiple': 32}},
+                  # A benchmark's wiring field is renamed; an attention block length is not.
+                  {'residual': 'reversible', 'n_layers': 2}, {'block': 128, 'heads': 4}]}
+  assert migrations.migrate(old) == new
+  assert migrations.migrate(new) == new
+
+
+def test_a_compile_row_of_an_unchanged_recipe_gets_its_fingerprint_renewed():
+  import configs  # pylint: disable=import-outside-toplevel
+  recipe = 'adaptive_span_enwik8'
+  config = configs.load(recipe)
+  before = migrations.before_block_meanings_fingerprint(config)
+  assert before != configs.fingerprint(config)
+  rows = {'rows': [{'recipe': recipe, 'fingerprint': before},
+                   {'recipe': recipe, 'fingerprint': 'changed-since'}]}
+  assert [r['fingerprint'] for r in migrations.migrate(rows)['rows']] == [
+      configs.fingerprint(config), 'changed-since']

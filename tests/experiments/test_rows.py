@@ -54,7 +54,7 @@ def test_a_row_splits_metrics_curves_and_fields():
 
 
 def test_a_row_of_one_seed_reads_its_evaluations():
-  r = rows.row('txl', None, {'overrides': {'model.block': 'gtrxl'}, 'train_s': 12.0,
+  r = rows.row('txl', None, {'overrides': {'model.residual': 'gtrxl'}, 'train_s': 12.0,
                              'evals': {'eval_mem128': {'bits_per_byte': 2.4, 'step': 600}},
                              'eval': {'token_accuracy': {'longer': 0.3}, 'halted_at': [1.0]},
                              'curves': {'train_loss': [[1, 5.0]]}})

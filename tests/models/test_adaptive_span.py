@@ -23,7 +23,7 @@ from training import optimizer, steps
 S, R = 24, 4
 # adaptive_span's options (config.model.attention_options.adaptive_span); dynamic_span has
 # them too, and its own b at init.
-OPTIONS = dict(limit=S, ramp=R, init=0.0, penalty=2e-6, block=4, learned=True, memory=False)
+OPTIONS = dict(limit=S, ramp=R, init=0.0, penalty=2e-6, trim_multiple=4, learned=True, memory=False)
 DYNAMIC_OPTIONS = {**OPTIONS, 'bias': -4.0}
 
 
@@ -140,7 +140,7 @@ def test_a_token_does_not_attend_to_itself():
 def test_trimmed_equals_untrimmed_outputs_and_gradients():
   q, k, v, q_seg, k_seg, rel = _inputs()
   z = jnp.asarray([1.0, 5.5, 9.2])
-  trim = A.trimmed_span(9.2, ramp=R, limit=S, block=4)
+  trim = A.trimmed_span(9.2, ramp=R, limit=S, multiple=4)
   assert trim == 16 < S
 
   def loss(span, q, k, v, z, rel):
@@ -159,10 +159,10 @@ def test_trimmed_equals_untrimmed_outputs_and_gradients():
 
 
 def test_trimmed_span_rounds_up_to_blocks():
-  assert A.trimmed_span(0.0, ramp=32, limit=1024, block=64) == 64
-  assert A.trimmed_span(32.0, ramp=32, limit=1024, block=64) == 64
-  assert A.trimmed_span(32.5, ramp=32, limit=1024, block=64) == 128
-  assert A.trimmed_span(1024.0, ramp=32, limit=1024, block=64) == 1024
+  assert A.trimmed_span(0.0, ramp=32, limit=1024, multiple=64) == 64
+  assert A.trimmed_span(32.0, ramp=32, limit=1024, multiple=64) == 64
+  assert A.trimmed_span(32.5, ramp=32, limit=1024, multiple=64) == 128
+  assert A.trimmed_span(1024.0, ramp=32, limit=1024, multiple=64) == 1024
 
 
 def _model(name='adaptive_span', memory=False, max_len=48, **extra):
@@ -345,7 +345,7 @@ def test_invalid_span_options_are_rejected():
                      ({'ramp': 0}, r'\.ramp must be an integer >= 1, got 0'),
                      ({'init': 1.5}, r'\.init must be a finite number in \[0, 1\], got 1.5'),
                      ({'penalty': -1.0}, r'\.penalty must be a finite number >= 0, got -1.0'),
-                     ({'block': 0}, r'\.block must be an integer >= 1, got 0'),
+                     ({'trim_multiple': 0}, r'\.trim_multiple must be an integer >= 1, got 0'),
                      ({'trim': (4,)}, ': trim')]:
     with pytest.raises(ValueError, match=group + match):
       _model(**bad)

@@ -1,4 +1,4 @@
-"""GTrXL's gated block (model.block='gtrxl', issue 21) against hand-written computations.
+"""GTrXL's gated layer (model.residual='gtrxl', issue 21) against hand-written computations.
 
 The gate is checked against the paper's four equations written here in float64 from the
 module's parameters; the block against the same wiring composed by hand from its norm,
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import blocks, transformer
+from models import residual, transformer
 
 D = 16
 
@@ -41,7 +41,7 @@ def _xy(seed=0, shape=(2, 5, D)):
 
 def test_gate_equals_the_papers_equations():
   x, y = _xy()
-  gate = blocks.GRUGate()
+  gate = residual.GRUGate()
   params = nn.unbox(jax.jit(gate.init)(jax.random.key(0), x, y)['params'])
   np.testing.assert_array_equal(params['gate_bias'], np.full(D, 2.0))  # b_g starts at 2.
   # A b_g that is not constant, so a wrong sign or axis would show.
@@ -54,11 +54,11 @@ def test_gate_starts_near_the_identity():
   """With b_g = 2 the update gate z starts near σ(-2) and g(x, y) near x; with b_g = 0 the same
   weights put z near 1/2 and move the stream much further."""
   x, y = _xy(shape=(4, 64, 256))
-  params = nn.unbox(jax.jit(blocks.GRUGate().init)(jax.random.key(0), x, y)['params'])
+  params = nn.unbox(jax.jit(residual.GRUGate().init)(jax.random.key(0), x, y)['params'])
 
   def moved(bias):
     p = {**params, 'gate_bias': jnp.full(x.shape[-1], bias)}
-    out = jax.jit(blocks.GRUGate(gate_bias=bias).apply)({'params': p}, x, y)
+    out = jax.jit(residual.GRUGate(gate_bias=bias).apply)({'params': p}, x, y)
     return float(jnp.linalg.norm(out - x) / jnp.linalg.norm(x))
 
   near, plain = moved(2.0), moved(0.0)
@@ -73,7 +73,7 @@ def _config(attention='dense', block='gtrxl', stack='unrolled', n_layers=2, **op
   extra = {'position_embedding': 'none'} if attention == 'txl' else {}
   return transformer.TransformerConfig.from_config(dict(
       d=0, d_model=D * 2, n_heads=2, n_layers=n_layers, vocab_size=40, max_len=32,
-      attention=attention, attention_impl='xla', attention_block_size=4, block=block,
+      attention=attention, attention_impl='xla', attention_block_size=4, residual=block,
       stack=stack, attention_options={attention: options}, **extra))
 
 
@@ -83,9 +83,9 @@ def test_block_equals_the_wiring_by_hand():
   cfg = _config(n_layers=1)
   x, _ = _xy(shape=(2, 6, cfg.d_model))
   x = 3.0 * x  # A stream far from unit RMS: a norm on it would show.
-  ctx = blocks.LayerContext(positions=jnp.broadcast_to(jnp.arange(6), (2, 6)),
-                            segment_ids=jnp.ones((2, 6), jnp.int32))
-  block = blocks.get('gtrxl')(config=cfg, attention_name='dense')
+  ctx = residual.LayerContext(positions=jnp.broadcast_to(jnp.arange(6), (2, 6)),
+                              segment_ids=jnp.ones((2, 6), jnp.int32))
+  block = residual.get('gtrxl')(config=cfg, attention_name='dense')
   params = nn.unbox(jax.jit(block.init)(jax.random.key(0), x, ctx)['params'])
   assert set(params) == {'pre_attention_norm', 'attention', 'attention_gate', 'pre_mlp_norm',
                          'mlp', 'mlp_gate'}
@@ -98,8 +98,8 @@ def test_block_equals_the_wiring_by_hand():
     a = np.asarray(a, np.float64)
     return a / np.sqrt(np.mean(a * a, axis=-1, keepdims=True) + 1e-6) * np.asarray(p['scale'])
 
-  attn = blocks.make_attention(cfg, 'dense', 0)
-  mlp = blocks.layers.SwiGLU(cfg.mlp_dim)
+  attn = residual.make_attention(cfg, 'dense', 0)
+  mlp = residual.layers.SwiGLU(cfg.mlp_dim)
   h = norm(params['pre_attention_norm'], x)
   # Each module applied as one jitted program (op by op was slower).
   y = np.asarray(jax.jit(attn.apply)({'params': params['attention']},
@@ -124,7 +124,7 @@ def test_block_equals_the_wiring_by_hand():
 def test_gates_add_their_parameters_and_flops_with_any_variant(attention, stack, options):
   """The gates add 2 x (6 d^2 + d) parameters per layer (counted from init's shapes) and
   12 d^2 matmul weights per layer to the FLOPs count, whatever the attention and the stack
-  (that every variant and stack trains and decodes in gated blocks: the contract suite)."""
+  (that every variant and stack trains and decodes in gated layers: the contract suite)."""
   gated = _config(attention, 'gtrxl', stack, **options)
   plain = _config(attention, 'pre_ln', stack, **options)
   d, layers = gated.d_model, gated.n_layers

@@ -2,7 +2,7 @@
 
 - One chunk (chunk_len >= the length): the forward pass attends to exactly the bucket-mates,
   so decoding (decode.score) equals it, for 1 and 2 rounds and 1 and 4 buckets (greedy
-  generation, the reversible block and the stacks: tests/contracts/test_model_contract.py).
+  generation, the reversible layer and the stacks: tests/contracts/test_model_contract.py).
 - Shorter chunks: decoding attends to the whole bucket, checked against a reference written
   here (dense causal shared-QK attention restricted to the union of the rounds' buckets, with
   the self rule), which differs from plain causal attention and from the chunked forward.
@@ -67,7 +67,7 @@ def _forward_buckets(model, params, tokens):
           for i in range(model.config.n_layers)]
 
 
-# The reversible block and the scanned stacks decode LSH in the contract suite
+# The reversible layer and the scanned stacks decode LSH in the contract suite
 # (tests/contracts/test_model_contract.py); here, the rounds and buckets on Pre-LN.
 CASES = [(h, b, 'pre_ln', 'unrolled') for h in (1, 2) for b in (1, 4)]
 
@@ -75,12 +75,12 @@ CASES = [(h, b, 'pre_ln', 'unrolled') for h in (1, 2) for b in (1, 4)]
 @pytest.mark.parametrize('n_hashes, n_buckets, block, stack', CASES,
                          ids=[f'h{h}-b{b}-{block}-{stack}' for h, b, block, stack in CASES])
 def test_one_chunk_decoding_equals_the_forward_pass(n_hashes, n_buckets, block, stack):
-  model, params = _model(n_hashes, n_buckets, block=block, stack=stack)
+  model, params = _model(n_hashes, n_buckets, residual=block, stack=stack)
   tokens = _tokens()
   full = _apply(model, params, tokens)
   np.testing.assert_allclose(decode.score(model, params, tokens), full, rtol=1e-5, atol=2e-5)
   if n_buckets > 1:  # The buckets restrict the keys: one bucket gives other logits.
-    one, _ = _model(n_hashes, 1, block=block, stack=stack)  # The same parameters.
+    one, _ = _model(n_hashes, 1, residual=block, stack=stack)  # The same parameters.
     assert not np.allclose(_apply(one, params, tokens), full, atol=1e-3)
 
 

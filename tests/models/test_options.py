@@ -1,6 +1,6 @@
 """The option mechanism every registry shares (models/options.py, models/registry.py):
 declared options, their defaults, resolution with type checks, one flat namespace; and the
-model's block and stack option groups (model.block_options, model.stack_options)."""
+model's block and stack option groups (model.residual_options, model.stack_options)."""
 
 import flax.linen as nn
 import jax
@@ -122,25 +122,25 @@ def _model(**model):
 
 def test_every_model_carries_each_groups_options_with_defaults():
   config = _model()
-  assert dict(config.block_options) == {'gate_bias': 2.0}
+  assert dict(config.residual_options) == {'gate_bias': 2.0}
   assert dict(config.stack_options) == {'act': False, 'max_steps': 8, 'ponder': 0.01,
                                         'steps': 4}
-  assert config.block_option('gate_bias') == 2.0 and config.stack_option('steps') == 4
-  with pytest.raises(ValueError, match='unknown model.block_options gate; the registered '
-                                       'blocks declare: gate_bias'):
-    _model(block_options={'gate': 1.0})
+  assert config.residual_option('gate_bias') == 2.0 and config.stack_option('steps') == 4
+  with pytest.raises(ValueError, match='unknown model.residual_options gate; the registered '
+                                       'residual wirings declare: gate_bias'):
+    _model(residual_options={'gate': 1.0})
   # Types are checked for the block and stack in use only (as attention options are).
-  _model(block_options={'gate_bias': 'high'})
-  with pytest.raises(ValueError, match=r'model.block_options.gate_bias \(.*\) must be a number'):
-    _model(block='gtrxl', block_options={'gate_bias': 'high'})
+  _model(residual_options={'gate_bias': 'high'})
+  with pytest.raises(ValueError, match=r'model.residual_options.gate_bias \(.*\) must be a number'):
+    _model(residual='gtrxl', residual_options={'gate_bias': 'high'})
 
 
 def test_gtrxl_gate_bias_sets_the_initial_bias_only():
   x = jnp.zeros((1, 8), jnp.int32)
 
-  def params(**block_options):
-    model = transformer.Decoder(_model(block='gtrxl', dtype='float32',
-                                       block_options=block_options))
+  def params(**residual_options):
+    model = transformer.Decoder(_model(residual='gtrxl', dtype='float32',
+                                       residual_options=residual_options))
     return nn.unbox(model.init(jax.random.key(0), x)['params'])
 
   default, other = params(), params(gate_bias=0.5)

@@ -331,8 +331,8 @@ OPTIONS = {'strided': dict(stride=4, factorization='merged', **_BLOCKS),
            'local': dict(window=5, **_BLOCKS),
            'local_global': dict(window=5, global_every=2, **_BLOCKS),
            'block_local': dict(_BLOCKS),
-           'adaptive_span': dict(limit=24, ramp=4, init=0.5, block=8),
-           'dynamic_span': dict(limit=24, ramp=4, block=8),
+           'adaptive_span': dict(limit=24, ramp=4, init=0.5, trim_multiple=8),
+           'dynamic_span': dict(limit=24, ramp=4, trim_multiple=8),
            'txl': dict(mem_len=0),
            'selective': dict(lmem_eps=0.1)}
 

@@ -1,4 +1,4 @@
-"""The reversible block (model.block='reversible', issue 22) and the chunked feed-forward
+"""The reversible layer (model.residual='reversible', issue 22) and the chunked feed-forward
 (model.ff_chunk_len).
 
 The block's inverse is checked on one block; the custom VJP of models/reversible.py against
@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 
-from models import blocks, layers, reversible, transformer
+from models import layers, residual, reversible, transformer
 from training import steps
 
 VOCAB = 40
@@ -35,7 +35,7 @@ def _jit(fn, *args):
 
 def _config(attention='dense', n_layers=3, block='reversible', **overrides):
   cfg = dict(d=0, d_model=32, n_heads=2, n_layers=n_layers, vocab_size=VOCAB, max_len=32,
-             attention=attention, attention_impl='xla', block=block)
+             attention=attention, attention_impl='xla', residual=block)
   if attention in ('txl', 'adaptive_span'):
     cfg['position_embedding'] = 'none'
   cfg.update(overrides)
@@ -56,8 +56,8 @@ def _params(cfg, seed=0):
 
 
 def _ctx(rows=2, n=SEQ, **kwargs):
-  return blocks.LayerContext(positions=jnp.broadcast_to(jnp.arange(n), (rows, n)),
-                             segment_ids=jnp.ones((rows, n), jnp.int32), **kwargs)
+  return residual.LayerContext(positions=jnp.broadcast_to(jnp.arange(n), (rows, n)),
+                               segment_ids=jnp.ones((rows, n), jnp.int32), **kwargs)
 
 
 def _close(got, want, rel):
@@ -75,7 +75,7 @@ def test_inverse_rebuilds_the_inputs():
   rng = np.random.default_rng(0)
   x1, x2 = (jnp.asarray(rng.normal(size=(2, SEQ, 32)), jnp.float32) for _ in range(2))
   ctx = _ctx(deterministic=False)
-  block = blocks.get('reversible')(cfg, 'dense')
+  block = residual.get('reversible')(cfg, 'dense')
   params = nn.unbox(block.init(jax.random.key(0), (x1, x2), ctx)['params'])
   assert set(params) == {'pre_attention_norm', 'attention', 'pre_mlp_norm', 'mlp'}
   key = {'dropout': jax.random.key(1)}
@@ -268,7 +268,7 @@ def test_chunked_feed_forward_never_holds_the_whole_hidden_activation():
 
 
 def test_flops_and_parameters_are_those_of_pre_ln():
-  """The same sublayers and no weights of its own: the reversible block counts the model
+  """The same sublayers and no weights of its own: the reversible layer counts the model
   FLOPs of pre_ln (its recompute in the backward pass is not model FLOPs) and has the same
   parameters."""
   rev, pre = _config(), _config(block='pre_ln')
@@ -277,13 +277,13 @@ def test_flops_and_parameters_are_those_of_pre_ln():
 
 
 @pytest.mark.parametrize('overrides,message', [
-    ({'block': 'nope'}, "unknown block 'nope'; known blocks: gtrxl, pre_ln, reversible$"),
+    ({'residual': 'nope'}, "unknown residual wiring 'nope'; known residual wirings: gtrxl, pre_ln, reversible$"),
     ({'ff_chunk_len': -1}, r'model.ff_chunk_len must be an integer >= 0 .* got -1'),
     ({'ff_chunk_len': 2.5}, r'model.ff_chunk_len must be an integer >= 0 .* got 2.5'),
     ({'attention': 'txl', 'attention_options': {'txl': {'mem_len': 4}}},
-     "block='reversible' cannot carry segment memory"),
+     "residual='reversible' cannot carry segment memory"),
     ({'attention': 'adaptive_span', 'attention_options': {'adaptive_span': {'memory': True}}},
-     "block='reversible' cannot carry segment memory"),
+     "residual='reversible' cannot carry segment memory"),
 ])
 def test_bad_config_is_reported(overrides, message):
   with pytest.raises(ValueError, match=message):

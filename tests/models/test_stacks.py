@@ -1,11 +1,11 @@
-"""Tests for models/stacks.py and models/blocks.py: every stack computes the unrolled model."""
+"""Tests for models/stacks.py and models/residual.py: every stack computes the unrolled model."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import blocks, stacks, transformer
+from models import residual, stacks, transformer
 
 VOCAB = 32
 # The pattern variants' options (config.model.attention_options.<variant>).
@@ -89,7 +89,7 @@ def test_scan_cycle_computes_the_unrolled_model(attention, n_layers, cycle):
     ({'attention': 'strided', 'n_layers': 3, 'stack': 'scan_cycle'}, 'repeat every 2 layers'),
     ({'attention': 'selective', 'stack': 'scan_cycle'}, 'selective attention gives every layer'),
     ({'stack': 'nope'}, "unknown stack 'nope'; known stacks: scan, scan_cycle, universal, unrolled"),
-    ({'block': 'nope'}, "unknown block 'nope'; known blocks: gtrxl, pre_ln, reversible"),
+    ({'residual': 'nope'}, "unknown residual wiring 'nope'; known residual wirings: gtrxl, pre_ln, reversible"),
 ])
 def test_bad_stack_or_block_is_reported_at_config_time(overrides, message):
   with pytest.raises(ValueError, match=message):
@@ -126,8 +126,8 @@ def test_auto_scans_only_identical_layer_independent_layers():
 
 
 def test_layer_context_is_static_where_it_must_be():
-  ctx = blocks.LayerContext(positions=jnp.zeros((1, 2)), segment_ids=jnp.ones((1, 2)),
-                            deterministic=False, decode=True)
+  ctx = residual.LayerContext(positions=jnp.zeros((1, 2)), segment_ids=jnp.ones((1, 2)),
+                              deterministic=False, decode=True)
   leaves, treedef = jax.tree.flatten(ctx)
   assert len(leaves) == 2  # positions and segment_ids; step None; the flags are static.
   back = jax.tree.unflatten(treedef, leaves)

@@ -125,7 +125,7 @@ def test_every_default_of_the_model_config_is_the_schema_s():
       got = jnp.dtype(default).name if name.endswith('dtype') else default
       assert got == want, (name, got, want)
       compared.add(name)
-  assert compared == set(fields) - {'attention_options', 'block_options', 'stack_options',
+  assert compared == set(fields) - {'attention_options', 'residual_options', 'stack_options',
                                     'target_platform', 'target_devices'}
   # The set-by-the-loop fields are no user setting; the option groups are the registries'.
   assert set(fields) - set(declared) == {'target_platform', 'target_devices'}
@@ -273,7 +273,7 @@ def test_num_params_matches_the_backbone_formula(overrides):
 
 def test_num_params_counts_a_variants_own_parameters():
   # Adaptive span adds p_1..p_S (S x head_dim) and z' (one per head) to every layer.
-  span = {'limit': 8, 'ramp': 2, 'init': 0.0, 'penalty': 0.0, 'block': 4, 'learned': True,
+  span = {'limit': 8, 'ramp': 2, 'init': 0.0, 'penalty': 0.0, 'trim_multiple': 4, 'learned': True,
           'memory': False}
   cfg = _config(attention='adaptive_span', attention_options={'adaptive_span': span})
   assert cfg.num_params() == _backbone_params(cfg) + cfg.n_layers * (8 * cfg.head_dim + cfg.n_heads)

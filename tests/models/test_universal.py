@@ -11,14 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import blocks, decode, transformer, universal
+from models import decode, residual, transformer, universal
 
 D = 32
 N = 12
 VOCAB = 13
 
 
-class CoordinatedPreLN(blocks.PreLN):
+class CoordinatedPreLN(residual.PreLN):
   """pre_ln after adding the universal stack's coordinates of step layer_index + 1: what a
   fixed-step universal stack computes, as an unrolled stack of distinct layers."""
 
@@ -29,9 +29,9 @@ class CoordinatedPreLN(blocks.PreLN):
 
 @pytest.fixture(autouse=True)
 def _coordinated_block(monkeypatch):
-  """CoordinatedPreLN as model.block='test_coordinated_pre_ln' for this module's tests only
+  """CoordinatedPreLN as model.residual='test_coordinated_pre_ln' for this module's tests only
   (other modules check the list of known blocks)."""
-  monkeypatch.setitem(blocks.BLOCKS._entries, 'test_coordinated_pre_ln', CoordinatedPreLN)
+  monkeypatch.setitem(residual.RESIDUALS._entries, 'test_coordinated_pre_ln', CoordinatedPreLN)
 
 
 def _config(**overrides):
@@ -90,7 +90,7 @@ def _sown(config, params, x, **kwargs):
 def _unrolled_equivalent(config, params, steps):
   """An unrolled stack of `steps` coordinated pre_ln layers holding the universal block's
   weights, and its parameters."""
-  unrolled = _config(stack='unrolled', n_layers=steps, block='test_coordinated_pre_ln')
+  unrolled = _config(stack='unrolled', n_layers=steps, residual='test_coordinated_pre_ln')
   block = params['universal']['step']['block']
   out = {k: v for k, v in params.items() if k != 'universal'}
   out.update({f'block_{i}': block for i in range(steps)})
@@ -162,7 +162,7 @@ def test_ponder_cost_and_output_on_fixed_halting_probabilities(max_steps, n, r):
   ut = {'step': {'block': params['universal']['step']['block'], 'halting': halting}}
   x = jax.random.normal(jax.random.key(1), (2, N, D))
   positions, segments = _packed()
-  ctx = blocks.LayerContext(positions=positions, segment_ids=segments)
+  ctx = residual.LayerContext(positions=positions, segment_ids=segments)
   out, sown = universal.UniversalLoop(config).apply({'params': ut}, x, ctx,
                                                     mutable=['losses', 'metrics'])
   np.testing.assert_allclose(sown['losses']['ponder_cost'][0], tau * (n + r), rtol=1e-5)
@@ -232,7 +232,7 @@ def test_decoding_equals_the_forward_pass(act, attention, block):
   frozen state into the later steps' caches, where longer-running tokens read it (halting
   weights set so that the tokens halt at different steps; the universal stack with fixed steps
   and with ACT, with every block and variant, decodes in tests/contracts/test_model_contract.py)."""
-  config = _config(act=act, attention=attention, block=block,
+  config = _config(act=act, attention=attention, residual=block,
                    attention_options={'local': {'window': 5}} if attention == 'local' else {})
   params = _params(config, seed=1)
   if act:
@@ -316,7 +316,7 @@ def test_relative_position_attention_gets_only_the_step_signal():
 
 
 @pytest.mark.parametrize('overrides, message', [
-    ({'n_layers': 2}, r"applies one weight-shared block: set model.n_layers=1"),
+    ({'n_layers': 2}, r"applies one weight-shared layer: set model.n_layers=1"),
     ({'steps': 0}, r'model.stack_options.steps must be an integer >= 1, got 0'),
     ({'max_steps': 0, 'act': True}, r'model.stack_options.max_steps must be an integer >= 1'),
     ({'steps': 2.5}, r'model.stack_options.steps \(T: .*\) must be an integer, got 2.5'),

@@ -14,7 +14,7 @@ def _decayed(stack: str, block: str = 'pre_ln') -> dict[str, list[bool]]:
   """{parameter of one layer (or outside the stack): [decayed in layer i]} after one AdamW step
   with zero gradients, where only the decay moves a parameter."""
   config = tiny.get_config()
-  config.model.stack, config.model.block = stack, block
+  config.model.stack, config.model.residual = stack, block
   config.peak_tflops_per_device = 1.0
   config.weight_decay, config.learning_rate, config.warmup_steps = 0.5, 0.1, 0
   setup = assembly.build(config)

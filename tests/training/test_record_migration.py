@@ -28,6 +28,9 @@ OLD_TO_NEW = {
     'model.universal_max_steps': 'model.stack_options.max_steps',
     'model.universal_ponder': 'model.stack_options.ponder',
 }
+# The residual wiring's keys lost the word "block" (attention's query/key blocks only).
+BLOCK_TO_RESIDUAL = {'model.block': 'model.residual',
+                     'model.block_options': 'model.residual_options'}
 
 
 def _config(total_steps):
@@ -49,12 +52,38 @@ def _write_old_record(workdir) -> None:
 
 
 def test_the_migration_table():
-  assert run_config.RENAMED == OLD_TO_NEW
+  assert run_config.RENAMED == {**OLD_TO_NEW, **BLOCK_TO_RESIDUAL}
   assert run_config.migrate({'model.universal_max_steps': 6, 'seed': 1}) == {
       'model.stack_options.max_steps': 6, 'seed': 1}
   # A new key present wins over its old name.
   assert run_config.migrate({'model.universal_steps': 2, 'model.stack_options.steps': 5}) == {
       'model.stack_options.steps': 5}
+
+
+def test_the_residual_wiring_and_span_rounding_lost_the_word_block():
+  """"block" now means only attention's query/key blocks: the residual wiring's keys, and
+  adaptive span's rounding, are read under their new names from every old form."""
+  assert run_config.migrate({'model.block': 'gtrxl', 'model.block_options.gate_bias': 1.0,
+                             'model.attention_options.adaptive_span.block': 32}) == {
+      'model.residual': 'gtrxl', 'model.residual_options.gate_bias': 1.0,
+      'model.attention_options.adaptive_span.trim_multiple': 32}
+  assert run_config.migrate({'model.attention_options.span_block': 16}) == {
+      'model.attention_options.adaptive_span.trim_multiple': 16,
+      'model.attention_options.dynamic_span.trim_multiple': 16}
+  # Only a variant whose option was renamed has it renamed: selective never had 'block'.
+  assert run_config.renamed_keys('model.attention_options.selective.block') == []
+  record = {'model': {'block': 'reversible', 'block_options': {'gate_bias': 2.0},
+                      'attention_options': {'adaptive_span': {'limit': 8, 'block': 4},
+                                            'local': {'window': 3}}}}
+  assert run_config._migrate_tree(record) == {'model': {
+      'residual': 'reversible', 'residual_options': {'gate_bias': 2.0},
+      'attention_options': {'adaptive_span': {'limit': 8, 'trim_multiple': 4},
+                            'local': {'window': 3}}}}
+  with pytest.raises(ValueError, match=r'config key model\.block was renamed model\.residual'):
+    run_config.check_renamed(['model.block'])
+  with pytest.raises(ValueError, match=r'unknown model setting\(s\) block \(block was renamed '
+                                       r'residual\)'):
+    transformer.TransformerConfig.from_config(dict(d=1, vocab_size=8, max_len=8, block='gtrxl'))
 
 
 def test_stack_and_block_options_declare_their_change_kind():
@@ -63,7 +92,7 @@ def test_stack_and_block_options_declare_their_change_kind():
   assert run_config.kind('model.stack_options.ponder') == run_config.TRAINING
   assert run_config.kind('model.stack_options.act') == run_config.MODEL  # The halting unit.
   # GTrXL's gate bias only sets an initializer.
-  assert run_config.kind('model.block_options.gate_bias') == run_config.TRAINING
+  assert run_config.kind('model.residual_options.gate_bias') == run_config.TRAINING
   for group, registry in transformer.OPTION_GROUPS.items():
     if registry.per_entry:  # model.attention_options.<variant>: tests/training/test_run_config.py
       continue
@@ -72,7 +101,7 @@ def test_stack_and_block_options_declare_their_change_kind():
   # Nothing about them is listed by hand in training/.
   assert not [k for k in run_config.KINDS
               if k.startswith('model.universal_') or k.startswith('model.stack_options')
-              or k.startswith('model.block_options')]
+              or k.startswith('model.residual_options')]
   assert run_config.kind('model.stack_options.an_option_added_later') == run_config.MODEL
 
 

@@ -18,7 +18,7 @@ from configs import adaptive_span_char
 from training import assembly, attention_maps, evaluation, steps, train
 
 STEPS = 20
-OPTIONS = {'limit': 16, 'ramp': 4, 'init': 0.125, 'block': 4, 'penalty': 1.0, 'memory': False}
+OPTIONS = {'limit': 16, 'ramp': 4, 'init': 0.125, 'trim_multiple': 4, 'penalty': 1.0, 'memory': False}
 
 
 def _run(harness, tmp_path, name, monkeypatch):
@@ -99,7 +99,7 @@ def _stream_config(tmp_path, total_steps):
   config.data.chunk_bytes = 2048
   config.data.prefetch_batches = 1
   config.model.update(d_model=32, n_heads=2, n_layers=2, attention_block_size=8)
-  config.model.attention_options.adaptive_span.update(limit=24, ramp=4, block=8, init=0.3,
+  config.model.attention_options.adaptive_span.update(limit=24, ramp=4, trim_multiple=8, init=0.3,
                                                       penalty=0.01)
   config.update(seq_len=16, batch_size=2, total_steps=total_steps, warmup_steps=2,
                 learning_rate=0.01, log_every_steps=2, eval_every_steps=0, eval_steps=2,

@@ -1,7 +1,7 @@
-"""Residual wiring of one layer (`model.block`): a registry, one entry per wiring.
+"""Residual wiring of one layer (`model.residual`): a registry, one entry per wiring.
 
-Every block has the same signature, `carry = block(carry, ctx)`, with the frozen
-`LayerContext` that the stack hands to each layer, so a stack never needs to know which block
+Every wiring's layer has the same signature, `carry = layer(carry, ctx)`, with the frozen
+`LayerContext` that the stack hands to each layer, so a stack never needs to know which wiring
 it applies:
 
   pre_ln      x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))   (today's backbone)
@@ -11,11 +11,11 @@ it applies:
               (RevNet, Gomez et al. 2017; Reformer, Kitaev et al. 2020); training rebuilds
               each layer's input from its output (models/reversible.py)
 
-The carry is what the block threads through the stack: the residual stream x for pre_ln and
+The carry is what the layers thread through the stack: the residual stream x for pre_ln and
 gtrxl, the pair (x1, x2) for reversible. The Decoder makes it from the embedding with the
-block's `split` and turns the stack's output back into one stream with `merge`. A block whose
-wiring adds matmul weights declares them (`extra_matmul_weights`) for the FLOPs count. A block's
-own hyper-parameters are its `OPTIONS` (config.model.block_options; models/options.py), e.g.
+wiring's `split` and turns the stack's output back into one stream with `merge`. A wiring that
+adds matmul weights declares them (`extra_matmul_weights`) for the FLOPs count. A wiring's
+own hyper-parameters are its `OPTIONS` (config.model.residual_options; models/options.py), e.g.
 GTrXL's gate_bias.
 """
 
@@ -31,10 +31,10 @@ from models import attention, layers
 from models.options import Option
 from models.registry import Registry
 
-BLOCKS = Registry('block', 'model.block_options')
-register = BLOCKS.register
-known = BLOCKS.known
-get = BLOCKS.get
+RESIDUALS = Registry('residual wiring', 'model.residual_options')
+register = RESIDUALS.register
+known = RESIDUALS.known
+get = RESIDUALS.get
 
 
 @flax.struct.dataclass
@@ -77,8 +77,8 @@ def make_attention(config, variant: str, layer_index: int, **kwargs) -> nn.Modul
       platform=platform, **kwargs)
 
 
-class BlockBase(nn.Module):
-  """Fields every block takes; a block's `__call__(x, ctx)` returns the layer's output.
+class LayerBase(nn.Module):
+  """Fields every wiring's layer takes; its `__call__(x, ctx)` returns the layer's output.
 
   Attributes:
     config: the model config (models/transformer.py TransformerConfig).
@@ -90,13 +90,13 @@ class BlockBase(nn.Module):
   attention_name: str
   layer_index: int = 0
 
-  # True for a block whose input is a function of its output: the Decoder then trains the
+  # True for a wiring whose input is a function of its output: the Decoder then trains the
   # stack through models/reversible.py, which stores no layer's activations.
   REVERSIBLE: ClassVar[bool] = False
-  # The block's own hyper-parameters, config.model.block_options.<name>: name -> Option
-  # (models/options.py), each with its default, doc and change kind. Options of all blocks
-  # share that one group (the registry refuses a name two blocks declare separately); read
-  # one with config.block_option(name).
+  # The wiring's own hyper-parameters, config.model.residual_options.<name>: name -> Option
+  # (models/options.py), each with its default, doc and change kind. Options of all wirings
+  # share that one group (the registry refuses a name two wirings declare separately); read
+  # one with config.residual_option(name).
   OPTIONS: ClassVar[dict[str, Option]] = {}
 
   @classmethod
@@ -116,7 +116,7 @@ class BlockBase(nn.Module):
 
   @classmethod
   def extra_matmul_weights(cls, d_model: int) -> int:
-    """Matmul weights per layer beyond attention and MLP (the block's own), for
+    """Matmul weights per layer beyond attention and MLP (the wiring's own), for
     TransformerConfig.train_flops_per_token."""
     del d_model
     return 0
@@ -146,8 +146,8 @@ class BlockBase(nn.Module):
 
 
 @register('pre_ln')
-class PreLN(BlockBase):
-  """Pre-LN block: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))."""
+class PreLN(LayerBase):
+  """Pre-LN layer: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))."""
 
   @nn.compact
   def __call__(self, x, ctx: LayerContext):
@@ -156,7 +156,7 @@ class PreLN(BlockBase):
     return nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
 
 
-# GTrXL's options (config.model.block_options). The gate bias only sets b_g's initializer,
+# GTrXL's options (config.model.residual_options). The gate bias only sets b_g's initializer,
 # so a recorded run may be evaluated with another value: a 'training' change.
 GTRXL_OPTIONS = {
     'gate_bias': Option(2.0, "b_g at init: GTrXL's gate bias (z starts near σ(-b_g))",
@@ -175,10 +175,10 @@ class GRUGate(nn.Module):
   x is the residual stream and y the sublayer output. The matmuls run in `dtype` (W_r, W_z,
   W_g as one (d, 3, d) kernel, U_r, U_z as one (d, 2, d)); the gating in float32. b_g is a
   learned per-feature bias that starts at `gate_bias` (2, as in the paper), so z starts near
-  σ(-2) ≈ 0.12 and the block near the identity.
+  σ(-2) ≈ 0.12 and the layer near the identity.
 
   Attributes:
-    gate_bias: initial value of b_g (GTrXL's model.block_options.gate_bias).
+    gate_bias: initial value of b_g (GTrXL's model.residual_options.gate_bias).
     dtype: computation dtype of the matmuls and of the output.
     param_dtype: parameter dtype.
   """
@@ -208,8 +208,8 @@ class GRUGate(nn.Module):
 
 
 @register('gtrxl')
-class GTrXL(BlockBase):
-  """Gated block of GTrXL (Parisotto et al. 2019): the norm sits on the sublayer input only,
+class GTrXL(LayerBase):
+  """Gated layer of GTrXL (Parisotto et al. 2019): the norm sits on the sublayer input only,
   so the stream x is never normalized inside the stack; a ReLU follows each sublayer; and a
   GRU-type gate (GRUGate) replaces both residual sums:
 
@@ -217,7 +217,7 @@ class GTrXL(BlockBase):
 
   Works with any attention variant. Residual dropout applies to the sublayer output before
   the gate. The decoder's final RMSNorm still normalizes the stack's output. Option:
-  gate_bias, b_g's initial value (model.block_options.gate_bias; 2 as in the paper).
+  gate_bias, b_g's initial value (model.residual_options.gate_bias; 2 as in the paper).
   """
 
   OPTIONS = GTRXL_OPTIONS
@@ -227,7 +227,7 @@ class GTrXL(BlockBase):
     return 2 * 6 * d_model * d_model  # Two gates, six d x d matrices each.
 
   def gate(self, name: str) -> nn.Module:
-    return GRUGate(gate_bias=self.config.block_option('gate_bias'), dtype=self.config.dtype,
+    return GRUGate(gate_bias=self.config.residual_option('gate_bias'), dtype=self.config.dtype,
                    param_dtype=self.config.param_dtype, name=name)
 
   @nn.compact
@@ -245,8 +245,8 @@ def _stream(x):
 
 
 @register('reversible')
-class Reversible(BlockBase):
-  """Reversible block (RevNet, Gomez et al. 2017; Reformer, Kitaev et al. 2020) over a
+class Reversible(LayerBase):
+  """Reversible layer (RevNet, Gomez et al. 2017; Reformer, Kitaev et al. 2020) over a
   residual stream split into two halves:
 
     y1 = x1 + F(x2),  F(a) = Dropout(Attn(RMSNorm(a)))
@@ -254,7 +254,7 @@ class Reversible(BlockBase):
 
   so the input follows from the output: x2 = y2 - G(y1), x1 = y1 - F(x2). The Decoder trains
   a stack of these through models/reversible.py, which rebuilds each layer's input in the
-  backward pass instead of storing it; initialization and decoding run the block as written
+  backward pass instead of storing it; initialization and decoding run the layer as written
   here. Works with any attention variant and stack; segment memory is refused (`check`).
 
   `split` puts the embedding into both halves; `merge` hands their mean (y1 + y2) / 2 to the
@@ -265,7 +265,7 @@ class Reversible(BlockBase):
 
   `half='attention'` (or 'mlp') applies F (or G) alone to its one input, for the backward
   pass. The sublayers' modules, dropout included, are named, so F and G alone draw the same
-  random masks (LSH rotations, dropout) as inside the whole block.
+  random masks (LSH rotations, dropout) as inside the whole layer.
   """
 
   REVERSIBLE = True
@@ -274,10 +274,10 @@ class Reversible(BlockBase):
   def check(cls, config):
     if config.uses_memory:
       raise ValueError(
-          "model.block='reversible' cannot carry segment memory (Transformer-XL's mem_len, "
+          "model.residual='reversible' cannot carry segment memory (Transformer-XL's mem_len, "
           "adaptive span's memory): its training path rebuilds each layer's input and does not "
           'update the memory collection. Set model.attention_options.txl.mem_len=0 / '
-          "model.attention_options.adaptive_span.memory=False, or use model.block='pre_ln'")
+          "model.attention_options.adaptive_span.memory=False, or use model.residual='pre_ln'")
 
   @classmethod
   def split(cls, x):
