@@ -1,16 +1,16 @@
-"""The contract suite's cases, read from the registries: a new attention variant, block or
+"""The contract suite's cases, read from the registries: a new attention variant, residual wiring or
 stack is covered without a line of test code.
 
-A case is (attention variant, block, stack setting): the variant at the small size it declares
-(Traits.TEST_CONFIG), on a block wiring of models/residual.py, in a stack of
+A case is (attention variant, residual wiring, stack setting): the variant at the small size it declares
+(Traits.TEST_CONFIG), on a residual wiring of models/residual.py, in a stack of
 models/stacks.py (with the stack's own test settings, Stack.TEST_CONFIG, and each of its
 boolean options both ways: the universal stack with and without ACT). A combination the
 config refuses (TransformerConfig raises ValueError: reversible layers with segment memory, a
 scan over layers that differ) is no case.
 
 Every valid combination (about 110) times every property would take most of CI's time, so the
-suite runs a pairwise covering set (all-pairs testing): every (variant, block), (variant,
-stack) and (block, stack) pair that some valid case has is in at least one chosen case, and
+suite runs a pairwise covering set (all-pairs testing): every (variant, residual), (variant,
+stack) and (residual, stack) pair that some valid case has is in at least one chosen case, and
 every variant's baseline (pre_ln, unrolled) is. A fault of one component, or of two that
 interact, shows in some case; a fault that needs three at once is what the per-variant files
 and the paper tests are for. `ALL` keeps the full product for `-m slow` runs.
@@ -26,20 +26,20 @@ from models import attention, residual, stacks, transformer
 VOCAB = 50
 MAX_LEN = 24
 BASELINE = ('pre_ln', 'unrolled')
-BASELINE_VARIANT = 'dense'  # The attention a block or stack is tried on first (one_each).
+BASELINE_VARIANT = 'dense'  # The attention a wiring or stack is tried on first (one_each).
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-  """One (variant, block, stack setting) combination and its model config."""
+  """One (variant, residual wiring, stack setting) combination and its model config."""
   variant: str
-  block: str
+  residual: str
   stack: str          # Stack name, with its option settings: 'universal+act'.
   config: transformer.TransformerConfig
 
   @property
   def id(self) -> str:
-    return f'{self.variant}-{self.block}-{self.stack}'
+    return f'{self.variant}-{self.residual}-{self.stack}'
 
 
 def product_variants() -> list[str]:
@@ -61,13 +61,13 @@ def stack_settings() -> dict[str, tuple[str, dict]]:
   return out
 
 
-def model_settings(variant: str, block: str, stack: str) -> dict:
+def model_settings(variant: str, residual: str, stack: str) -> dict:
   """The config.model keys of a case: width 32, 4 heads, 2 layers (the stack's TEST_CONFIG
   may change that), float32, with the variant's TEST_CONFIG on top."""
   stack_name, stack_options = stack_settings()[stack]
   declared = dict(attention.traits.of(variant).TEST_CONFIG)
   m = dict(d=0, d_model=32, n_heads=4, n_layers=2, attention=variant,
-           attention_options={variant: declared.pop('attention_options', {})}, residual=block,
+           attention_options={variant: declared.pop('attention_options', {})}, residual=residual,
            stack=stack_name, dtype='float32')
   m.update(declared)
   m.update(stacks.get(stack_name).TEST_CONFIG)
@@ -76,14 +76,14 @@ def model_settings(variant: str, block: str, stack: str) -> dict:
   return m
 
 
-def model_config(variant: str, block: str, stack: str) -> transformer.TransformerConfig:
+def model_config(variant: str, residual: str, stack: str) -> transformer.TransformerConfig:
   """The case's model at VOCAB tokens and MAX_LEN positions.
 
   Raises:
     ValueError: the config refuses the combination.
   """
   return transformer.TransformerConfig.from_config(
-      {**model_settings(variant, block, stack), 'vocab_size': VOCAB, 'max_len': MAX_LEN})
+      {**model_settings(variant, residual, stack), 'vocab_size': VOCAB, 'max_len': MAX_LEN})
 
 
 def run_config(case: Case, **model):
@@ -91,7 +91,7 @@ def run_config(case: Case, **model):
   config's), with `model` overrides of config.model: the real loop's config for a case."""
   from configs import default  # pylint: disable=import-outside-toplevel
   config = default.get_config()
-  settings = model_settings(case.variant, case.block, case.stack)
+  settings = model_settings(case.variant, case.residual, case.stack)
   for variant, values in settings.pop('attention_options').items():
     config.model.attention_options[variant].update(values)
   for group in ('stack_options', 'residual_options'):
@@ -103,25 +103,25 @@ def run_config(case: Case, **model):
 
 def _valid() -> list[Case]:
   out = []
-  for variant, block, stack in itertools.product(product_variants(), residual.known(),
+  for variant, wiring, stack in itertools.product(product_variants(), residual.known(),
                                                    stack_settings()):
     try:
-      out.append(Case(variant, block, stack, model_config(variant, block, stack)))
+      out.append(Case(variant, wiring, stack, model_config(variant, wiring, stack)))
     except ValueError:
       continue
   return out
 
 
 def _pairs(case: Case) -> set:
-  return {('vb', case.variant, case.block), ('vs', case.variant, case.stack),
-          ('bs', case.block, case.stack)}
+  return {('vb', case.variant, case.residual), ('vs', case.variant, case.stack),
+          ('bs', case.residual, case.stack)}
 
 
 def pairwise(cases: list[Case]) -> list[Case]:
   """A small subset of `cases` with every pair of components that `cases` has: each
   variant's baseline first, then greedily the case that covers most pairs not yet covered
   (ties: the first in registry order, so the choice is deterministic)."""
-  chosen = [c for c in cases if (c.block, c.stack) == BASELINE]
+  chosen = [c for c in cases if (c.residual, c.stack) == BASELINE]
   covered = set().union(*map(_pairs, chosen)) if chosen else set()
   needed = set().union(*map(_pairs, cases))
   while covered != needed:
@@ -132,7 +132,7 @@ def pairwise(cases: list[Case]) -> list[Case]:
 
 
 def one_each(cases: list[Case]) -> list[Case]:
-  """Each variant's baseline, then for each other block and stack setting the first of
+  """Each variant's baseline, then for each other wiring and stack setting the first of
   `cases` that has it, on dense attention where the component accepts it: every component
   once, for the properties that cost a training run.
 
@@ -141,10 +141,10 @@ def one_each(cases: list[Case]) -> list[Case]:
   trims recompile the step: its gtrxl/universal case cost 49 s of the resume contract's
   299). Each variant's own state is its baseline's case; variant x component pairs are the
   pairwise set's (COVERING)."""
-  chosen = [c for c in cases if (c.block, c.stack) == BASELINE]
+  chosen = [c for c in cases if (c.residual, c.stack) == BASELINE]
   ordered = ([c for c in cases if c.variant == BASELINE_VARIANT]
              + [c for c in cases if c.variant != BASELINE_VARIANT])
-  for component in ('block', 'stack'):
+  for component in ('residual', 'stack'):
     for value in dict.fromkeys(getattr(c, component) for c in cases):
       if not any(getattr(c, component) == value for c in chosen):
         chosen.append(next(c for c in ordered if getattr(c, component) == value))
@@ -152,22 +152,24 @@ def one_each(cases: list[Case]) -> list[Case]:
 
 
 def component_cases(variants=('dense',)) -> dict[str, dict]:
-  """'<block>_block' and '<stack setting>_stack' -> dotted config keys, for each block other
-  than pre_ln and each stack setting other than unrolled, on the first of `variants` that the
-  block or stack accepts: the cases of the contract tests that build a run per case (a train
-  step on several devices, the TPU programs), where one case per component is affordable."""
+  """'<wiring>_residual' and '<stack setting>_stack' -> dotted config keys, for each residual
+  wiring other than pre_ln and each stack setting other than unrolled, on the first of
+  `variants` that the wiring or stack accepts: the cases of the contract tests that build a
+  run per case (a train step on several devices, the TPU programs), where one case per
+  component is affordable."""
   out = {}
-  for label, block, stack in ([(f'{b}_block', b, BASELINE[1]) for b in residual.known()
-                                 if b != BASELINE[0]]
-                                + [(f'{s}_stack', BASELINE[0], s) for s in stack_settings()
-                                   if s != BASELINE[1]]):
+  for label, wiring, stack in ([(f'{w}_residual', w, BASELINE[1]) for w in residual.known()
+                                if w != BASELINE[0]]
+                               + [(f'{s}_stack', BASELINE[0], s) for s in stack_settings()
+                                  if s != BASELINE[1]]):
     for variant in variants:
       try:
-        model_config(variant, block, stack)
+        model_config(variant, wiring, stack)
       except ValueError:
         continue
-      settings = model_settings(variant, block, stack)
-      keys = {'model.attention': variant, 'model.residual': block, 'model.stack': settings['stack']}
+      settings = model_settings(variant, wiring, stack)
+      keys = {'model.attention': variant, 'model.residual': wiring,
+              'model.stack': settings['stack']}
       keys.update({f'model.{k}': v for k, v in stacks.get(settings['stack']).TEST_CONFIG.items()})
       keys.update({f'model.stack_options.{k}': v
                    for k, v in settings.get('stack_options', {}).items()})
@@ -183,9 +185,9 @@ def loop_slow_cases(cases: list[Case]) -> list[Case]:
   nothing back on the host, so in the loop it takes dense attention's path. Every other case
   stays in CI: dense, the variants with a state or a host read of their own
   (segment memory, adaptive span's trims, LSH's random stream, selective's budgets) and every
-  block and stack."""
+  residual wiring and stack."""
   from models.attention import traits  # pylint: disable=import-outside-toplevel
-  return [c for c in cases if (c.block, c.stack) == BASELINE and c.variant != BASELINE_VARIANT
+  return [c for c in cases if (c.residual, c.stack) == BASELINE and c.variant != BASELINE_VARIANT
           and traits.of(c.variant).has_static_pattern()]
 
 

@@ -100,7 +100,7 @@ FAST_RUNS = ('xla', 'splash_ci', 'pallas_ci')  # The others are slow (CI skips t
 PALLAS_CI = ('fixed', 'txl', 'dynamic_span', 'selective')
 # splash_ci's cases: a sparse pattern (its kernel call carries a mask) and the block whose
 # backward pass replays the kernel.
-SPLASH_CI = ('local', 'reversible_block')
+SPLASH_CI = ('local', 'reversible_residual')
 # Keys on top of CONFIG for a run.
 RUN_CONFIG = {'splash': {'model.attention_block_size': 128},
               'splash_ci': {'model.attention_block_size': 128}}
