@@ -1,6 +1,6 @@
 """The pod contract: a run on several hosts equals the run on one, in every mesh layout.
 
-Each case (a variant, block and stack of tests/contracts/cases.py, read from the registries,
+Each case (a variant, residual wiring and stack of tests/contracts/cases.py, read from the registries,
 so a new variant is covered without a line here) runs the real main.py as 2 processes of 2
 CPU devices each on a loopback coordinator (tests/multiprocess.py), next to the same run as 1
 process of 4 devices, in a mesh LAYOUT that puts one axis across the two hosts:
@@ -30,8 +30,8 @@ What CI runs (the rest is `-m slow`):
   them);
 - dense attention's baseline in the fsdp layout, train and resume (parameters and optimizer
   state split over the hosts, saved and restored by both).
-Slow: every registered variant's baseline and every other block and stack setting
-(cases.ONE_EACH) in the tensor layout; dense in the data layout; ONE_EACH's block and stack
+Slow: every registered variant's baseline and every other residual wiring and stack setting
+(cases.ONE_EACH) in the tensor layout; dense in the data layout; ONE_EACH's wiring and stack
 cases in the data and fsdp layouts; segment memory in the data and fsdp layouts; the variant
 modes (inspect, selective's budgets); the fused Pallas kernel (interpret mode) with the heads
 split over the hosts (Transformer-XL's segment memory, 65 s) and with the batch rows split over
@@ -42,7 +42,7 @@ cache: a multi-process start is 10-15 s before any compile (imports, joining the
 coordinator) and its exit several more, so a phase is ~25-80 s: the segment-memory case
 ~280 s (train 113, resume 78, eval 38, generate 44), the fsdp train+resume case ~75 s. The
 full slow product (31 tests), run once on 0fa86e4's code beside a CI run: 57 min; a variant
-with heads split 50-112 s, a block or stack case 104-165 s, segment memory in the data and
+with heads split 50-112 s, a wiring or stack case 104-165 s, segment memory in the data and
 fsdp layouts 65-95 s. The 1-process run of a phase runs next to the 2-process one.
 """
 
@@ -89,10 +89,10 @@ CORPUS = '\n'.join(f'the cat sat on the mat number {i % 7}; the dog ran {i % 3} 
                    for i in range(300))
 
 
-def _model_flags(variant: str, block: str, stack: str) -> dict:
+def _model_flags(variant: str, wiring: str, stack: str) -> dict:
   """The case's config.model keys as dotted flags (cases.model_settings)."""
   out = {}
-  for key, value in cases.model_settings(variant, block, stack).items():
+  for key, value in cases.model_settings(variant, wiring, stack).items():
     if isinstance(value, dict):
       out.update({f'model.{key}.{k}': v for k, v in value.items()})
     else:
@@ -101,7 +101,7 @@ def _model_flags(variant: str, block: str, stack: str) -> dict:
 
 
 def _case_flags(case: cases.Case) -> dict:
-  return {**COMMON, **COPY, **_model_flags(case.variant, case.block, case.stack)}
+  return {**COMMON, **COPY, **_model_flags(case.variant, case.residual, case.stack)}
 
 
 @pytest.fixture(scope='module')
@@ -207,8 +207,8 @@ def check_case(harness, tmp_path, flags: dict, layout: str, *, same_data: bool =
     assert samples == _samples(reference)
 
 
-BASELINES = [c for c in cases.ONE_EACH if (c.block, c.stack) == cases.BASELINE]
-COMPONENTS = [c for c in cases.ONE_EACH if (c.block, c.stack) != cases.BASELINE]
+BASELINES = [c for c in cases.ONE_EACH if (c.residual, c.stack) == cases.BASELINE]
+COMPONENTS = [c for c in cases.ONE_EACH if (c.residual, c.stack) != cases.BASELINE]
 DENSE = next(c for c in BASELINES if c.variant == 'dense')
 
 
@@ -248,7 +248,7 @@ def test_dense_with_rows_split_across_hosts_equals_one_host(harness, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize('layout', ['data', 'fsdp'])
 @pytest.mark.parametrize('case', COMPONENTS, ids=lambda c: c.id)
-def test_blocks_and_stacks_with_the_batch_split_across_hosts_equal_one_host(harness, tmp_path,
+def test_wirings_and_stacks_with_the_batch_split_across_hosts_equal_one_host(harness, tmp_path,
                                                                             case, layout):
   check_case(harness, tmp_path, _case_flags(case), layout)
 
