@@ -252,13 +252,15 @@ class Traits:
     static pattern, so no kernel): a name in `refused` raises ValueError('{why}:
     attention_impl=... cannot run it; use ...'); 'xla' keeps its all-keys path; 'pallas' runs
     the variant's score on the fused Pallas kernel where its path is the blocked engine's
-    (`engine`), else its own path; every other name runs the variant's blocked path, reported
-    as 'blocksparse'."""
+    (`engine`), else its own path, and so does 'auto' on TPU (dispatch.learned); every other
+    name runs the variant's blocked path, reported as 'blocksparse'."""
     del kwargs
     base.check_known(impl)
     if impl in refused:
       raise ValueError(f"{why}: attention_impl={impl!r} cannot run it; use 'auto' (blocked), "
                        "'blocksparse', 'pallas' or 'xla'")
+    if impl == 'auto' and engine:
+      impl = dispatch.learned(backend)
     if impl == 'pallas' and engine:
       dispatch.check_pallas(cls.module.__name__, backend)
       return 'pallas'

@@ -96,9 +96,10 @@ def built_kernel(_kernel_build):
 def test_auto_picks_the_documented_implementation(name, kernel_builds):
   del kernel_builds
   static = name in STATIC
-  # TPU: splash for a static pattern whose blocks it can tile (multiples of 128).
-  assert _auto(name, 'tpu') == ('splash' if static else 'blocksparse')
-  assert _auto(name, 'tpu', block_size=64) == 'blocksparse'
+  # TPU: splash for a static pattern whose blocks it can tile (multiples of 128); the fused
+  # Pallas kernel for a learned score (dispatch.learned).
+  assert _auto(name, 'tpu') == ('splash' if static else 'pallas')
+  assert _auto(name, 'tpu', block_size=64) == ('blocksparse' if static else 'pallas')
   # GPU: cuDNN flash for dense in bf16/fp16 at head widths it takes; otherwise block-sparse.
   assert _auto(name, 'gpu') == 'blocksparse'  # float32
   for dtype in (jnp.bfloat16, jnp.float16):
@@ -249,12 +250,16 @@ def test_splash_for_selective_is_refused_at_config_time():
         attention_impl='splash'))
 
 
-def test_adaptive_span_runs_its_blocked_path_for_every_name_but_xla():
+def test_adaptive_span_runs_its_blocked_path_for_every_name_but_xla_and_pallas():
   cls = attention.traits.of('adaptive_span')
   for backend in ('cpu', 'gpu', 'tpu'):
     for impl in ('auto', 'blocksparse', 'fused', 'cudnn', 'splash'):
-      assert cls.implementation(impl, options={}, head_dim=64, backend=backend) == 'blocksparse'
+      want = 'pallas' if (impl, backend) == ('auto', 'tpu') else 'blocksparse'
+      assert cls.implementation(impl, options={}, head_dim=64, backend=backend) == want
     assert cls.implementation('xla', options={}, head_dim=64, backend=backend) == 'xla'
+  # LSH has no block table: it keeps its own path on TPU too.
+  assert attention.traits.of('lsh').implementation('auto', options={}, head_dim=64,
+                                                   backend='tpu') == 'blocksparse'
 
 
 # --------------------------------------------------------------- what the implementations run
