@@ -20,7 +20,8 @@ of its variant).
 
 --mode=harness (`run_tasks`) checks the task names and reads the tasks' data before any
 checkpoint is read or program compiled, so a typo or data out of reach costs seconds; it
-writes lm-eval's result dict to WORKDIR/harness_step_<N>.json.
+writes lm-eval's result dict to WORKDIR/harness_step_<N>.json, and the run's local tasks to
+WORKDIR/harness_tasks/ for lm-eval's command line (`--include_path WORKDIR/harness_tasks`).
 """
 
 from __future__ import annotations
@@ -209,6 +210,11 @@ def run_tasks(config: ml_collections.ConfigDict, workdir: str,
     shutil.rmtree(folder, ignore_errors=True)
   if jax.process_index() == 0:
     from lm_eval.utils import handle_non_serializable  # pylint: disable=import-outside-toplevel
+    # The run's local tasks stay in the workdir for lm-eval's own command line
+    # (--include_path WORKDIR/harness_tasks), which has no run to write them from.
+    tasks = os.path.join(workdir, 'harness_tasks')
+    os.makedirs(tasks, exist_ok=True)
+    downstream.local_tasks(restored.setup.config, tasks)
     path = os.path.join(workdir, f'harness_step_{restored.step}.json')
     with open(path, 'w', encoding='utf-8') as f:
       f.write(json.dumps(results, indent=2, default=handle_non_serializable,

@@ -4,7 +4,7 @@ what lm-eval receives is the model's own forward and --mode=generate's sampler; 
 lm-eval's own evaluator; bad input gets one line each; --mode=harness on a Variable
 Assignment run writes lm-eval's result JSON.
 
-One byte-level text run of 2 steps (max_len 32) and one Variable Assignment run of 2 steps,
+One byte-level text run of 1 step (max_len 32) and one Variable Assignment run of 2 steps,
 trained once for the module. lm-eval's own task index (14,000 YAMLs) is never read here: the
 tasks are local (defaults=False), so nothing is downloaded."""
 
@@ -58,10 +58,10 @@ def _text_config(tmp):
   config.data.data_dir = str(tmp / 'tfds')
   config.data.chunk_bytes = 2048
   config.data.prefetch_batches = 1
-  config.model.update(d_model=32, n_heads=2, n_layers=2)
-  config.update(seq_len=SEQ_LEN, batch_size=4, total_steps=2, warmup_steps=1,
+  config.model.update(d_model=32, n_heads=2, n_layers=1)
+  config.update(seq_len=SEQ_LEN, batch_size=4, total_steps=1, warmup_steps=1,
                 learning_rate=0.01, log_every_steps=2, eval_every_steps=0, eval_steps=1,
-                checkpoint_every_steps=2, peak_tflops_per_device=1.0, async_checkpointing=False)
+                checkpoint_every_steps=1, peak_tflops_per_device=1.0, async_checkpointing=False)
   config.generate.update(eval_samples=0, temperature=0.0)
   config.harness.batch_size = 4
   return config
@@ -69,7 +69,7 @@ def _text_config(tmp):
 
 @pytest.fixture(scope='module')
 def text_run(tmp_path_factory):
-  """(config, workdir, ZooLM) of a byte-level run trained 2 steps."""
+  """(config, workdir, ZooLM) of a byte-level run of one layer trained 1 step."""
   tmp = tmp_path_factory.mktemp('text_run')
   (tmp / 'corpus.txt').write_text(CORPUS)
   workdir = str(tmp / 'run')
@@ -86,7 +86,7 @@ def _instances(kind, args):
 def _forward_logp(restored, tokens, scored):
   """log p of the last `scored` tokens of `tokens` by one plain forward of the model."""
   tokens = jnp.asarray([tokens], jnp.int32)
-  logits = restored.model.apply({'params': restored.params}, tokens[:, :-1])
+  logits = jax.jit(restored.model.apply)({'params': restored.params}, tokens[:, :-1])
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)[0]
   picked = jnp.take_along_axis(logp, tokens[0, 1:, None], axis=-1)[:, 0]
   greedy = jnp.argmax(logits[0], axis=-1) == tokens[0, 1:]
@@ -245,6 +245,8 @@ def test_mode_harness_writes_lm_evals_result_of_the_variable_assignment_task(tmp
   assert written['results'][task]['acc,none'] == results['results'][task]['acc,none']
   assert written['n-samples'][task] == {'original': 32, 'effective': 20}  # 2 eval batches.
   assert written['config']['zoo_step'] == 2
+  # The task stays in the workdir for lm-eval's own command line (--include_path).
+  assert (tmp_path / 'run' / 'harness_tasks' / f'{task}.yaml').is_file()
   # The documents are the rows --mode=eval scores: the validation stream's.
   docs = downstream.variable_assignment_docs(config)
   batch = synthetic.make_task('variable_assignment', num_variables=3, num_values=16,
