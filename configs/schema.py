@@ -183,6 +183,10 @@ HARNESS_SETTINGS = Group(
         'batch_size': Setting(32, 'Rows of one compiled scoring or sampling program (a '
                               'multiple of the data-parallel devices is used).',
                               bounds=Range(INTEGER, 1)),
+        'every_steps': Setting(0, 'During training: run harness.tasks on the latest parameters '
+                               'every this many steps and at the last, written to TensorBoard '
+                               'as harness/<task>/<metric>; 0 = never.',
+                               bounds=Range(INTEGER, 0), zero_means='never'),
     })
 
 MESH_SETTINGS = Group(

@@ -197,19 +197,24 @@ class Scorer:
   """
 
   def __init__(self, restored: assembly.Restored, batch_size: int):
-    self.restored = restored
     setup = restored.setup
     self.codec = text_codec(setup)
     self.max_len = setup.model_config.max_len
     dp = setup.mesh.shape['data'] * setup.mesh.shape['fsdp']
     self.rows = -(-batch_size // dp) * dp
+    self._programs = {}
+    self._warned = False
+    self.truncated = 0
+    self.update(restored)
+
+  def update(self, restored: assembly.Restored) -> None:
+    """Scores `restored` (other parameters of the same run: training's latest) from now on;
+    the compiled programs are kept for a model of the same specialization."""
+    self.restored = restored
     # Scoring uses the option values the variants evaluate with, as --mode=eval does.
     config = transformer.for_eval(restored.model.config)
     self.score_model = (restored.model if config == restored.model.config
                         else transformer.Decoder(config))
-    self._programs = {}
-    self._warned = False
-    self.truncated = 0
 
   # Rows.
 
@@ -258,14 +263,15 @@ class Scorer:
   # Scoring.
 
   def _program(self, width: int):
-    if width not in self._programs:
+    key = (self.score_model, width)
+    if key not in self._programs:
       setup = self.restored.setup
       replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
-      self._programs[width] = jax.jit(
+      self._programs[key] = jax.jit(
           _row_program(self.score_model, width),
           in_shardings=(setup.state_sharding.params,) + (setup.batch_sharding,) * 4,
           out_shardings=(replicated, replicated))
-    return self._programs[width]
+    return self._programs[key]
 
   def _global(self, array: np.ndarray):
     """`array` (the whole batch, the same on every process) laid out over the mesh."""

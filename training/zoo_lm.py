@@ -226,6 +226,61 @@ def run_tasks(config: ml_collections.ConfigDict, workdir: str,
   return results
 
 
+def scalars(results: dict) -> dict[str, float]:
+  """'<task>/<metric>' -> value of lm-eval's results (metrics under the 'none' filter keep
+  their bare name; standard errors are left out)."""
+  out = {}
+  for task, metrics in results.get('results', {}).items():
+    for key, value in metrics.items():
+      metric, _, filtered = key.partition(',')
+      if (not filtered or metric.endswith('_stderr') or isinstance(value, bool)
+          or not isinstance(value, (int, float))):
+        continue
+      out[f'{task}/{metric if filtered == "none" else f"{metric}_{filtered}"}'] = float(value)
+  return out
+
+
+class DuringTraining:
+  """harness.tasks on training's latest parameters (training/train.py, every
+  harness.every_steps steps). The tasks are checked and their data read when it is made,
+  before the first train step; every run reuses the programs the first one compiled (for the
+  same specialization of the model). Every process calls it at the same steps."""
+
+  def __init__(self, setup: assembly.Setup):
+    self.setup = setup
+    self.folder = tempfile.mkdtemp(prefix='zoo_harness_tasks_')
+    try:
+      downstream.check_config(setup.config)
+      local = downstream.local_tasks(setup.config, self.folder)
+      names = downstream.task_names(setup.config, local)
+      include = [self.folder] + ([os.path.expanduser(setup.config.harness.include_path)]
+                                 if setup.config.harness.include_path else [])
+      self.manager, self.loaded = downstream.load_tasks(names, include)
+    except BaseException:
+      self.close()
+      raise
+    self.lm = None
+
+  def __call__(self, params, step: int) -> dict[str, float]:
+    """The tasks' metrics (`scalars`) for `params`, the parameters at `step`."""
+    h = self.setup.config.harness
+    restored = assembly.Restored(setup=self.setup, step=step, params=params,
+                                 model=assembly.specialized_model(self.setup, params))
+    if self.lm is None:
+      self.lm = ZooLM.from_restored(restored, batch_size=h.batch_size)
+    else:
+      self.lm.restored = restored
+      self.lm.scorer.update(restored)
+    results = evaluate(self.lm, self.manager, self.loaded, limit=h.limit,
+                       num_fewshot=h.num_fewshot)
+    out = scalars(results)
+    logging.info('harness at step %d: %s', step, out)
+    return out
+
+  def close(self) -> None:
+    shutil.rmtree(self.folder, ignore_errors=True)
+
+
 def main() -> None:
   """lm-eval's command line, with the zoo registered (`--model zoo`)."""
   from lm_eval.__main__ import cli_evaluate  # pylint: disable=import-outside-toplevel

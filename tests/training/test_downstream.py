@@ -123,7 +123,7 @@ def test_loglikelihoods_lm_eval_receives_are_the_models_forward(text_run, caplog
                                                                ('the cat', ' sat')]))
   assert moved == kept
   # Rows of one bucket width share one compiled program: widths 16 and 32 here.
-  assert sorted(lm.scorer._programs) == [16, 32]
+  assert sorted(width for _, width in lm.scorer._programs) == [16, 32]
 
 
 def test_rolling_loglikelihood_scores_each_token_once_as_lm_eval_windows_them(text_run):
@@ -253,3 +253,32 @@ def test_mode_harness_writes_lm_evals_result_of_the_variable_assignment_task(tmp
                               num_assignments=4).batch(10**6, 1, 16)
   assert docs[16]['context'] == ' '.join(map(str, batch['inputs'][0]))
   assert docs[16]['answer'] == batch['targets'][0, -1] - 9
+
+
+def test_tasks_run_during_training_and_log_beside_the_eval(tmp_path):
+  import tensorflow as tf
+  config = tiny.get_config()
+  config.update(total_steps=4, batch_size=16, eval_every_steps=2, eval_steps=1,
+                checkpoint_every_steps=4, log_every_steps=2, async_checkpointing=False,
+                peak_tflops_per_device=1.0)
+  config.model.d = 1
+  config.harness.update(every_steps=2, limit=8, batch_size=16)
+  workdir = tmp_path / 'run'
+  train.train_and_evaluate(config, str(workdir))
+  tags = {}
+  for event_file in (workdir / 'tensorboard').iterdir():
+    for event in tf.compat.v1.train.summary_iterator(str(event_file)):
+      for value in event.summary.value:
+        tags.setdefault(value.tag, set()).add(event.step)
+  task = downstream.VARIABLE_ASSIGNMENT_TASK
+  assert tags[f'harness/{task}/acc'] == {2, 4} == tags['eval/accuracy']
+
+
+def test_a_task_without_its_data_stops_training_before_its_first_step(tmp_path):
+  _write_task(tmp_path, 'zoo_test_absent', MC, None)
+  config = tiny.get_config()
+  config.update(total_steps=2, batch_size=16, eval_every_steps=0)
+  config.harness.update(every_steps=1, tasks='zoo_test_absent', include_path=str(tmp_path))
+  with pytest.raises(ValueError, match="^lm-eval task 'zoo_test_absent': its data could not"):
+    train.train_and_evaluate(config, str(tmp_path / 'run'))
+  assert not (tmp_path / 'run' / 'config.json').exists()  # No state was made.
