@@ -159,11 +159,15 @@ class Row:
   scored: int
 
 
-def _row_program(model, width: int):
+def _row_program(model, width: int, chunk: int):
   """(params, inputs, targets, lengths, scored) -> (log-likelihood, all greedy) per row: the
   model's forward over each row's first `lengths` inputs (positions 0.., padding after), the
-  log-softmax of its logits at the targets, summed over the last `scored` real targets."""
+  log-softmax of its logits at the targets, summed over the last `scored` real targets.
+
+  The logits are formed `chunk` positions at a time (all of them when it does not divide the
+  width), as the training loss does (training/losses.py): (rows, width, vocab) never exists."""
   uses_memory = model.config.uses_memory
+  chunk = chunk if 0 < chunk < width and width % chunk == 0 else width
 
   def run(params, inputs, targets, lengths, scored):
     rows = inputs.shape[0]
@@ -175,12 +179,19 @@ def _row_program(model, width: int):
         {'params': params}, inputs, positions=jnp.broadcast_to(position, (rows, width)),
         segment_ids=real.astype(jnp.int32), return_hidden=True,
         mutable=['memory'] if uses_memory else [])
-    logits = jnp.einsum('btd,dv->btv', hidden, w, preferred_element_type=jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    target = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    greedy = jnp.argmax(logits, axis=-1) == targets
-    return (jnp.sum(jnp.where(weights, target, 0.0), axis=1),
-            jnp.all(greedy | ~weights, axis=1))
+
+    def one(part):
+      x, t, counted = part
+      logits = jnp.einsum('btd,dv->btv', x, w, preferred_element_type=jnp.float32)
+      logp = jax.nn.log_softmax(logits, axis=-1)
+      target = jnp.take_along_axis(logp, t[..., None], axis=-1)[..., 0]
+      greedy = jnp.argmax(logits, axis=-1) == t
+      return (jnp.sum(jnp.where(counted, target, 0.0), axis=1),
+              jnp.all(greedy | ~counted, axis=1))
+
+    split = lambda a: jnp.swapaxes(a.reshape((rows, width // chunk, chunk) + a.shape[2:]), 0, 1)
+    sums, greedy = jax.lax.map(one, (split(hidden), split(targets), split(weights)))
+    return jnp.sum(sums, axis=0), jnp.all(greedy, axis=0)
 
   return run
 
@@ -268,7 +279,7 @@ class Scorer:
       setup = self.restored.setup
       replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
       self._programs[key] = jax.jit(
-          _row_program(self.score_model, width),
+          _row_program(self.score_model, width, setup.config.loss_chunk_len),
           in_shardings=(setup.state_sharding.params,) + (setup.batch_sharding,) * 4,
           out_shardings=(replicated, replicated))
     return self._programs[key]

@@ -36,6 +36,8 @@ def _restored(case: cases.Case) -> assembly.Restored:
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   setup = types.SimpleNamespace(
       data=types.SimpleNamespace(tokenizer=None, vocab_size=cases.VOCAB),
+      config=types.SimpleNamespace(loss_chunk_len=8),  # Rows of 16 and 24 in chunks.
+
       model_config=case.config, mesh=mesh, rules=sharding.rules_from_config(schema.LOGICAL_AXIS_RULES),
       state_sharding=types.SimpleNamespace(params=jax.tree.map(lambda _: replicated, params)),
       batch_sharding=sharding.batch_sharding(mesh))

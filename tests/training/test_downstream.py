@@ -64,6 +64,7 @@ def _text_config(tmp):
                 checkpoint_every_steps=1, peak_tflops_per_device=1.0, async_checkpointing=False)
   config.generate.update(eval_samples=0, temperature=0.0)
   config.harness.batch_size = 4
+  config.loss_chunk_len = 8  # The scored rows' logits are formed in chunks, as the loss's.
   return config
 
 
@@ -282,3 +283,26 @@ def test_a_task_without_its_data_stops_training_before_its_first_step(tmp_path):
   with pytest.raises(ValueError, match="^lm-eval task 'zoo_test_absent': its data could not"):
     train.train_and_evaluate(config, str(tmp_path / 'run'))
   assert not (tmp_path / 'run' / 'config.json').exists()  # No state was made.
+
+
+def test_sentencepiece_pairs_split_the_whole_texts_tokens():
+  from input_pipeline import tokenizers  # pylint: disable=import-outside-toplevel
+  words = ['the', 'cat', 'sat', 'on', 'mat', 'dog', 'ran', 'times', 'number', 'seven']
+  sample = [' '.join(words[(i * k) % len(words)] for k in range(1, 9)) for i in range(400)]
+  proto = tokenizers.train_sentencepiece(sample, vocab_size=288, num_threads=1)
+  codec = downstream.TokenizerText(tokenizers.SentencePieceTokenizer(proto))
+  for context, continuation in [('the cat sat on the', ' mat'), ('the cat ', 'sat'),
+                                ('the do', 'g ran'), ('', 'the dog'), ('times', '.'),
+                                ('numb', 'er seven'), ('the ca', 't sat')]:
+    head, tail = codec.encode_pair(context, continuation)
+    # The continuation's tokens are the whole text's past the context's, so the pair scores
+    # the tokens the whole text has.
+    assert head + tail == codec.encode(context + continuation), (context, continuation)
+    assert tail, (context, continuation)
+  head, tail = codec.encode_pair('the cat ', 'sat')
+  assert codec.decode(tail) == ' sat'  # The context's trailing space went with it.
+  # 'the ca' alone is not how 'the cat' starts: the tokens the two share are the context's,
+  # and the piece that spans the boundary is scored with the continuation.
+  assert codec.encode('the ca') != codec.encode('the cat sat')[:len(codec.encode('the ca'))]
+  head, tail = codec.encode_pair('the ca', 't sat')
+  assert codec.decode(head) == 'the c' and codec.decode(tail) == 'at sat'
