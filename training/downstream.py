@@ -15,9 +15,10 @@ checkpoint, its mesh, its compiled programs):
   by length bucket; stop strings cut the decoded text.
 
 A context longer than the window is cut from the left (as lm-eval's Hugging Face model does),
-with one warning per model. Segment-memory variants (Transformer-XL) are scored like every
-other variant here, from an empty memory in each row: their memory is not carried across
-windows.
+with one warning per model, except for a segment-memory variant (Transformer-XL, adaptive
+span's segment cache): it reads a context or text of any length in consecutive segments of
+max_len with its memory carried, as --mode=eval reads a stream, so its context reaches as far
+as its memory does. Generation cuts contexts for every variant.
 
 Text: a run on text has a tokenizer: a context is [BOS] + its tokens; a continuation's
 tokens are those of context + continuation past the context's (the context's trailing
@@ -160,23 +161,29 @@ class Row:
 
 
 def _row_program(model, width: int, chunk: int):
-  """(params, inputs, targets, lengths, scored) -> (log-likelihood, all greedy) per row: the
-  model's forward over each row's first `lengths` inputs (positions 0.., padding after), the
-  log-softmax of its logits at the targets, summed over the last `scored` real targets.
+  """(params, memory, inputs, targets, lengths, first) -> (log-likelihood, all greedy,
+  memory) per row: the model's forward over each row's first `lengths` inputs (positions
+  0.., padding after), the log-softmax of its logits at the targets, summed over the real
+  targets from row position `first` on.
 
-  The logits are formed `chunk` positions at a time (all of them when it does not divide the
-  width), as the training loss does (training/losses.py): (rows, width, vocab) never exists."""
+  A segment-memory variant reads `memory` (the rows' previous segments; None: empty) and
+  returns it updated; other models take and give None. The logits are formed `chunk`
+  positions at a time (all of them when it does not divide the width), as the training loss
+  does (training/losses.py): (rows, width, vocab) never exists."""
   uses_memory = model.config.uses_memory
   chunk = chunk if 0 < chunk < width and width % chunk == 0 else width
 
-  def run(params, inputs, targets, lengths, scored):
+  def run(params, memory, inputs, targets, lengths, first):
     rows = inputs.shape[0]
     position = jnp.arange(width, dtype=jnp.int32)
     real = position[None] < lengths[:, None]
-    weights = real & (position[None] >= (lengths - scored)[:, None])
-    # A segment-memory variant reads an empty memory, made here for these rows.
-    (hidden, w), _ = model.apply(
-        {'params': params}, inputs, positions=jnp.broadcast_to(position, (rows, width)),
+    weights = real & (position[None] >= first[:, None])
+    variables = {'params': params}
+    if memory is not None:
+      variables['memory'] = memory
+    # Without memory given, a segment-memory variant makes an empty one for these rows.
+    (hidden, w), mutated = model.apply(
+        variables, inputs, positions=jnp.broadcast_to(position, (rows, width)),
         segment_ids=real.astype(jnp.int32), return_hidden=True,
         mutable=['memory'] if uses_memory else [])
 
@@ -191,7 +198,8 @@ def _row_program(model, width: int, chunk: int):
 
     split = lambda a: jnp.swapaxes(a.reshape((rows, width // chunk, chunk) + a.shape[2:]), 0, 1)
     sums, greedy = jax.lax.map(one, (split(hidden), split(targets), split(weights)))
-    return jnp.sum(sums, axis=0), jnp.all(greedy, axis=0)
+    carried = mutated['memory'] if memory is not None else None
+    return jnp.sum(sums, axis=0), jnp.all(greedy, axis=0), carried
 
   return run
 
@@ -226,6 +234,8 @@ class Scorer:
     config = transformer.for_eval(restored.model.config)
     self.score_model = (restored.model if config == restored.model.config
                         else transformer.Decoder(config))
+    # A segment-memory variant reads a long text segment by segment, its memory carried.
+    self.streams = config.uses_memory
 
   # Rows.
 
@@ -253,6 +263,8 @@ class Scorer:
     if not head:
       raise ValueError(f'the context of {continuation!r} is empty: a synthetic task\'s text '
                        f'starts with BOS = {BOS}')
+    if self.streams:  # The whole context, through the memory.
+      return Row(np.asarray(head + tail, np.int32), len(tail))
     if len(tail) > self.max_len:
       raise ValueError(f'a continuation of {len(tail)} tokens is longer than the model\'s '
                        f'window (max_len={self.max_len}): it cannot be scored')
@@ -266,6 +278,8 @@ class Scorer:
     if self.codec.adds_bos:
       tokens = [BOS] + tokens
     tokens = np.asarray(tokens, np.int32)
+    if self.streams:  # One row of any length, read segment by segment through the memory.
+      return [Row(tokens, tokens.size - 1)] if tokens.size > 1 else []
     out = []
     for start, n, first in evaluation.windows(len(tokens), self.max_len, self.max_len):
       out.append(Row(tokens[start:start + n + 1], n - first))
@@ -278,10 +292,12 @@ class Scorer:
     if key not in self._programs:
       setup = self.restored.setup
       replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
+      rows = setup.batch_sharding  # Memory too: each leaf's first axis is the batch row.
+      memory = rows if self.streams else None
       self._programs[key] = jax.jit(
           _row_program(self.score_model, width, setup.config.loss_chunk_len),
-          in_shardings=(setup.state_sharding.params,) + (setup.batch_sharding,) * 4,
-          out_shardings=(replicated, replicated))
+          in_shardings=(setup.state_sharding.params, memory) + (rows,) * 4,
+          out_shardings=(replicated, replicated, memory))
     return self._programs[key]
 
   def _global(self, array: np.ndarray):
@@ -290,12 +306,38 @@ class Scorer:
     return jax.make_array_from_callback(array.shape, setup.batch_sharding,
                                         lambda index: array[index])
 
+  def _fresh_memory(self):
+    """Empty segment memory for `self.rows` rows of the scoring model, on the mesh (its
+    shapes traced outside the mesh's context, as the training state's are)."""
+    from models.attention import memory as segment_memory  # pylint: disable=import-outside-toplevel
+    import flax.linen as nn  # pylint: disable=import-outside-toplevel
+    abstract = jax.eval_shape(lambda: self.score_model.init(
+        jax.random.key(0), jnp.zeros((self.rows, self.max_len), jnp.int32))['memory'])
+    return jax.tree.map(self._global, segment_memory.fresh(nn.unbox(abstract)))
+
+  def _batch(self, pieces: list[tuple[np.ndarray, int]], width: int):
+    """The arrays of one batch: each piece is (tokens: inputs and one more target, first
+    counted target's row position); rows past the pieces score nothing."""
+    inputs = np.full((self.rows, width), PAD, np.int32)
+    targets = np.full((self.rows, width), PAD, np.int32)
+    lengths = np.zeros(self.rows, np.int32)
+    first = np.zeros(self.rows, np.int32)
+    for r, (tokens, start) in enumerate(pieces):
+      n = tokens.size - 1
+      if n > 0:
+        inputs[r, :n], targets[r, :n] = tokens[:-1], tokens[1:]
+      lengths[r], first[r] = max(n, 0), start
+    return [self._global(a) for a in (inputs, targets, lengths, first)]
+
   def score_rows(self, rows: Sequence[Row]) -> list[tuple[float, bool]]:
     """(log-likelihood of the scored targets, each the argmax) for each row.
 
     Rows are sorted by length and cut into batches of `self.rows` of one bucket width each
-    (the last padded with empty rows), so each bucket's program compiles once."""
-    setup, params = self.restored.setup, self.restored.params
+    (the last padded with empty rows), so each bucket's program compiles once. A
+    segment-memory variant reads rows of any length in segments of max_len (`_streams`)."""
+    if self.streams:
+      return self._streams(rows)
+    setup = self.restored.setup
     order = sorted(range(len(rows)), key=lambda i: -rows[i].tokens.size)
     out: list[Any] = [None] * len(rows)
     with sharding.activate(setup.mesh, setup.rules):
@@ -304,18 +346,39 @@ class Scorer:
         width = bucket_width(rows[order[start]].tokens.size - 1, self.max_len)
         group = order[start:start + self.rows]
         start += len(group)
-        inputs = np.full((self.rows, width), PAD, np.int32)
-        targets = np.full((self.rows, width), PAD, np.int32)
-        lengths = np.zeros(self.rows, np.int32)
-        scored = np.zeros(self.rows, np.int32)
-        for r, i in enumerate(group):
-          tokens = rows[i].tokens
-          n = tokens.size - 1
-          inputs[r, :n], targets[r, :n] = tokens[:-1], tokens[1:]
-          lengths[r], scored[r] = n, rows[i].scored
-        logp, greedy = self._program(width)(
-            params, *(self._global(a) for a in (inputs, targets, lengths, scored)))
+        batch = self._batch([(rows[i].tokens, rows[i].tokens.size - 1 - rows[i].scored)
+                             for i in group], width)
+        logp, greedy, _ = self._program(width)(self.restored.params, None, *batch)
         logp, greedy = np.asarray(jax.device_get(logp)), np.asarray(jax.device_get(greedy))
+        for r, i in enumerate(group):
+          out[i] = (float(logp[r]), bool(greedy[r]))
+    return out
+
+  def _streams(self, rows: Sequence[Row]) -> list[tuple[float, bool]]:
+    """score_rows for a segment-memory variant: `self.rows` rows at a time, each read in
+    consecutive segments of max_len inputs with the memory carried from one to the next (as
+    --mode=eval reads a stream), from an empty memory; a row's scored targets may lie in any
+    of its segments. One program (width max_len) for every batch."""
+    setup, w = self.restored.setup, self.max_len
+    order = sorted(range(len(rows)), key=lambda i: -rows[i].tokens.size)
+    out: list[Any] = [None] * len(rows)
+    fresh = self._fresh_memory()
+    with sharding.activate(setup.mesh, setup.rules):
+      for start in range(0, len(order), self.rows):
+        group = order[start:start + self.rows]
+        segments = -(-(rows[group[0]].tokens.size - 1) // w)
+        memory = fresh
+        logp, greedy = np.zeros(len(group)), np.ones(len(group), bool)
+        for k in range(segments):
+          pieces = []
+          for i in group:
+            tokens, n = rows[i].tokens, rows[i].tokens.size - 1
+            pieces.append((tokens[k * w:min((k + 1) * w, n) + 1],
+                           max(n - rows[i].scored - k * w, 0)))
+          sums, all_greedy, memory = self._program(w)(self.restored.params, memory,
+                                                      *self._batch(pieces, w))
+          logp += np.asarray(jax.device_get(sums))[:len(group)]
+          greedy &= np.asarray(jax.device_get(all_greedy))[:len(group)]
         for r, i in enumerate(group):
           out[i] = (float(logp[r]), bool(greedy[r]))
     return out
