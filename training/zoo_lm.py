@@ -15,8 +15,10 @@ it for lm_eval.simple_evaluate(model='zoo', model_args='workdir=DIR').
 
 model_args: workdir (required), step (0 = the latest), batch_size (rows of a compiled batch),
 and any dotted config key as an override of the recorded run, with --mode=eval's rules
-(run-time settings apply; a change of the model is refused unless it is an eval-time option
-of its variant).
+(run-time settings apply; a change of the model is refused unless allow_config_change names
+it, '+' between keys). A tuple is written with '+' between its items, as model_args splits at
+commas: selective attention's pruning budgets are
+`model.attention_options.selective.budgets=64+64+32,allow_config_change=model.attention_options.selective.budgets`.
 
 --mode=harness (`run_tasks`) checks the task names and reads the tasks' data before any
 checkpoint is read or program compiled, so a typo or data out of reach costs seconds; it
@@ -47,7 +49,7 @@ from training import assembly, run_config
 
 NAME = 'zoo'
 # model_args that are not config keys.
-_OWN_ARGS = ('workdir', 'step', 'batch_size', 'max_batch_size', 'device')
+_OWN_ARGS = ('workdir', 'step', 'batch_size', 'allow_config_change', 'max_batch_size', 'device')
 
 
 @register_model(NAME)
@@ -60,8 +62,8 @@ class ZooLM(LM):
   """
 
   def __init__(self, workdir: str | None = None, step: int = 0, batch_size=None,
-               max_batch_size=None, device=None, *, restored: assembly.Restored | None = None,
-               **overrides):
+               allow_config_change: str = '', max_batch_size=None, device=None, *,
+               restored: assembly.Restored | None = None, **overrides):
     """Restores checkpoint `step` (0 = the latest) of `workdir` with its recorded config, as
     --mode=eval does; `overrides` are dotted config keys (lm-eval's model_args)."""
     super().__init__()
@@ -69,7 +71,7 @@ class ZooLM(LM):
     if restored is None:
       if not workdir:
         raise ValueError('the zoo model needs model_args workdir=DIR (a run\'s folder)')
-      restored = _restore(workdir, int(step or 0), overrides)
+      restored = _restore(workdir, int(step or 0), overrides, allow_config_change)
     elif overrides:
       raise ValueError(f'config overrides {sorted(overrides)} go to the restore, not here')
     size = batch_size if isinstance(batch_size, int) and batch_size > 0 else (
@@ -136,27 +138,37 @@ def _gen_settings(kwargs: dict) -> dict:
           'top_p': float(kwargs.get('top_p', 1.0) or 1.0), 'seed': int(kwargs.get('seed', 0))}
 
 
-def _restore(workdir: str, step: int, overrides: dict) -> assembly.Restored:
+def _value(value, like):
+  """A model_args value (lm-eval has made numbers and booleans of it) as the type of config
+  field value `like`; a tuple is written with '+' between its items (model_args splits at
+  commas): budgets=64+64+32."""
+  if isinstance(like, tuple) and isinstance(value, (str, int)):
+    items = str(value).replace('+', ' ').split()
+    return tuple(int(x) if x.lstrip('-').isdigit() else x for x in items)
+  if like is None or isinstance(like, bool) or isinstance(value, type(like)):
+    return value
+  return type(like)(value)
+
+
+def _restore(workdir: str, step: int, overrides: dict, allow: str = '') -> assembly.Restored:
   """Checkpoint `step` of `workdir` with its recorded config and `overrides` (dotted keys),
-  as --mode=eval restores one."""
+  as --mode=eval restores one; `allow` names the keys ('+' between them) whose model
+  changes are accepted (main.py's --allow_config_change)."""
   from configs import default  # pylint: disable=import-outside-toplevel
   config = default.get_config()
-  bad = sorted(k for k in overrides if k not in _OWN_ARGS and '.' not in k
-               and k not in config)
-  if bad:
-    raise ValueError(f'model_args {bad} are neither the zoo model\'s own ({", ".join(_OWN_ARGS)}) '
-                     'nor config keys')
   flat = run_config.as_flat_json(config)
   for key, value in overrides.items():
     if key not in flat:
-      raise ValueError(f'model_args {key}={value!r}: no such config key')
+      raise ValueError(f'model_args {key}={value!r} is neither the zoo model\'s own '
+                       f'({", ".join(_OWN_ARGS)}) nor a config key')
     node = config
     *parents, leaf = key.split('.')
     for p in parents:
       node = node[p]
-    node[leaf] = type(node[leaf])(value) if node[leaf] is not None else value
+    node[leaf] = _value(value, node[leaf])
   config.harness.step = step
-  request = run_config.Request(keys=frozenset(overrides) | {'harness.step'})
+  request = run_config.Request(keys=frozenset(overrides) | {'harness.step'},
+                               allow=tuple(a for a in str(allow or '').split('+') if a))
   return assembly.restore(config, workdir, request, step_key='harness.step')
 
 

@@ -306,3 +306,19 @@ def test_sentencepiece_pairs_split_the_whole_texts_tokens():
   assert codec.encode('the ca') != codec.encode('the cat sat')[:len(codec.encode('the ca'))]
   head, tail = codec.encode_pair('the ca', 't sat')
   assert codec.decode(head) == 'the c' and codec.decode(tail) == 'at sat'
+
+
+def test_lm_evals_registry_makes_the_zoo_model_from_model_args(text_run):
+  _, workdir, lm = text_run
+  from lm_eval.api.registry import get_model  # pylint: disable=import-outside-toplevel
+  made = get_model('zoo').create_from_arg_string(
+      f'workdir={workdir},step=1,eval_steps=3', {'batch_size': 4})
+  assert isinstance(made, zoo_lm.ZooLM) and made.restored.step == 1
+  assert made.restored.setup.config.eval_steps == 3  # A run-time override applies.
+  assert made.scorer.rows == 4
+  pair = [('the cat', ' sat')]
+  assert made.scorer.loglikelihood(pair) == lm.scorer.loglikelihood(pair)
+  with pytest.raises(ValueError, match=r'changes its model.*model\.n_layers'):
+    get_model('zoo').create_from_arg_string(f'workdir={workdir},model.n_layers=3')
+  with pytest.raises(ValueError, match="model_args no_such_key=1 is neither the zoo model's own"):
+    get_model('zoo').create_from_arg_string(f'workdir={workdir},no_such_key=1')
