@@ -1,12 +1,13 @@
 """The zoo as an lm-evaluation-harness model (training/downstream.py, training/zoo_lm.py):
 what lm-eval receives is the model's own forward and --mode=generate's sampler; local tasks
 (multiple choice, rolling perplexity, generation with a stop string) run offline through
-lm-eval's own evaluator; bad input gets one line each; --mode=harness on a Variable
-Assignment run writes lm-eval's result JSON.
+lm-eval's own evaluator; bad input gets one line each; a Variable Assignment run logs its
+local task during training and --mode=harness writes lm-eval's result JSON; lm-eval's
+registry makes the model from model_args.
 
-One byte-level text run of 1 step (max_len 32) and one Variable Assignment run of 2 steps,
-trained once for the module. lm-eval's own task index (14,000 YAMLs) is never read here: the
-tasks are local (defaults=False), so nothing is downloaded."""
+One byte-level text run of 1 step (max_len 32), trained once for the module, and one
+Variable Assignment run of 4 steps. lm-eval's own task index (14,000 YAMLs) is never read
+here: the tasks are local, so nothing is downloaded. The slow test trains on 2 processes."""
 
 import importlib
 import json
@@ -231,35 +232,12 @@ def test_missing_lm_eval_says_what_to_install(monkeypatch):
     downstream.require_lm_eval()
 
 
-def test_mode_harness_writes_lm_evals_result_of_the_variable_assignment_task(tmp_path):
+def test_tasks_run_during_training_and_mode_harness_writes_lm_evals_result(tmp_path):
+  """A Variable Assignment run with harness.every_steps logs the local task beside the eval;
+  --mode=harness then writes lm-eval's result JSON of its last checkpoint."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
   config = tiny.get_config()
-  config.update(total_steps=2, batch_size=16, eval_every_steps=0, eval_steps=2,
-                checkpoint_every_steps=2, log_every_steps=2, async_checkpointing=False,
-                peak_tflops_per_device=1.0)
-  config.model.d = 1
-  workdir = str(tmp_path / 'run')
-  train.train_and_evaluate(config, workdir)
-  config.harness.update(limit=20, batch_size=16)
-  results = zoo_lm.run_tasks(config, workdir)
-  written = json.loads((tmp_path / 'run' / 'harness_step_2.json').read_text())
-  task = downstream.VARIABLE_ASSIGNMENT_TASK
-  assert written['results'][task]['acc,none'] == results['results'][task]['acc,none']
-  assert written['n-samples'][task] == {'original': 32, 'effective': 20}  # 2 eval batches.
-  assert written['config']['zoo_step'] == 2
-  # The task stays in the workdir for lm-eval's own command line (--include_path).
-  assert (tmp_path / 'run' / 'harness_tasks' / f'{task}.yaml').is_file()
-  # The documents are the rows --mode=eval scores: the validation stream's.
-  docs = downstream.variable_assignment_docs(config)
-  batch = synthetic.make_task('variable_assignment', num_variables=3, num_values=16,
-                              num_assignments=4).batch(10**6, 1, 16)
-  assert docs[16]['context'] == ' '.join(map(str, batch['inputs'][0]))
-  assert docs[16]['answer'] == batch['targets'][0, -1] - 9
-
-
-def test_tasks_run_during_training_and_log_beside_the_eval(tmp_path):
-  import tensorflow as tf
-  config = tiny.get_config()
-  config.update(total_steps=4, batch_size=16, eval_every_steps=2, eval_steps=1,
+  config.update(total_steps=4, batch_size=16, eval_every_steps=2, eval_steps=2,
                 checkpoint_every_steps=4, log_every_steps=2, async_checkpointing=False,
                 peak_tflops_per_device=1.0)
   config.model.d = 1
@@ -273,6 +251,21 @@ def test_tasks_run_during_training_and_log_beside_the_eval(tmp_path):
         tags.setdefault(value.tag, set()).add(event.step)
   task = downstream.VARIABLE_ASSIGNMENT_TASK
   assert tags[f'harness/{task}/acc'] == {2, 4} == tags['eval/accuracy']
+
+  config.harness.update(every_steps=0, limit=20)
+  results = zoo_lm.run_tasks(config, str(workdir))
+  written = json.loads((workdir / 'harness_step_4.json').read_text())
+  assert written['results'][task]['acc,none'] == results['results'][task]['acc,none']
+  assert written['n-samples'][task] == {'original': 32, 'effective': 20}  # 2 eval batches.
+  assert written['config']['zoo_step'] == 4
+  # The task stays in the workdir for lm-eval's own command line (--include_path).
+  assert (workdir / 'harness_tasks' / f'{task}.yaml').is_file()
+  # The documents are the rows --mode=eval scores: the validation stream's.
+  docs = downstream.variable_assignment_docs(config)
+  batch = synthetic.make_task('variable_assignment', num_variables=3, num_values=16,
+                              num_assignments=4).batch(10**6, 1, 16)
+  assert docs[16]['context'] == ' '.join(map(str, batch['inputs'][0]))
+  assert docs[16]['answer'] == batch['targets'][0, -1] - 9
 
 
 def test_a_task_without_its_data_stops_training_before_its_first_step(tmp_path):
@@ -322,3 +315,24 @@ def test_lm_evals_registry_makes_the_zoo_model_from_model_args(text_run):
     get_model('zoo').create_from_arg_string(f'workdir={workdir},model.n_layers=3')
   with pytest.raises(ValueError, match="model_args no_such_key=1 is neither the zoo model's own"):
     get_model('zoo').create_from_arg_string(f'workdir={workdir},no_such_key=1')
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_two_processes_scores_alike_on_one_and_on_two(harness, tmp_path):
+  from tests import multiprocess  # pylint: disable=import-outside-toplevel
+  extra = {'total_steps': 8, 'checkpoint_every_steps': 8, 'harness.batch_size': 8}
+  workdir = tmp_path / 'run'
+  multiprocess.run(harness, workdir, tmp_path, extra, 'train')
+  evaluated = harness.run_main(workdir, extra, mode='eval', devices=1)
+  assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+  one = harness.run_main(workdir, extra, mode='harness', devices=1)
+  assert one.returncode == 0, one.stderr[-3000:]
+  task = downstream.VARIABLE_ASSIGNMENT_TASK
+  on_one = json.loads((workdir / 'harness_step_8.json').read_text())['results'][task]
+  (workdir / 'harness_step_8.json').unlink()
+  multiprocess.run(harness, workdir, tmp_path, extra, 'harness', mode='harness')
+  on_two = json.loads((workdir / 'harness_step_8.json').read_text())['results'][task]
+  assert on_one['acc,none'] == on_two['acc,none']
+  assert on_one['sample_len'] == 16  # eval_steps=1 batch of 16 rows: --mode=eval's rows.
+  eval_accuracy = json.loads((workdir / 'eval_step_8.json').read_text())['accuracy']
+  assert on_one['acc,none'] >= eval_accuracy
