@@ -1,10 +1,10 @@
 """What lm-eval receives from the zoo (training/downstream.Scorer) is the model's own forward,
-for every variant, block and stack (tests/contracts/cases.py: each variant's baseline and
-each block and stack once): the log-likelihood of a continuation scored in a padded row of a
-length bucket equals the plain forward over exactly its tokens, and so does the greedy flag;
-a context longer than the window is cut from the left. A segment-memory variant
-(Transformer-XL) reads a long text in segments with its memory carried instead: the scored
-batches give what one text read alone, segment by segment, gives.
+for every variant, residual wiring and stack (tests/contracts/cases.py: each variant's
+baseline and each wiring and stack once): the log-likelihood of a continuation scored in a
+padded row of a length bucket equals the plain forward over exactly its tokens, and so does
+the greedy flag; a context longer than the window is cut from the left. A segment-memory
+variant (Transformer-XL) reads a long text in segments with its memory carried instead: the
+scored batches give what one text read alone, segment by segment, gives.
 
 The rows of a bucket are right-padded (segment id 0 after each row's tokens): a variant whose
 real tokens saw the padding would fail here. Token ids as text (the synthetic tasks' form), a
