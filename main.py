@@ -4,6 +4,7 @@
   python main.py --config=configs/tiny.py --workdir=/tmp/tiny --mode=eval
   python main.py --workdir=/tmp/text --mode=generate --config.generate.prompt='Once upon a time'
   python main.py --workdir=/tmp/tiny --mode=generate --config.generate.prompt='1 5 9'
+  python main.py --workdir=/tmp/tiny --mode=harness --config.harness.limit=256
   python main.py --config=configs/default.py --config.model.attention=fixed --mode=inspect
   python main.py --config=configs/default.py --workdir=gs://bucket/run --config.model.attention=dense
   python main.py --config=configs/default.py --mode=compile --config.compile_topology=v5e:4x4

@@ -65,6 +65,9 @@ def fingerprint_settings(config: ml_collections.ConfigDict) -> dict:
   from models import options as options_lib  # pylint: disable=import-outside-toplevel
   from models import transformer  # pylint: disable=import-outside-toplevel
   settings = config.to_dict()
+  # The downstream tasks (--mode=harness) run after training and change no compiled program;
+  # their group, added after the committed compiles, leaves the fingerprints as they were.
+  settings.pop('harness', None)
   for group, registry in transformer.OPTION_GROUPS.items():
     ours = {name for name, cls in registry.items() if cls.__module__.startswith('models.')}
     if registry.per_entry:  # One group per entry.

@@ -166,6 +166,29 @@ PRUNING_SETTINGS = Group(
         'target_loss': Setting(0.0, "> 0: stop at this loss instead (e.g. a dense model's)."),
     })
 
+HARNESS_SETTINGS = Group(
+    "Downstream tasks through EleutherAI's lm-evaluation-harness (--mode=harness; "
+    'training/downstream.py; needs requirements-eval.txt).', change=RUNTIME, settings={
+        'tasks': Setting('', "Comma list of lm-eval task or group names (e.g. "
+                         "'lambada_openai,hellaswag'); '' = the run's own local task "
+                         "(zoo_variable_assignment for the Variable Assignment task)."),
+        'limit': Setting(0, 'Documents per task at most (the first ones); 0 = all.',
+                         bounds=Range(INTEGER, 0), zero_means='every document'),
+        'include_path': Setting('', 'Folder of task YAMLs of your own (lm-eval\'s '
+                                '--include_path), read besides the zoo\'s local tasks.'),
+        'num_fewshot': Setting(-1, 'Few-shot examples per prompt (lm-eval\'s --num_fewshot); '
+                               "-1 = each task's own default.", bounds=Range(INTEGER, -1)),
+        'step': Setting(0, 'Checkpoint step to evaluate; 0 = latest.', bounds=Range(INTEGER, 0),
+                        zero_means='the latest'),
+        'batch_size': Setting(32, 'Rows of one compiled scoring or sampling program (a '
+                              'multiple of the data-parallel devices is used).',
+                              bounds=Range(INTEGER, 1)),
+        'every_steps': Setting(0, 'During training: run harness.tasks on the latest parameters '
+                               'every this many steps and at the last, written to TensorBoard '
+                               'as harness/<task>/<metric>; 0 = never.',
+                               bounds=Range(INTEGER, 0), zero_means='never'),
+    })
+
 MESH_SETTINGS = Group(
     'Sharding: mesh sizes (-1 = all remaining devices). data, fsdp and tensor are sizes within '
     "one TPU slice (ICI); on several slices (DCN) the mesh axes 'data' and 'fsdp' have sizes "
@@ -266,6 +289,7 @@ SETTINGS = Group('A run: the C4 language model of the selective-attention paper,
                                            change=RUNTIME),
     'generate': GENERATE_SETTINGS,
     'pruning': PRUNING_SETTINGS,
+    'harness': HARNESS_SETTINGS,
     'mesh': MESH_SETTINGS,
     'logical_axis_rules': Setting(LOGICAL_AXIS_RULES, 'The logical-to-mesh rule table.',
                                   change=RUNTIME),

@@ -48,6 +48,11 @@ BACKBONE = {
                     'config.compile_topology from this host (no data read) and report per-chip '
                     'memory, FLOPs and collectives (WORKDIR/compile_<topology>.json; exits 1 if '
                     'the train step does not fit)'),
+    'harness': Mode('training.zoo_lm:run_tasks',
+                    'run lm-evaluation-harness tasks (config.harness.tasks; default: the run\'s '
+                    'own local task) on the latest checkpoint (or harness.step) and write '
+                    'WORKDIR/harness_step_<N>.json in lm-eval\'s result format (needs '
+                    'requirements-eval.txt)'),
 }
 
 

@@ -165,17 +165,20 @@ def _data_parallel(setup: assembly.Setup) -> int:
 
 def sample_ids(setup: assembly.Setup, model, params, ids: list[np.ndarray], *,
                max_new_tokens: int, batch_size: int, rng, temperature: float, top_k: int,
-               top_p: float, eos_id: int | None) -> list[tuple[np.ndarray, bool]]:
+               top_p: float, eos_id: int | None,
+               width: int = 0) -> list[tuple[np.ndarray, bool]]:
   """(new token ids, stopped at EOS) for each prompt of `ids`, decoded `batch_size` at a time.
 
   Every batch has the same shape (rows: batch_size, or fewer prompts, rounded up to a multiple
-  of the mesh's data-parallel size; width: the longest prompt + max_new_tokens), so the
-  sampling loop compiles once; rows past the prompts repeat the first and are dropped.
-  Batch k samples with fold_in(rng, k).
+  of the mesh's data-parallel size; width: the longest prompt, or `width` if larger, +
+  max_new_tokens), so the sampling loop compiles once; rows past the prompts repeat the first
+  and are dropped. Batch k samples with fold_in(rng, k). A caller that samples groups of
+  prompts of different lengths gives a few widths (training/downstream.py: a power of two),
+  so that the groups share programs.
   """
   dp = _data_parallel(setup)
   rows = -(-min(batch_size, len(ids)) // dp) * dp
-  width = max(t.size for t in ids)
+  width = max(width, max(t.size for t in ids))
   out = []
   with sharding.activate(setup.mesh, setup.rules):
     for k, start in enumerate(range(0, len(ids), rows)):

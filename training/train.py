@@ -159,7 +159,12 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   ckpt = checkpoints.Checkpointer(workdir, keep=config.keep_checkpoints,
                                   async_save=config.async_checkpointing)
   logger = metrics_lib.MetricLogger(workdir, config.total_steps)
+  harness = None
   try:
+    # A config without the harness group (one built by hand) runs no tasks.
+    if config.get('harness', {}).get('every_steps', 0):  # Tasks and data checked first.
+      from training import zoo_lm  # pylint: disable=import-outside-toplevel  (needs lm-eval)
+      harness = zoo_lm.DuringTraining(setup)
     data_state = None
     if ckpt.latest_step() is not None:
       state, saved = _restore_train_state(ckpt, setup)
@@ -170,8 +175,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       state = assembly.init_state(setup, config.seed)
     if jax.process_index() == 0:  # Only once the state matches: a failed restore keeps it.
       run_config.record_start(workdir, resolved, int(state.step), implementations=record)
-    return _train_loop(setup, state, data_state, ckpt, logger, peak, exits, on_step, compiled)
+    return _train_loop(setup, state, data_state, ckpt, logger, peak, exits, on_step, compiled,
+                       harness)
   finally:  # Also on errors: pending checkpoint writes finish, event files are flushed.
+    if harness is not None:
+      harness.close()
     setup.data.close()
     ckpt.close()
     logger.close()
@@ -424,7 +432,7 @@ class _Profile:
 
 
 def _train_loop(setup: assembly.Setup, state, data_state, ckpt, logger, peak: float, exits: bool,
-                on_step: Callable[[int], None] | None = None, compiled=None):
+                on_step: Callable[[int], None] | None = None, compiled=None, harness=None):
   """Steps to config.total_steps. Between log, checkpoint and eval steps the host only
   dispatches: no call in the loop waits for the device (metrics, specialization and the
   preemption agreement are read at those steps), so the device is never idle waiting for
@@ -471,7 +479,8 @@ def _train_loop(setup: assembly.Setup, state, data_state, ckpt, logger, peak: fl
       logs = step % config.log_every_steps == 0 or last
       saves = step % config.checkpoint_every_steps == 0 or last
       evals = bool(config.eval_every_steps) and (step % config.eval_every_steps == 0 or last)
-      stop = preemption.requested(step, agree=logs or saves or evals)
+      tasks = harness is not None and (step % config.harness.every_steps == 0 or last)
+      stop = preemption.requested(step, agree=logs or saves or evals or tasks)
       if logs or stop:
         window.flush()
         scalars = {k: v / window.count for k, v in window.sums.items()}
@@ -493,6 +502,8 @@ def _train_loop(setup: assembly.Setup, state, data_state, ckpt, logger, peak: fl
       if evals:
         logger.write(step, evaluation.score(setup, eval_step, state.params), prefix='eval')
         sampling.write_samples(logger, step, sampling.eval_samples(setup, None, state.params, step))
+      if tasks:  # lm-eval's tasks (harness.every_steps) on the same devices, beside the eval.
+        logger.write(step, harness(state.params, step), prefix='harness')
       if stop:
         ckpt.wait()  # "saved" only once it is committed.
         logging.warning('preemption requested: saved step %d, exiting', step)

@@ -10,7 +10,7 @@ from training import evaluation, modes, pruning
 
 def test_the_table_holds_the_backbone_and_the_selective_pruning_modes():
   table = modes.table()
-  assert list(table)[:5] == ['train', 'eval', 'generate', 'inspect', 'compile']
+  assert list(table)[:6] == ['train', 'eval', 'generate', 'inspect', 'compile', 'harness']
   assert table['allocate_budgets'].offered_by == 'selective'
   assert modes.get('allocate_budgets').func is pruning.allocate_budgets
   assert modes.get('eval').func is evaluation.evaluate_checkpoint
