@@ -1,27 +1,24 @@
 """The work of a compiled program, with its loops counted as many times as they run.
 
 XLA's own `cost_analysis()` counts a while loop's body once, so a blocked attention path whose
-work lives in loops looks cheap there. `analyze(hlo)` reads the optimized HLO text of a compiled
-program (`compiled.as_text()`) and walks its call graph from the entry, each instruction counted
-as many times as the loops around it run:
+work lives in loops looks cheap there. `analyze(hlo)` walks the optimized HLO text of a compiled
+program from its entry and counts each instruction as many times as the loops around it run:
 
-- A loop's trip count is XLA:CPU's `known_trip_count`. The TPU compiler records none, so the
-  count is read from the loop's condition (a counter against a bound), the bound evaluated from
-  the program's constants and the enclosing loop's counter (`_Evaluator`: query block b of a
-  blocked attention loop reads table[b] key chunks of a constant table). A loop whose count
-  depends on data (adaptive span's trimmed spans, ACT's halting) counts once and is reported in
-  `unknown_loops`; a conditional counts its most expensive branch.
+- A loop's trip count is XLA:CPU's `known_trip_count`. The TPU compiler records none, so its
+  condition is evaluated on the loop's counters, trip after trip, with the program's constants
+  and the enclosing loops' counters (`_Evaluator`: query block b of a blocked attention loop
+  reads table[b] key chunks of a constant table). A loop whose count depends on data (adaptive
+  span's trimmed spans, ACT's halting) counts once, in `unknown_loops`; a conditional counts
+  its most expensive branch.
 - `Kernel`: each top-level fusion, custom call or unfused op, with its matmul FLOPs (dots, and
-  the convolutions the TPU compiler writes matmuls as) by the peak they run at and the bytes it
-  reads and writes in HBM: a fusion's operands and outputs, not its internals; only the slice
-  of an operand it only slices (a layer's weights out of the scanned stack), only the update of
-  an output it updates in place. Arrays the TPU compiler keeps on chip (layout `S(1)`) count
-  nothing, and arrays count with their tile padding.
-- Mosaic kernels (`tpu_custom_call`) count the cost they state (pallas_call's cost_estimate:
-  the project's fused attention kernel, from its block table); jax's splash kernel states none,
-  so it is counted from its mask's non-empty blocks (its block table, a constant of the program
-  that `module_text` prints). Other custom calls count their bytes and no FLOPs, in
-  `Cost.opaque`.
+  the convolutions the TPU compiler writes matmuls as) and the bytes it moves in HBM: a
+  fusion's operands and outputs, only the slice of an operand it only slices (a layer's weights
+  out of the scanned stack) and the update of an output it updates in place. Arrays kept on
+  chip (layout `S(1)`) count nothing; arrays count with their tile padding.
+- Mosaic kernels count the cost they state (pallas_call's cost_estimate: the project's fused
+  attention kernel, from its block table); jax's splash kernel states none and is counted from
+  its mask's non-empty blocks (its block table, a constant that `module_text` prints). Other
+  custom calls count their bytes and no FLOPs, in `Cost.opaque`.
 - `Collective`: each collective's kind, bytes, device groups and runs.
 
 analysis/roofline.py turns a Cost into a step time for a chip.
@@ -41,10 +38,7 @@ import numpy as np
 # `%name = type opcode(operands), attributes` (a tuple type starts with '(').
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s+(.+?)\s+([\w\-]+)\((.*)$')
 _COMPUTATION = re.compile(r'^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$')
-_RESULT = re.compile(r'->\s*(.*?)\s*\{\s*$')
 _CALLS = re.compile(r'\b(calls|to_apply|body|condition)=%?([\w.\-]+)')
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-_TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _INDEX = re.compile(r'index=(\d+)')
 _DIMS = re.compile(r'dimensions=\{([\d,]*)\}')
 
@@ -58,11 +52,9 @@ _ARRAY = re.compile(r'\b(' + '|'.join(sorted(BITS, key=len, reverse=True))
                     + r')\[([\d,]*)\](\{[^{}]*(?:\([^)]*\)[^{}]*)*\})?')
 
 COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all', 'collective-permute')
-_COLLECTIVE_OPS = {
-    **{k: k for k in COLLECTIVES},
-    **{f'{k}-start': k for k in ('all-gather', 'all-reduce', 'collective-permute')},
-    'ragged-all-to-all': 'all-to-all', 'collective-broadcast': 'all-gather',
-}
+_COLLECTIVE_OPS = {**{k: k for k in COLLECTIVES},
+                   **{f'{k}-start': k for k in ('all-gather', 'all-reduce', 'collective-permute')},
+                   'ragged-all-to-all': 'all-to-all', 'collective-broadcast': 'all-gather'}
 # Instructions that launch nothing and move no data (or whose data moves elsewhere: a
 # collective's -done, a loop's tuple).
 _FREE = {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'after-all',
@@ -85,15 +77,15 @@ _SLICING = {'dynamic-slice', 'slice', 'gather'}
 
 @dataclasses.dataclass(frozen=True)
 class Array:
-  """One array of an HLO type: element type, dimensions and where it lives."""
+  """One array of an HLO type: element type, dimensions, memory space (0: HBM; 1: TPU VMEM;
+  2-5: other on-chip memories) and elements with the layout's tile padding."""
   dtype: str
   dims: tuple[int, ...]
-  memory_space: int = 0      # 0: HBM (device memory); 1: TPU VMEM; 2-5: other on-chip memories.
-  padded_elements: int = 0   # Elements with the layout's tile padding.
+  memory_space: int = 0
+  padded_elements: int = 0
 
   @property
-  def bytes(self) -> int:
-    """Bytes as laid out (tile padding included)."""
+  def bytes(self) -> int:  # As laid out, tile padding included.
     return self.padded_elements * BITS[self.dtype] // 8
 
   @property
@@ -101,8 +93,7 @@ class Array:
     return math.prod(self.dims) * BITS[self.dtype] // 8
 
   @property
-  def hbm_bytes(self) -> int:
-    """Bytes in device memory: zero for an array the compiler keeps on chip."""
+  def hbm_bytes(self) -> int:  # Zero for an array the compiler keeps on chip.
     return self.bytes if self.memory_space == 0 else 0
 
 
@@ -143,8 +134,7 @@ def tuple_elements(text: str) -> list[str]:
     return [text]
   parts, depth, start = [], 0, 1
   for i, ch in enumerate(text):
-    depth += ch in '({['
-    depth -= ch in ')}]'
+    depth += (ch in '({[') - (ch in ')}]')
     if (ch == ',' and depth == 1) or (ch in ')}]' and depth == 0):
       parts.append(text[start:i].strip())
       start = i + 1
@@ -162,7 +152,8 @@ class _Instruction:
   computation: str = ''
 
   @functools.cached_property
-  def _split(self) -> tuple[str, str]:
+  def parts(self) -> tuple[str, str]:
+    """(operand text, attribute text)."""
     depth = 0
     for i, ch in enumerate(self.rest):
       if ch in ')}]' and depth == 0:
@@ -172,11 +163,7 @@ class _Instruction:
 
   @property
   def operands(self) -> list[str]:
-    return re.findall(r'%([\w.\-]+)', self._split[0])
-
-  @property
-  def attributes(self) -> str:
-    return self._split[1]
+    return re.findall(r'%([\w.\-]+)', self.parts[0])
 
   @property
   def calls(self) -> dict[str, str]:
@@ -187,10 +174,10 @@ class _Instruction:
   def shape(self) -> tuple[int, ...] | None:
     return _shape(self.type_text)
 
-  @property
-  def op_name(self) -> str:
-    op = _OP_NAME.search(self.rest)
-    return op.group(1) if op else ''
+  def attr(self, key: str) -> str:
+    """The text of attribute `key` (op_name, custom_call_target, ...) or ''."""
+    m = re.search(rf'\b{key}="([^"]*)"', self.rest)
+    return m.group(1) if m else ''
 
   def ints(self, pattern: re.Pattern) -> list[int]:
     """The integers of an attribute ('dimensions={0,2}'), [] when absent."""
@@ -204,7 +191,7 @@ class _Module:
   results: dict[str, str]        # Computation: its result type.
   entry: str
   by_name: dict[str, _Instruction]
-  cache: dict = dataclasses.field(default_factory=dict)
+  _params: dict = dataclasses.field(default_factory=dict)
 
   def root(self, computation: str) -> _Instruction | None:
     insts = self.computations.get(computation, [])
@@ -212,26 +199,20 @@ class _Module:
 
   def params(self, computation: str) -> dict[int, _Instruction]:
     """{number: parameter instruction} of a computation."""
-    if ('params', computation) not in self.cache:
-      self.cache['params', computation] = {
+    if computation not in self._params:
+      self._params[computation] = {
           int(re.match(r'\s*(\d+)', p.rest).group(1)): p
           for p in self.computations.get(computation, []) if p.opcode == 'parameter'}
-    return self.cache['params', computation]
-
-  def param(self, computation: str) -> str | None:
-    """The name of a loop body's or condition's (tuple) parameter."""
-    p = self.params(computation).get(0)
-    return p.name if p else None
+    return self._params[computation]
 
   def passes_on(self, body: str, index: int) -> bool:
     """Whether a loop body returns element `index` of its tuple parameter unchanged."""
-    root = self.root(body)
-    if root is None or root.opcode != 'tuple' or index >= len(root.operands):
+    root, param = self.root(body), self.params(body).get(0)
+    if root is None or root.opcode != 'tuple' or index >= len(root.operands) or param is None:
       return False
     element = self.by_name.get(root.operands[index])
     return bool(element is not None and element.opcode == 'get-tuple-element'
-                and element.operands[:1] == [self.param(body)]
-                and element.ints(_INDEX) == [index])
+                and element.operands[:1] == [param.name] and element.ints(_INDEX) == [index])
 
 
 def _parse(hlo: str) -> _Module:
@@ -243,7 +224,7 @@ def _parse(hlo: str) -> _Module:
       if m and '=' not in line.split('{')[0].split('(')[0]:
         current = m.group(1)
         computations[current] = []
-        result = _RESULT.search(line)
+        result = re.search(r'->\s*(.*?)\s*\{\s*$', line)
         results[current] = result.group(1) if result else ''
         entry = current if line.lstrip().startswith('ENTRY') else entry
     elif line.strip() == '}':
@@ -292,23 +273,23 @@ def _matmul_flops(inst: _Instruction, module: _Module) -> float:
   kernel input features x the valid (output, tap) pairs of each spatial dimension)."""
   lhs, rhs = (module.by_name.get(o) for o in (inst.operands + [''] * 2)[:2])
   out = inst.shape
-  if inst.opcode == 'dot':
-    if out is None or lhs is None or lhs.shape is None or 'lhs_contracting_dims' not in inst.rest:
-      raise ValueError(f'cannot read the shapes of dot {inst.name}: {inst.rest[:200]}')
-    return 2.0 * math.prod(out) * math.prod(
-        lhs.shape[d] for d in inst.ints(re.compile(r'lhs_contracting_dims=\{([\d,]*)\}')))
   labels = re.search(r'dim_labels=(\w+)_(\w+)->(\w+)', inst.rest)
-  if not (lhs and rhs and labels and lhs.shape is not None and rhs.shape is not None and out):
-    raise ValueError(f'cannot read the shapes of convolution {inst.name}: {inst.rest[:200]}')
+  contracting = re.compile(r'lhs_contracting_dims=\{([\d,]*)\}')
+  if inst.opcode == 'dot' and out is not None and lhs and lhs.shape is not None \
+      and contracting.search(inst.rest):
+    return 2.0 * math.prod(out) * math.prod(lhs.shape[d] for d in inst.ints(contracting))
+  if not (inst.opcode == 'convolution' and lhs and rhs and labels and lhs.shape is not None
+          and rhs.shape is not None and out):
+    raise ValueError(f'cannot read the shapes of {inst.opcode} {inst.name}: {inst.rest[:200]}')
   lhs_l, rhs_l, out_l = labels.groups()
   window = {}
-  found = re.search(r'window=\{([^}]*)\}', inst.attributes)
+  found = re.search(r'window=\{([^}]*)\}', inst.parts[1])
   for part in (found.group(1).split() if found else []):
     key, _, value = part.partition('=')
-    window[key] = [[int(x) for x in p.split('_')] for p in value.split('x')]
+    window[key] = [int(p.split('_')[0]) for p in value.split('x')]  # pad: its low side.
   pairs = 1
   for k, c in enumerate(sorted(c for c in out_l if c.isdigit())):
-    get = lambda key, default: window[key][k][0] if key in window else default  # noqa: E731
+    get = lambda key, default: window[key][k] if key in window else default  # noqa: E731
     pairs *= _valid_taps(lhs.shape[lhs_l.index(c)], out[out_l.index(c)], get('size', 1),
                          get('stride', 1), get('pad', 0), get('lhs_dilate', 1),
                          get('rhs_dilate', 1))
@@ -319,11 +300,12 @@ def _matmul_flops(inst: _Instruction, module: _Module) -> float:
 
 MAX_TRIPS = 1 << 17  # A loop's condition is evaluated for at most this many trips.
 
+
 class _Evaluator:
-  """Evaluates small integer expressions of a program (a loop's bounds) with numpy: constants,
-  the elements of a computation's tuple parameter that `lookup(parameter, index)` knows, and
-  the ops that index and reduce a constant table (the blocked attention loops' key counts per
-  query block). Anything else, or an array of more than LIMIT elements, is None (unknown)."""
+  """Evaluates small integer expressions of a program (a loop's condition) with numpy:
+  constants, the elements of a computation's tuple parameter that `lookup(parameter, index)`
+  knows, and the ops that index and reduce a constant table (the blocked attention loops' key
+  counts per query block). Anything else, or an array of more than LIMIT elements, is None."""
 
   LIMIT = 1 << 20
   _BINARY = {'add': np.add, 'subtract': np.subtract, 'multiply': np.multiply,
@@ -350,14 +332,12 @@ class _Evaluator:
     return None if value is None or np.size(value) > self.LIMIT else value
 
   def _eval(self, name, params, depth):  # pylint: disable=too-many-return-statements
-    m = self.module
-    inst = m.by_name.get(name)
+    m, inst = self.module, self.module.by_name.get(name)
     if inst is None or depth > 64:
       return None
-    ev = lambda n: self(n, params, depth + 1)  # noqa: E731
     op, operands, shape = inst.opcode, inst.operands, inst.shape
     if op in ('copy-done', 'copy-start'):  # An asynchronous copy: the value copied.
-      return ev(operands[0])
+      return self(operands[0], params, depth + 1)
     if op == 'parameter':
       return params[name] if name in params else self.lookup(name, None)
     if op == 'get-tuple-element':
@@ -365,17 +345,16 @@ class _Evaluator:
       if source.opcode == 'parameter':
         return self.lookup(source.name, index)
       if source.opcode == 'tuple':
-        return ev(source.operands[index])
+        return self(source.operands[index], params, depth + 1)
       init = m.by_name.get(source.operands[0]) if source.opcode == 'while' else None
       if init is not None and init.opcode == 'tuple' and m.passes_on(source.calls['body'], index):
-        return ev(init.operands[index])  # What a loop passes through unchanged.
+        return self(init.operands[index], params, depth + 1)  # A loop passes it through.
       return None
     if shape is None or math.prod(shape) > self.LIMIT:
       return None
     if op == 'constant':
-      text = inst._split[0]  # pylint: disable=protected-access
-      numbers = re.findall(r'-?\d+(?:\.\d*)?(?:e[-+]?\d+)?',
-                           text.replace('true', '1').replace('false', '0'))
+      text = inst.parts[0].replace('true', '1').replace('false', '0')
+      numbers = re.findall(r'-?\d+(?:\.\d*)?(?:e[-+]?\d+)?', text)
       if '...' in text or len(numbers) != max(1, math.prod(shape)):
         return None
       return np.array([float(x) for x in numbers]).reshape(shape)
@@ -383,13 +362,19 @@ class _Evaluator:
       dim = inst.ints(re.compile(r'iota_dimension=(\d+)'))[0]
       idx = np.arange(shape[dim]).reshape([-1 if i == dim else 1 for i in range(len(shape))])
       return np.broadcast_to(idx, shape).astype(float)
-    args = [ev(o) for o in operands]
-    if op != 'fusion' and any(a is None for a in args):
+    args = [self(o, params, depth + 1) for o in operands]
+    if op == 'fusion':  # An operand of unknown value fails only if the root needs it.
+      called = inst.calls.get('calls', '')
+      inner = {p.name: args[k] for k, p in m.params(called).items()
+               if k < len(args) and args[k] is not None}
+      root = m.root(called)
+      value = None if root is None else self(root.name, inner, depth + 1)
+      return None if value is None else np.asarray(value).reshape(shape)
+    if any(a is None for a in args):
       return None
-    args = [None if a is None else np.asarray(a) for a in args]
+    args = [np.asarray(a) for a in args]
     dtype = (arrays(inst.type_text) or [Array('f32', ())])[0].dtype
-    integer = dtype.startswith(('s', 'u', 'pred'))
-    value = None
+    bitwise = op in ('and', 'or', 'xor') or op.startswith('shift')
     if op in ('copy', 'bitcast', 'reshape', 'convert'):
       value = args[0].reshape(shape)
     elif op == 'broadcast':
@@ -413,55 +398,43 @@ class _Evaluator:
       return self._UNARY[op](args[0])
     elif op in self._LOGICAL and dtype == 'pred':
       return self._LOGICAL[op](args[0], args[1])
-    elif op in self._BINARY:
-      bitwise = op in ('and', 'or', 'xor') or op.startswith('shift')
-      if bitwise and (dtype == 'pred' or (op == 'shift-right-logical' and (args[0] < 0).any())):
-        return None
-      if bitwise:  # On integers: the compiler's strength-reduced divisions.
-        return self._BINARY[op](*(a.astype(np.int64) for a in args[:2])).astype(float)
+    elif bitwise and dtype != 'pred' and not (op == 'shift-right-logical' and (args[0] < 0).any()):
+      # On integers: the compiler's strength-reduced divisions.
+      return self._BINARY[op](*(a.astype(np.int64) for a in args[:2])).astype(float)
+    elif op in self._BINARY and not bitwise:
       value = self._BINARY[op](args[0], args[1])
     elif op == 'compare':
-      direction = re.search(r'direction=(\w+)', inst.rest).group(1)
-      return self._COMPARE[direction](args[0], args[1])
+      return self._COMPARE[re.search(r'direction=(\w+)', inst.rest).group(1)](*args[:2])
     elif op == 'select':
       return np.where(args[0].astype(bool), args[1], args[2])
     elif op == 'clamp':
       return np.clip(args[1], args[0], args[2])
-    elif op == 'fusion':
-      called = inst.calls.get('calls', '')
-      # An operand of unknown value fails only if the root needs it.
-      inner = {p.name: args[k] for k, p in m.params(called).items()
-               if k < len(args) and args[k] is not None}
-      root = m.root(called)
-      value = None if root is None else self(root.name, inner, depth + 1)
-      return None if value is None else np.asarray(value).reshape(shape)
-    if value is None:
+    else:
       return None
-    return np.trunc(value) if integer else value
+    return np.trunc(value) if dtype.startswith(('s', 'u', 'pred')) else value
 
 
 def loop_trips(module: _Module, loop: _Instruction,
                contexts: list | None) -> tuple[float | None, list]:
   """(the mean trip count of a while loop over the runs of the loop around it, the contexts of
   its body: one lookup per trip for `_Evaluator`, giving the elements of the loop's tuple that
-  the body steps by a constant (its counters) or passes on unchanged); (None, [one lookup of
-  the unchanged elements]) when the count is unknown. `contexts`: one lookup per run of the
-  enclosing loop's body (None at top level). The count is XLA's known_trip_count, else the
-  condition evaluated on the counters' values, trip after trip, until it fails."""
+  the body steps by a constant (its counters) or passes on unchanged). When the count is
+  unknown, or differs between the enclosing loop's runs: (None or the mean, [a lookup of the
+  unchanged elements]). `contexts`: one lookup per run of the enclosing loop's body."""
   body, condition = loop.calls['body'], loop.calls['condition']
   init, root = module.by_name.get(loop.operands[0]), module.root(body)
   known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', loop.rest)
   if init is None or init.opcode != 'tuple' or root is None or root.opcode != 'tuple':
     return (float(known.group(1)) if known else None), [None]
-  steps = {}
+  steps = {}  # The counters: integer scalars the body steps by a constant.
   for j, element in enumerate(module.by_name.get(o) for o in init.operands):
     if element is not None and element.shape == () and element.type_text[:1] in 'su':
       ends = [_Evaluator(module, lambda _, i, x=x, j=j: np.array(float(x)) if i == j else None)(
           root.operands[j]) for x in (0, 1000)]
       if all(e is not None and np.size(e) == 1 for e in ends):
         step = {int(np.asarray(e).reshape(())) - x for e, x in zip(ends, (0, 1000))}
-        if len(step) == 1 and step != {0}:
-          steps[j] = step.pop()
+        steps.update({j: step.pop()} if len(step) == 1 and step != {0} else {})
+  names = {p.name for c in (body, condition) for p in module.params(c).values()}
   trips, at = [], None
   for lookup in contexts or [None]:
     parent = _Evaluator(module, lookup)
@@ -470,10 +443,12 @@ def loop_trips(module: _Module, loop: _Instruction,
         init.operands) and module.passes_on(body, j) else None)
 
     def tuple_at(t, starts=starts, kept=kept):  # The loop's tuple on trip t (None: unknown).
-      def lookup(_, i):
+      def lookup(name, i):
+        if name not in names or i is None:
+          return None
         if i in steps:
           return None if t is None or starts[i] is None else np.asarray(starts[i]) + t * steps[i]
-        return None if i is None else kept(i)
+        return kept(i)
       return lookup
 
     trip = int(known.group(1)) if known else None
@@ -494,10 +469,10 @@ def loop_trips(module: _Module, loop: _Instruction,
 # --- Collectives. -----------------------------------------------------------------------------
 
 def replica_groups(attributes: str) -> list[list[int]] | None:
-  """The device groups of a collective from its attributes; [] for 'every device'; None when
-  the form is not understood. Forms: '{{0,1},{2,3}}', iota '[G,S]<=[dims]T(perm)', mesh
-  "mesh['a'=4,'b'=2] {'a'}" (devices in row-major order of the axes; one group per position
-  of the axes not named), or source_target_pairs."""
+  """The device groups of a collective; [] for every device; None when not understood. Forms:
+  '{{0,1},{2,3}}', iota '[G,S]<=[dims]T(perm)', "mesh['a'=4,'b'=2] {'a'}" (devices in
+  row-major order of the axes, one group per position of the axes not named), or
+  source_target_pairs."""
   pairs = re.search(r'source_target_pairs=\{(.*?)\}\}', attributes)
   if pairs:
     return [[int(x) for x in p.split(',')] for p in re.findall(r'\{([\d,]+)\}', pairs.group(0))]
@@ -515,12 +490,11 @@ def replica_groups(attributes: str) -> list[list[int]] | None:
             for g in re.findall(r'\{([\d,\s]*)\}', text[1:end])]
   iota = re.match(r'\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', text)
   if iota:
-    groups = int(iota.group(1).split(',')[0])
-    ids = np.arange(math.prod(int(x) for x in iota.group(2).split(',')))
-    ids = ids.reshape([int(x) for x in iota.group(2).split(',')])
+    dims = [int(x) for x in iota.group(2).split(',')]
+    ids = np.arange(math.prod(dims)).reshape(dims)
     if iota.group(3):
       ids = ids.transpose([int(x) for x in iota.group(3).split(',')])
-    return ids.reshape(groups, -1).tolist()
+    return ids.reshape(int(iota.group(1).split(',')[0]), -1).tolist()
   mesh = re.match(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}", text)
   axes = re.findall(r"'([^']+)'\s*=\s*(\d+)", mesh.group(1)) if mesh else []
   names, named = [a for a, _ in axes], re.findall(r"'([^']+)'", mesh.group(2)) if mesh else []
@@ -535,24 +509,13 @@ def replica_groups(attributes: str) -> list[list[int]] | None:
 
 @dataclasses.dataclass
 class Collective:
-  """One collective instruction as it runs.
-
-  Attributes:
-    name: the instruction.
-    kind: one of COLLECTIVES.
-    bytes: its result's bytes on each device, once (all-gather: the gathered array;
-      reduce-scatter: the shard; collective-permute: the buffer received).
-    groups: the device groups (logical device ids of the program), [] for all devices, None
-      when not understood.
-    times: how many times it runs per execution of the program.
-    op_name: the JAX source op.
-    channel: its channel_id: the TPU compiler copies one collective into each fusion that
-      carries a part of its transfer (async collective fusions); the copies share it and
-      count once.
-    over_dcn: a transfer between slices over the data-center network (the TPU compiler writes
-      one as a host-transfer send to the megascale runtime).
-    participants: for a transfer between slices, how many take part (None: unknown).
-  """
+  """One collective instruction as it runs: its kind (one of COLLECTIVES), its result's bytes
+  on each device once (all-gather: the gathered array; reduce-scatter: the shard; permute: the
+  buffer received), its device groups (`replica_groups`), runs per execution, JAX source op
+  and channel_id (the TPU compiler copies one collective into each fusion that carries part of
+  its transfer; the copies share it and count once). A transfer between slices goes over the
+  data-center network (`over_dcn`: the TPU compiler writes it as a host-transfer send to the
+  megascale runtime), among `participants` (None: unknown)."""
   name: str
   kind: str
   bytes: int
@@ -573,44 +536,38 @@ class Collective:
     return max(len(g) for g in self.groups) if self.groups else devices
 
   def traffic(self, devices: int, slices: int = 1) -> float:
-    """Bytes each device sends over links in one run: the ring algorithm's volume (all-gather
-    and all-to-all (n-1)/n of the result, reduce-scatter (n-1) shards, all-reduce twice
-    (n-1)/n, a permute its buffer)."""
-    n = self.group_size(devices, slices)
-    if n <= 1:
-      return 0.0
-    b = float(self.bytes)
-    return {'all-gather': b * (n - 1) / n, 'all-to-all': b * (n - 1) / n,
-            'reduce-scatter': b * (n - 1), 'all-reduce': 2 * b * (n - 1) / n,
-            'collective-permute': b}.get(self.kind, b)
+    """Bytes each device sends in one run, as the ring algorithm does (all-gather and
+    all-to-all (n-1)/n of the result, reduce-scatter n-1 shards, all-reduce twice (n-1)/n, a
+    permute its buffer)."""
+    n, b = self.group_size(devices, slices), float(self.bytes)
+    return 0.0 if n <= 1 else {
+        'all-gather': b * (n - 1) / n, 'all-to-all': b * (n - 1) / n,
+        'reduce-scatter': b * (n - 1), 'all-reduce': 2 * b * (n - 1) / n}.get(self.kind, b)
 
   def spans(self, slice_of) -> bool:
-    """Whether a group holds devices of different slices (its bytes cross the data-center
-    network); `slice_of[i]` is logical device i's slice."""
+    """Whether a group holds devices of different slices; `slice_of[i]`: device i's slice."""
     if self.over_dcn:
       return True
     if slice_of is None or len(set(slice_of)) <= 1:
       return False
-    if not self.groups:  # Every device (or unknown): crosses slices when there are several.
-      return True
-    return any(len({slice_of[i] for i in g if i < len(slice_of)}) > 1 for g in self.groups)
+    return not self.groups or any(len({slice_of[i] for i in g if i < len(slice_of)}) > 1
+                                  for g in self.groups)
 
 
 def _collective(inst: _Instruction, module: _Module, times: float) -> Collective | None:
-  """The collective `inst` is, None for none. An async pair counts at its -start, whose result
-  holds the operand, then the result. The TPU compiler writes a reduce-scatter as a fusion
-  (all-reduce-scatter...) around an all-reduce, and a transfer between slices as a
-  host-transfer send to the megascale runtime (_xla_megascale_transfer_type,
-  _xla_megascale_target='{slices}x{devices}')."""
-  transfer = re.search(r'_xla_megascale_transfer_type="(\w+)"', inst.rest)
+  """The collective `inst` is, or None. An async pair counts at its -start, whose result holds
+  the operand, then the result. The TPU compiler writes a reduce-scatter as an all-reduce in a
+  fusion named all-reduce-scatter, and a transfer between slices as a send with
+  _xla_megascale_transfer_type and _xla_megascale_target='{slices}x{devices}'."""
+  transfer = inst.attr('_xla_megascale_transfer_type')
   if inst.opcode == 'send' and transfer:
     target = re.search(r'_xla_megascale_target="\{([\d,]+)\}', inst.rest)
-    participants = math.prod(int(x) for x in target.group(1).split(',')) if target else 0
+    n = math.prod(int(x) for x in target.group(1).split(',')) if target else 0
     kind = {'ALL_GATHER': 'all-gather', 'REDUCE_SCATTER': 'reduce-scatter',
-            'ALL_TO_ALL': 'all-to-all'}.get(transfer.group(1), 'all-reduce')
-    return Collective(inst.name, kind, sum(a.logical_bytes for a in arrays(
-        tuple_elements(inst.type_text)[0])), None, times, inst.op_name, over_dcn=True,
-                      participants=participants if participants > 1 else None)
+            'ALL_TO_ALL': 'all-to-all'}.get(transfer, 'all-reduce')
+    return Collective(inst.name, kind, sum(a.logical_bytes for a in arrays(tuple_elements(
+        inst.type_text)[0])), None, times, inst.attr('op_name'), over_dcn=True,
+                      participants=n if n > 1 else None)
   if inst.opcode not in _COLLECTIVE_OPS:
     return None
   kind, shape = _COLLECTIVE_OPS[inst.opcode], inst.type_text
@@ -620,18 +577,14 @@ def _collective(inst: _Instruction, module: _Module, times: float) -> Collective
     kind, shape = 'reduce-scatter', module.results.get(inst.computation, shape)
   channel = re.search(r'channel_id=(\d+)', inst.rest)
   return Collective(inst.name, kind, sum(a.logical_bytes for a in arrays(shape)),
-                    replica_groups(inst.attributes), times, inst.op_name,
-                    int(channel.group(1)) if channel else None)
+                    replica_groups(inst.parts[1]), times,
+                    inst.attr('op_name'), int(channel.group(1)) if channel else None)
 
 
 def collectives(hlo: str) -> dict[str, dict[str, int]]:
-  """Count and result bytes of each kind of collective instruction in a compiled module, each
-  instruction once wherever it sits (entry, loop body, fusion, async wrapper; not multiplied
-  by trip counts: `analyze` does that), the copies of one channel once.
-
-  Returns:
-    {kind: {'count': n, 'bytes': b}} for each kind in COLLECTIVES (zeros when absent).
-  """
+  """{kind: {'count', 'bytes'}} for each kind in COLLECTIVES (zeros when absent): each
+  collective instruction once wherever it sits, not multiplied by trip counts (`analyze` does
+  that), the copies of one channel once."""
   module = _parse(hlo)
   out = {kind: {'count': 0, 'bytes': 0} for kind in COLLECTIVES}
   seen = set()
@@ -648,18 +601,10 @@ def collectives(hlo: str) -> dict[str, dict[str, int]]:
 
 @dataclasses.dataclass
 class Kernel:
-  """One launched kernel (a top-level fusion, custom call or unfused op) as it runs.
-
-  Attributes:
-    name: the instruction.
-    opcode: its opcode ('fusion', 'custom-call', 'dot', ...).
-    flops: matmul FLOPs per run by the peak they run at (`_flops_class`).
-    bytes: HBM bytes read and written per run.
-    times: runs per execution of the program.
-    source: 'xla' (the compiler's own op), 'analytic' (a custom call counted from its own
-      cost: a Mosaic kernel) or 'opaque' (a custom call whose FLOPs are unknown).
-    op_name: the JAX source op.
-  """
+  """One launched kernel (a top-level fusion, custom call or unfused op) as it runs: matmul
+  FLOPs per run by the peak they run at (`_flops_class`), HBM bytes read and written per run,
+  runs per execution, source ('xla': the compiler's own op; 'analytic': a custom call counted
+  from its own cost; 'opaque': a custom call whose FLOPs are unknown) and JAX source op."""
   name: str
   opcode: str
   flops: dict[str, float]
@@ -675,15 +620,10 @@ class Kernel:
 
 @dataclasses.dataclass
 class Cost:
-  """What `analyze` found in a program, per device and per execution.
-
-  Attributes:
-    kernels: every kernel launched (a kernel in a loop is one entry with its `times`).
-    collectives: every collective run.
-    unknown_loops: while loops of unknown trip count (counted once).
-    opaque: {custom call target: runs} of custom calls counted without FLOPs.
-    notes: what the count could not read (e.g. a splash mask not in the text).
-  """
+  """What `analyze` found in a program, per device and per execution: every kernel launched (a
+  kernel in a loop is one entry with its `times`), every collective run, the loops of unknown
+  trip count (counted once), {custom call target: runs} of the custom calls counted without
+  FLOPs, and what the count could not read (`notes`)."""
   kernels: list[Kernel] = dataclasses.field(default_factory=list)
   collectives: list[Collective] = dataclasses.field(default_factory=list)
   unknown_loops: int = 0
@@ -703,6 +643,7 @@ class Cost:
     return sum(k.times for k in self.kernels)
 
   def top(self, k: int = 10, key=lambda kernel: kernel.bytes) -> list[Kernel]:
+    """The k kernels with the most of `key` over their runs."""
     return sorted(self.kernels, key=lambda kernel: -kernel.times * key(kernel))[:k]
 
 
@@ -724,14 +665,12 @@ def _fusion_bytes(inst: _Instruction, module: _Module) -> float:
     found = list(users(params[i].name)) if i in params else []
     if full and found and all(u.operands[0] == params[i].name and u.opcode in (
         *_SLICING, 'dynamic-update-slice') for u in found):
-      total += min(full, sum(sum(a.bytes for a in arrays(u.type_text))
-                             for u in found if u.opcode in _SLICING))
+      total += min(full, sum(_hbm_all(u.type_text) for u in found if u.opcode in _SLICING))
     else:
       total += full
-  outputs = arrays(inst.type_text)
-  root = module.root(fused)
-  roots = [module.by_name.get(o) for o in root.operands] if root and root.opcode == 'tuple' \
-      else [root] if root else []
+  outputs, root = arrays(inst.type_text), module.root(fused)
+  roots = ([module.by_name.get(o) for o in root.operands] if root and root.opcode == 'tuple'
+           else [root] if root else [])
   if len(roots) != len(outputs):
     return total + sum(a.hbm_bytes for a in outputs)
   for out, r in zip(outputs, roots):
@@ -739,10 +678,14 @@ def _fusion_bytes(inst: _Instruction, module: _Module) -> float:
       r = module.by_name.get(r.operands[0]) if r.operands else None
     if out.memory_space == 0 and r is not None and r.opcode == 'dynamic-update-slice':
       update = module.by_name.get(r.operands[1]) if len(r.operands) > 1 else None
-      total += sum(a.bytes for a in arrays(update.type_text)) if update else out.bytes
+      total += _hbm_all(update.type_text) if update else out.bytes
     else:
       total += out.hbm_bytes
   return total
+
+
+def _hbm_all(type_text: str) -> int:  # Bytes wherever the arrays live (a slice read or written).
+  return sum(a.bytes for a in arrays(type_text))
 
 
 def _plain_bytes(inst: _Instruction, module: _Module) -> float:
@@ -776,7 +719,7 @@ def _splash(inst: _Instruction, module: _Module, cost: Cost, lookup) -> tuple[di
   scores, 2 (d_qk + d_v) FLOPs per score forward, 2 (2 d_qk + d_v) for dq, 2 (2 d_qk + 2 d_v)
   (+ d_qk with dq fused) for dkv; its bytes are its operands and outputs plus the key and value
   (dkv: query) blocks it streams per block. None when this is not a splash call."""
-  phase = re.search(r'splash_(?:mha|mqa)_(fwd|dq|dkv)', inst.name + ' ' + inst.op_name)
+  phase = re.search(r'splash_(?:mha|mqa)_(fwd|dq|dkv)', inst.name + ' ' + inst.attr('op_name'))
   operands = [module.by_name.get(o) for o in inst.operands]
   if not phase or len(operands) < 6 or None in operands[:6]:
     return None
@@ -856,7 +799,7 @@ def analyze(hlo: str) -> Cost:
   cost = Cost()
 
   @functools.cache
-  def fused(name: str) -> tuple[dict, list, int]:
+  def fused(name: str) -> tuple[dict, list]:
     """(matmul FLOPs by class, collectives) inside a fused computation."""
     flops, colls = collections.defaultdict(float), []
     for inst in module.computations.get(name, []):
@@ -871,18 +814,11 @@ def analyze(hlo: str) -> Cost:
           colls.extend(fused(called)[1])
     return dict(flops), colls
 
-  def only_collectives(computation: str) -> bool:
-    """Whether a fused computation holds nothing but collectives and their async wrapping (the
-    TPU compiler also fuses a collective's start into a compute kernel: that one is a kernel)."""
-    return all(i.opcode in _COLLECTIVE_OPS or i.opcode in _FREE
-               or (i.opcode == 'custom-call' and _target(i) in _FREE_TARGETS)
-               for i in module.computations.get(computation, []))
-
   def program(name: str, times: float, out: Cost, contexts: list | None = None) -> None:
     """Adds the kernels of a computation that runs `times` times (not fused) to `out`;
-    `contexts`: the values of its loop counter on each run (`loop_trips`)."""
+    `contexts`: the values of its parameters on each run (`loop_trips`)."""
     for inst in module.computations.get(name, []):
-      calls, op, kernel = inst.calls, inst.opcode, None
+      calls, op, target, kernel = inst.calls, inst.opcode, inst.attr('custom_call_target'), None
       if op == 'while':
         trip, inner = loop_trips(module, inst, contexts)
         out.unknown_loops += trip is None
@@ -890,39 +826,36 @@ def analyze(hlo: str) -> Cost:
           program(called, times * (1.0 if trip is None else trip), out, inner)
       elif op == 'conditional':
         branches = re.search(r'branch_computations=\{([^}]*)\}', inst.rest)
-        names = ([b.strip().lstrip('%') for b in branches.group(1).split(',') if b.strip()]
-                 if branches else re.findall(r'(?:true|false)_computation=%?([\w.\-]+)',
-                                             inst.rest))
-        subs = [Cost() for _ in names]
+        names = (branches.group(1).replace('%', '').split(',') if branches else
+                 re.findall(r'(?:true|false)_computation=%?([\w.\-]+)', inst.rest))
+        subs = [Cost() for _ in names] or [Cost()]
         for b, sub in zip(names, subs):
-          program(b, times, sub)  # A branch's parameter is not the loop's tuple.
-        if subs:
-          best = max(subs, key=lambda c: (c.flops, c.bytes))
-          out.kernels += best.kernels
-          out.collectives += best.collectives
-          out.unknown_loops += best.unknown_loops
-          out.notes += best.notes
-          for k, v in best.opaque.items():
-            out.opaque[k] = out.opaque.get(k, 0) + v
+          program(b.strip(), times, sub)  # A branch's parameter is not the loop's tuple.
+        best = max(subs, key=lambda c: (c.flops, c.bytes))
+        out.kernels += best.kernels
+        out.collectives += best.collectives
+        out.unknown_loops += best.unknown_loops
+        out.notes += best.notes
+        for k, v in best.opaque.items():
+          out.opaque[k] = out.opaque.get(k, 0) + v
       elif op == 'call' or (op == 'async-start' and 'calls' in calls):
         for kind in ('to_apply', 'calls'):
           if kind in calls:
             program(calls[kind], times, out, contexts if op == 'call' else None)
       elif (c := _collective(inst, module, times)) is not None:
         out.collectives.append(c)
-      elif op in ('send', 'recv') and 'is_host_transfer=true' in inst.rest:
-        pass  # A host transfer that is not between slices: no kernel.
       elif op == 'fusion':
         flops, colls = fused(calls['calls'])
         out.collectives += [dataclasses.replace(c, times=times) for c in colls]
-        if not (colls and only_collectives(calls['calls'])):  # Else an async wrapper.
+        if not colls or not all(  # Else an async wrapper of collectives: no kernel of its own.
+            i.opcode in _COLLECTIVE_OPS or i.opcode in _FREE or (
+                i.opcode == 'custom-call' and i.attr('custom_call_target') in _FREE_TARGETS)
+            for i in module.computations.get(calls['calls'], [])):
           kernel = Kernel(inst.name, op, dict(flops), _fusion_bytes(inst, module))
-      elif op == 'custom-call' and _target(inst) in _FREE_TARGETS:
+      elif op in ('send', 'recv') and 'is_host_transfer=true' in inst.rest or (
+          op == 'custom-call' and target in _FREE_TARGETS):
         pass
-      elif op == 'custom-call' and _target(inst) in _DATA_TARGETS:
-        kernel = Kernel(inst.name, op, {}, _plain_bytes(inst, module))
-      elif op == 'custom-call':
-        target = _target(inst)
+      elif op == 'custom-call' and target not in _DATA_TARGETS:
         analytic = CUSTOM_CALL_COSTS.get(target)
         found = analytic(inst, module, out, (contexts or [None])[0]) if analytic else None
         if found is None:
@@ -936,7 +869,7 @@ def analyze(hlo: str) -> Cost:
       elif op not in _FREE:
         kernel = Kernel(inst.name, op, {}, _plain_bytes(inst, module))
       if kernel is not None:
-        out.kernels.append(dataclasses.replace(kernel, times=times, op_name=inst.op_name))
+        out.kernels.append(dataclasses.replace(kernel, times=times, op_name=inst.attr('op_name')))
 
   program(module.entry, 1.0, cost)
   by_channel: dict[int, Collective] = {}
@@ -951,43 +884,9 @@ def analyze(hlo: str) -> Cost:
   return cost
 
 
-def _target(inst: _Instruction) -> str:
-  target = _TARGET.search(inst.rest)
-  return target.group(1) if target else ''
-
-
-@dataclasses.dataclass
-class Work:
-  """The matmul FLOPs of a program (`dot_flops`).
-
-  Attributes:
-    flops: FLOPs of every matmul, times the trip counts of its loops (2 per multiply-add).
-    unknown_loops: while loops executed whose trip count is not known (counted once).
-    by_op: the same FLOPs by the op_name metadata of each kernel (the JAX source op).
-  """
-  flops: float = 0.0
-  unknown_loops: int = 0
-  by_op: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
-
-  def top(self, k: int = 10) -> list[tuple[str, float]]:
-    """The k source ops with the most FLOPs."""
-    return sorted(self.by_op.items(), key=lambda kv: -kv[1])[:k]
-
-
-def dot_flops(hlo: str) -> Work:
-  """The matmul FLOPs of the optimized HLO module `hlo` (`analyze`'s), loops multiplied in."""
-  cost = analyze(hlo)
-  work = Work(cost.flops, cost.unknown_loops)
-  for k in cost.kernels:
-    if k.total_flops:
-      work.by_op[k.op_name or k.name] += k.times * k.total_flops
-  return work
-
-
 def module_text(compiled) -> str:
   """The optimized HLO text of a jax Compiled, with its large constants printed when it calls
-  a Mosaic kernel (splash's block tables are constants that `as_text()` elides); `as_text()`
-  otherwise."""
+  a Mosaic kernel (splash's block tables are constants that `as_text()` elides)."""
   text = compiled.as_text()
   if 'tpu_custom_call' not in text:
     return text
