@@ -1,26 +1,21 @@
 """The work of a compiled program, with its loops counted as many times as they run.
 
-XLA's own `cost_analysis()` counts a while loop's body once, so a blocked attention path whose
-work lives in loops looks cheap there. `analyze(hlo)` walks the optimized HLO text of a compiled
-program from its entry and counts each instruction as many times as the loops around it run:
+XLA's own `cost_analysis()` counts a while loop's body once. `analyze(hlo)` walks the optimized
+HLO text of a compiled program from its entry, each instruction counted as many times as the
+loops around it run: XLA:CPU's `known_trip_count`, else (the TPU compiler records none) the
+loop's condition evaluated on its counters trip after trip, with the program's constants and
+the enclosing loops' counters (`_Evaluator`: query block b of a blocked attention loop reads
+table[b] key chunks). A loop whose count depends on data (adaptive span's trimmed spans, ACT's
+halting) counts once, in `unknown_loops`; a conditional counts its most expensive branch.
 
-- A loop's trip count is XLA:CPU's `known_trip_count`. The TPU compiler records none, so its
-  condition is evaluated on the loop's counters, trip after trip, with the program's constants
-  and the enclosing loops' counters (`_Evaluator`: query block b of a blocked attention loop
-  reads table[b] key chunks of a constant table). A loop whose count depends on data (adaptive
-  span's trimmed spans, ACT's halting) counts once, in `unknown_loops`; a conditional counts
-  its most expensive branch.
-- `Kernel`: each top-level fusion, custom call or unfused op, with its matmul FLOPs (dots, and
-  the convolutions the TPU compiler writes matmuls as) and the bytes it moves in HBM: a
-  fusion's operands and outputs, only the slice of an operand it only slices (a layer's weights
-  out of the scanned stack) and the update of an output it updates in place. Arrays kept on
-  chip (layout `S(1)`) count nothing; arrays count with their tile padding.
-- Mosaic kernels count the cost they state (pallas_call's cost_estimate: the project's fused
-  attention kernel, from its block table); jax's splash kernel states none and is counted from
-  its mask's non-empty blocks (its block table, a constant that `module_text` prints). Other
-  custom calls count their bytes and no FLOPs, in `Cost.opaque`.
-- `Collective`: each collective's kind, bytes, device groups and runs.
-
+A `Kernel` is a top-level fusion, custom call or unfused op: its matmul FLOPs (dots, and the
+convolutions the TPU compiler writes matmuls as) and the bytes it moves in HBM (a fusion's
+operands and outputs, only the slice of an operand it only slices and the update of an output
+it updates in place; on-chip arrays, layout `S(1)`, count nothing; tile padding counts). A
+Mosaic kernel counts the cost it states (pallas_call's cost_estimate: the project's fused
+attention kernel); jax's splash kernel states none and is counted from its mask's non-empty
+blocks (a constant table that `module_text` prints). Other custom calls count their bytes, no
+FLOPs (`Cost.opaque`). A `Collective` is each collective's kind, bytes, groups and runs.
 analysis/roofline.py turns a Cost into a step time for a chip.
 """
 
@@ -38,18 +33,10 @@ import numpy as np
 # `%name = type opcode(operands), attributes` (a tuple type starts with '(').
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s+(.+?)\s+([\w\-]+)\((.*)$')
 _COMPUTATION = re.compile(r'^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$')
-_CALLS = re.compile(r'\b(calls|to_apply|body|condition)=%?([\w.\-]+)')
+# An array type 'bf16[8,128]{1,0:T(8,128)(2,1)S(1)}': element type, dimensions, layout.
+_ARRAY = re.compile(r'\b(pred|token|[a-z]+\d+[a-z\d]*)\[([\d,]*)\](\{[^{}]*(?:\([^)]*\)[^{}]*)*\})?')
 _INDEX = re.compile(r'index=(\d+)')
 _DIMS = re.compile(r'dimensions=\{([\d,]*)\}')
-
-# Element bits of HLO's primitive types.
-BITS = {'pred': 8, 's1': 1, 'u1': 1, 's2': 2, 'u2': 2, 's4': 4, 'u4': 4, 's8': 8, 'u8': 8,
-        's16': 16, 'u16': 16, 'f16': 16, 'bf16': 16, 's32': 32, 'u32': 32, 'f32': 32,
-        's64': 64, 'u64': 64, 'f64': 64, 'c64': 64, 'c128': 128, 'f8e4m3fn': 8, 'f8e5m2': 8,
-        'f8e4m3b11fnuz': 8, 'f8e4m3fnuz': 8, 'f8e5m2fnuz': 8, 'f8e4m3': 8, 'f8e3m4': 8,
-        'f8e8m0fnu': 8, 'f4e2m1fn': 4, 'token': 0}
-_ARRAY = re.compile(r'\b(' + '|'.join(sorted(BITS, key=len, reverse=True))
-                    + r')\[([\d,]*)\](\{[^{}]*(?:\([^)]*\)[^{}]*)*\})?')
 
 COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all', 'collective-permute')
 _COLLECTIVE_OPS = {**{k: k for k in COLLECTIVES},
@@ -75,6 +62,12 @@ _SLICING = {'dynamic-slice', 'slice', 'gather'}
 
 # --- Types. -----------------------------------------------------------------------------------
 
+def bits(dtype: str) -> int:
+  """Bits of an element of an HLO primitive type ('bf16': 16, 'f8e4m3fn': 8, 'pred': 8)."""
+  return {'pred': 8, 'token': 0}[dtype] if dtype in ('pred', 'token') else int(
+      re.search(r'\d+', dtype).group())
+
+
 @dataclasses.dataclass(frozen=True)
 class Array:
   """One array of an HLO type: element type, dimensions, memory space (0: HBM; 1: TPU VMEM;
@@ -86,11 +79,11 @@ class Array:
 
   @property
   def bytes(self) -> int:  # As laid out, tile padding included.
-    return self.padded_elements * BITS[self.dtype] // 8
+    return self.padded_elements * bits(self.dtype) // 8
 
   @property
   def logical_bytes(self) -> int:
-    return math.prod(self.dims) * BITS[self.dtype] // 8
+    return math.prod(self.dims) * bits(self.dtype) // 8
 
   @property
   def hbm_bytes(self) -> int:  # Zero for an array the compiler keeps on chip.
@@ -99,7 +92,7 @@ class Array:
 
 def arrays(type_text: str) -> list[Array]:
   """Every array of an HLO type (a tuple's elements in order), with the tile padding and
-  memory space of its layout ('{1,0:T(8,128)(2,1)S(1)}')."""
+  memory space of its layout."""
   out = []
   for dtype, dims_text, layout in _ARRAY.findall(type_text):
     dims = tuple(int(d) for d in dims_text.split(',') if d)
@@ -118,8 +111,9 @@ def arrays(type_text: str) -> list[Array]:
   return out
 
 
-def _hbm(type_text: str) -> int:
-  return sum(a.hbm_bytes for a in arrays(type_text))
+def _hbm(type_text: str, anywhere: bool = False) -> int:
+  """Bytes of a type's arrays in HBM (`anywhere`: wherever they live)."""
+  return sum(a.bytes if anywhere else a.hbm_bytes for a in arrays(type_text))
 
 
 def _shape(type_text: str) -> tuple[int, ...] | None:
@@ -127,18 +121,23 @@ def _shape(type_text: str) -> tuple[int, ...] | None:
   return tuple(int(d) for d in m.group(1).split(',') if d) if m else None
 
 
+def _scan(text: str) -> tuple[list[str], str]:
+  """(the comma-separated pieces of `text` up to its first unmatched closing bracket, the text
+  after that bracket)."""
+  pieces, depth, start = [], 0, 0
+  for i, ch in enumerate(text):
+    if ch in ')}]' and depth == 0:
+      return pieces + [text[start:i]], text[i + 1:]
+    depth += (ch in '({[') - (ch in ')}]')
+    if ch == ',' and depth == 0:
+      pieces, start = pieces + [text[start:i]], i + 1
+  return pieces + [text[start:]], ''
+
+
 def tuple_elements(text: str) -> list[str]:
   """The top-level elements of an HLO tuple type '(a, (b, c), d)'; [text] if not a tuple."""
   text = re.sub(r'/\*.*?\*/', '', text).strip()
-  if not text.startswith('('):
-    return [text]
-  parts, depth, start = [], 0, 1
-  for i, ch in enumerate(text):
-    depth += (ch in '({[') - (ch in ')}]')
-    if (ch == ',' and depth == 1) or (ch in ')}]' and depth == 0):
-      parts.append(text[start:i].strip())
-      start = i + 1
-  return [p for p in parts if p]
+  return [p.strip() for p in _scan(text[1:])[0] if p.strip()] if text[:1] == '(' else [text]
 
 
 # --- Parsing. ---------------------------------------------------------------------------------
@@ -152,23 +151,17 @@ class _Instruction:
   computation: str = ''
 
   @functools.cached_property
-  def parts(self) -> tuple[str, str]:
-    """(operand text, attribute text)."""
-    depth = 0
-    for i, ch in enumerate(self.rest):
-      if ch in ')}]' and depth == 0:
-        return self.rest[:i], self.rest[i + 1:]
-      depth += (ch in '({[') - (ch in ')}]')
-    return self.rest, ''
+  def operands(self) -> list[str]:
+    return re.findall(r'%([\w.\-]+)', ','.join(_scan(self.rest)[0]))
 
   @property
-  def operands(self) -> list[str]:
-    return re.findall(r'%([\w.\-]+)', self.parts[0])
+  def attributes(self) -> str:
+    return _scan(self.rest)[1]
 
   @property
   def calls(self) -> dict[str, str]:
     """{'calls' / 'to_apply' / 'body' / 'condition': the computation called}."""
-    return dict(_CALLS.findall(self.rest))
+    return dict(re.findall(r'\b(calls|to_apply|body|condition)=%?([\w.\-]+)', self.rest))
 
   @property
   def shape(self) -> tuple[int, ...] | None:
@@ -188,14 +181,12 @@ class _Instruction:
 @dataclasses.dataclass
 class _Module:
   computations: dict[str, list[_Instruction]]
-  results: dict[str, str]        # Computation: its result type.
   entry: str
   by_name: dict[str, _Instruction]
   _params: dict = dataclasses.field(default_factory=dict)
 
   def root(self, computation: str) -> _Instruction | None:
-    insts = self.computations.get(computation, [])
-    return insts[-1] if insts else None
+    return (self.computations.get(computation) or [None])[-1]
 
   def params(self, computation: str) -> dict[int, _Instruction]:
     """{number: parameter instruction} of a computation."""
@@ -208,24 +199,21 @@ class _Module:
   def passes_on(self, body: str, index: int) -> bool:
     """Whether a loop body returns element `index` of its tuple parameter unchanged."""
     root, param = self.root(body), self.params(body).get(0)
-    if root is None or root.opcode != 'tuple' or index >= len(root.operands) or param is None:
-      return False
-    element = self.by_name.get(root.operands[index])
+    element = (self.by_name.get(root.operands[index]) if root is not None and param is not None
+               and root.opcode == 'tuple' and index < len(root.operands) else None)
     return bool(element is not None and element.opcode == 'get-tuple-element'
                 and element.operands[:1] == [param.name] and element.ints(_INDEX) == [index])
 
 
 def _parse(hlo: str) -> _Module:
   """The module's computations, their instructions (continuation lines joined) and entry."""
-  computations, results, entry, current = {}, {}, None, None
+  computations, entry, current = {}, None, None
   for line in hlo.splitlines():
     if current is None:
       m = _COMPUTATION.match(line)
       if m and '=' not in line.split('{')[0].split('(')[0]:
         current = m.group(1)
         computations[current] = []
-        result = re.search(r'->\s*(.*?)\s*\{\s*$', line)
-        results[current] = result.group(1) if result else ''
         entry = current if line.lstrip().startswith('ENTRY') else entry
     elif line.strip() == '}':
       current = None
@@ -235,8 +223,7 @@ def _parse(hlo: str) -> _Module:
       computations[current][-1].rest += '\n' + line
   if entry is None:
     raise ValueError('no ENTRY computation in the HLO text')
-  by_name = {i.name: i for insts in computations.values() for i in insts}
-  return _Module(computations, results, entry, by_name)
+  return _Module(computations, entry, {i.name: i for c in computations.values() for i in c})
 
 
 # --- Matmul FLOPs. ----------------------------------------------------------------------------
@@ -246,10 +233,10 @@ def _flops_class(inst: _Instruction, module: _Module) -> str:
   (32-bit at the default precision), 'f32_highest' (32-bit at HIGH or HIGHEST) or 'f64'."""
   lhs = module.by_name.get(inst.operands[0]) if inst.operands else None
   lhs_arrays = arrays((lhs or inst).type_text)
-  bits = BITS.get(lhs_arrays[0].dtype, 32) if lhs_arrays else 32
+  n = bits(lhs_arrays[0].dtype) if lhs_arrays else 32
   precision = re.search(r'operand_precision=\{([^}]*)\}', inst.rest)
-  if bits <= 16 or bits >= 64:
-    return 'int8' if bits <= 8 else 'bf16' if bits <= 16 else 'f64'
+  if n <= 16 or n >= 64:
+    return 'int8' if n <= 8 else 'bf16' if n <= 16 else 'f64'
   if precision and {p.strip() for p in precision.group(1).split(',')} & {'high', 'highest'}:
     return 'f32_highest'
   return 'f32'
@@ -283,7 +270,7 @@ def _matmul_flops(inst: _Instruction, module: _Module) -> float:
     raise ValueError(f'cannot read the shapes of {inst.opcode} {inst.name}: {inst.rest[:200]}')
   lhs_l, rhs_l, out_l = labels.groups()
   window = {}
-  found = re.search(r'window=\{([^}]*)\}', inst.parts[1])
+  found = re.search(r'window=\{([^}]*)\}', inst.attributes)
   for part in (found.group(1).split() if found else []):
     key, _, value = part.partition('=')
     window[key] = [int(p.split('_')[0]) for p in value.split('x')]  # pad: its low side.
@@ -297,9 +284,6 @@ def _matmul_flops(inst: _Instruction, module: _Module) -> float:
 
 
 # --- Loop trip counts. --------------------------------------------------------------------------
-
-MAX_TRIPS = 1 << 17  # A loop's condition is evaluated for at most this many trips.
-
 
 class _Evaluator:
   """Evaluates small integer expressions of a program (a loop's condition) with numpy:
@@ -353,7 +337,7 @@ class _Evaluator:
     if shape is None or math.prod(shape) > self.LIMIT:
       return None
     if op == 'constant':
-      text = inst.parts[0].replace('true', '1').replace('false', '0')
+      text = _scan(inst.rest)[0][0].replace('true', '1').replace('false', '0')
       numbers = re.findall(r'-?\d+(?:\.\d*)?(?:e[-+]?\d+)?', text)
       if '...' in text or len(numbers) != max(1, math.prod(shape)):
         return None
@@ -419,8 +403,8 @@ def loop_trips(module: _Module, loop: _Instruction,
   """(the mean trip count of a while loop over the runs of the loop around it, the contexts of
   its body: one lookup per trip for `_Evaluator`, giving the elements of the loop's tuple that
   the body steps by a constant (its counters) or passes on unchanged). When the count is
-  unknown, or differs between the enclosing loop's runs: (None or the mean, [a lookup of the
-  unchanged elements]). `contexts`: one lookup per run of the enclosing loop's body."""
+  unknown (None), differs between the enclosing loop's runs or is above 4,096, one context of
+  the unchanged elements. `contexts`: one lookup per run of the enclosing loop's body."""
   body, condition = loop.calls['body'], loop.calls['condition']
   init, root = module.by_name.get(loop.operands[0]), module.root(body)
   known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', loop.rest)
@@ -452,17 +436,15 @@ def loop_trips(module: _Module, loop: _Instruction,
       return lookup
 
     trip = int(known.group(1)) if known else None
-    for t in range(0 if known else MAX_TRIPS):
+    for t in range(0 if known else 1 << 17):  # The condition, trip after trip, until it fails.
       go = _Evaluator(module, tuple_at(t))(module.root(condition).name)
       if go is None or np.size(go) != 1 or not np.asarray(go).reshape(()):
         trip = None if go is None or np.size(go) != 1 else t
         break
     trips.append(trip)
     at = at or tuple_at
-  if None in trips:
-    return None, [at(None)]
-  if len(set(trips)) > 1 or trips[0] > 4096:
-    return sum(trips) / len(trips), [at(None)]
+  if None in trips or len(set(trips)) > 1 or trips[0] > 4096:
+    return (None if None in trips else sum(trips) / len(trips)), [at(None)]
   return float(trips[0]), [at(t) for t in range(trips[0])]
 
 
@@ -473,21 +455,11 @@ def replica_groups(attributes: str) -> list[list[int]] | None:
   '{{0,1},{2,3}}', iota '[G,S]<=[dims]T(perm)', "mesh['a'=4,'b'=2] {'a'}" (devices in
   row-major order of the axes, one group per position of the axes not named), or
   source_target_pairs."""
-  pairs = re.search(r'source_target_pairs=\{(.*?)\}\}', attributes)
-  if pairs:
-    return [[int(x) for x in p.split(',')] for p in re.findall(r'\{([\d,]+)\}', pairs.group(0))]
-  m = re.search(r'replica_groups=(.*)', attributes)
-  text = m.group(1).strip() if m else '{}'
-  if text.startswith('{}'):
-    return []
+  found = re.search(r'(?:source_target_pairs|replica_groups)=(.*)', attributes)
+  text = found.group(1).strip() if found else '{}'
   if text.startswith('{'):
-    depth = end = 0
-    for end, ch in enumerate(text):
-      depth += (ch == '{') - (ch == '}')
-      if depth == 0:
-        break
     return [[int(x) for x in g.split(',') if x.strip()]
-            for g in re.findall(r'\{([\d,\s]*)\}', text[1:end])]
+            for g in re.findall(r'\{([\d,\s]*)\}', ','.join(_scan(text[1:])[0]))]
   iota = re.match(r'\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', text)
   if iota:
     dims = [int(x) for x in iota.group(2).split(',')]
@@ -574,11 +546,11 @@ def _collective(inst: _Instruction, module: _Module, times: float) -> Collective
   if inst.opcode in ('all-gather-start', 'collective-permute-start'):
     shape = (tuple_elements(shape) * 2)[1]
   if kind == 'all-reduce' and inst.computation.startswith('all-reduce-scatter'):
-    kind, shape = 'reduce-scatter', module.results.get(inst.computation, shape)
+    kind, shape = 'reduce-scatter', module.root(inst.computation).type_text
   channel = re.search(r'channel_id=(\d+)', inst.rest)
   return Collective(inst.name, kind, sum(a.logical_bytes for a in arrays(shape)),
-                    replica_groups(inst.parts[1]), times,
-                    inst.attr('op_name'), int(channel.group(1)) if channel else None)
+                    replica_groups(inst.attributes), times, inst.attr('op_name'),
+                    int(channel.group(1)) if channel else None)
 
 
 def collectives(hlo: str) -> dict[str, dict[str, int]]:
@@ -646,6 +618,13 @@ class Cost:
     """The k kernels with the most of `key` over their runs."""
     return sorted(self.kernels, key=lambda kernel: -kernel.times * key(kernel))[:k]
 
+  def add(self, other: Cost) -> None:
+    self.kernels += other.kernels
+    self.collectives += other.collectives
+    self.unknown_loops += other.unknown_loops
+    self.notes += other.notes
+    self.opaque.update({k: self.opaque.get(k, 0) + v for k, v in other.opaque.items()})
+
 
 def _fusion_bytes(inst: _Instruction, module: _Module) -> float:
   """HBM bytes of a fusion: each operand (only the slices read when the fused computation only
@@ -665,7 +644,7 @@ def _fusion_bytes(inst: _Instruction, module: _Module) -> float:
     found = list(users(params[i].name)) if i in params else []
     if full and found and all(u.operands[0] == params[i].name and u.opcode in (
         *_SLICING, 'dynamic-update-slice') for u in found):
-      total += min(full, sum(_hbm_all(u.type_text) for u in found if u.opcode in _SLICING))
+      total += min(full, sum(_hbm(u.type_text, True) for u in found if u.opcode in _SLICING))
     else:
       total += full
   outputs, root = arrays(inst.type_text), module.root(fused)
@@ -678,14 +657,10 @@ def _fusion_bytes(inst: _Instruction, module: _Module) -> float:
       r = module.by_name.get(r.operands[0]) if r.operands else None
     if out.memory_space == 0 and r is not None and r.opcode == 'dynamic-update-slice':
       update = module.by_name.get(r.operands[1]) if len(r.operands) > 1 else None
-      total += _hbm_all(update.type_text) if update else out.bytes
+      total += _hbm(update.type_text, True) if update else out.bytes
     else:
       total += out.hbm_bytes
   return total
-
-
-def _hbm_all(type_text: str) -> int:  # Bytes wherever the arrays live (a slice read or written).
-  return sum(a.bytes for a in arrays(type_text))
 
 
 def _plain_bytes(inst: _Instruction, module: _Module) -> float:
@@ -703,11 +678,9 @@ def _plain_bytes(inst: _Instruction, module: _Module) -> float:
   if inst.opcode == 'copy-start':
     return float(sum(op_bytes) + _hbm(tuple_elements(inst.type_text)[0]))
   if inst.opcode == 'slice-start':  # ((the operand), the slice, a flag): the slice moves.
-    elements = tuple_elements(inst.type_text)
-    piece = arrays(elements[1]) if len(elements) > 1 else []
+    piece = (tuple_elements(inst.type_text) + [''])[1]
     source = arrays(ops[0].type_text) if ops and ops[0] else []
-    source_in_hbm = bool(source and source[0].memory_space == 0)
-    return float(sum(a.bytes for a in piece) * source_in_hbm + sum(a.hbm_bytes for a in piece))
+    return float(_hbm(piece, True) * bool(source and source[0].memory_space == 0) + _hbm(piece))
   return float(out + sum(op_bytes))
 
 
@@ -763,7 +736,7 @@ def _splash(inst: _Instruction, module: _Module, cost: Cost, lookup) -> tuple[di
   matmuls = {'fwd': d + dv, 'dq': 2 * d + dv,
              'dkv': 2 * d + 2 * dv + (d if fused_dq >= 3 else 0)}[phase]
   streamed, stream_rows = (q, bq) if phase == 'dkv' else (k, bkv)
-  stream = blocks * stream_rows * (d + dv) * (BITS[arrays(q.type_text)[0].dtype] // 8)
+  stream = blocks * stream_rows * (d + dv) * (bits(arrays(q.type_text)[0].dtype) // 8)
   klass = _flops_class(_Instruction(inst.name, q.type_text, 'dot', '%' + q.name + ')'), module)
   return ({klass: 2.0 * blocks * bq * bkv * matmuls},
           _plain_bytes(inst, module) + stream * (arrays(streamed.type_text)[0].memory_space == 0))
@@ -831,13 +804,7 @@ def analyze(hlo: str) -> Cost:
         subs = [Cost() for _ in names] or [Cost()]
         for b, sub in zip(names, subs):
           program(b.strip(), times, sub)  # A branch's parameter is not the loop's tuple.
-        best = max(subs, key=lambda c: (c.flops, c.bytes))
-        out.kernels += best.kernels
-        out.collectives += best.collectives
-        out.unknown_loops += best.unknown_loops
-        out.notes += best.notes
-        for k, v in best.opaque.items():
-          out.opaque[k] = out.opaque.get(k, 0) + v
+        out.add(max(subs, key=lambda c: (c.flops, c.bytes)))
       elif op == 'call' or (op == 'async-start' and 'calls' in calls):
         for kind in ('to_apply', 'calls'):
           if kind in calls:
