@@ -694,7 +694,7 @@ def _splash(inst: _Instruction, module: _Module, cost: Cost, lookup) -> tuple[di
   (dkv: query) blocks it streams per block. None when this is not a splash call."""
   phase = re.search(r'splash_(?:mha|mqa)_(fwd|dq|dkv)', inst.name + ' ' + inst.attr('op_name'))
   operands = [module.by_name.get(o) for o in inst.operands]
-  if not phase or len(operands) < 6 or None in operands[:6]:
+  if not phase or None in operands:
     return None
   phase, shapes = phase.group(1), [o.shape for o in operands]
   # The prefetched block tables come first: data_next, block_mask, mask_next, each
@@ -722,8 +722,8 @@ def _splash(inst: _Instruction, module: _Module, cost: Cost, lookup) -> tuple[di
   q_blocks, kv_blocks = (cols, rows) if phase == 'dkv' else (rows, cols)
   bq = int(sizes.get(f'block_q{suffix}', 0)) or max(1, n_q // q_blocks)
   bkv = int(sizes.get(f'block_kv{suffix}', 0)) or max(1, n_kv // kv_blocks)
-  mask = _Evaluator(module, lookup)(inst.operands[1 if tables == 3 else 0]) if tables >= 2 \
-      else None
+  # jax passes data_next, block_mask, then mask_next (absent when the kernel computes the mask).
+  mask = _Evaluator(module, lookup)(inst.operands[1]) if tables >= 2 else None
   if mask is not None:
     mask = np.asarray(mask).astype(np.int64)
     blocks = float(np.count_nonzero(mask)) * heads / max(1, mask.shape[0])

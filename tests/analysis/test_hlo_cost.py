@@ -190,7 +190,7 @@ def test_collectives_count_once_per_channel_with_their_groups_and_ring_traffic()
   assert [k.name for k in cost.kernels] == ['fusion.2']
 
 
-def _splash_hlo(block_mask: str) -> str:
+def _splash_hlo(block_mask: str, mask_next: str = '%mask_next, ') -> str:
   return f"""\
 HloModule jit_attend, entry_computation_layout={{(f32[2,512,64]{{2,1,0}})->f32[2,512,64]{{2,1,0}}}}
 
@@ -204,7 +204,7 @@ ENTRY %main (q: f32[2,512,64], k: f32[2,512,64], v: f32[2,512,64]) -> f32[2,512,
   %copy-done.1 = s8[2,4,4]{{2,1,0:S(1)}} copy-done(%copy-start.1)
   %zero = s8[] constant(0)
   %mask_next = s8[2,4,4]{{2,1,0}} broadcast(%zero), dimensions={{}}
-  ROOT %splash_mha_fwd_residuals.1 = (f32[128,128]{{1,0}}, f32[2,512,64]{{2,1,0}}) custom-call(%data_next, %copy-done.1, %mask_next, %q, %k, /*index=5*/%v), custom_call_target="tpu_custom_call", frontend_attributes={{kernel_metadata={{
+  ROOT %splash_mha_fwd_residuals.1 = (f32[128,128]{{1,0}}, f32[2,512,64]{{2,1,0}}) custom-call(%data_next, %copy-done.1, {mask_next}%q, %k, /*index=5*/%v), custom_call_target="tpu_custom_call", frontend_attributes={{kernel_metadata={{
 "xprof_metadata":"{{\\"block_q\\": 128, \\"block_kv\\": 128, \\"block_kv_compute\\": 128}}"
 }}}}, metadata={{op_name="jit(attend)/splash_mha_fwd_residuals/pallas_call"}}
 }}
@@ -223,6 +223,9 @@ def test_the_splash_kernel_is_counted_from_its_non_empty_blocks():
   assert kernel.flops == {'f32': 2.0 * blocks * 128 * 128 * (64 + 64)}
   q = 2 * 512 * 64 * 4
   assert kernel.bytes >= 3 * q + q  # q, k, v read and the output written, at least.
+  # A mask the kernel computes itself has no mask_next: the block table is still the second.
+  computed = hlo_cost.analyze(_splash_hlo(text, mask_next=''))
+  assert computed.kernels[-1].flops == kernel.flops and not computed.notes
   # Without the table (the text printed without large constants): every block, and a note.
   elided = hlo_cost.analyze(_splash_hlo('{...}'))
   assert elided.kernels[-1].flops['f32'] == 2.0 * 2 * 16 * 128 * 128 * 128
