@@ -14,8 +14,9 @@ operands and outputs, only the slice of an operand it only slices and the update
 it updates in place; on-chip arrays, layout `S(1)`, count nothing; tile padding counts). A
 Mosaic kernel counts the cost it states (pallas_call's cost_estimate: the project's fused
 attention kernel); jax's splash kernel states none and is counted from its mask's non-empty
-blocks (a constant table that `module_text` prints). Other custom calls count their bytes, no
-FLOPs (`Cost.opaque`). A `Collective` is each collective's kind, bytes, groups and runs.
+blocks (a constant table that program_stats.module_text prints). Other custom calls count
+their bytes, no FLOPs (`Cost.opaque`). A `Collective` is each collective's kind, bytes, groups
+and runs.
 analysis/roofline.py turns a Cost into a step time for a chip.
 """
 
@@ -34,7 +35,8 @@ import numpy as np
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s+(.+?)\s+([\w\-]+)\((.*)$')
 _COMPUTATION = re.compile(r'^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$')
 # An array type 'bf16[8,128]{1,0:T(8,128)(2,1)S(1)}': element type, dimensions, layout.
-_ARRAY = re.compile(r'\b(pred|token|[a-z]+\d+[a-z\d]*)\[([\d,]*)\](\{[^{}]*(?:\([^)]*\)[^{}]*)*\})?')
+_ARRAY = re.compile(r'\b(pred|token|[a-z]+\d+[a-z\d]*)\[([\d,]*)\]'
+                    r'(\{[^{}]*(?:\([^)]*\)[^{}]*)*\})?')
 _INDEX = re.compile(r'index=(\d+)')
 _DIMS = re.compile(r'dimensions=\{([\d,]*)\}')
 
@@ -59,8 +61,6 @@ _DATA_TARGETS = {'ZeroCrop', 'ConcatBitcast', 'GatherScatterIndicesBitpacked'}
 # Ops that read only the slice they produce from their first operand.
 _SLICING = {'dynamic-slice', 'slice', 'gather'}
 
-
-# --- Types. -----------------------------------------------------------------------------------
 
 def bits(dtype: str) -> int:
   """Bits of an element of an HLO primitive type ('bf16': 16, 'f8e4m3fn': 8, 'pred': 8)."""
@@ -139,8 +139,6 @@ def tuple_elements(text: str) -> list[str]:
   text = re.sub(r'/\*.*?\*/', '', text).strip()
   return [p.strip() for p in _scan(text[1:])[0] if p.strip()] if text[:1] == '(' else [text]
 
-
-# --- Parsing. ---------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class _Instruction:
@@ -226,8 +224,6 @@ def _parse(hlo: str) -> _Module:
   return _Module(computations, entry, {i.name: i for c in computations.values() for i in c})
 
 
-# --- Matmul FLOPs. ----------------------------------------------------------------------------
-
 def _flops_class(inst: _Instruction, module: _Module) -> str:
   """The peak a matmul runs at: 'int8' (8-bit and smaller operands), 'bf16' (16-bit), 'f32'
   (32-bit at the default precision), 'f32_highest' (32-bit at HIGH or HIGHEST) or 'f64'."""
@@ -282,8 +278,6 @@ def _matmul_flops(inst: _Instruction, module: _Module) -> float:
                          get('rhs_dilate', 1))
   return 2.0 * out[out_l.index('b')] * out[out_l.index('f')] * rhs.shape[rhs_l.index('i')] * pairs
 
-
-# --- Loop trip counts. --------------------------------------------------------------------------
 
 class _Evaluator:
   """Evaluates small integer expressions of a program (a loop's condition) with numpy:
@@ -448,8 +442,6 @@ def loop_trips(module: _Module, loop: _Instruction,
   return float(trips[0]), [at(t) for t in range(trips[0])]
 
 
-# --- Collectives. -----------------------------------------------------------------------------
-
 def replica_groups(attributes: str) -> list[list[int]] | None:
   """The device groups of a collective; [] for every device; None when not understood. Forms:
   '{{0,1},{2,3}}', iota '[G,S]<=[dims]T(perm)', "mesh['a'=4,'b'=2] {'a'}" (devices in
@@ -498,33 +490,6 @@ class Collective:
   over_dcn: bool = False
   participants: int | None = None
 
-  def group_size(self, devices: int, slices: int = 1) -> int:
-    """Devices taking part in each group (`devices` when every device, or unknown; for a
-    transfer between slices, its participants, else `slices`)."""
-    if self.over_dcn:
-      return self.participants or max(2, slices)
-    if self.kind == 'collective-permute':
-      return 2
-    return max(len(g) for g in self.groups) if self.groups else devices
-
-  def traffic(self, devices: int, slices: int = 1) -> float:
-    """Bytes each device sends in one run, as the ring algorithm does (all-gather and
-    all-to-all (n-1)/n of the result, reduce-scatter n-1 shards, all-reduce twice (n-1)/n, a
-    permute its buffer)."""
-    n, b = self.group_size(devices, slices), float(self.bytes)
-    return 0.0 if n <= 1 else {
-        'all-gather': b * (n - 1) / n, 'all-to-all': b * (n - 1) / n,
-        'reduce-scatter': b * (n - 1), 'all-reduce': 2 * b * (n - 1) / n}.get(self.kind, b)
-
-  def spans(self, slice_of) -> bool:
-    """Whether a group holds devices of different slices; `slice_of[i]`: device i's slice."""
-    if self.over_dcn:
-      return True
-    if slice_of is None or len(set(slice_of)) <= 1:
-      return False
-    return not self.groups or any(len({slice_of[i] for i in g if i < len(slice_of)}) > 1
-                                  for g in self.groups)
-
 
 def _collective(inst: _Instruction, module: _Module, times: float) -> Collective | None:
   """The collective `inst` is, or None. An async pair counts at its -start, whose result holds
@@ -568,8 +533,6 @@ def collectives(hlo: str) -> dict[str, dict[str, int]]:
         out[c.kind]['bytes'] += c.bytes
   return out
 
-
-# --- Kernels and their bytes. -----------------------------------------------------------------
 
 @dataclasses.dataclass
 class Kernel:
@@ -684,8 +647,6 @@ def _plain_bytes(inst: _Instruction, module: _Module) -> float:
   return float(out + sum(op_bytes))
 
 
-# --- Mosaic kernels. ----------------------------------------------------------------------------
-
 def _splash(inst: _Instruction, module: _Module, cost: Cost, lookup) -> tuple[dict, float] | None:
   """(FLOPs by class, HBM bytes) of one call of jax's splash attention kernel (its fwd, dq or
   dkv phase, from the name) from the mask's non-empty blocks: per block of block_q x block_kv
@@ -758,13 +719,6 @@ def _mosaic(inst: _Instruction, module: _Module, cost: Cost, lookup) -> tuple[di
   return {klass: float(found.group(1))}, float(found.group(2))
 
 
-# Analytic costs of custom calls by target: fn(instruction, module, cost, lookup: the values of
-# the computation's parameters, as `loop_trips` gives them) -> (FLOPs by class, bytes) or None.
-CUSTOM_CALL_COSTS = {'tpu_custom_call': _mosaic}
-
-
-# --- The program. -------------------------------------------------------------------------------
-
 def analyze(hlo: str) -> Cost:
   """The kernels and collectives of the optimized HLO module `hlo`, loops multiplied in (see
   the module's docstring)."""
@@ -823,8 +777,8 @@ def analyze(hlo: str) -> Cost:
           op == 'custom-call' and target in _FREE_TARGETS):
         pass
       elif op == 'custom-call' and target not in _DATA_TARGETS:
-        analytic = CUSTOM_CALL_COSTS.get(target)
-        found = analytic(inst, module, out, (contexts or [None])[0]) if analytic else None
+        found = (_mosaic(inst, module, out, (contexts or [None])[0])
+                 if target == 'tpu_custom_call' else None)
         if found is None:
           out.opaque[target] = out.opaque.get(target, 0) + times
         kernel = Kernel(inst.name, op, found[0] if found else {},
@@ -849,19 +803,3 @@ def analyze(hlo: str) -> Cost:
       by_channel[c.channel].times = max(by_channel[c.channel].times, c.times)
   cost.collectives = unique
   return cost
-
-
-def module_text(compiled) -> str:
-  """The optimized HLO text of a jax Compiled, with its large constants printed when it calls
-  a Mosaic kernel (splash's block tables are constants that `as_text()` elides)."""
-  text = compiled.as_text()
-  if 'tpu_custom_call' not in text:
-    return text
-  try:
-    import jaxlib._hlo as hlo_lib  # pylint: disable=import-outside-toplevel
-    options = hlo_lib.HloPrintOptions()
-    options.print_large_constants = True
-    modules = compiled.runtime_executable().hlo_modules()
-    return modules[0].to_string(options) if len(modules) == 1 else text
-  except Exception:  # pylint: disable=broad-except  (an older jaxlib: the elided text)
-    return text

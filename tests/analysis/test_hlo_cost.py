@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from analysis import hlo_cost
+from analysis import hlo_cost, roofline
 
 pytestmark = pytest.mark.unit
 
@@ -178,14 +178,15 @@ def test_collectives_count_once_per_channel_with_their_groups_and_ring_traffic()
   assert len(cost.collectives) == 4
   gather = by_kind['all-gather']
   assert gather.groups == [[0, 2, 4, 6], [1, 3, 5, 7]]  # Axis 0 of a 4 x 2 mesh.
-  assert gather.traffic(8) == pytest.approx(128 * 128 * 2 * 3 / 4)
-  assert by_kind['all-reduce'].traffic(8) == pytest.approx(2 * 4096 * 3 / 4)
+  assert roofline.traffic(gather, 8) == pytest.approx(128 * 128 * 2 * 3 / 4)
+  assert roofline.traffic(by_kind['all-reduce'], 8) == pytest.approx(2 * 4096 * 3 / 4)
   assert by_kind['all-to-all'].groups == np.arange(8).reshape(2, 4).T.tolist()
-  assert by_kind['collective-permute'].traffic(8) == 64
+  assert roofline.traffic(by_kind['collective-permute'], 8) == 64
   # Slices 0 and 1 of four devices each: axis 0 of the mesh crosses them, the pairs do not.
   slices = [0, 0, 0, 0, 1, 1, 1, 1]
-  assert gather.spans(slices) and not by_kind['collective-permute'].spans(slices)
-  assert not gather.spans(None)
+  assert roofline.spans(gather, slices)
+  assert not roofline.spans(by_kind['collective-permute'], slices)
+  assert not roofline.spans(gather, None)
   # The compute fusion that carries part of the gather is a kernel; the start wrapper is not.
   assert [k.name for k in cost.kernels] == ['fusion.2']
 
