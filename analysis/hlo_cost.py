@@ -280,24 +280,23 @@ def _matmul_flops(inst: _Instruction, module: _Module) -> float:
 
 
 class _Evaluator:
-  """Evaluates small integer expressions of a program (a loop's condition) with numpy:
-  constants, the elements of a computation's tuple parameter that `lookup(parameter, index)`
-  knows, and the ops that index and reduce a constant table (the blocked attention loops' key
-  counts per query block). Anything else, or an array of more than LIMIT elements, is None."""
+  """Evaluates small integer expressions of a program (a loop's condition, splash's block
+  table) with numpy: constants, the elements of a computation's tuple parameter that
+  `lookup(parameter, index)` knows, arithmetic (with the bitwise ops of the compiler's
+  strength-reduced divisions), compares, selects and the dynamic slices that index a constant
+  table (the blocked attention loops' key counts per query block). Anything
+  else, or an array of more than LIMIT elements, is None (unknown)."""
 
   LIMIT = 1 << 20
   _BINARY = {'add': np.add, 'subtract': np.subtract, 'multiply': np.multiply,
-             'maximum': np.maximum, 'minimum': np.minimum, 'remainder': np.fmod,
-             'divide': np.divide, 'and': np.bitwise_and, 'or': np.bitwise_or,
-             'xor': np.bitwise_xor, 'shift-left': np.left_shift,
-             'shift-right-arithmetic': np.right_shift, 'shift-right-logical': np.right_shift}
-  _LOGICAL = {'and': np.logical_and, 'or': np.logical_or, 'xor': np.logical_xor}
+             'divide': np.divide, 'remainder': np.fmod, 'maximum': np.maximum,
+             'minimum': np.minimum}
+  _BITWISE = {'and': np.bitwise_and, 'or': np.bitwise_or, 'xor': np.bitwise_xor,
+              'shift-left': np.left_shift, 'shift-right-arithmetic': np.right_shift,
+              'shift-right-logical': np.right_shift}
+  _UNARY = {'negate': np.negative, 'abs': np.abs, 'sign': np.sign, 'not': np.logical_not}
   _COMPARE = {'LT': np.less, 'LE': np.less_equal, 'GT': np.greater, 'GE': np.greater_equal,
               'EQ': np.equal, 'NE': np.not_equal}
-  _REDUCE = {'add': np.sum, 'maximum': np.max, 'minimum': np.min, 'multiply': np.prod,
-             'and': np.all, 'or': np.any}
-  _UNARY = {'negate': np.negative, 'abs': np.abs, 'not': np.logical_not, 'sign': np.sign,
-            'floor': np.floor, 'ceil': np.ceil}
 
   def __init__(self, module: _Module, lookup=None):
     self.module, self.lookup = module, lookup or (lambda name, index: None)
@@ -313,22 +312,18 @@ class _Evaluator:
     m, inst = self.module, self.module.by_name.get(name)
     if inst is None or depth > 64:
       return None
-    op, operands, shape = inst.opcode, inst.operands, inst.shape
-    if op in ('copy-done', 'copy-start'):  # An asynchronous copy: the value copied.
-      return self(operands[0], params, depth + 1)
+    op, shape = inst.opcode, inst.shape
     if op == 'parameter':
       return params[name] if name in params else self.lookup(name, None)
     if op == 'get-tuple-element':
-      source, index = m.by_name[operands[0]], inst.ints(_INDEX)[0]
+      source, index = m.by_name[inst.operands[0]], inst.ints(_INDEX)[0]
       if source.opcode == 'parameter':
         return self.lookup(source.name, index)
-      if source.opcode == 'tuple':
-        return self(source.operands[index], params, depth + 1)
-      init = m.by_name.get(source.operands[0]) if source.opcode == 'while' else None
-      if init is not None and init.opcode == 'tuple' and m.passes_on(source.calls['body'], index):
-        return self(init.operands[index], params, depth + 1)  # A loop passes it through.
+      init = m.by_name.get(source.operands[0]) if source.opcode == 'while' else source
+      if init.opcode == 'tuple' and (init is source or m.passes_on(source.calls['body'], index)):
+        return self(init.operands[index], params, depth + 1)  # What a loop passes through.
       return None
-    if shape is None or math.prod(shape) > self.LIMIT:
+    if op not in ('copy-start', 'copy-done') and (shape is None or math.prod(shape) > self.LIMIT):
       return None
     if op == 'constant':
       text = _scan(inst.rest)[0][0].replace('true', '1').replace('false', '0')
@@ -336,11 +331,7 @@ class _Evaluator:
       if '...' in text or len(numbers) != max(1, math.prod(shape)):
         return None
       return np.array([float(x) for x in numbers]).reshape(shape)
-    if op == 'iota':
-      dim = inst.ints(re.compile(r'iota_dimension=(\d+)'))[0]
-      idx = np.arange(shape[dim]).reshape([-1 if i == dim else 1 for i in range(len(shape))])
-      return np.broadcast_to(idx, shape).astype(float)
-    args = [self(o, params, depth + 1) for o in operands]
+    args = [self(o, params, depth + 1) for o in inst.operands]
     if op == 'fusion':  # An operand of unknown value fails only if the root needs it.
       called = inst.calls.get('calls', '')
       inner = {p.name: args[k] for k, p in m.params(called).items()
@@ -351,45 +342,29 @@ class _Evaluator:
     if any(a is None for a in args):
       return None
     args = [np.asarray(a) for a in args]
-    dtype = (arrays(inst.type_text) or [Array('f32', ())])[0].dtype
-    bitwise = op in ('and', 'or', 'xor') or op.startswith('shift')
+    if op in ('copy-start', 'copy-done'):  # An asynchronous copy: the value copied.
+      return args[0]
     if op in ('copy', 'bitcast', 'reshape', 'convert'):
       value = args[0].reshape(shape)
-    elif op == 'broadcast':
-      view = [1] * len(shape)
-      for i, d in enumerate(inst.ints(_DIMS)):
-        view[d] = args[0].shape[i]
-      return np.broadcast_to(args[0].reshape(view), shape)
-    elif op == 'slice':
-      spans = re.findall(r'\[(\d+):(\d+)(?::(\d+))?\]', inst.rest)
-      return args[0][tuple(slice(int(lo), int(hi), int(st or 1)) for lo, hi, st in spans)]
     elif op == 'dynamic-slice':
       sizes = inst.ints(re.compile(r'dynamic_slice_sizes=\{([\d,]*)\}'))
       starts = [int(np.clip(int(a.reshape(())), 0, args[0].shape[i] - sizes[i]))
                 for i, a in enumerate(args[1:])]
       return args[0][tuple(slice(st, st + sz) for st, sz in zip(starts, sizes))]
-    elif op == 'reduce' and len(operands) == 2:
-      root = m.root(inst.calls.get('to_apply', ''))
-      fn = self._REDUCE[root.opcode if root else '']
-      return np.asarray(fn(args[0], axis=tuple(inst.ints(_DIMS)))).reshape(shape)
+    elif op in self._BINARY:
+      value = self._BINARY[op](args[0], args[1])
     elif op in self._UNARY:
       return self._UNARY[op](args[0])
-    elif op in self._LOGICAL and dtype == 'pred':
-      return self._LOGICAL[op](args[0], args[1])
-    elif bitwise and dtype != 'pred' and not (op == 'shift-right-logical' and (args[0] < 0).any()):
-      # On integers: the compiler's strength-reduced divisions.
-      return self._BINARY[op](*(a.astype(np.int64) for a in args[:2])).astype(float)
-    elif op in self._BINARY and not bitwise:
-      value = self._BINARY[op](args[0], args[1])
+    elif op in self._BITWISE and not (op == 'shift-right-logical' and (args[0] < 0).any()):
+      return self._BITWISE[op](*(a.astype(np.int64) for a in args[:2])).astype(float)
     elif op == 'compare':
       return self._COMPARE[re.search(r'direction=(\w+)', inst.rest).group(1)](*args[:2])
     elif op == 'select':
       return np.where(args[0].astype(bool), args[1], args[2])
-    elif op == 'clamp':
-      return np.clip(args[1], args[0], args[2])
     else:
       return None
-    return np.trunc(value) if dtype.startswith(('s', 'u', 'pred')) else value
+    integer = inst.type_text.startswith(('s', 'u', 'pred'))
+    return np.trunc(value) if integer else value
 
 
 def loop_trips(module: _Module, loop: _Instruction,
