@@ -1,23 +1,20 @@
 """The work of a compiled program, with its loops counted as many times as they run.
 
 XLA's own `cost_analysis()` counts a while loop's body once. `analyze(hlo)` walks the optimized
-HLO text of a compiled program from its entry, each instruction counted as many times as the
-loops around it run: XLA:CPU's `known_trip_count`, else (the TPU compiler records none) the
-loop's condition evaluated on its counters trip after trip, with the program's constants and
-the enclosing loops' counters (`_Evaluator`: query block b of a blocked attention loop reads
-table[b] key chunks). A loop whose count depends on data (adaptive span's trimmed spans, ACT's
-halting) counts once, in `unknown_loops`; a conditional counts its most expensive branch.
-
-A `Kernel` is a top-level fusion, custom call or unfused op: its matmul FLOPs (dots, and the
-convolutions the TPU compiler writes matmuls as) and the bytes it moves in HBM (a fusion's
-operands and outputs, only the slice of an operand it only slices and the update of an output
-it updates in place; on-chip arrays, layout `S(1)`, count nothing; tile padding counts). A
-Mosaic kernel counts the cost it states (pallas_call's cost_estimate: the project's fused
-attention kernel); jax's splash kernel states none and is counted from its mask's non-empty
-blocks (a constant table that program_stats.module_text prints). Other custom calls count
-their bytes, no FLOPs (`Cost.opaque`). A `Collective` is each collective's kind, bytes, groups
-and runs.
-analysis/roofline.py turns a Cost into a step time for a chip.
+HLO text from its entry and counts each instruction as many times as the loops around it run:
+XLA:CPU's `known_trip_count`, else (the TPU compiler records none) the loop's condition run on
+its counters trip after trip (`_Evaluator`, with the program's constants and the enclosing
+loops' counters: query block b of a blocked attention loop reads table[b] key chunks). A loop
+whose count depends on data (adaptive span's trimmed spans, ACT's halting) counts once, in
+`unknown_loops`; a conditional counts its most expensive branch. A `Kernel` (a top-level fusion,
+custom call or unfused op) has its matmul FLOPs (dots, and the convolutions the TPU compiler
+writes matmuls as) and its HBM bytes: a fusion's operands and outputs, only the slice of an
+operand it only slices and the update of an output it updates in place, tile padding included,
+on-chip arrays (layout `S(1)`) not. A Mosaic kernel counts the cost it states (pallas_call's
+cost_estimate: the project's fused attention kernel); jax's splash kernel states none and is
+counted from its mask's non-empty blocks (a constant table that program_stats.module_text
+prints). Other custom calls count their bytes, no FLOPs (`Cost.opaque`). analysis/roofline.py
+turns a Cost into a step time for a chip.
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import json
 import math
 import re
 
@@ -64,8 +60,7 @@ _SLICING = {'dynamic-slice', 'slice', 'gather'}
 
 def bits(dtype: str) -> int:
   """Bits of an element of an HLO primitive type ('bf16': 16, 'f8e4m3fn': 8, 'pred': 8)."""
-  return {'pred': 8, 'token': 0}[dtype] if dtype in ('pred', 'token') else int(
-      re.search(r'\d+', dtype).group())
+  return 8 if dtype == 'pred' else 0 if dtype == 'token' else int(re.search(r'\d+', dtype).group())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,10 +148,6 @@ class _Instruction:
     return re.findall(r'%([\w.\-]+)', ','.join(_scan(self.rest)[0]))
 
   @property
-  def attributes(self) -> str:
-    return _scan(self.rest)[1]
-
-  @property
   def calls(self) -> dict[str, str]:
     """{'calls' / 'to_apply' / 'body' / 'condition': the computation called}."""
     return dict(re.findall(r'\b(calls|to_apply|body|condition)=%?([\w.\-]+)', self.rest))
@@ -181,18 +172,13 @@ class _Module:
   computations: dict[str, list[_Instruction]]
   entry: str
   by_name: dict[str, _Instruction]
-  _params: dict = dataclasses.field(default_factory=dict)
+  parameters: dict[str, dict[int, _Instruction]]  # Computation: {number: parameter}.
 
   def root(self, computation: str) -> _Instruction | None:
     return (self.computations.get(computation) or [None])[-1]
 
   def params(self, computation: str) -> dict[int, _Instruction]:
-    """{number: parameter instruction} of a computation."""
-    if computation not in self._params:
-      self._params[computation] = {
-          int(re.match(r'\s*(\d+)', p.rest).group(1)): p
-          for p in self.computations.get(computation, []) if p.opcode == 'parameter'}
-    return self._params[computation]
+    return self.parameters.get(computation, {})
 
   def passes_on(self, body: str, index: int) -> bool:
     """Whether a loop body returns element `index` of its tuple parameter unchanged."""
@@ -221,21 +207,21 @@ def _parse(hlo: str) -> _Module:
       computations[current][-1].rest += '\n' + line
   if entry is None:
     raise ValueError('no ENTRY computation in the HLO text')
-  return _Module(computations, entry, {i.name: i for c in computations.values() for i in c})
+  return _Module(computations, entry, {i.name: i for c in computations.values() for i in c},
+                 {c: {int(re.match(r'\s*(\d+)', p.rest).group(1)): p for p in insts
+                      if p.opcode == 'parameter'} for c, insts in computations.items()})
 
 
-def _flops_class(inst: _Instruction, module: _Module) -> str:
-  """The peak a matmul runs at: 'int8' (8-bit and smaller operands), 'bf16' (16-bit), 'f32'
-  (32-bit at the default precision), 'f32_highest' (32-bit at HIGH or HIGHEST) or 'f64'."""
-  lhs = module.by_name.get(inst.operands[0]) if inst.operands else None
-  lhs_arrays = arrays((lhs or inst).type_text)
-  n = bits(lhs_arrays[0].dtype) if lhs_arrays else 32
-  precision = re.search(r'operand_precision=\{([^}]*)\}', inst.rest)
+def _flops_class(lhs: str, attributes: str = '') -> str:
+  """The peak a matmul of left operand type `lhs` runs at: 'int8' (8-bit and smaller), 'bf16'
+  (16-bit), 'f32' (32-bit at the default precision), 'f32_highest' (32-bit at HIGH or HIGHEST,
+  its `attributes`' operand_precision) or 'f64'."""
+  n = bits((arrays(lhs) or [Array('f32', ())])[0].dtype)
+  precision = re.search(r'operand_precision=\{([^}]*)\}', attributes)
   if n <= 16 or n >= 64:
     return 'int8' if n <= 8 else 'bf16' if n <= 16 else 'f64'
-  if precision and {p.strip() for p in precision.group(1).split(',')} & {'high', 'highest'}:
-    return 'f32_highest'
-  return 'f32'
+  high = precision and {p.strip() for p in precision.group(1).split(',')} & {'high', 'highest'}
+  return 'f32_highest' if high else 'f32'
 
 
 def _valid_taps(in_size: int, out_size: int, size: int, stride: int, pad_low: int,
@@ -251,22 +237,23 @@ def _valid_taps(in_size: int, out_size: int, size: int, stride: int, pad_low: in
   return total
 
 
-def _matmul_flops(inst: _Instruction, module: _Module) -> float:
-  """2 x the multiply-adds of a dot, or of a convolution (output batch x output features x
-  kernel input features x the valid (output, tap) pairs of each spatial dimension)."""
+def _matmul(inst: _Instruction, module: _Module) -> dict[str, float]:
+  """{peak class: 2 x the multiply-adds} of a dot, or of a convolution (output batch x output
+  features x kernel input features x the valid (output, tap) pairs of each spatial dimension)."""
   lhs, rhs = (module.by_name.get(o) for o in (inst.operands + [''] * 2)[:2])
+  klass = _flops_class((lhs or inst).type_text, inst.rest)
   out = inst.shape
   labels = re.search(r'dim_labels=(\w+)_(\w+)->(\w+)', inst.rest)
   contracting = re.compile(r'lhs_contracting_dims=\{([\d,]*)\}')
   if inst.opcode == 'dot' and out is not None and lhs and lhs.shape is not None \
       and contracting.search(inst.rest):
-    return 2.0 * math.prod(out) * math.prod(lhs.shape[d] for d in inst.ints(contracting))
+    return {klass: 2.0 * math.prod(out) * math.prod(lhs.shape[d] for d in inst.ints(contracting))}
   if not (inst.opcode == 'convolution' and lhs and rhs and labels and lhs.shape is not None
           and rhs.shape is not None and out):
     raise ValueError(f'cannot read the shapes of {inst.opcode} {inst.name}: {inst.rest[:200]}')
   lhs_l, rhs_l, out_l = labels.groups()
   window = {}
-  found = re.search(r'window=\{([^}]*)\}', inst.attributes)
+  found = re.search(r'window=\{([^}]*)\}', _scan(inst.rest)[1])
   for part in (found.group(1).split() if found else []):
     key, _, value = part.partition('=')
     window[key] = [int(p.split('_')[0]) for p in value.split('x')]  # pad: its low side.
@@ -276,7 +263,8 @@ def _matmul_flops(inst: _Instruction, module: _Module) -> float:
     pairs *= _valid_taps(lhs.shape[lhs_l.index(c)], out[out_l.index(c)], get('size', 1),
                          get('stride', 1), get('pad', 0), get('lhs_dilate', 1),
                          get('rhs_dilate', 1))
-  return 2.0 * out[out_l.index('b')] * out[out_l.index('f')] * rhs.shape[rhs_l.index('i')] * pairs
+  return {klass: 2.0 * out[out_l.index('b')] * out[out_l.index('f')] * pairs
+          * rhs.shape[rhs_l.index('i')]}
 
 
 class _Evaluator:
@@ -489,7 +477,7 @@ def _collective(inst: _Instruction, module: _Module, times: float) -> Collective
     kind, shape = 'reduce-scatter', module.root(inst.computation).type_text
   channel = re.search(r'channel_id=(\d+)', inst.rest)
   return Collective(inst.name, kind, sum(a.logical_bytes for a in arrays(shape)),
-                    replica_groups(inst.attributes), times, inst.attr('op_name'),
+                    replica_groups(_scan(inst.rest)[1]), times, inst.attr('op_name'),
                     int(channel.group(1)) if channel else None)
 
 
@@ -632,14 +620,11 @@ def _splash(inst: _Instruction, module: _Module, cost: Cost, lookup) -> tuple[di
   operands = [module.by_name.get(o) for o in inst.operands]
   if not phase or None in operands:
     return None
-  phase, shapes = phase.group(1), [o.shape for o in operands]
-  # The prefetched block tables come first: data_next, block_mask, mask_next, each
-  # (heads or head shards, rows of blocks, columns of blocks), whichever are present.
-  tables = 0
-  while (tables < len(shapes) and shapes[tables] is not None and len(shapes[tables]) == 3
-         and arrays(operands[tables].type_text)[0].dtype.startswith(('s', 'u'))
-         and shapes[tables] == shapes[0]):
-    tables += 1
+  # The prefetched block tables come first: data_next, block_mask, then mask_next (absent when
+  # the kernel computes the mask), each (heads or head shards, rows, columns of blocks).
+  phase, shape = phase.group(1), operands[0].shape
+  tables = next((i for i, o in enumerate(operands) if o.shape != shape or len(shape or ()) != 3
+                 or not o.type_text.startswith(('s', 'u'))), len(operands))
   if tables < 1 or tables + 3 > len(operands):
     return None
   q, k, v = operands[tables:tables + 3]
@@ -648,17 +633,13 @@ def _splash(inst: _Instruction, module: _Module, cost: Cost, lookup) -> tuple[di
   # (heads, length, head_dim), with leading batch dimensions when the call is vmapped.
   heads, n_q, d = q.shape[-3:]
   n_kv, dv = k.shape[-2], v.shape[-1]
-  rows, cols = shapes[0][1:]
-  metadata = re.search(r'"xprof_metadata":"(\{.*?\})"', inst.rest.replace('\\"', '"'))
-  try:
-    sizes = json.loads(metadata.group(1)) if metadata else {}
-  except ValueError:
-    sizes = {}
+  rows, cols = shape[1:]
   suffix = {'fwd': '', 'dq': '_dq', 'dkv': '_dkv'}[phase]
   q_blocks, kv_blocks = (cols, rows) if phase == 'dkv' else (rows, cols)
-  bq = int(sizes.get(f'block_q{suffix}', 0)) or max(1, n_q // q_blocks)
-  bkv = int(sizes.get(f'block_kv{suffix}', 0)) or max(1, n_kv // kv_blocks)
-  # jax passes data_next, block_mask, then mask_next (absent when the kernel computes the mask).
+  # The block sizes the kernel states in its xprof_metadata, else the grid's.
+  bq, bkv = (int(m.group(1)) if (m := re.search(rf'{key}{suffix}\\?": (\d+)', inst.rest))
+             else max(1, n // blocks) for key, n, blocks in (('block_q', n_q, q_blocks),
+                                                              ('block_kv', n_kv, kv_blocks)))
   mask = _Evaluator(module, lookup)(inst.operands[1]) if tables >= 2 else None
   if mask is not None:
     mask = np.asarray(mask).astype(np.int64)
@@ -673,8 +654,7 @@ def _splash(inst: _Instruction, module: _Module, cost: Cost, lookup) -> tuple[di
              'dkv': 2 * d + 2 * dv + (d if fused_dq >= 3 else 0)}[phase]
   streamed, stream_rows = (q, bq) if phase == 'dkv' else (k, bkv)
   stream = blocks * stream_rows * (d + dv) * (bits(arrays(q.type_text)[0].dtype) // 8)
-  klass = _flops_class(_Instruction(inst.name, q.type_text, 'dot', '%' + q.name + ')'), module)
-  return ({klass: 2.0 * blocks * bq * bkv * matmuls},
+  return ({_flops_class(q.type_text): 2.0 * blocks * bq * bkv * matmuls},
           _plain_bytes(inst, module) + stream * (arrays(streamed.type_text)[0].memory_space == 0))
 
 
@@ -686,12 +666,9 @@ def _mosaic(inst: _Instruction, module: _Module, cost: Cost, lookup) -> tuple[di
                     inst.rest.replace('\\"', '"'))
   if not found or not int(found.group(1)):
     return _splash(inst, module, cost, lookup)
-  floating = next((o for o in inst.operands if o in module.by_name and arrays(
-      module.by_name[o].type_text)[:1] and arrays(module.by_name[o].type_text)[0].dtype
-                   .startswith(('bf', 'f'))), None)
-  klass = (_flops_class(_Instruction(inst.name, '', 'dot', f'%{floating})'), module)
-           if floating else 'f32')
-  return {klass: float(found.group(1))}, float(found.group(2))
+  floating = next((t for t in (module.by_name[o].type_text for o in inst.operands
+                               if o in module.by_name) if t.startswith(('bf', 'f'))), '')
+  return {_flops_class(floating): float(found.group(1))}, float(found.group(2))
 
 
 def analyze(hlo: str) -> Cost:
@@ -706,7 +683,8 @@ def analyze(hlo: str) -> Cost:
     flops, colls = collections.defaultdict(float), []
     for inst in module.computations.get(name, []):
       if inst.opcode in ('dot', 'convolution'):
-        flops[_flops_class(inst, module)] += _matmul_flops(inst, module)
+        for k, v in _matmul(inst, module).items():
+          flops[k] += v
       elif inst.opcode in _COLLECTIVE_OPS:
         colls.append(_collective(inst, module, 1.0))
       for kind, called in inst.calls.items():
@@ -760,8 +738,7 @@ def analyze(hlo: str) -> Cost:
                         found[1] if found else _plain_bytes(inst, module),
                         source='analytic' if found else 'opaque')
       elif op in ('dot', 'convolution'):
-        kernel = Kernel(inst.name, op, {_flops_class(inst, module): _matmul_flops(inst, module)},
-                        _plain_bytes(inst, module))
+        kernel = Kernel(inst.name, op, _matmul(inst, module), _plain_bytes(inst, module))
       elif op not in _FREE:
         kernel = Kernel(inst.name, op, {}, _plain_bytes(inst, module))
       if kernel is not None:
