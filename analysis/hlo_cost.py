@@ -268,12 +268,11 @@ def _matmul(inst: _Instruction, module: _Module) -> dict[str, float]:
 
 
 class _Evaluator:
-  """Evaluates small integer expressions of a program (a loop's condition, splash's block
-  table) with numpy: constants, the elements of a computation's tuple parameter that
-  `lookup(parameter, index)` knows, arithmetic (with the bitwise ops of the compiler's
-  strength-reduced divisions), compares, selects and the dynamic slices that index a constant
-  table (the blocked attention loops' key counts per query block). Anything
-  else, or an array of more than LIMIT elements, is None (unknown)."""
+  """Evaluates small integer expressions (a loop's condition, splash's block table) with numpy:
+  constants, the tuple elements `lookup(parameter, index)` knows, arithmetic (and the bitwise
+  ops of strength-reduced divisions), compares, selects and dynamic slices of a constant table
+  (a blocked attention loop's key counts per query block). Anything else, or an array of more
+  than LIMIT elements, is None (unknown)."""
 
   LIMIT = 1 << 20
   _BINARY = {'add': np.add, 'subtract': np.subtract, 'multiply': np.multiply,
@@ -406,10 +405,9 @@ def loop_trips(module: _Module, loop: _Instruction,
 
 
 def replica_groups(attributes: str) -> list[list[int]] | None:
-  """The device groups of a collective; [] for every device; None when not understood. Forms:
-  '{{0,1},{2,3}}', iota '[G,S]<=[dims]T(perm)', "mesh['a'=4,'b'=2] {'a'}" (devices in
-  row-major order of the axes, one group per position of the axes not named), or
-  source_target_pairs."""
+  """The device groups of a collective ([] for every device, None when not understood) from
+  '{{0,1},{2,3}}', iota '[G,S]<=[dims]T(perm)', source_target_pairs or "mesh['a'=4,'b'=2]
+  {'a'}" (devices in row-major order of the axes, a group per position of the others)."""
   found = re.search(r'(?:source_target_pairs|replica_groups)=(.*)', attributes)
   text = found.group(1).strip() if found else '{}'
   if text.startswith('{'):
@@ -436,13 +434,11 @@ def replica_groups(attributes: str) -> list[list[int]] | None:
 
 @dataclasses.dataclass
 class Collective:
-  """One collective instruction as it runs: its kind (one of COLLECTIVES), its result's bytes
-  on each device once (all-gather: the gathered array; reduce-scatter: the shard; permute: the
-  buffer received), its device groups (`replica_groups`), runs per execution, JAX source op
-  and channel_id (the TPU compiler copies one collective into each fusion that carries part of
-  its transfer; the copies share it and count once). A transfer between slices goes over the
-  data-center network (`over_dcn`: the TPU compiler writes it as a host-transfer send to the
-  megascale runtime), among `participants` (None: unknown)."""
+  """One collective instruction as it runs: kind (one of COLLECTIVES), its result's bytes on
+  each device once (all-gather: the gathered array; reduce-scatter: the shard; permute: the
+  buffer received), device groups (`replica_groups`), runs per execution, JAX source op and
+  channel_id (the copies of one collective in several fusions share it and count once); a
+  transfer between slices is `over_dcn`, among `participants` (None: unknown)."""
   name: str
   kind: str
   bytes: int
@@ -455,10 +451,10 @@ class Collective:
 
 
 def _collective(inst: _Instruction, module: _Module, times: float) -> Collective | None:
-  """The collective `inst` is, or None. An async pair counts at its -start, whose result holds
-  the operand, then the result. The TPU compiler writes a reduce-scatter as an all-reduce in a
-  fusion named all-reduce-scatter, and a transfer between slices as a send with
-  _xla_megascale_transfer_type and _xla_megascale_target='{slices}x{devices}'."""
+  """The collective `inst` is, or None. An async pair counts at its -start (its result holds
+  the operand, then the result); the TPU compiler writes a reduce-scatter as an all-reduce in a
+  fusion named all-reduce-scatter, a transfer between slices as a send to the megascale
+  runtime (_xla_megascale_target='{slices}x{devices}')."""
   transfer = inst.attr('_xla_megascale_transfer_type')
   if inst.opcode == 'send' and transfer:
     target = re.search(r'_xla_megascale_target="\{([\d,]+)\}', inst.rest)
@@ -485,9 +481,7 @@ def collectives(hlo: str) -> dict[str, dict[str, int]]:
   """{kind: {'count', 'bytes'}} for each kind in COLLECTIVES (zeros when absent): each
   collective instruction once wherever it sits, not multiplied by trip counts (`analyze` does
   that), the copies of one channel once."""
-  module = _parse(hlo)
-  out = {kind: {'count': 0, 'bytes': 0} for kind in COLLECTIVES}
-  seen = set()
+  module, out, seen = _parse(hlo), {kind: {'count': 0, 'bytes': 0} for kind in COLLECTIVES}, set()
   for insts in module.computations.values():
     for c in filter(None, (_collective(inst, module, 1.0) for inst in insts)):
       if c.channel is None or c.channel not in seen:
@@ -544,13 +538,6 @@ class Cost:
     """The k kernels with the most of `key` over their runs."""
     return sorted(self.kernels, key=lambda kernel: -kernel.times * key(kernel))[:k]
 
-  def add(self, other: Cost) -> None:
-    self.kernels += other.kernels
-    self.collectives += other.collectives
-    self.unknown_loops += other.unknown_loops
-    self.notes += other.notes
-    self.opaque.update({k: self.opaque.get(k, 0) + v for k, v in other.opaque.items()})
-
 
 def _fusion_bytes(inst: _Instruction, module: _Module) -> float:
   """HBM bytes of a fusion: each operand (only the slices read when the fused computation only
@@ -590,8 +577,7 @@ def _fusion_bytes(inst: _Instruction, module: _Module) -> float:
 
 
 def _plain_bytes(inst: _Instruction, module: _Module) -> float:
-  """HBM bytes of an unfused op: its operands and outputs, or only the slice an op reads or
-  updates in place."""
+  """HBM bytes of an unfused op: its operands and outputs, or the slice it reads or updates."""
   out = _hbm(inst.type_text)
   ops = [module.by_name.get(o) for o in inst.operands]
   op_bytes = [_hbm(p.type_text) if p else 0 for p in ops]
@@ -672,25 +658,22 @@ def _mosaic(inst: _Instruction, module: _Module, cost: Cost, lookup) -> tuple[di
 
 
 def analyze(hlo: str) -> Cost:
-  """The kernels and collectives of the optimized HLO module `hlo`, loops multiplied in (see
-  the module's docstring)."""
+  """The kernels and collectives of the optimized HLO module `hlo`, loops multiplied in."""
   module = _parse(hlo)
   cost = Cost()
 
   @functools.cache
   def fused(name: str) -> tuple[dict, list]:
     """(matmul FLOPs by class, collectives) inside a fused computation."""
-    flops, colls = collections.defaultdict(float), []
+    flops, colls = collections.Counter(), []
     for inst in module.computations.get(name, []):
       if inst.opcode in ('dot', 'convolution'):
-        for k, v in _matmul(inst, module).items():
-          flops[k] += v
+        flops.update(_matmul(inst, module))
       elif inst.opcode in _COLLECTIVE_OPS:
         colls.append(_collective(inst, module, 1.0))
       for kind, called in inst.calls.items():
         if kind == 'calls' or (kind == 'to_apply' and inst.opcode == 'call'):
-          for k, v in fused(called)[0].items():
-            flops[k] += v
+          flops.update(fused(called)[0])
           colls.extend(fused(called)[1])
     return dict(flops), colls
 
@@ -708,10 +691,11 @@ def analyze(hlo: str) -> Cost:
         branches = re.search(r'branch_computations=\{([^}]*)\}', inst.rest)
         names = (branches.group(1).replace('%', '').split(',') if branches else
                  re.findall(r'(?:true|false)_computation=%?([\w.\-]+)', inst.rest))
-        subs = [Cost() for _ in names] or [Cost()]
-        for b, sub in zip(names, subs):
-          program(b.strip(), times, sub)  # A branch's parameter is not the loop's tuple.
-        out.add(max(subs, key=lambda c: (c.flops, c.bytes)))
+        subs = {b.strip(): Cost() for b in names}
+        for b, sub in subs.items():  # A branch's parameter is not the loop's tuple.
+          program(b, times, sub)
+        if subs:  # The most expensive branch, counted again into `out`.
+          program(max(subs, key=lambda b: (subs[b].flops, subs[b].bytes)), times, out)
       elif op == 'call' or (op == 'async-start' and 'calls' in calls):
         for kind in ('to_apply', 'calls'):
           if kind in calls:
@@ -745,13 +729,9 @@ def analyze(hlo: str) -> Cost:
         out.kernels.append(dataclasses.replace(kernel, times=times, op_name=inst.attr('op_name')))
 
   program(module.entry, 1.0, cost)
-  by_channel: dict[int, Collective] = {}
-  unique = []
+  unique = {}
   for c in cost.collectives:  # The copies of one channel count once, at their most runs.
-    if c.channel is None or c.channel not in by_channel:
-      by_channel.setdefault(c.channel, c)
-      unique.append(c)
-    else:
-      by_channel[c.channel].times = max(by_channel[c.channel].times, c.times)
-  cost.collectives = unique
+    first = unique.setdefault(id(c) if c.channel is None else c.channel, c)
+    first.times = max(first.times, c.times)
+  cost.collectives = list(unique.values())
   return cost

@@ -61,6 +61,16 @@ def test_a_loop_whose_length_a_constant_table_gives_per_outer_step_counts_each_l
   assert cost.flops == table.sum() * one and cost.unknown_loops == 0
 
 
+def test_a_conditional_counts_its_most_expensive_branch():
+  def f(p, x, w):
+    return jax.lax.cond(p, lambda a: jnp.tanh(a @ w) @ w, jnp.tanh, x)
+
+  text = jax.jit(f).lower(True, jnp.ones((8, 64)), jnp.ones((64, 64))).compile().as_text()
+  assert ' conditional(' in text
+  cost = hlo_cost.analyze(text)
+  assert cost.flops == 2 * (2 * 8 * 64 * 64) and cost.unknown_loops == 0
+
+
 def test_convolutions_count_only_the_taps_that_read_input():
   """The TPU compiler writes matmuls as convolutions, some with dilated inputs whose holes
   read nothing: the count is XLA's own (here a strided, padded, dilated convolution)."""
