@@ -136,12 +136,29 @@ def read(report: StepReport, compiled) -> None:
   report.collectives = collectives(compiled.as_text())
 
 
+def module_text(compiled) -> str:
+  """The optimized HLO text of a jax Compiled, with its large constants printed when it calls
+  a Mosaic kernel (the splash kernel's block tables are constants that `as_text()` elides);
+  `as_text()` otherwise."""
+  text = compiled.as_text()
+  if 'tpu_custom_call' not in text:
+    return text
+  try:
+    import jaxlib._hlo as hlo_lib  # pylint: disable=import-outside-toplevel
+    options = hlo_lib.HloPrintOptions()
+    options.print_large_constants = True
+    modules = compiled.runtime_executable().hlo_modules()
+    return modules[0].to_string(options) if len(modules) == 1 else text
+  except Exception:  # pylint: disable=broad-except  (an older jaxlib: the elided text)
+    return text
+
+
 def analyze(report: StepReport, compiled, mesh: jax.sharding.Mesh,
             chip: chips.Chip | None) -> roofline.Estimate | None:
   """Counts a compiled program's work (hlo_cost.analyze: FLOPs with trip counts) into
   `report` and, when the chip is known, its roofline estimate on `mesh`'s devices (also
   returned)."""
-  cost = hlo_cost.analyze(hlo_cost.module_text(compiled))
+  cost = hlo_cost.analyze(module_text(compiled))
   report.flops = cost.flops
   if chip is None:
     return None

@@ -19,7 +19,7 @@ step = max(kernels, collectives) + overhead. The bound named is the largest of t
 collectives; overhead). It can only be optimistic about what the chip does (peak FLOP/s and
 full bandwidth for every kernel, perfect overlap), except where it assumes an overhead.
 
-  cost = hlo_cost.analyze(hlo_cost.module_text(compiled))
+  cost = hlo_cost.analyze(program_stats.module_text(compiled))
   est = roofline.estimate(cost, chips.chip_for(device.device_kind), devices=4)
   est.step_s, est.bound, est.mfu(model_flops)
 """
@@ -94,6 +94,33 @@ class Estimate:
     return dataclasses.asdict(self)
 
 
+def traffic(c: hlo_cost.Collective, devices: int, slices: int = 1) -> float:
+  """Bytes each device sends in one run of collective `c`, as the ring algorithm does
+  (all-gather and all-to-all (n-1)/n of the result, reduce-scatter n-1 shards, all-reduce
+  twice (n-1)/n, a permute its buffer) among the n devices of its group: `devices` for every
+  device or unknown groups; for a transfer between slices its participants, else `slices`."""
+  if c.over_dcn:
+    n = c.participants or max(2, slices)
+  else:
+    n = 2 if c.kind == 'collective-permute' else (max(map(len, c.groups)) if c.groups
+                                                   else devices)
+  b = float(c.bytes)
+  return 0.0 if n <= 1 else {
+      'all-gather': b * (n - 1) / n, 'all-to-all': b * (n - 1) / n,
+      'reduce-scatter': b * (n - 1), 'all-reduce': 2 * b * (n - 1) / n}.get(c.kind, b)
+
+
+def spans(c: hlo_cost.Collective, slice_of: Sequence[int] | None) -> bool:
+  """Whether a group of collective `c` holds devices of different slices (its bytes cross the
+  data-center network); `slice_of[i]` is logical device i's slice."""
+  if c.over_dcn:
+    return True
+  if slice_of is None or len(set(slice_of)) <= 1:
+    return False
+  return not c.groups or any(len({slice_of[i] for i in g if i < len(slice_of)}) > 1
+                             for g in c.groups)
+
+
 def estimate(cost: hlo_cost.Cost, chip: chips_lib.Chip, devices: int = 1,
              slice_of: Sequence[int] | None = None) -> Estimate:
   """The roofline step time of the program `cost` describes on `chip`.
@@ -118,16 +145,16 @@ def estimate(cost: hlo_cost.Cost, chip: chips_lib.Chip, devices: int = 1,
   collectives = dcn = sent = 0.0
   slices = len(set(slice_of)) if slice_of is not None else 1
   for c in cost.collectives:
-    traffic = c.traffic(devices, slices)
-    if traffic <= 0:
+    sends = traffic(c, devices, slices)
+    if sends <= 0:
       continue
-    over_dcn = c.spans(slice_of)
+    over_dcn = spans(c, slice_of)
     bandwidth = chip.dcn_bandwidth if over_dcn else chip.ici_bandwidth
-    seconds = c.times * (traffic / bandwidth if bandwidth else 0.0)
+    seconds = c.times * (sends / bandwidth if bandwidth else 0.0)
     seconds += c.times * chip.collective_latency_s
     collectives += seconds
     dcn += seconds if over_dcn else 0.0
-    sent += c.times * traffic
+    sent += c.times * sends
   overhead = chip.step_overhead_s + cost.launches * chip.kernel_overhead_s
   step = max(kernels, collectives) + overhead
   parts = {'compute': compute_bound, 'memory': memory_bound, 'collectives': collectives,

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from analysis import hlo_cost
+from analysis import hlo_cost, roofline
 
 pytestmark = pytest.mark.unit
 
@@ -57,9 +57,18 @@ def test_a_loop_whose_length_a_constant_table_gives_per_outer_step_counts_each_l
   x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
   text = jax.jit(blocks).lower(x, w).compile().as_text()
   one = 2 * 4 * 8 * 8
-  assert hlo_cost.dot_flops(text).flops == table.sum() * one
   cost = hlo_cost.analyze(text)
   assert cost.flops == table.sum() * one and cost.unknown_loops == 0
+
+
+def test_a_conditional_counts_its_most_expensive_branch():
+  def f(p, x, w):
+    return jax.lax.cond(p, lambda a: jnp.tanh(a @ w) @ w, jnp.tanh, x)
+
+  text = jax.jit(f).lower(True, jnp.ones((8, 64)), jnp.ones((64, 64))).compile().as_text()
+  assert ' conditional(' in text
+  cost = hlo_cost.analyze(text)
+  assert cost.flops == 2 * (2 * 8 * 64 * 64) and cost.unknown_loops == 0
 
 
 def test_convolutions_count_only_the_taps_that_read_input():
@@ -77,7 +86,6 @@ def test_convolutions_count_only_the_taps_that_read_input():
   assert ' convolution(' in text
   xla = compiled.cost_analysis()
   xla = xla[0] if isinstance(xla, (list, tuple)) else xla
-  assert hlo_cost.dot_flops(text).flops == pytest.approx(xla['flops'])
   assert hlo_cost.analyze(text).flops == pytest.approx(xla['flops'])
 
 
@@ -122,10 +130,8 @@ ENTRY %main (x: f32[8,64]) -> f32[8,64] {
 
 def test_a_loop_without_a_recorded_trip_count_is_counted_from_its_condition():
   trips = len(range(2, 17, 3))  # 5
-  work = hlo_cost.dot_flops(_LOOP)
-  assert work.flops == trips * 2 * 8 * 64 * 64 and work.unknown_loops == 0
   cost = hlo_cost.analyze(_LOOP)
-  assert cost.flops == work.flops and cost.unknown_loops == 0
+  assert cost.flops == trips * 2 * 8 * 64 * 64 and cost.unknown_loops == 0
   dots = [k for k in cost.kernels if k.opcode == 'dot']
   assert [k.times for k in dots] == [trips]
   assert dots[0].bytes == (8 * 64 + 64 * 64 + 8 * 64) * 4
@@ -182,19 +188,20 @@ def test_collectives_count_once_per_channel_with_their_groups_and_ring_traffic()
   assert len(cost.collectives) == 4
   gather = by_kind['all-gather']
   assert gather.groups == [[0, 2, 4, 6], [1, 3, 5, 7]]  # Axis 0 of a 4 x 2 mesh.
-  assert gather.traffic(8) == pytest.approx(128 * 128 * 2 * 3 / 4)
-  assert by_kind['all-reduce'].traffic(8) == pytest.approx(2 * 4096 * 3 / 4)
+  assert roofline.traffic(gather, 8) == pytest.approx(128 * 128 * 2 * 3 / 4)
+  assert roofline.traffic(by_kind['all-reduce'], 8) == pytest.approx(2 * 4096 * 3 / 4)
   assert by_kind['all-to-all'].groups == np.arange(8).reshape(2, 4).T.tolist()
-  assert by_kind['collective-permute'].traffic(8) == 64
+  assert roofline.traffic(by_kind['collective-permute'], 8) == 64
   # Slices 0 and 1 of four devices each: axis 0 of the mesh crosses them, the pairs do not.
   slices = [0, 0, 0, 0, 1, 1, 1, 1]
-  assert gather.spans(slices) and not by_kind['collective-permute'].spans(slices)
-  assert not gather.spans(None)
+  assert roofline.spans(gather, slices)
+  assert not roofline.spans(by_kind['collective-permute'], slices)
+  assert not roofline.spans(gather, None)
   # The compute fusion that carries part of the gather is a kernel; the start wrapper is not.
   assert [k.name for k in cost.kernels] == ['fusion.2']
 
 
-def _splash_hlo(block_mask: str) -> str:
+def _splash_hlo(block_mask: str, mask_next: str = '%mask_next, ') -> str:
   return f"""\
 HloModule jit_attend, entry_computation_layout={{(f32[2,512,64]{{2,1,0}})->f32[2,512,64]{{2,1,0}}}}
 
@@ -208,7 +215,7 @@ ENTRY %main (q: f32[2,512,64], k: f32[2,512,64], v: f32[2,512,64]) -> f32[2,512,
   %copy-done.1 = s8[2,4,4]{{2,1,0:S(1)}} copy-done(%copy-start.1)
   %zero = s8[] constant(0)
   %mask_next = s8[2,4,4]{{2,1,0}} broadcast(%zero), dimensions={{}}
-  ROOT %splash_mha_fwd_residuals.1 = (f32[128,128]{{1,0}}, f32[2,512,64]{{2,1,0}}) custom-call(%data_next, %copy-done.1, %mask_next, %q, %k, /*index=5*/%v), custom_call_target="tpu_custom_call", frontend_attributes={{kernel_metadata={{
+  ROOT %splash_mha_fwd_residuals.1 = (f32[128,128]{{1,0}}, f32[2,512,64]{{2,1,0}}) custom-call(%data_next, %copy-done.1, {mask_next}%q, %k, /*index=5*/%v), custom_call_target="tpu_custom_call", frontend_attributes={{kernel_metadata={{
 "xprof_metadata":"{{\\"block_q\\": 128, \\"block_kv\\": 128, \\"block_kv_compute\\": 128}}"
 }}}}, metadata={{op_name="jit(attend)/splash_mha_fwd_residuals/pallas_call"}}
 }}
@@ -227,6 +234,9 @@ def test_the_splash_kernel_is_counted_from_its_non_empty_blocks():
   assert kernel.flops == {'f32': 2.0 * blocks * 128 * 128 * (64 + 64)}
   q = 2 * 512 * 64 * 4
   assert kernel.bytes >= 3 * q + q  # q, k, v read and the output written, at least.
+  # A mask the kernel computes itself has no mask_next: the block table is still the second.
+  computed = hlo_cost.analyze(_splash_hlo(text, mask_next=''))
+  assert computed.kernels[-1].flops == kernel.flops and not computed.notes
   # Without the table (the text printed without large constants): every block, and a note.
   elided = hlo_cost.analyze(_splash_hlo('{...}'))
   assert elided.kernels[-1].flops['f32'] == 2.0 * 2 * 16 * 128 * 128 * 128
