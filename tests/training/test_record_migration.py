@@ -174,7 +174,7 @@ def test_a_run_recorded_with_the_old_keys_evaluates_and_resumes_the_same(tmp_pat
 
 
 # The attention options were one flat group; now each variant has its own (issue 49).
-SPAN = {'limit': 16, 'ramp': 4, 'block': 4, 'init': 0.25}
+SPAN = {'limit': 16, 'ramp': 4, 'trim_multiple': 4, 'init': 0.25}
 
 
 def _span_config(harness, total_steps: int):
