@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -141,6 +142,7 @@ class _Spec:
   has_rows: bool
   interpret: object
   distance_origin: int    # the distance-table row of pair (query 0, key 0)
+  distance_lead: int = 0  # zero rows `attention` put before a distance table's row 0
 
 
 def _tables(p: Plan):
@@ -197,8 +199,14 @@ _WINDOW_ALIGN = 128
 
 def window_rows(p: Plan, rows: int) -> int:
   """Rows of a distance table of `rows` rows (a multiple of 128) that a tile reads: its
-  B + C - 1 distances from a start rounded down to _WINDOW_ALIGN, or the whole table."""
-  need = p.q_block + p.key_block - 1 + _WINDOW_ALIGN - 1
+  B + C - 1 distances from a start rounded down to _WINDOW_ALIGN, or the whole table.
+
+  `attention` pads the table so that pair (query 0, key 0) reads a row at a multiple of
+  _WINDOW_ALIGN. A tile's first row then lies g = gcd(B, C, 128) rows apart from an aligned
+  start at most 128 - g rows before it: none when both blocks are whole lanes, as compiled
+  key blocks are (Transformer-XL's tiles of 512 x 256 read 768 rows, not 896)."""
+  slack = _WINDOW_ALIGN - math.gcd(p.q_block, p.key_block, _WINDOW_ALIGN)
+  need = p.q_block + p.key_block - 1 + slack
   return min(rows, -(-need // _WINDOW_ALIGN) * _WINDOW_ALIGN)
 
 
@@ -214,17 +222,20 @@ def _tile_params(spec: _Spec, p_refs, b, c):
       axis = names.index('distance')
       rows = r.shape[axis]
       width = window_rows(spec.plan, rows)
+      # The hook reads the table's own rows: row x is row x + lead of the padded table.
+      offset = -spec.distance_lead
       if width < rows:
-        # Pair (i, j) reads row at0 + i - j: reversed row R - 1 - at0 - i + j. The tile's
-        # rows start at R - at0 - B (its last query, its first key).
-        at0 = spec.distance_origin + b * spec.plan.q_block - c * spec.plan.key_block
+        # Pair (i, j) reads padded row at0 + i - j: reversed row R - 1 - at0 - i + j. The
+        # tile's rows start at R - at0 - B (its last query, its first key).
+        at0 = (spec.distance_origin + spec.distance_lead + b * spec.plan.q_block
+               - c * spec.plan.key_block)
         first = jnp.maximum(rows - at0 - spec.plan.q_block, 0)
         start = jnp.minimum(jax.lax.div(first, _WINDOW_ALIGN) * _WINDOW_ALIGN, rows - width)
         start = pl.multiple_of(start, _WINDOW_ALIGN)
         index = tuple(pl.ds(start, width) if x == axis else slice(None)
                       for x in range(len(r.shape)))
         # The window as a reversed table of `width` rows holds rows from R - start - width.
-        offset = rows - start - width
+        offset = rows - start - width - spec.distance_lead
     values.append(r[index])
     where.append(index)
   return jax.tree.unflatten(spec.treedef, values), where, offset
@@ -383,37 +394,89 @@ def _init_param_grads(spec: _Spec, refs, first_of_grid, first_of_row, first_of_b
 VMEM_LIMIT = 64 << 20
 
 
+def _matmul_flops(jaxpr) -> int:
+  """FLOPs of the matmuls of a jaxpr, its inner jaxprs included."""
+  total = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'dot_general':
+      (contract, _), _ = eqn.params['dimension_numbers']
+      lhs = eqn.invars[0].aval.shape
+      total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
+    for value in eqn.params.values():
+      for inner in (value if isinstance(value, (tuple, list)) else (value,)):
+        if isinstance(inner, jax.extend.core.ClosedJaxpr):
+          total += _matmul_flops(inner.jaxpr)
+        elif isinstance(inner, jax.extend.core.Jaxpr):
+          total += _matmul_flops(inner)
+  return total
+
+
+def _hook_flops(spec: _Spec, qs, ks, leaves) -> int:
+  """Matmul FLOPs of one call of the score hook: one tile of one row, every head, with each
+  parameter as a tile reads it (a distance table's window; one row; one query block),
+  counted from the hook's own jaxpr. Which query arrays meet the keys, and what else a score
+  multiplies, is the hook's business: Transformer-XL's second query array meets only the
+  distance table, selective attention's separate form adds its own S."""
+  p = spec.plan
+  sd = jax.ShapeDtypeStruct
+  tile = lambda a, length: sd((1, a.shape[1], length, a.shape[3]), a.dtype)  # noqa: E731
+  params = []
+  for a, names in zip(leaves, spec.param_axes):
+    shape = list(a.shape)
+    for axis, name in enumerate(names):
+      if name == 'batch':
+        shape[axis] = 1
+      elif name == 'queries':
+        shape[axis] = p.q_block
+      elif name == 'distance':
+        shape[axis] = window_rows(p, a.shape[axis])
+    params.append(sd(tuple(shape), a.dtype))
+  args = [jax.tree.unflatten(spec.treedef, params),
+          _wrap(spec.q_tuple, [tile(a, p.q_block) for a in qs]),
+          _wrap(spec.k_tuple, [tile(a, p.key_block) for a in ks]),
+          sd((p.q_block,), jnp.int32), sd((p.key_block,), jnp.int32)]
+  if spec.stateful:
+    args.append(blockloop.Context(sd((1, p.key_block), jnp.float32),
+                                  sd((1, p.q_block, p.key_block), jnp.bool_),
+                                  sd((1, p.key_block), jnp.bool_)))
+  with blockloop.in_kernel():
+    return _matmul_flops(jax.make_jaxpr(spec.score)(*args).jaxpr)
+
+
 def _cost(spec: _Spec, phase: str, qs, ks, v, leaves) -> pl.CostEstimate:
   """The kernel's cost from its block table, for XLA and the roofline (analysis/hlo_cost.py
-  reads it back): FLOPs of the matmuls of the (query block, key block) tiles it visits, with
-  a relative term's products (q by the window of a distance table, its two gradient matmuls
-  in the dq kernel; the dk, dv kernel's pallas jaxpr drops them as dead), one exponential per
-  pair, and the bytes of the blocks it reads and writes. Elementwise work of a hook is not
-  counted."""
+  reads it back): FLOPs of the matmuls of the (query block, key block) tiles it visits, one
+  exponential per pair, and the bytes of the blocks it reads and writes. A tile's score
+  FLOPs are the hook's own (_hook_flops): its products with the keys, and a relative term's
+  (q by the window of a distance table). The backward adds their gradients: the keys'
+  products once more in each kernel (dS K, dS^T Q); a relative term's two gradient matmuls
+  in the dq kernel (the dk, dv kernel's pallas jaxpr drops them as dead). Elementwise work of
+  a hook is not counted."""
   p = spec.plan
   rows, heads = v.shape[0], v.shape[1]
-  pairs = p.visited_pairs() * rows * heads
-  relative = sum(window_rows(p, a.shape[names.index('distance')]) * a.shape[-1]
+  visits = int(p.steps.sum()) * rows
+  hook = _hook_flops(spec, qs, ks, leaves)
+  relative = sum(2 * window_rows(p, a.shape[names.index('distance')]) * a.shape[-1]
                  for a, names in zip(leaves, spec.param_axes) if 'distance' in names)
-  relative *= p.q_block * int(p.steps.sum()) * rows * heads  # multiply-adds, forward once
+  relative *= p.q_block * heads                    # q (every head) by the window, one tile
+  keyed = hook - relative                          # the hook's products with the keys
+  pv = 2 * p.q_block * p.key_block * v.shape[3] * heads
+  flops = {'fwd': hook + pv,                       # scores, PV
+           'dq': hook + pv + keyed + 2 * relative,  # scores again, dO V^T, dS K, d table, dq
+           'dkv': hook + 2 * pv + keyed,           # scores again, dO V^T, P^T dO, dS^T Q
+           'stateful_bwd': hook + 2 * pv + 2 * keyed + 2 * relative}[phase]
   d_q = sum(a.shape[3] * a.shape[1] for a in qs) // heads
   d_k = sum(a.shape[3] * a.shape[1] for a in ks) // heads
   d_v = v.shape[3]
   item = jnp.dtype(v.dtype).itemsize
-  visits = int(p.steps.sum()) * rows * heads
   per_key, per_query = (d_k + d_v) * item, (d_q + d_v) * item
   once = rows * heads * (p.q_blocks * p.q_block * per_query + p.key_blocks * p.key_block * per_key)
-  matmuls = {'fwd': d_q + d_v,                       # QK^T, PV
-             'dq': d_q + d_v + d_k,                  # QK^T again, dO V^T, dS K
-             'dkv': 2 * d_q + 2 * d_v,               # QK^T again, dO V^T, P^T dO, dS^T Q
-             'stateful_bwd': 2 * d_q + d_k + 2 * d_v}[phase]
   streamed = {'fwd': p.key_block * per_key, 'dq': p.key_block * per_key,
               'dkv': p.q_block * (per_query + d_v * item),
               'stateful_bwd': p.key_block * per_key}[phase]
-  relative_passes = {'fwd': 1, 'dq': 3, 'dkv': 1, 'stateful_bwd': 3}[phase]
-  return pl.CostEstimate(flops=2 * pairs * matmuls + 2 * relative * relative_passes,
-                         transcendentals=pairs,
-                         bytes_accessed=once + visits * streamed)
+  return pl.CostEstimate(flops=visits * flops,
+                         transcendentals=visits * heads * p.q_block * p.key_block,
+                         bytes_accessed=once + visits * heads * streamed)
 
 
 def _compiler_params(sequential_axes: int):
@@ -849,8 +912,11 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
   # A distance table zero-padded to whole lanes (at least a key block) and reversed: Mosaic
   # reverses no vector and pads none by a few rows, and blockloop.relative_term reads it so
   # inside the kernel. Its gradient comes back through the flip and the pad.
-  leaves = [_reversed_rows(a, names.index('distance'), key_block) if 'distance' in names else a
-            for a, names in zip(leaves, axes)]
+  # Zero rows before distance 0 bring the row of pair (0, 0) to a multiple of _WINDOW_ALIGN,
+  # so that every tile's window starts aligned (window_rows).
+  lead = -int(distance_origin) % _WINDOW_ALIGN if any('distance' in a for a in axes) else 0
+  leaves = [_reversed_rows(a, names.index('distance'), key_block, lead) if 'distance' in names
+            else a for a, names in zip(leaves, axes)]
   tables = {a.shape[names.index('distance')] for a, names in zip(leaves, axes)
             if 'distance' in names}
   if len(tables) > 1:  # a tile reads every table at one window (blockloop.in_kernel's offset)
@@ -862,7 +928,7 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
     return _attention(qs, ks, v, q_segments, k_segments, leaves, carry, plan=p,
                       treedef=treedef, param_axes=tuple(axes), score=score, dtype=dtype,
                       out_dtype=out_dtype, interpret=interpret, keys=nk,
-                      distance_origin=int(distance_origin), **flags)
+                      distance_origin=int(distance_origin), distance_lead=lead, **flags)
 
   layout = splash.mesh_layout()
   if layout is None:
@@ -911,13 +977,13 @@ def compiled_key_block(q_block: int, heads: int) -> int:
 PARAM_AXES = ('batch', 'heads', 'queries', 'distance')
 
 
-def _reversed_rows(table, axis: int, key_block: int):
-  """A distance table (distance x at row x) padded with zero rows to a multiple of 128 of at
-  least key_block rows, then reversed."""
-  rows = table.shape[axis]
+def _reversed_rows(table, axis: int, key_block: int, lead: int = 0):
+  """A distance table (distance x at row x) after `lead` zero rows, padded with zero rows to a
+  multiple of 128 of at least key_block rows, then reversed."""
+  rows = table.shape[axis] + lead
   width = -(-max(rows, key_block) // 128) * 128
   pad = [(0, 0)] * table.ndim
-  pad[axis] = (0, width - rows)
+  pad[axis] = (lead, width - rows)
   return jnp.flip(jnp.pad(table, pad), axis=axis)
 
 
@@ -938,7 +1004,7 @@ def _names_axes(x) -> bool:
 
 def _attention(qs, ks, v, q_segments, k_segments, leaves, carry, *, plan: Plan, treedef,
                param_axes, score, dtype, out_dtype, interpret, keys, q_tuple, k_tuple,
-               distance_origin):
+               distance_origin, distance_lead):
   """`attention` on one device's arrays: padded to whole blocks, through the kernels."""
   p = plan
   n = qs[0].shape[2]
@@ -965,7 +1031,7 @@ def _attention(qs, ks, v, q_segments, k_segments, leaves, carry, *, plan: Plan, 
     has_rows = _has_rows(score, tile_params, qs, ks, q_block, key_block, q_tuple, k_tuple)
   spec = _Spec(p, score, jnp.dtype(dtype), jnp.dtype(out_dtype or dtype), keys, q_tuple,
                k_tuple, len(qs), len(ks), treedef, len(leaves), param_axes, stateful, has_rows,
-               interpret, distance_origin)
+               interpret, distance_origin, distance_lead)
   out, lse, rows_sum = _call(spec, qs_p, ks_p, v_p, seg_q, seg_k, tuple(leaves), carry_p,
                              starts)
   out, lse = out[:, :, :n], lse[:, :, :n]

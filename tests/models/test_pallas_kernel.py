@@ -54,19 +54,39 @@ def test_plan_visits_the_key_blocks_of_the_table_and_its_transpose():
 def test_stated_cost_counts_the_visited_tiles_and_a_relative_term_s_window():
   """The cost each pallas_call states (what the TPU roofline reads): per visited tile and head,
   QK^T and PV (2 x 16 x 16 x 8 multiply-adds each), and q by the 256-row window of a
-  512-row distance table (16 x 256 x 8), in the forward once, in the dq kernel three times."""
+  512-row distance table (16 x 256 x 8), in the forward once, in the dq kernel three times.
+  The score's products are read from the hook: with Transformer-XL's two query arrays, only
+  the first meets the keys (the cost once counted QK^T for both)."""
   p = pallas_kernel.plan(blockloop.Table.runs([0, 0], [1, 2], 16), 16, 32, 16)
   assert p.steps.tolist() == [1, 2]
   v = jax.ShapeDtypeStruct((1, 2, 32, 8), jnp.float32)
-  spec = pallas_kernel._Spec(  # pylint: disable=protected-access
-      p, None, jnp.float32, jnp.float32, 32, False, False, 1, 1, None, 1,
-      (('distance', None),), False, False, True, 0)
-  cost = functools.partial(pallas_kernel._cost, spec,  # pylint: disable=protected-access
-                           qs=(v,), ks=(v,), v=v, leaves=(jnp.zeros((512, 8)),))
-  tiles = 3 * 2  # visited tiles x heads
-  assert cost('fwd').flops == tiles * (2 * 2 * 16 * 16 * 8 + 2 * 16 * 256 * 8)
-  assert cost('dq').flops == tiles * (2 * 3 * 16 * 16 * 8 + 3 * 2 * 16 * 256 * 8)
-  assert cost('fwd').transcendentals == tiles * 16 * 16
+
+  def score(rel, qb, kb, i, j):
+    content, position = qb if isinstance(qb, tuple) else (qb, qb)
+    logits = jnp.einsum('bhqd,bhkd->bhqk', content, kb, preferred_element_type=jnp.float32)
+    return logits + blockloop.relative_term(position, rel, i[0] - j[0], kb.shape[2]), None, None
+
+  for n_q in (1, 2):
+    spec = pallas_kernel._Spec(  # pylint: disable=protected-access
+        p, score, jnp.float32, jnp.float32, 32, n_q == 2, False, n_q, 1,
+        jax.tree.structure(0), 1, (('distance', None),), False, False, True, 0)
+    cost = functools.partial(pallas_kernel._cost, spec,  # pylint: disable=protected-access
+                             qs=(v,) * n_q, ks=(v,), v=v, leaves=(jnp.zeros((512, 8)),))
+    tiles = 3 * 2  # visited tiles x heads
+    assert cost('fwd').flops == tiles * (2 * 2 * 16 * 16 * 8 + 2 * 16 * 256 * 8)
+    assert cost('dq').flops == tiles * (2 * 3 * 16 * 16 * 8 + 3 * 2 * 16 * 256 * 8)
+    assert cost('dkv').flops == tiles * (2 * 4 * 16 * 16 * 8 + 2 * 16 * 256 * 8)
+    assert cost('fwd').transcendentals == tiles * 16 * 16
+
+
+def test_a_tile_s_window_of_the_distance_table_starts_aligned_when_blocks_are_whole_lanes():
+  """attention pads a distance table so that pair (0, 0) reads an aligned row: with query and
+  key blocks of whole lanes a tile reads B + C rows (Transformer-XL's 512 x 256: 768, where a
+  start rounded down anywhere needed 896); blocks of 16 keep 127 rows of slack at most."""
+  window = lambda b, c: pallas_kernel.window_rows(  # noqa: E731
+      pallas_kernel.plan(blockloop.Table.runs([0], [1], b), b, c, c), 4096)
+  assert window(512, 256) == 768 and window(256, 256) == 512
+  assert window(16, 16) == 256 and window(384, 128) == 512 and window(64, 128) == 256
 
 
 def test_a_batch_the_mesh_cannot_split_is_computed_whole_on_each_device():
