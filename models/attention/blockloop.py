@@ -859,6 +859,15 @@ def inside_triton_kernel() -> bool:
   return bool(_KERNEL_KIND) and _KERNEL_KIND[-1] == 'triton'
 
 
+def first(positions):
+  """The first of a score's positions (i or j: a contiguous increasing run), e.g. for
+  relative_term's at0. Inside the Triton kernel, which slices no value, their minimum (a
+  reduction; the same number); elsewhere positions[0]."""
+  if inside_triton_kernel():
+    return jnp.min(positions)
+  return positions[0]
+
+
 def query_rows(a, i, axis: int):
   """A per-query parameter at the block's queries i (a contiguous run) along `axis`, e.g.
   dynamic spans: this engine gives a score the whole array, the Pallas kernel the block's

@@ -71,8 +71,9 @@ NUM_STAGES = 2
 REFUSED = {
     'SelectiveAttention': (
         "selective attention carries F (the column sums of S) across the query blocks in "
-        "order; the GPU kernel runs its query tiles as independent programs and has no "
-        "lowering of the carried state yet"),
+        "order, and its S is head 0's, which every head reads; the GPU kernel runs each "
+        "(row, head, query tile) as an independent program and has no lowering of the "
+        "carried state yet"),
 }
 
 
@@ -332,7 +333,8 @@ def _forward_kernel(spec: _Spec, *refs):
     e = jnp.where(live, jnp.exp(logits - m_new[:, None]), 0.0)
     w = e if gate is None else e * _plane(spec, gate)
     alpha = jnp.exp(m - m_new)
-    acc = acc * alpha[:, None] + _dot(spec, w.astype(spec.dtype), kside.v)
+    acc = acc * alpha[:, None] + _dot(spec, w.astype(spec.dtype),
+                                              kside.v.astype(spec.dtype))
     return m_new, l * alpha + jnp.sum(w, axis=1), acc
 
   init = (jnp.full((b,), NEG_INF, jnp.float32), jnp.zeros((b,), jnp.float32),
