@@ -10,6 +10,8 @@ No GPU runs here. What is checked is what a CPU host can check:
   a per-row, per-head, per-query parameter. Tiles of 16 queries straddle the table's query
   blocks of 8, so each query is masked by its own block's row of the table.
 * Two backward runs give bit-identical gradients (no atomics).
+* Every variant the GPU kernel computes trains through it in interpret mode: a one-layer
+  model's loss and every gradient equal those of attention_impl='blocksparse'.
 * Every variant the GPU kernel computes lowers its one-layer model's train step (loss and
   gradients) for ('cuda',) with the forward, dq and dk/dv kernels as Triton custom calls; a
   variant it does not compute (selective attention) is refused with the reason.
@@ -163,6 +165,8 @@ def test_a_carried_state_is_refused():
 
 # test_pallas_kernel's options, but fixed attention's heads read distinct summary blocks: they
 # see different keys, which the GPU kernel tells apart by a per-head parameter.
+# The variants the GPU kernel computes, and those it refuses (pallas_gpu.REFUSED).
+GPU_VARIANTS = tuple(v for v in tpk.VARIANTS if v != 'selective')
 OPTIONS = {**tpk.OPTIONS, 'fixed': {**tpk.OPTIONS['fixed'], 'distinct_heads': True}}
 
 
@@ -176,13 +180,13 @@ def _cpu_model(variant, impl):
   return transformer.Decoder(cfg)
 
 
-@pytest.mark.parametrize('variant', ['fixed', 'dynamic_span', 'txl'])
+@pytest.mark.parametrize('variant', GPU_VARIANTS)
 def test_a_model_trains_through_the_gpu_kernel_in_interpret_mode(variant, monkeypatch):
-  """The GPU kernel's one-layer model in interpret mode (the engine's kernel switched to
-  'pallas_gpu' for this CPU target): loss and every gradient equal 'blocksparse''s. Fixed
-  attention's heads see different keys (each head's mask chosen by a parameter), dynamic
-  span's z is per row, head and query, Transformer-XL reads two query arrays and a distance
-  table per head."""
+  """Every supported variant's one-layer model through the GPU kernel in interpret mode (the
+  engine's kernel switched to 'pallas_gpu' for this CPU target): loss and every gradient
+  equal 'blocksparse''s. Fixed attention's heads see different keys (each head's mask chosen
+  by a parameter), adaptive span's table is shared by the heads, dynamic span's z is per row,
+  head and query, Transformer-XL reads two query arrays and a distance table per head."""
   engine = base.MultiHeadAttention.engine
   monkeypatch.setattr(base.MultiHeadAttention, 'engine', lambda self: (
       {'kernel': 'pallas_gpu', 'interpret': True} if self.impl == 'pallas' else engine(self)))
@@ -238,8 +242,6 @@ def test_under_a_mesh_each_device_computes_its_rows_and_heads():
                             w).shape == (rows, 4, 16, 16)
 
 
-# The variants the GPU kernel computes, and those it refuses (pallas_gpu.REFUSED).
-GPU_VARIANTS = tuple(v for v in tpk.VARIANTS if v != 'selective')
 GPU_N = 48  # a ragged row: one query tile of 64 (32 with a distance table: two)
 
 
