@@ -386,8 +386,8 @@ def _inputs(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, order, count, extra=()
   return in_specs, [*qs, *ks, v, seg_q, seg_k, rows, order, count, *leaves, *extra]
 
 
-def _compiler_params():
-  return plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+def _compiler_params(stages: int = NUM_STAGES):
+  return plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=stages)
 
 
 def _forward(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves):
@@ -536,10 +536,13 @@ def _backward(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, do, lse, delta):
   share_specs = [pl.BlockSpec((None, None, None) + s.shape[3:],
                               lambda bi, h, x, n=len(s.shape) - 3: (bi, h, x) + (0,) * n)
                  for s in shares]
+  # A distance table's gradient is read back and written in place at every step: no software
+  # pipelining there, which could load a step's window before the last step stored it.
+  stages = 1 if spec.table_rows else NUM_STAGES
   outs = pl.pallas_call(
       functools.partial(_dq_kernel, spec), grid=(batch, heads, t.q_tiles),
       in_specs=in_specs, out_specs=[_tile_spec(a, t.q_tile) for a in qs] + share_specs,
-      out_shape=[f32(a) for a in qs] + shares, compiler_params=_compiler_params(),
+      out_shape=[f32(a) for a in qs] + shares, compiler_params=_compiler_params(stages),
       interpret=spec.interpret, name='score_hook_gpu_dq')(*inputs)
   dq, shares = outs[:spec.n_q], outs[spec.n_q:]
   in_specs, inputs = _inputs(spec, qs, ks, v, seg_q, seg_k, leaves, t.qs, t.q_steps, extra)
