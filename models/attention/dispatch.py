@@ -81,7 +81,7 @@ def choose(impl: str, *, variant: str, static: bool, dense: bool, head_dim: int,
       return 'cpu_kernel'
     return 'blocksparse'
   if impl == 'pallas':
-    check_pallas(variant, platform)
+    check_pallas(variant, platform, head_dim)
     return 'pallas'
   if impl in ('splash', 'cpu_kernel') and not static:
     raise ValueError(f'attention_impl={impl!r} computes a static pattern, and {variant} has '
@@ -113,13 +113,18 @@ def learned(platform: str) -> str:
   return 'pallas' if platform == 'tpu' else 'blocksparse'
 
 
-def check_pallas(variant: str, platform: str) -> None:
+def check_pallas(variant: str, platform: str, head_dim: int | None = None) -> None:
   """Raises ValueError where the fused Pallas kernel cannot run: on a GPU target, for the
-  variants the Triton lowering (pallas_gpu.py) does not compute (pallas_gpu.REFUSED). A TPU
-  target runs pallas_kernel.py's Mosaic kernels, a CPU target the same in interpret mode."""
-  if platform == 'gpu' and variant in pallas_gpu.REFUSED:
-    raise ValueError(f"{variant}: attention_impl='pallas' cannot run on a GPU: "
-                     f"{pallas_gpu.REFUSED[variant]}. Use 'auto' or 'blocksparse'")
+  variants the Triton lowering (pallas_gpu.py) does not compute (pallas_gpu.REFUSED) and for
+  a head width it cannot tile. A TPU target runs pallas_kernel.py's Mosaic kernels, a CPU
+  target the same in interpret mode."""
+  if platform != 'gpu':
+    return
+  why = pallas_gpu.REFUSED.get(variant) or (
+      None if head_dim is None else pallas_gpu.unusable_head_dim(head_dim))
+  if why:
+    raise ValueError(f"{variant}: attention_impl='pallas' cannot run on a GPU: {why}. Use "
+                     "'auto' or 'blocksparse'")
 
 
 # Head widths of cuDNN's flash kernel on every GPU it supports (Hopper also takes up to 256).

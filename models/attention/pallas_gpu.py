@@ -610,6 +610,14 @@ def tile_size(q_block: int, relative: bool) -> int:
   return min(RELATIVE_TILE if relative else TILE, max(MIN_DOT, _pow2(q_block)))
 
 
+def unusable_head_dim(head_dim: int) -> str | None:
+  """Why the Triton kernel cannot take heads of this width, or None."""
+  if head_dim < MIN_DOT or head_dim != _pow2(head_dim):
+    return (f'its tiles take head widths that are powers of two of at least {MIN_DOT} '
+            f'(Triton), got {head_dim}')
+  return None
+
+
 def _fit(a, axis: int, length: int):
   """a cut or zero-padded to `length` along `axis`."""
   if a.shape[axis] >= length:
@@ -670,7 +678,8 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
                      f'{[a.shape for a in (*qs, *ks)]}')
   n, nk = qs[0].shape[2], v.shape[2]
   leaves, treedef = jax.tree.flatten(params)
-  axes = ([tuple(a) for a in jax.tree.leaves(param_axes, is_leaf=pallas_kernel._names_axes)]  # pylint: disable=protected-access
+  names = pallas_kernel._names_axes  # pylint: disable=protected-access
+  axes = ([tuple(a) for a in jax.tree.leaves(param_axes, is_leaf=names)]
           if param_axes is not None else [()] * len(leaves))
   if len(axes) != len(leaves):
     raise ValueError(f'param_axes names the axes of {len(axes)} parameters, params has '

@@ -13,13 +13,16 @@ No GPU runs here. What is checked is what a CPU host can check:
 * Every variant the GPU kernel computes trains through it in interpret mode: a one-layer
   model's loss and every gradient equal those of attention_impl='blocksparse'.
 * Every variant the GPU kernel computes lowers its one-layer model's train step (loss and
-  gradients) for ('cuda',) with the forward, dq and dk/dv kernels as Triton custom calls; a
-  variant it does not compute (selective attention) is refused with the reason.
+  gradients) for ('cuda',) with the forward, dq and dk/dv kernels as Triton custom calls;
+  what it does not compute (selective attention, a head width Triton cannot tile) is refused
+  with the reason when the config is built.
 
 Tolerances are those of test_pallas_kernel.py (splash's: float32 1e-5 on outputs, 1e-4 on
 gradients; bfloat16 2e-2), whose cases and helpers these tests reuse.
 """
 
+# The cases and helpers of test_pallas_kernel.py are its private functions.
+# pylint: disable=protected-access
 import functools
 import re
 
@@ -53,7 +56,7 @@ def _run(table, dtype, interpret=True):
   def f(q, q2, k, v, w):
     seg = jnp.asarray(SEGMENTS)
     return blockloop.attention((q, q2), k, v, seg, seg, w, table=table, q_block=8,
-                               score=tpk._score, dtype=dtype, out_dtype=jnp.float32,  # pylint: disable=protected-access
+                               score=tpk._score, dtype=dtype, out_dtype=jnp.float32,
                                kernel='pallas_gpu', interpret=interpret,
                                param_axes=('heads',))
 
@@ -66,7 +69,7 @@ def _run(table, dtype, interpret=True):
 
 @functools.lru_cache(maxsize=None)
 def _compiled(form, dtype):
-  return _run(tpk._tables()[form], dtype)  # pylint: disable=protected-access
+  return _run(tpk._tables()[form], dtype)
 
 
 def _assert_grads_close(grads, want_grads, tol):
@@ -80,13 +83,13 @@ def _assert_grads_close(grads, want_grads, tol):
 @pytest.mark.parametrize('form,dtype', [('contiguous', jnp.float32), ('gathered', jnp.float32),
                                         ('contiguous', jnp.bfloat16)])
 def test_outputs_and_gradients_equal_the_engine(form, dtype):
-  table = tpk._tables()[form]  # pylint: disable=protected-access
-  args = tpk._inputs(dtype)  # pylint: disable=protected-access
+  table = tpk._tables()[form]
+  args = tpk._inputs(dtype)
   tol = TOL[dtype]
   (out, lse), grads = _compiled(form, dtype)(*args)
-  (want_out, want_lse), want_grads = tpk._run('xla', table, dtype)(*args)  # pylint: disable=protected-access
+  (want_out, want_lse), want_grads = tpk._run('xla', table, dtype)(*args)
   if form == 'contiguous':  # The table covers every causal pair: the dense reference too.
-    ref_out, ref_lse = tpk._dense(*args)  # pylint: disable=protected-access
+    ref_out, ref_lse = tpk._dense(*args)
     np.testing.assert_allclose(out, ref_out, atol=tol['out'] * 10, rtol=tol['out'] * 10)
     np.testing.assert_allclose(lse, ref_lse, rtol=tol['out'] * 10)
   np.testing.assert_allclose(out, want_out, atol=tol['out'], rtol=tol['out'])
@@ -96,7 +99,7 @@ def test_outputs_and_gradients_equal_the_engine(form, dtype):
 
 def test_backward_is_deterministic():
   run = _compiled('gathered', jnp.float32)
-  args = tpk._inputs(jnp.float32)  # pylint: disable=protected-access
+  args = tpk._inputs(jnp.float32)
   first, second = run(*args)[1], run(*args)[1]
   for a, b in zip(first, second):
     np.testing.assert_array_equal(a, b)
@@ -122,7 +125,8 @@ def _relative(kernel, per_head):
     table, z = params
     x = (MEMORY + i)[:, None] - j[None, :]
     logits = blockloop.head_einsum('bhqd,bhkd->bhqk', qb, kb, preferred_element_type=jnp.float32)
-    logits = logits + blockloop.relative_term(qb, table, MEMORY + blockloop.first(i) - blockloop.first(j) - 1, kb.shape[2])
+    at0 = MEMORY + blockloop.first(i) - blockloop.first(j) - 1
+    logits = logits + blockloop.relative_term(qb, table, at0, kb.shape[2])
     z_block = blockloop.query_rows(z, i, axis=2)
     gate = jax.nn.sigmoid(z_block - 0.02 * x)
     return logits * D ** -0.5, ((x >= 1) & (x <= TABLE_ROWS))[None, None], gate
@@ -191,7 +195,7 @@ def test_a_model_trains_through_the_gpu_kernel_in_interpret_mode(variant, monkey
   monkeypatch.setattr(base.MultiHeadAttention, 'engine', lambda self: (
       {'kernel': 'pallas_gpu', 'interpret': True} if self.impl == 'pallas' else engine(self)))
   calls = []
-  monkeypatch.setitem(blockloop._KERNEL_CALLS, 'pallas_gpu',  # pylint: disable=protected-access
+  monkeypatch.setitem(blockloop._KERNEL_CALLS, 'pallas_gpu',
                       lambda *a, **kw: calls.append(1) or pallas_gpu.attention(*a, **kw))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 16, (B, N)))
   segments = jnp.asarray(SEGMENTS)
@@ -245,9 +249,9 @@ def test_under_a_mesh_each_device_computes_its_rows_and_heads():
 GPU_N = 48  # a ragged row: one query tile of 64 (32 with a distance table: two)
 
 
-def _gpu_config(variant, impl):
+def _gpu_config(variant, impl, d_model=64):
   return transformer.TransformerConfig.from_config(dict(
-      d_model=64, n_heads=2, n_layers=2 if variant == 'local_global' else 1, vocab_size=16,
+      d_model=d_model, n_heads=2, n_layers=2 if variant == 'local_global' else 1, vocab_size=16,
       max_len=GPU_N, attention=variant, attention_impl=impl, attention_block_size=8,
       target_platform='gpu', target_devices=1, dtype='bfloat16',
       position_embedding='none' if variant == 'txl' else 'learned',
@@ -292,7 +296,15 @@ def test_every_supported_variant_s_train_step_lowers_to_triton_kernels(variant):
   assert transformer.implementations(_gpu_config(variant, 'pallas')) == ['pallas'] * layers
 
 
-def test_selective_is_refused_on_a_gpu_with_the_reason():
-  with pytest.raises(ValueError, match="SelectiveAttention: attention_impl='pallas' cannot run "
-                                       'on a GPU: selective attention carries F'):
-    transformer.implementations(_gpu_config('selective', 'pallas'))
+WIDTHS = r'its tiles take head widths that are powers of two of at least 16 \(Triton\), got'
+
+
+@pytest.mark.parametrize('variant,d_model,why', [
+    ('selective', 64, 'selective attention carries F'), ('dense', 48, f'{WIDTHS} 24'),
+    ('txl', 16, f'{WIDTHS} 8')])
+def test_what_the_gpu_kernel_cannot_compute_is_refused_with_the_reason(variant, d_model, why):
+  """When the config is built: selective attention (its carried state), and heads that
+  Triton's tiles cannot take."""
+  with pytest.raises(ValueError, match=f"Attention: attention_impl='pallas' cannot run on a "
+                                       f'GPU: {why}'):
+    transformer.implementations(_gpu_config(variant, 'pallas', d_model))
