@@ -197,9 +197,10 @@ def _matmul_jvp(contract, precision, primals, tangents):
   a, b = primals
   da, db = tangents
   dims = ((contract[:1], contract[1:]), ((), ()))
+  # Each product in its first operand's dtype (the other cast to it), then float32.
   dot = lambda x, y: jax.lax.dot_general(x, y.astype(x.dtype), dims,  # noqa: E731
                                          precision=precision).astype(jnp.float32)
-  return _matmul(a, b, contract, precision), dot(da, b) + dot(a, db.astype(a.dtype))
+  return _matmul(a, b, contract, precision), dot(da, b) + dot(a, db)
 
 
 # What computes `attention`: these loops in plain JAX ('xla'), or the fused Pallas kernels

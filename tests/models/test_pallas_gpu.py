@@ -175,22 +175,24 @@ OPTIONS = {**tpk.OPTIONS, 'fixed': {**tpk.OPTIONS['fixed'], 'distinct_heads': Tr
 
 
 @functools.lru_cache(maxsize=None)
-def _cpu_model(variant, impl):
+def _cpu_model(variant, impl, dtype='float32'):
   cfg = transformer.TransformerConfig.from_config(dict(
       d_model=16, n_heads=2, n_layers=1, vocab_size=16, max_len=N, attention=variant,
-      attention_impl=impl, attention_block_size=8, target_platform='cpu',
+      attention_impl=impl, attention_block_size=8, target_platform='cpu', dtype=dtype,
       position_embedding='none' if variant == 'txl' else 'learned',
       attention_options={variant: OPTIONS.get(variant, {})}))
   return transformer.Decoder(cfg)
 
 
-@pytest.mark.parametrize('variant', GPU_VARIANTS)
-def test_a_model_trains_through_the_gpu_kernel_in_interpret_mode(variant, monkeypatch):
+@pytest.mark.parametrize('variant,dtype', [(v, 'float32') for v in GPU_VARIANTS]
+                         + [('txl', 'bfloat16')])
+def test_a_model_trains_through_the_gpu_kernel_in_interpret_mode(variant, dtype, monkeypatch):
   """Every supported variant's one-layer model through the GPU kernel in interpret mode (the
   engine's kernel switched to 'pallas_gpu' for this CPU target): loss and every gradient
   equal 'blocksparse''s. Fixed attention's heads see different keys (each head's mask chosen
   by a parameter), adaptive span's table is shared by the heads, dynamic span's z is per row,
-  head and query, Transformer-XL reads two query arrays and a distance table per head."""
+  head and query, Transformer-XL reads two query arrays and a distance table per head (and
+  in bfloat16 its matmuls' backward casts the float32 cotangent to the operands' dtype)."""
   engine = base.MultiHeadAttention.engine
   monkeypatch.setattr(base.MultiHeadAttention, 'engine', lambda self: (
       {'kernel': 'pallas_gpu', 'interpret': True} if self.impl == 'pallas' else engine(self)))
@@ -201,23 +203,29 @@ def test_a_model_trains_through_the_gpu_kernel_in_interpret_mode(variant, monkey
   segments = jnp.asarray(SEGMENTS)
   positions = jnp.asarray(np.r_[np.arange(15), np.arange(17), np.zeros(5, int)][None]
                           .repeat(B, 0))
-  params = _cpu_model(variant, 'blocksparse').init(jax.random.key(0), tokens[:, :8])['params']
+  params = _cpu_model(variant, 'blocksparse', dtype).init(jax.random.key(0),
+                                                         tokens[:, :8])['params']
 
   def loss(impl):
     def fn(params):
-      logits, state = _cpu_model(variant, impl).apply(
+      logits, state = _cpu_model(variant, impl, dtype).apply(
           {'params': params}, tokens, positions=positions, segment_ids=segments,
           mutable=['losses'])
       aux = sum(jnp.sum(x) for x in jax.tree.leaves(state.get('losses', {})))
-      return jnp.sum(jnp.sin(logits)) + aux
+      return jnp.sum(jnp.sin(logits.astype(jnp.float32))) + aux
     return jax.jit(jax.value_and_grad(fn))
 
   value, grads = loss('pallas')(params)
   assert calls, 'the model did not call the GPU kernel'
   want, want_grads = loss('blocksparse')(params)
-  np.testing.assert_allclose(value, want, rtol=1e-5)
-  for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
-    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4)
+  if dtype == 'float32':
+    np.testing.assert_allclose(value, want, rtol=1e-5)
+    for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+      np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4)
+  else:
+    np.testing.assert_allclose(value, want, rtol=TOL[jnp.bfloat16]['out'])
+    _assert_grads_close(jax.tree.leaves(grads), jax.tree.leaves(want_grads),
+                        TOL[jnp.bfloat16]['grad'])
 
 
 def test_under_a_mesh_each_device_computes_its_rows_and_heads():
