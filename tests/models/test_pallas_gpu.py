@@ -184,10 +184,11 @@ def _cpu_model(variant, impl, dtype='float32'):
   return transformer.Decoder(cfg)
 
 
-@pytest.mark.parametrize('variant,dtype', [(v, 'float32') for v in GPU_VARIANTS]
+# local's window is local_global's first layer: its own model is left out (test time).
+@pytest.mark.parametrize('variant,dtype', [(v, 'float32') for v in GPU_VARIANTS if v != 'local']
                          + [('txl', 'bfloat16')])
 def test_a_model_trains_through_the_gpu_kernel_in_interpret_mode(variant, dtype, monkeypatch):
-  """Every supported variant's one-layer model through the GPU kernel in interpret mode (the
+  """Each supported variant's one-layer model through the GPU kernel in interpret mode (the
   engine's kernel switched to 'pallas_gpu' for this CPU target): loss and every gradient
   equal 'blocksparse''s. Fixed attention's heads see different keys (each head's mask chosen
   by a parameter), adaptive span's table is shared by the heads, dynamic span's z is per row,
