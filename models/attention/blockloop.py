@@ -154,7 +154,8 @@ def head_einsum(subscripts: str, a, b, **kwargs):
       raise ValueError(f'inside the Triton kernel a tile is one row and head, got {a.shape} '
                        f'and {b.shape}')
     plain = _tile_matmul(f'{lhs[2:]},{rhs[2:]}->{out[2:]}', a.reshape(a.shape[2:]),
-                         b.reshape(b.shape[2:]), precision=kwargs.get('precision'))
+                         b.reshape(b.shape[2:]),
+                         precision=kwargs.get('precision') or _triton_precision())
     return plain.reshape((1, 1) + plain.shape)
   lead = a.shape[:2]
   merged = jnp.einsum(f'z{lhs[2:]},z{rhs[2:]}->z{out[2:]}', a.reshape((-1,) + a.shape[2:]),
@@ -829,20 +830,23 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # Each entry is the distance offset of the tile being traced (see in_kernel).
 _IN_KERNEL: list = []
 # The kind of kernel of each entry: 'mosaic' (pallas_kernel.py: a tile of every head, distance
-# tables reversed) or 'triton' (pallas_gpu.py: a tile of one head, distance tables in order).
+# tables reversed) or 'triton' (pallas_gpu.py: a tile of one head, distance tables in order),
+# with the precision of the Triton kernel's matmuls.
 KERNEL_KINDS = ('mosaic', 'triton')
 _KERNEL_KIND: list = []
 
 
 @contextlib.contextmanager
-def in_kernel(distance_offset=0, kind: str = 'mosaic'):
+def in_kernel(distance_offset=0, kind: str = 'mosaic', precision=None):
   """Scores traced in this context run inside the fused Pallas kernel. `distance_offset`: the
   kernel gives a distance table as the window of rows a tile reads, whose row x is the whole
-  table's row x + distance_offset (relative_term subtracts it). `kind`: one of KERNEL_KINDS."""
+  table's row x + distance_offset (relative_term subtracts it). `kind`: one of KERNEL_KINDS.
+  `precision`: of a Triton kernel's matmuls where the score names none (Triton does not read
+  jax_default_matmul_precision: None is TF32 for float32 operands)."""
   if kind not in KERNEL_KINDS:
     raise ValueError(f'unknown kernel kind {kind!r}; known: {", ".join(KERNEL_KINDS)}')
   _IN_KERNEL.append(distance_offset)
-  _KERNEL_KIND.append(kind)
+  _KERNEL_KIND.append((kind, precision))
   try:
     yield
   finally:
@@ -857,7 +861,11 @@ def inside_kernel() -> bool:
 def inside_triton_kernel() -> bool:
   """Whether a score traces inside the Triton (GPU) kernel: one (batch row, head) per tile,
   and matmuls of two dimensions only."""
-  return bool(_KERNEL_KIND) and _KERNEL_KIND[-1] == 'triton'
+  return bool(_KERNEL_KIND) and _KERNEL_KIND[-1][0] == 'triton'
+
+
+def _triton_precision():
+  return _KERNEL_KIND[-1][1]
 
 
 def first(positions):
@@ -1051,7 +1059,7 @@ def _selected_relative_term(q, window, at0, keys: int):
     raise ValueError(f'inside the Triton kernel a tile is one row and head, got queries '
                      f'{q.shape} and a table window {window.shape}')
   products = _matmul(q.reshape(b, d), window.reshape(rows, d).astype(q.dtype), (1, 1),
-                     None)                                                # (B, W)
+                     _triton_precision())                                 # (B, W)
   r = jax.lax.broadcasted_iota(jnp.int32, (b, keys), 0)
   t = jax.lax.broadcasted_iota(jnp.int32, (b, keys), 1)
   column = (jnp.asarray(at0, jnp.int32) + r - t)[:, :, None]             # (B, keys, 1)

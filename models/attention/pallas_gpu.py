@@ -306,7 +306,7 @@ def _tile_params(spec: _Spec, p_refs, qt, c):
 
 
 def _score(spec: _Spec, params, offset, qside, kside, q=None, k=None):
-  with blockloop.in_kernel(offset, kind='triton'):
+  with blockloop.in_kernel(offset, kind='triton', precision=spec.precision):
     return spec.score(params, _wrap(spec.q_tuple, qside.q if q is None else q),
                       _wrap(spec.k_tuple, kside.k if k is None else k), qside.i, kside.j)
 
@@ -414,7 +414,7 @@ def _tile_grads(spec: _Spec, params, offset, qside, kside, do, lse, delta):
     logits, live, gate = _score(spec, params, offset, qside, kside, q, k)
     return (logits, gate), live
 
-  with blockloop.in_kernel(offset, kind='triton'):
+  with blockloop.in_kernel(offset, kind='triton', precision=spec.precision):
     (logits, gate), vjp, live = jax.vjp(f, qside.q, kside.k, params, has_aux=True)
   live = _plane(spec, live) & _pairs(spec, qside, kside)
   e = jnp.where(live, jnp.exp(jnp.where(live, _plane(spec, logits), NEG_INF) - lse[:, None]),
@@ -423,7 +423,7 @@ def _tile_grads(spec: _Spec, params, offset, qside, kside, do, lse, delta):
   dp = _dot(spec, do, kside.v.astype(jnp.float32), ((1,), (1,)))
   g_s = dp - delta[:, None]
   d_gate = None if gate is None else _sum_to(jnp.where(live, e * g_s, 0.0), gate.shape)
-  with blockloop.in_kernel(offset, kind='triton'):
+  with blockloop.in_kernel(offset, kind='triton', precision=spec.precision):
     dq, dk, dparams = vjp(((p * g_s).reshape(logits.shape), d_gate))
   return p, dq, dk, dparams
 
