@@ -97,12 +97,30 @@ def test_outputs_and_gradients_equal_the_engine(form, dtype):
   _assert_grads_close(grads, want_grads, tol['grad'])
 
 
+def _primitives(jaxpr) -> set[str]:
+  """The primitives of a jaxpr and of every jaxpr inside it (the kernels' bodies too)."""
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(sub, 'jaxpr', sub)
+        if hasattr(inner, 'eqns'):
+          names |= _primitives(inner)
+  return names
+
+
 def test_backward_is_deterministic():
+  """Two runs give bit-identical gradients, and nothing in the program could make a GPU's
+  differ: no atomic in a kernel, no scatter-add (XLA's runs with atomics on a GPU)."""
   run = _compiled('gathered', jnp.float32)
   args = tpk._inputs(jnp.float32)
   first, second = run(*args)[1], run(*args)[1]
   for a, b in zip(first, second):
     np.testing.assert_array_equal(a, b)
+  names = _primitives(jax.make_jaxpr(run)(*args).jaxpr)
+  assert {'pallas_call', 'while', 'dot_general'} <= names  # the kernels' bodies are read
+  assert not [x for x in names if 'atomic' in x or 'scatter' in x], sorted(names)
 
 
 MEMORY, TABLE_ROWS = 40, 60  # keys m + N: distances up to 76 over a 60-row table
