@@ -16,8 +16,17 @@
 # the logs; render the page with
 #   python -m benchmarks.variant_speed --render --out results/variant_speed_gpu.json \
 #     --doc docs/variant_speed_gpu.md
+#   3. the fused Pallas kernel's Triton lowering (attention_impl='pallas', pallas_gpu.py) on
+#      the variants it computes: first benchmarks/pallas_gpu_check.py (a one-layer model's
+#      loss and gradients against 'blocksparse' at 1K, bf16; PALLAS_CHECK_S seconds), then
+#      NAME@pallas rows beside part 1's dense (cuDNN in bf16) and engine rows: issue 68's bar
+#      (dense at >= 85% of cuDNN's TFLOP/s, every learned variant >= 3x the engine at 16K).
+#      No GPU has run the kernel yet: its first lease may find a Triton compile error (a row
+#      then fails alone, with the log), so run it alone:
+#        GIT_COMMIT=... PART1_S=0 BEFORE= bash benchmarks/gpu_variant_speed.sh
 # Settings (environment): SHAPES, VARIANTS (part 1's, default every one; dense always runs),
-# BEFORE (a folder under .before/, '' to skip part 2),
+# BEFORE (a folder under .before/, '' to skip part 2), PALLAS (part 3's variants, '' to skip),
+# PALLAS_SHAPES, PALLAS_CHECK_S and PART3_S (seconds),
 # BEFORE_SHAPES, BEFORE_VARIANTS, PART1_S and PART2_S (seconds), ROW_S (seconds a row may take),
 # GIT_COMMIT (this tree's commit: give it, git's answer there can be stale). Seen on an H200:
 # a row takes about 20 s (a process, 8-16 s of compiling, the steps), so the 36 rows of part 1
@@ -41,7 +50,7 @@ PY=${PYTHON:-python3}
 BEFORE=${BEFORE-.before/b39f426}
 
 echo '== 1. every variant'
-timeout --signal=TERM --kill-after=10 "${PART1_S:-400}" "$PY" -m benchmarks.variant_speed \
+[ "${PART1_S:-400}" != 0 ] && timeout --signal=TERM --kill-after=10 "${PART1_S:-400}" "$PY" -m benchmarks.variant_speed \
   --shapes ${SHAPES:-4096 8192 16384} ${VARIANTS:+--attention $VARIANTS} --dtype bfloat16 \
   --iters 5 --timeout "${ROW_S:-90}" \
   --out "$OUT/variant_speed_gpu.json" --doc '' 2>&1 | tee "$OUT/variant_speed_gpu.log" \
@@ -56,4 +65,20 @@ if [ -n "$BEFORE" ]; then
     --timeout "${ROW_S:-90}" --out "$OUT/variant_speed_gpu_before.json" --doc '' 2>&1 \
     | tee "$OUT/variant_speed_gpu_before.log" | grep -v 'oneDNN\|InitializeLog'
   echo "part 2 rc ${PIPESTATUS[0]}"
+fi
+
+# Part 3: selective attention is not in the list: the GPU kernel refuses its carried state.
+PALLAS=${PALLAS-dense strided fixed local block_local local_global adaptive_span dynamic_span txl}
+if [ -n "$PALLAS" ]; then
+  echo '== 3. the fused Pallas kernel (Triton)'
+  timeout --signal=TERM --kill-after=10 "${PALLAS_CHECK_S:-150}" "$PY" -m benchmarks.pallas_gpu_check \
+    --variants $PALLAS --out "$OUT/pallas_gpu_check.json" 2>&1 \
+    | tee "$OUT/pallas_gpu_check.log" | grep -v 'oneDNN\|InitializeLog'
+  echo "part 3 check rc ${PIPESTATUS[0]}"
+  timeout --signal=TERM --kill-after=10 "${PART3_S:-400}" "$PY" -m benchmarks.variant_speed \
+    --shapes ${PALLAS_SHAPES:-4096 16384} --attention $(printf '%s@pallas ' $PALLAS) \
+    --dtype bfloat16 --iters 5 --timeout "${ROW_S:-90}" \
+    --out "$OUT/variant_speed_gpu_pallas.json" --doc '' 2>&1 \
+    | tee "$OUT/variant_speed_gpu_pallas.log" | grep -v 'oneDNN\|InitializeLog'
+  echo "part 3 rc ${PIPESTATUS[0]}"
 fi

@@ -115,7 +115,7 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
   # The Pallas kernel takes z shaped as the scores broadcast it (Mosaic tiles no vector of
   # rank 1). The XLA engine keeps the shapes it was measured with: (b, h, blocks x B, 1) made
   # the dynamic span's tiny train step 1.4x as slow on XLA:CPU.
-  pallas = (engine or {}).get('kernel') == 'pallas'
+  pallas = (engine or {}).get('kernel') in ('pallas', 'pallas_gpu')
   if pallas:
     z = z[..., None] if per_token else z[None, :, None, None]
 
@@ -125,8 +125,8 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
     logits = blockloop.head_einsum('bhqd,bhkd->bhqk', qb, kb, preferred_element_type=jnp.float32)
     # q . p_{x-1} (eq. 1's relative term); pairs outside [1, T] are not live.
     form = blockloop.relative_form(platform, p.shape[0], qb.shape[2], kb.shape[2])
-    logits = (logits + blockloop.relative_term(qb, p, m + i[0] - j[0] - 1, kb.shape[2],
-                                               form=form)) * scale
+    at0 = m + blockloop.first(i) - blockloop.first(j) - 1
+    logits = (logits + blockloop.relative_term(qb, p, at0, kb.shape[2], form=form)) * scale
     if per_token:
       z_block = blockloop.query_rows(z, i, axis=2)
       z_block = z_block if pallas else z_block[..., None]

@@ -367,10 +367,12 @@ class MultiHeadAttention(nn.Module):
 
   def engine(self) -> dict:
     """blockloop.attention's `kernel` and `interpret` for this layer's blocked path: the fused
-    Pallas kernel for attention_impl='pallas' (interpret mode for a CPU target), else the XLA
-    engine."""
+    Pallas kernel for attention_impl='pallas' (Mosaic's for a TPU target, interpret mode for a
+    CPU target, Triton's for a GPU target: pallas_gpu.py), else the XLA engine."""
     if self.impl != 'pallas':
       return {}
+    if self.target_platform() == 'gpu':
+      return {'kernel': 'pallas_gpu'}
     return {'kernel': 'pallas', 'interpret': self.target_platform() == 'cpu'}
 
   def loop_block(self, n: int, *, prefix: bool = False) -> int:

@@ -148,16 +148,68 @@ def head_einsum(subscripts: str, a, b, **kwargs):
   rhs, out = rest.split('->')
   if not lhs.startswith('bh') or not rhs.startswith('bh') or not out.startswith('bh'):
     raise ValueError(f'head_einsum takes (batch, heads, ...) operands, got {subscripts!r}')
+  if inside_triton_kernel():
+    # A Triton tile is one row and one head, and Triton's matmul has no batch dimension.
+    if a.shape[:2] != (1, 1) or b.shape[:2] != (1, 1):
+      raise ValueError(f'inside the Triton kernel a tile is one row and head, got {a.shape} '
+                       f'and {b.shape}')
+    plain = _tile_matmul(f'{lhs[2:]},{rhs[2:]}->{out[2:]}', a.reshape(a.shape[2:]),
+                         b.reshape(b.shape[2:]),
+                         precision=kwargs.get('precision') or _triton_precision())
+    return plain.reshape((1, 1) + plain.shape)
   lead = a.shape[:2]
   merged = jnp.einsum(f'z{lhs[2:]},z{rhs[2:]}->z{out[2:]}', a.reshape((-1,) + a.shape[2:]),
                       b.reshape((-1,) + b.shape[2:]), **kwargs)
   return merged.reshape(lead + merged.shape[1:])
 
 
-# What computes `attention`: these loops in plain JAX ('xla'), or the fused Pallas kernels.
-KERNELS = ('xla', 'pallas')
-# kernel name -> its `attention` (same arguments). pallas_kernel.py, which builds on this
-# module, registers itself when imported (models/attention/dispatch.py imports it).
+def _tile_matmul(subscripts: str, a, b, precision=None):
+  """A two-dimensional einsum with one contracted index ('qd,kd->qk', 'qk,kd->qd', ...) as
+  one matmul with float32 results, for the Triton kernel: see _matmul."""
+  lhs, rest = subscripts.split(',')
+  rhs, out = rest.split('->')
+  shared = set(lhs) & set(rhs)
+  if len(lhs) != 2 or len(rhs) != 2 or len(shared) != 1 or shared & set(out):
+    raise ValueError(f'the Triton kernel multiplies two matrices over one index, got '
+                     f'{subscripts!r}')
+  (x,) = shared
+  contract = (lhs.index(x), rhs.index(x))
+  if out == lhs.replace(x, '') + rhs.replace(x, ''):
+    return _matmul(a, b, contract, precision)
+  return _matmul(b, a, contract[::-1], precision)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _matmul(a, b, contract, precision):
+  """a times b (two matrices) over axes `contract` (one of a, one of b): (a's other axis, b's
+  other axis) float32.
+
+  Triton's matmul takes operands of one type, and autodiff of this product would multiply the
+  float32 cotangent by a bfloat16 operand. The JVP below writes each tangent's product in the
+  operands' type, then float32: its transpose, the VJP, casts the cotangent to the operands'
+  type before the matmul, as flash attention's backward casts dS before dS K. (A custom_jvp,
+  not a custom_vjp: Pallas Triton lowers the first, in the forward kernel, not the second.)"""
+  return jax.lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())),
+                             precision=precision, preferred_element_type=jnp.float32)
+
+
+@_matmul.defjvp
+def _matmul_jvp(contract, precision, primals, tangents):
+  a, b = primals
+  da, db = tangents
+  dims = ((contract[:1], contract[1:]), ((), ()))
+  # Each product in its first operand's dtype (the other cast to it), then float32.
+  dot = lambda x, y: jax.lax.dot_general(x, y.astype(x.dtype), dims,  # noqa: E731
+                                         precision=precision).astype(jnp.float32)
+  return _matmul(a, b, contract, precision), dot(da, b) + dot(a, db)
+
+
+# What computes `attention`: these loops in plain JAX ('xla'), or the fused Pallas kernels
+# (Mosaic for a TPU and interpret mode on a CPU: 'pallas'; Triton for a GPU: 'pallas_gpu').
+KERNELS = ('xla', 'pallas', 'pallas_gpu')
+# kernel name -> its `attention` (same arguments). pallas_kernel.py and pallas_gpu.py, which
+# build on this module, register themselves when imported (models/attention/dispatch.py
+# imports them).
 _KERNEL_CALLS: dict[str, Callable] = {}
 
 
@@ -206,8 +258,9 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: Table, q_block:
       device come to at most KEEP_PAIRS, the forward keeps each pair's exp(s - lse) for the
       backward, which then does not compute the scores again. Without `carry` only.
     devices: the devices the batch and heads are split over: one holds 1/devices of the pairs.
-    kernel: 'xla' (these loops) or 'pallas' (the same attention as the fused Pallas kernels of
-      pallas_kernel.py, which ignore per_step and keep_weights).
+    kernel: 'xla' (these loops), 'pallas' (the same attention as the fused Pallas kernels of
+      pallas_kernel.py, which ignore per_step and keep_weights) or 'pallas_gpu' (those of
+      pallas_gpu.py, lowered by Pallas Triton; no `carry`).
     interpret: with kernel='pallas', run the kernels as plain JAX (a CPU target).
     param_axes: None, or a pytree like `params` of tuples naming each parameter's axes
       ('batch', 'heads', 'queries', 'distance' or None): how the Pallas kernel slices it per
@@ -776,22 +829,52 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # reversed; see pallas_kernel.attention's param_axes), and the helpers below read them so.
 # Each entry is the distance offset of the tile being traced (see in_kernel).
 _IN_KERNEL: list = []
+# The kind of kernel of each entry: 'mosaic' (pallas_kernel.py: a tile of every head, distance
+# tables reversed) or 'triton' (pallas_gpu.py: a tile of one head, distance tables in order),
+# with the precision of the Triton kernel's matmuls.
+KERNEL_KINDS = ('mosaic', 'triton')
+_KERNEL_KIND: list = []
 
 
 @contextlib.contextmanager
-def in_kernel(distance_offset=0):
+def in_kernel(distance_offset=0, kind: str = 'mosaic', precision=None):
   """Scores traced in this context run inside the fused Pallas kernel. `distance_offset`: the
   kernel gives a distance table as the window of rows a tile reads, whose row x is the whole
-  table's row x + distance_offset (relative_term subtracts it)."""
+  table's row x + distance_offset (relative_term subtracts it). `kind`: one of KERNEL_KINDS.
+  `precision`: of a Triton kernel's matmuls where the score names none (Triton does not read
+  jax_default_matmul_precision: None is TF32 for float32 operands)."""
+  if kind not in KERNEL_KINDS:
+    raise ValueError(f'unknown kernel kind {kind!r}; known: {", ".join(KERNEL_KINDS)}')
   _IN_KERNEL.append(distance_offset)
+  _KERNEL_KIND.append((kind, precision))
   try:
     yield
   finally:
     _IN_KERNEL.pop()
+    _KERNEL_KIND.pop()
 
 
 def inside_kernel() -> bool:
   return bool(_IN_KERNEL)
+
+
+def inside_triton_kernel() -> bool:
+  """Whether a score traces inside the Triton (GPU) kernel: one (batch row, head) per tile,
+  and matmuls of two dimensions only."""
+  return bool(_KERNEL_KIND) and _KERNEL_KIND[-1][0] == 'triton'
+
+
+def _triton_precision():
+  return _KERNEL_KIND[-1][1]
+
+
+def first(positions):
+  """The first of a score's positions (i or j: a contiguous increasing run), e.g. for
+  relative_term's at0. Inside the Triton kernel, which slices no value, their minimum (a
+  reduction; the same number); elsewhere positions[0]."""
+  if inside_triton_kernel():
+    return jnp.min(positions)
+  return positions[0]
 
 
 def query_rows(a, i, axis: int):
@@ -832,6 +915,8 @@ def relative_term(q, table, at0, keys: int, *, form: str = 'shift'):
   """
   if form not in RELATIVE_FORMS:
     raise ValueError(f'unknown relative term form {form!r}; known: {", ".join(RELATIVE_FORMS)}')
+  if inside_triton_kernel():
+    return _selected_relative_term(q, table, at0 - _IN_KERNEL[-1], keys)
   if inside_kernel():
     return _rolled_relative_term(q, table, at0 - _IN_KERNEL[-1], keys)
   if form != 'shift':
@@ -957,6 +1042,30 @@ def _strided_roll_bwd(shift, g):
 
 
 _strided_roll.defvjp(_strided_roll_fwd, _strided_roll_bwd)
+
+
+def _selected_relative_term(q, window, at0, keys: int):
+  """relative_term inside the Triton kernel (pallas_gpu.py), which has no roll, no gather and
+  no slice of a value: the tile is one row and one head (q (1, 1, B, d)), and the table comes
+  as the window of W rows its pairs reach, in order (at0 is the window row of pair (0, 0), so
+  pair (r, t) reads window row at0 + r - t; a row off the table is zero). q . every window
+  row, then pair (r, t) picks that column of its query's products by a compare with an
+  iota: B x keys x W selects
+  and adds, no matmul, so the kernel keeps such a tile small (pallas_gpu.RELATIVE_TILE). A
+  column outside the window picks nothing: 0. Its VJP is the same selects and two matmuls."""
+  b, d = q.shape[2], q.shape[3]
+  rows = window.shape[-2]
+  if q.shape[:2] != (1, 1) or int(np.prod(window.shape[:-2])) != 1:
+    raise ValueError(f'inside the Triton kernel a tile is one row and head, got queries '
+                     f'{q.shape} and a table window {window.shape}')
+  products = _matmul(q.reshape(b, d), window.reshape(rows, d).astype(q.dtype), (1, 1),
+                     _triton_precision())                                 # (B, W)
+  r = jax.lax.broadcasted_iota(jnp.int32, (b, keys), 0)
+  t = jax.lax.broadcasted_iota(jnp.int32, (b, keys), 1)
+  column = (jnp.asarray(at0, jnp.int32) + r - t)[:, :, None]             # (B, keys, 1)
+  u = jax.lax.broadcasted_iota(jnp.int32, (1, 1, rows), 2)
+  term = jnp.sum(jnp.where(column == u, products[:, None, :], 0.0), axis=-1)
+  return term.reshape(1, 1, b, keys)
 
 
 # The forms of relative_term. 'shift' is a reshape, no gather; it multiplies q by every one of

@@ -27,9 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import options as options_lib
-# pallas_kernel registers the blocked engine's 'pallas' kernel with blockloop when imported.
+# pallas_kernel and pallas_gpu register the blocked engine's 'pallas' and 'pallas_gpu' kernels
+# with blockloop when imported.
 from models.attention import (blockloop, blocksparse, cpu_choice, cpu_kernel,  # noqa: F401
-                              pallas_kernel, patterns, reference, splash)
+                              pallas_gpu, pallas_kernel, patterns, reference, splash)
 
 # The options of the 'blocksparse' path of a static pattern (config.model.
 # attention_options.<variant>.<name>); PatternAttention declares them, and a variant that declares
@@ -80,7 +81,7 @@ def choose(impl: str, *, variant: str, static: bool, dense: bool, head_dim: int,
       return 'cpu_kernel'
     return 'blocksparse'
   if impl == 'pallas':
-    check_pallas(variant, platform)
+    check_pallas(variant, platform, head_dim)
     return 'pallas'
   if impl in ('splash', 'cpu_kernel') and not static:
     raise ValueError(f'attention_impl={impl!r} computes a static pattern, and {variant} has '
@@ -107,17 +108,23 @@ def learned(platform: str) -> str:
   engine: on TPU the fused Pallas kernel, whose compiled train steps of the paper recipes are
   2.3-5.1x faster than the engine's and take 30-72% less memory by the estimate (docs/tpu.md;
   no TPU has run it yet: 'blocksparse' is the engine); elsewhere the engine, 'blocksparse'
-  (the kernel has no GPU lowering, and runs in interpret mode on a CPU)."""
+  (on a CPU the kernel runs in interpret mode; its GPU lowering, pallas_gpu.py, has not run on
+  a GPU, so nothing measures it against the engine there)."""
   return 'pallas' if platform == 'tpu' else 'blocksparse'
 
 
-def check_pallas(variant: str, platform: str) -> None:
-  """Raises ValueError where the fused Pallas kernel (pallas_kernel.py) cannot run: it is
-  written for Mosaic (TPU) and runs in interpret mode for a CPU target; no GPU lowering yet."""
-  if platform == 'gpu':
-    raise ValueError(f"{variant}: attention_impl='pallas' is built for TPU (Mosaic) and runs in "
-                     "interpret mode on a CPU; it has no GPU lowering yet: use 'auto', "
-                     "'blocksparse' or 'cudnn'")
+def check_pallas(variant: str, platform: str, head_dim: int | None = None) -> None:
+  """Raises ValueError where the fused Pallas kernel cannot run: on a GPU target, for the
+  variants the Triton lowering (pallas_gpu.py) does not compute (pallas_gpu.REFUSED) and for
+  a head width it cannot tile. A TPU target runs pallas_kernel.py's Mosaic kernels, a CPU
+  target the same in interpret mode."""
+  if platform != 'gpu':
+    return
+  why = pallas_gpu.REFUSED.get(variant) or (
+      None if head_dim is None else pallas_gpu.unusable_head_dim(head_dim))
+  if why:
+    raise ValueError(f"{variant}: attention_impl='pallas' cannot run on a GPU: {why}. Use "
+                     "'auto' or 'blocksparse'")
 
 
 # Head widths of cuDNN's flash kernel on every GPU it supports (Hopper also takes up to 256).
@@ -216,6 +223,8 @@ def pallas_patterns(module, q, k, v, segment_ids, head_patterns, scale):
   # score masks the heads a device holds (the kernel computes a device's heads at once).
   heads_of = [(p, patterns.head_group(p, h)) for h, p in enumerate(head_patterns)]
   views = list(dict.fromkeys(heads_of))
+  if len(views) > 1 and module.engine().get('kernel') == 'pallas_gpu':
+    return _pallas_gpu_views(module, q, k, v, segment_ids, views, heads_of, table, block, scale)
   one_hot = None
   if len(views) > 1:
     one_hot = np.zeros((len(views), 1, len(heads_of), 1, 1), np.float32)
@@ -236,6 +245,30 @@ def pallas_patterns(module, q, k, v, segment_ids, head_patterns, scale):
                                q_block=block, score=score, dtype=module.dtype,
                                param_axes=None if one_hot is None else (
                                    None, None, 'heads', None, None), **module.engine())
+  return jnp.swapaxes(out, 1, 2)
+
+
+def _pallas_gpu_views(module, q, k, v, segment_ids, views, heads_of, table, block, scale):
+  """pallas_patterns' call for heads that see different keys on the GPU kernel, which
+  computes one head per program and reads no element of an array by a static index: each
+  head's view number (a (1, heads, 1, 1) parameter split with the heads, never differentiated)
+  selects its view's mask by compares."""
+  view_of = jnp.asarray(np.array([views.index(x) for x in heads_of], np.float32)
+                        .reshape(1, -1, 1, 1))
+
+  def score(params, qb, kb, i, j):
+    logits = blockloop.head_einsum('bhqd,bhkd->bhqk', qb, kb, preferred_element_type=jnp.float32)
+    allowed = None
+    for g, (p, h) in enumerate(views):
+      x = (params == g) & p.allowed(i[:, None], j[None, :], h)[None, None]
+      allowed = x if allowed is None else allowed | x
+    return logits * scale, allowed, None
+
+  qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
+  out, _ = blockloop.attention(qh, kh, vh, segment_ids, segment_ids,
+                               jax.lax.stop_gradient(view_of), table=table, q_block=block,
+                               score=score, dtype=module.dtype,
+                               param_axes=(None, 'heads', None, None), **module.engine())
   return jnp.swapaxes(out, 1, 2)
 
 

@@ -254,7 +254,6 @@ class Traits:
     the variant's score on the fused Pallas kernel where its path is the blocked engine's
     (`engine`), else its own path, and so does 'auto' on TPU (dispatch.learned); every other
     name runs the variant's blocked path, reported as 'blocksparse'."""
-    del kwargs
     base.check_known(impl)
     if impl in refused:
       raise ValueError(f"{why}: attention_impl={impl!r} cannot run it; use 'auto' (blocked), "
@@ -262,7 +261,7 @@ class Traits:
     if impl == 'auto' and engine:
       impl = dispatch.learned(backend)
     if impl == 'pallas' and engine:
-      dispatch.check_pallas(cls.module.__name__, backend)
+      dispatch.check_pallas(cls.module.__name__, backend, kwargs.get('head_dim'))
       return 'pallas'
     return impl if impl == 'xla' else 'blocksparse'
 

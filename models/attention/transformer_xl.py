@@ -115,7 +115,8 @@ def relative_attention(q, k, v, q_segments, k_segments, pos_keys, u, v_bias, *, 
                                    preferred_element_type=jnp.float32)
     # (q_i + v) W_R r_x once per query and distance of the step, shifted to each key
     # (blockloop.relative_term; x outside [0, reach] is masked).
-    logits = (logits + blockloop.relative_term(q_position, params, m + i[0] - j[0],
+    logits = (logits + blockloop.relative_term(q_position, params,
+                                               m + blockloop.first(i) - blockloop.first(j),
                                                kb.shape[2])) * scale
     live = x >= 0
     if reach is not None:
