@@ -142,7 +142,8 @@ class _Spec:
   has_rows: bool
   interpret: object
   distance_origin: int    # the distance-table row of pair (query 0, key 0)
-  distance_lead: int = 0  # zero rows `attention` put before a distance table's row 0
+  distance_lead: int | None = None  # zero rows `attention` put before a distance table's row
+                                    # 0 to align the windows (window_rows); None: unaligned
 
 
 def _tables(p: Plan):
@@ -197,17 +198,30 @@ def _pair_mask(spec, tables, b, j, seg_q_ref, seg_k_ref):
 _WINDOW_ALIGN = 128
 
 
-def window_rows(p: Plan, rows: int) -> int:
+def window_rows(p: Plan, rows: int, aligned: bool = True) -> int:
   """Rows of a distance table of `rows` rows (a multiple of 128) that a tile reads: its
   B + C - 1 distances from a start rounded down to _WINDOW_ALIGN, or the whole table.
 
-  `attention` pads the table so that pair (query 0, key 0) reads a row at a multiple of
-  _WINDOW_ALIGN. A tile's first row then lies g = gcd(B, C, 128) rows apart from an aligned
-  start at most 128 - g rows before it: none when both blocks are whole lanes, as compiled
-  key blocks are (Transformer-XL's tiles of 512 x 256 read 768 rows, not 896)."""
-  slack = _WINDOW_ALIGN - math.gcd(p.q_block, p.key_block, _WINDOW_ALIGN)
+  `aligned`: the table is padded so that pair (query 0, key 0) reads a row at a multiple of
+  _WINDOW_ALIGN (`attention` does so where it makes the windows smaller). A tile's first row
+  then lies a multiple of g = gcd(B, C, 128) rows past an aligned start, at most 128 - g:
+  none when both blocks are whole lanes, as compiled key blocks are (Transformer-XL's tiles
+  of 512 x 256 read 768 rows, not 896). Unaligned, the first row can lie 127 rows past it."""
+  slack = _WINDOW_ALIGN - (math.gcd(p.q_block, p.key_block, _WINDOW_ALIGN) if aligned else 1)
   need = p.q_block + p.key_block - 1 + slack
   return min(rows, -(-need // _WINDOW_ALIGN) * _WINDOW_ALIGN)
+
+
+def _distance_lead(p: Plan, rows: int, origin: int) -> int | None:
+  """Zero rows to put before a distance table of `rows` rows whose pair (0, 0) reads row
+  `origin`, so that every tile's window starts aligned; None where that would not make a
+  tile read fewer rows (a short table is read whole, and padding only lengthens it)."""
+  lead = -origin % _WINDOW_ALIGN
+  padded = -(-max(rows + lead, p.key_block) // 128) * 128
+  plain = -(-max(rows, p.key_block) // 128) * 128
+  if window_rows(p, padded, aligned=True) < window_rows(p, plain, aligned=False):
+    return lead
+  return None
 
 
 def _tile_params(spec: _Spec, p_refs, b, c):
@@ -221,21 +235,21 @@ def _tile_params(spec: _Spec, p_refs, b, c):
     if 'distance' in names:
       axis = names.index('distance')
       rows = r.shape[axis]
-      width = window_rows(spec.plan, rows)
+      lead = spec.distance_lead or 0
+      width = window_rows(spec.plan, rows, spec.distance_lead is not None)
       # The hook reads the table's own rows: row x is row x + lead of the padded table.
-      offset = -spec.distance_lead
+      offset = -lead
       if width < rows:
         # Pair (i, j) reads padded row at0 + i - j: reversed row R - 1 - at0 - i + j. The
         # tile's rows start at R - at0 - B (its last query, its first key).
-        at0 = (spec.distance_origin + spec.distance_lead + b * spec.plan.q_block
-               - c * spec.plan.key_block)
+        at0 = spec.distance_origin + lead + b * spec.plan.q_block - c * spec.plan.key_block
         first = jnp.maximum(rows - at0 - spec.plan.q_block, 0)
         start = jnp.minimum(jax.lax.div(first, _WINDOW_ALIGN) * _WINDOW_ALIGN, rows - width)
         start = pl.multiple_of(start, _WINDOW_ALIGN)
         index = tuple(pl.ds(start, width) if x == axis else slice(None)
                       for x in range(len(r.shape)))
         # The window as a reversed table of `width` rows holds rows from R - start - width.
-        offset = rows - start - width - spec.distance_lead
+        offset = rows - start - width - lead
     values.append(r[index])
     where.append(index)
   return jax.tree.unflatten(spec.treedef, values), where, offset
@@ -429,7 +443,7 @@ def _hook_flops(spec: _Spec, qs, ks, leaves) -> int:
       elif name == 'queries':
         shape[axis] = p.q_block
       elif name == 'distance':
-        shape[axis] = window_rows(p, a.shape[axis])
+        shape[axis] = window_rows(p, a.shape[axis], spec.distance_lead is not None)
     params.append(sd(tuple(shape), a.dtype))
   args = [jax.tree.unflatten(spec.treedef, params),
           _wrap(spec.q_tuple, [tile(a, p.q_block) for a in qs]),
@@ -456,7 +470,8 @@ def _cost(spec: _Spec, phase: str, qs, ks, v, leaves) -> pl.CostEstimate:
   rows, heads = v.shape[0], v.shape[1]
   visits = int(p.steps.sum()) * rows
   hook = _hook_flops(spec, qs, ks, leaves)
-  relative = sum(2 * window_rows(p, a.shape[names.index('distance')]) * a.shape[-1]
+  relative = sum(2 * window_rows(p, a.shape[names.index('distance')],
+                                 spec.distance_lead is not None) * a.shape[-1]
                  for a, names in zip(leaves, spec.param_axes) if 'distance' in names)
   relative *= p.q_block * heads                    # q (every head) by the window, one tile
   keyed = hook - relative                          # the hook's products with the keys
@@ -913,10 +928,12 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
   # reverses no vector and pads none by a few rows, and blockloop.relative_term reads it so
   # inside the kernel. Its gradient comes back through the flip and the pad.
   # Zero rows before distance 0 bring the row of pair (0, 0) to a multiple of _WINDOW_ALIGN,
-  # so that every tile's window starts aligned (window_rows).
-  lead = -int(distance_origin) % _WINDOW_ALIGN if any('distance' in a for a in axes) else 0
-  leaves = [_reversed_rows(a, names.index('distance'), key_block, lead) if 'distance' in names
-            else a for a, names in zip(leaves, axes)]
+  # so that every tile's window starts aligned (window_rows), where that makes it smaller.
+  lengths = {a.shape[names.index('distance')] for a, names in zip(leaves, axes)
+             if 'distance' in names}
+  lead = (_distance_lead(p, max(lengths), int(distance_origin)) if lengths else None)
+  leaves = [_reversed_rows(a, names.index('distance'), key_block, lead or 0)
+            if 'distance' in names else a for a, names in zip(leaves, axes)]
   tables = {a.shape[names.index('distance')] for a, names in zip(leaves, axes)
             if 'distance' in names}
   if len(tables) > 1:  # a tile reads every table at one window (blockloop.in_kernel's offset)

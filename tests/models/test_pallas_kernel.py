@@ -82,11 +82,16 @@ def test_stated_cost_counts_the_visited_tiles_and_a_relative_term_s_window():
 def test_a_tile_s_window_of_the_distance_table_starts_aligned_when_blocks_are_whole_lanes():
   """attention pads a distance table so that pair (0, 0) reads an aligned row: with query and
   key blocks of whole lanes a tile reads B + C rows (Transformer-XL's 512 x 256: 768, where a
-  start rounded down anywhere needed 896); blocks of 16 keep 127 rows of slack at most."""
-  window = lambda b, c: pallas_kernel.window_rows(  # noqa: E731
-      pallas_kernel.plan(blockloop.Table.runs([0], [1], b), b, c, c), 4096)
+  start rounded down anywhere needed 896); blocks of 16 keep 127 rows of slack at most. A
+  table read whole either way is not padded (the padding would only lengthen it)."""
+  plan = lambda b, c: pallas_kernel.plan(blockloop.Table.runs([0], [1], b), b, c, c)  # noqa
+  window = lambda b, c, **kw: pallas_kernel.window_rows(plan(b, c), 4096, **kw)  # noqa: E731
   assert window(512, 256) == 768 and window(256, 256) == 512
+  assert window(512, 256, aligned=False) == 896
   assert window(16, 16) == 256 and window(384, 128) == 512 and window(64, 128) == 256
+  lead = pallas_kernel._distance_lead  # pylint: disable=protected-access
+  assert lead(plan(512, 256), 8704, 8191) == 1      # adaptive span's S = 8,192 table
+  assert lead(plan(256, 256), 300, 255) is None     # read whole: 384 rows, not 512
 
 
 def test_a_batch_the_mesh_cannot_split_is_computed_whole_on_each_device():
@@ -212,11 +217,12 @@ def test_backward_is_deterministic():
 MEMORY, TABLE_ROWS = 360, 400  # keys m + N: distances up to 396 over a 400-row table
 
 
-def _relative(kernel, per_head):
+def _relative(kernel, per_head, block=16):
   """An adaptive-span-like score over a memory: q . k + q . table[x - 1] at distances x in
   [1, 400] (blockloop.relative_term), the table shared or one per head."""
   keys = MEMORY + N
-  chunks = blockloop.Table.runs(np.zeros(-(-N // 16)), np.full(-(-N // 16), -(-keys // 16)), 16)
+  chunks = blockloop.Table.runs(np.zeros(-(-N // block)),
+                                np.full(-(-N // block), -(-keys // block)), block)
   seg_q = jnp.asarray(SEGMENTS)
   seg_k = jnp.concatenate([jnp.full((B, MEMORY), 3), seg_q.at[0].set(3)], axis=1)
   seg_q = seg_q.at[0].set(3)
@@ -231,7 +237,7 @@ def _relative(kernel, per_head):
     return logits * D ** -0.5, ((x >= 1) & (x <= TABLE_ROWS))[None, None], None
 
   def f(q, k, v, rel):
-    return blockloop.attention(q, k, v, seg_q, seg_k, rel, table=chunks, q_block=16,
+    return blockloop.attention(q, k, v, seg_q, seg_k, rel, table=chunks, q_block=block,
                                score=score, dtype=jnp.float32, **engine)
 
   def loss(*args):
@@ -241,11 +247,16 @@ def _relative(kernel, per_head):
   return jax.jit(lambda *a: (f(*a), jax.grad(loss, argnums=range(4))(*a)))
 
 
-@pytest.mark.parametrize('per_head', [False, True])
-def test_a_long_distance_table_is_read_by_windows_with_the_engine_s_results(per_head):
+@pytest.mark.parametrize('per_head,block', [(False, 16), (True, 128)])
+def test_a_long_distance_table_is_read_by_windows_with_the_engine_s_results(per_head, block):
   """A tile reads only the rows of a distance table its pairs reach (400 rows: windows of 256
   from every aligned start, clipped at both ends); outputs and gradients, the table's
-  included, equal the engine's."""
+  included, equal the engine's. Blocks of 16 read the table as it is; blocks of 128 read it
+  after 25 zero rows that align every window (B + C = 256 rows, where unaligned tiles need
+  384)."""
+  assert (pallas_kernel._distance_lead(  # pylint: disable=protected-access
+      pallas_kernel.plan(blockloop.Table.runs([0], [1], block), block, block, block),
+      TABLE_ROWS, MEMORY - 1) is None) == (block == 16)
   assert pallas_kernel.window_rows(pallas_kernel.plan(
       blockloop.Table.runs([0], [1], 16), 16, 16, 16), 512) == 256
   keys = jax.random.split(jax.random.key(3), 4)
@@ -254,8 +265,8 @@ def test_a_long_distance_table_is_read_by_windows_with_the_engine_s_results(per_
   shape = (H, TABLE_ROWS, D) if per_head else (TABLE_ROWS, D)
   table = jax.random.normal(keys[3], shape)
   with jax.default_matmul_precision('highest'):
-    got, got_grads = _relative('pallas', per_head)(q, k, v, table)
-    want, want_grads = _relative('xla', per_head)(q, k, v, table)
+    got, got_grads = _relative('pallas', per_head, block)(q, k, v, table)
+    want, want_grads = _relative('xla', per_head, block)(q, k, v, table)
   for a, b in zip(got, want):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
   for a, b in zip(got_grads, want_grads):
