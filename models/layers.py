@@ -57,6 +57,11 @@ def decoding_matmuls():
     _DECODING.reset(token)
 
 
+def decoding() -> bool:
+  """Whether this is traced inside `decoding_matmuls`."""
+  return _DECODING.get()
+
+
 def mesh_splits(logical_axis: str) -> int:
   """How many ways the mesh and logical axis rules in force (training/sharding.activate)
   split `logical_axis`: 1 outside a mesh or where the rules leave the axis whole."""
