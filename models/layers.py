@@ -62,6 +62,25 @@ def decoding() -> bool:
   return _DECODING.get()
 
 
+_SCANNED = contextvars.ContextVar('scanned_layers', default=False)
+
+
+@contextlib.contextmanager
+def scanned_layers():
+  """Within it, the layers traced are the body of a loop over layers (the scanned stacks of
+  models/stacks.py): `scanned()` is True."""
+  token = _SCANNED.set(True)
+  try:
+    yield
+  finally:
+    _SCANNED.reset(token)
+
+
+def scanned() -> bool:
+  """Whether this is traced inside `scanned_layers`."""
+  return _SCANNED.get()
+
+
 def mesh_splits(logical_axis: str) -> int:
   """How many ways the mesh and logical axis rules in force (training/sharding.activate)
   split `logical_axis`: 1 outside a mesh or where the rules leave the axis whole."""

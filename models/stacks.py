@@ -31,7 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import attention, residual
+from models import attention, layers, residual
 from models.registry import Registry
 
 STACKS = Registry('stack', 'model.stack_options')
@@ -234,8 +234,9 @@ class Scan(Stack):
   @classmethod
   def apply(cls, config, x, ctx):
     body = remat(carry_only(_layer(config)), config.remat, scanned=True)
-    x, _ = _scan(body, config.n_layers)(
-        config, config.attention[0], name='blocks')(x, ctx)
+    with layers.scanned_layers():
+      x, _ = _scan(body, config.n_layers)(
+          config, config.attention[0], name='blocks')(x, ctx)
     return x
 
   @classmethod
@@ -291,8 +292,9 @@ class ScanCycle(Stack):
   @classmethod
   def apply(cls, config, x, ctx):
     p = cycle_length(config)
-    x, _ = _scan(_Cycle, config.n_layers // p)(
-        config, tuple(config.attention[:p]), name='cycle')(x, ctx)
+    with layers.scanned_layers():
+      x, _ = _scan(_Cycle, config.n_layers // p)(
+          config, tuple(config.attention[:p]), name='cycle')(x, ctx)
     return x
 
   @classmethod

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import attention
+from models import attention, layers
 from models import transformer
 from models.attention import base, dense, registry
 
@@ -179,6 +179,27 @@ def test_fused_matches_xla_outputs_and_gradients():
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
   # Gradients reach every parameter (the check above is not vacuous).
   assert all(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(gp_xla))
+
+
+def test_the_flat_and_head_major_projections_give_the_same_outputs_and_gradients():
+  # fused_projection writes q, k, v head-major outside a loop over layers and with one flat
+  # matmul inside one (layers.scanned_layers): the same attention either way.
+  x = _x()
+  module = dense.DenseAttention(num_heads=HEADS, head_dim=HEAD_DIM)
+  params = _init_module(module, x)
+  cotangent = _normal(21, (BATCH, LENGTH, D_MODEL))
+
+  def loss(p, inputs):
+    y = module.apply({'params': p}, inputs, positions=POSITIONS, segment_ids=SEGMENT_IDS)
+    return jnp.sum(y * cotangent)
+
+  grad_fn = jax.value_and_grad(loss, argnums=(0, 1))
+  head_major = grad_fn(params, x)
+  with layers.scanned_layers():
+    flat = grad_fn(params, x)
+  for a, b in zip(jax.tree.leaves(head_major), jax.tree.leaves(flat)):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+  assert all(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(head_major[1][0]))
 
 
 def test_registry_get_known_and_unknown():
