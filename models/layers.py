@@ -42,19 +42,25 @@ class RMSNorm(nn.Module):
     return (y * scale.astype(jnp.float32)).astype(self.dtype)
 
 
-_DECODING = contextvars.ContextVar('decoding_matmuls', default=False)
-
-
 @contextlib.contextmanager
+def _raised(flag: contextvars.ContextVar):
+  """`flag` is True within it (as traced: the model code below reads it while tracing)."""
+  token = flag.set(True)
+  try:
+    yield
+  finally:
+    flag.reset(token)
+
+
+_DECODING = contextvars.ContextVar('decoding_matmuls', default=False)
+_SCANNED = contextvars.ContextVar('scanned_layers', default=False)
+
+
 def decoding_matmuls():
   """Within it, `matmul` runs decoding's few-row products on the CPU kernel that streams the
   weights once (cpu_kernel.skinny_matmul; forward only). models/decode.py traces each
   decoding step inside it."""
-  token = _DECODING.set(True)
-  try:
-    yield
-  finally:
-    _DECODING.reset(token)
+  return _raised(_DECODING)
 
 
 def decoding() -> bool:
@@ -62,18 +68,10 @@ def decoding() -> bool:
   return _DECODING.get()
 
 
-_SCANNED = contextvars.ContextVar('scanned_layers', default=False)
-
-
-@contextlib.contextmanager
 def scanned_layers():
   """Within it, the layers traced are the body of a loop over layers (the scanned stacks of
   models/stacks.py): `scanned()` is True."""
-  token = _SCANNED.set(True)
-  try:
-    yield
-  finally:
-    _SCANNED.reset(token)
+  return _raised(_SCANNED)
 
 
 def scanned() -> bool:
