@@ -67,8 +67,8 @@ if [ -n "$BEFORE" ]; then
   echo "part 2 rc ${PIPESTATUS[0]}"
 fi
 
-# Part 3: selective attention is not in the list: the GPU kernel refuses its carried state.
-PALLAS=${PALLAS-dense strided fixed local block_local local_global adaptive_span dynamic_span txl}
+# Part 3: every variant of the kernel (selective's F through its state passes).
+PALLAS=${PALLAS-dense strided fixed local block_local local_global adaptive_span dynamic_span txl selective}
 if [ -n "$PALLAS" ]; then
   echo '== 3. the fused Pallas kernel (Triton)'
   timeout --signal=TERM --kill-after=10 "${PALLAS_CHECK_S:-150}" "$PY" -m benchmarks.pallas_gpu_check \

@@ -260,7 +260,8 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: Table, q_block:
     devices: the devices the batch and heads are split over: one holds 1/devices of the pairs.
     kernel: 'xla' (these loops), 'pallas' (the same attention as the fused Pallas kernels of
       pallas_kernel.py, which ignore per_step and keep_weights) or 'pallas_gpu' (those of
-      pallas_gpu.py, lowered by Pallas Triton; no `carry`).
+      pallas_gpu.py, lowered by Pallas Triton: there a `carry` score's increment and rows
+      read only one-head arrays, see pallas_gpu._check_state).
     interpret: with kernel='pallas', run the kernels as plain JAX (a CPU target).
     param_axes: None, or a pytree like `params` of tuples naming each parameter's axes
       ('batch', 'heads', 'queries', 'distance' or None): how the Pallas kernel slices it per

@@ -114,14 +114,12 @@ def learned(platform: str) -> str:
 
 
 def check_pallas(variant: str, platform: str, head_dim: int | None = None) -> None:
-  """Raises ValueError where the fused Pallas kernel cannot run: on a GPU target, for the
-  variants the Triton lowering (pallas_gpu.py) does not compute (pallas_gpu.REFUSED) and for
-  a head width it cannot tile. A TPU target runs pallas_kernel.py's Mosaic kernels, a CPU
-  target the same in interpret mode."""
+  """Raises ValueError where the fused Pallas kernel cannot run: on a GPU target, for a head
+  width the Triton lowering (pallas_gpu.py) cannot tile. A TPU target runs pallas_kernel.py's
+  Mosaic kernels, a CPU target the same in interpret mode."""
   if platform != 'gpu':
     return
-  why = pallas_gpu.REFUSED.get(variant) or (
-      None if head_dim is None else pallas_gpu.unusable_head_dim(head_dim))
+  why = None if head_dim is None else pallas_gpu.unusable_head_dim(head_dim)
   if why:
     raise ValueError(f"{variant}: attention_impl='pallas' cannot run on a GPU: {why}. Use "
                      "'auto' or 'blocksparse'")

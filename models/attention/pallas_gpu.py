@@ -32,9 +32,23 @@ queries, far too large a tile for one program): each query reads the keys of its
 row of the table (`Tiles.rows`, read per query inside the kernel), and a tile visits the union
 of the key tiles of the blocks it overlaps.
 
-Not computed here (dispatch refuses 'pallas' on a GPU for it; see REFUSED): a state carried
-across the query blocks (selective attention's F). Its query blocks must run in order, which
-a grid of independent programs does not give.
+A state carried across the query blocks (selective attention's F: blockloop's `carry`) needs
+the query tiles in order, which a grid of independent programs does not give, and its
+increment is the same for every head, where a program holds one. So it runs as passes:
+
+  states    grid (batch, key tiles): the query tiles that visit the key tile in order, the
+            state at its keys in the loop's carry, the increments from head 0's tiles;
+            writes the state each query tile reads (batch, query tiles, keys).
+  forward   as above, each tile reading its state; a score's rows summed per query.
+  dstates   grid (batch, heads, query tiles): each tile's gradient of the state it read.
+            XLA sums them over the heads and over the later query tiles: G, the cotangent
+            of each tile's increment, which the dq and dk/dv kernels then take (head 0's
+            programs: theirs are the increments the states pass summed).
+
+The increment and rows must read only arrays of one head, which every head's program reads
+(selective's S from a one-head query and key: the model passes head 0's), and the increment
+must not read the state (so that G is known before the tiles' backward); _check_state traces
+the score and refuses it otherwise.
 
 On a CPU the kernels run in Pallas interpret mode (the tests). A model compiled for a CPU or
 a TPU target runs pallas_kernel.py's kernels; this module's run only for a GPU target.
@@ -65,17 +79,6 @@ RELATIVE_TILE = 32
 MIN_DOT = 16
 NUM_WARPS = 4
 NUM_STAGES = 2
-
-# Variants whose score this kernel does not compute, by class name, and why
-# (dispatch.check_pallas refuses attention_impl='pallas' for them on a GPU target).
-REFUSED = {
-    'SelectiveAttention': (
-        "selective attention carries F (the column sums of S) across the query blocks in "
-        "order, and its S is head 0's, which every head reads; the GPU kernel runs each "
-        "(row, head, query tile) as an independent program and has no lowering of the "
-        "carried state yet"),
-}
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Tiles:
@@ -170,6 +173,10 @@ class _Spec:
   distance_origin: int    # the distance-table row of pair (query 0, key 0)
   precision: object       # of the kernel's own matmuls
   interpret: bool
+  q_shared: tuple = ()    # per query array: one head, read by every head's program
+  k_shared: tuple = ()    # per key array
+  stateful: bool = False  # a state per key carried across the query tiles (see _states)
+  has_rows: bool = False  # a stateful score's per-pair rows, summed per query
 
 
 class _Refs(NamedTuple):
@@ -186,10 +193,20 @@ class _Refs(NamedTuple):
   do: object = None
   lse: object = None
   delta: object = None
+  # A stateful score's (_STATE_INPUTS), where the kernel takes them.
+  carry: object = None    # (nk_pad,) the state's initial value
+  starts: object = None   # (nk_pad,) int32: the key is the first of its document
+  states: object = None   # (query tiles, nk_pad) the state each query tile reads
+  g: object = None        # (query tiles, nk_pad) the gradient of the state the tile leaves
+  d_rows: object = None   # (n_pad,) the cotangent of the rows' sums (zero but for head 0)
 
 
-def _unpack(spec: _Spec, refs, backward: bool):
-  """(_Refs, the kernel's remaining refs: its outputs)."""
+_STATE_INPUTS = ('carry', 'starts', 'states', 'g', 'd_rows')
+
+
+def _unpack(spec: _Spec, refs, backward: bool, state: tuple = ()):
+  """(_Refs, the kernel's remaining refs: its outputs). `state`: the _STATE_INPUTS the
+  kernel takes, in that order."""
   q, refs = refs[:spec.n_q], refs[spec.n_q:]
   k, refs = refs[:spec.n_k], refs[spec.n_k:]
   fixed, refs = refs[:6], refs[6:]
@@ -198,7 +215,10 @@ def _unpack(spec: _Spec, refs, backward: bool):
   extra = ()
   if backward:
     extra, refs = refs[:3], refs[3:]
-  return _Refs(tuple(q), tuple(k), *fixed, tuple(params), *extra), refs
+  ins = _Refs(tuple(q), tuple(k), *fixed, tuple(params), *extra)
+  names = [x for x in _STATE_INPUTS if x in state]
+  ins = ins._replace(**dict(zip(names, refs[:len(names)])))
+  return ins, refs[len(names):]
 
 
 def _wrap(flag: bool, xs):
@@ -305,29 +325,77 @@ def _tile_params(spec: _Spec, p_refs, qt, c):
   return jax.tree.unflatten(spec.treedef, values), start, offset
 
 
-def _score(spec: _Spec, params, offset, qside, kside, q=None, k=None):
+def _score(spec: _Spec, params, offset, qside, kside, q=None, k=None, ctx=None):
+  """The hook on a tile: (logits, live, gate), and with a state (ctx) also (increment,
+  rows)."""
   with blockloop.in_kernel(offset, kind='triton', precision=spec.precision):
     return spec.score(params, _wrap(spec.q_tuple, qside.q if q is None else q),
-                      _wrap(spec.k_tuple, kside.k if k is None else k), qside.i, kside.j)
+                      _wrap(spec.k_tuple, kside.k if k is None else k), qside.i, kside.j,
+                      *(() if ctx is None else (ctx,)))
+
+
+def _context(spec: _Spec, ins: _Refs, c, real, carried):
+  """blockloop.Context of tile (., key tile c): the state at its keys (1, C), its pairs,
+  its keys' document starts."""
+  at = pl.ds(c * spec.tiles.key_tile, spec.tiles.key_tile)
+  return blockloop.Context(carried.reshape(1, -1), real[None], (ins.starts[at] != 0)[None])
+
+
+def _state_at(spec: _Spec, ref, qt, c):
+  """(C,) a (query tiles, nk_pad) state array's row qt at key tile c."""
+  w = spec.tiles.key_tile
+  return ref[qt, pl.ds(c * w, w)]
 
 
 # ---------------------------------------------------------------------------------------------
 # Forward.
 
 
+def _states_kernel(spec: _Spec, *refs):
+  """A stateful score's pre-pass, one program per (batch row, key tile): the query tiles that
+  visit the key tile in order, the state at its keys carried in the loop. Writes the state
+  each query tile reads there (its initial value plus the increments of the earlier tiles)."""
+  ins, (states_ref,) = _unpack(spec, refs, backward=False, state=('carry', 'starts'))
+  w = spec.tiles.key_tile
+  c = pl.program_id(2)
+  kside = _key_side(spec, ins, c)
+  at = pl.ds(c * w, w)
+
+  def step(s, state):
+    qt = ins.order[c, s]
+    states_ref[qt, at] = state
+    qside = _query_side(spec, ins, qt)
+    params, _, offset = _tile_params(spec, ins.params, qt, c)
+    ctx = _context(spec, ins, c, _pairs(spec, qside, kside), state)
+    increment = _score(spec, params, offset, qside, kside, ctx=ctx)[3]
+    return state + jnp.where(kside.j < spec.keys, increment.reshape(w), 0.0)
+
+  jax.lax.fori_loop(0, ins.count[c], step, ins.carry[at].astype(jnp.float32))
+
+
 def _forward_kernel(spec: _Spec, *refs):
-  ins, (out_ref, lse_ref) = _unpack(spec, refs, backward=False)
+  ins, refs = _unpack(spec, refs, backward=False,
+                      state=('starts', 'states') if spec.stateful else ())
+  out_ref, lse_ref = refs[:2]
+  rows_ref = refs[2] if spec.has_rows else None
   b = spec.tiles.q_tile
   qt = pl.program_id(2)
   qside = _query_side(spec, ins, qt)
 
   def step(s, carry):
-    m, l, acc = carry
+    m, l, acc, rows = carry
     c = ins.order[qt, s]
     kside = _key_side(spec, ins, c)
     params, _, offset = _tile_params(spec, ins.params, qt, c)
-    logits, live, gate = _score(spec, params, offset, qside, kside)
-    live = _plane(spec, live) & _pairs(spec, qside, kside)
+    real = _pairs(spec, qside, kside)
+    if spec.stateful:
+      ctx = _context(spec, ins, c, real, _state_at(spec, ins.states, qt, c))
+      logits, live, gate, _, row = _score(spec, params, offset, qside, kside, ctx=ctx)
+      if row is not None:
+        rows = rows + jnp.sum(jnp.where(real, _plane(spec, row), 0.0), axis=1)
+    else:
+      logits, live, gate = _score(spec, params, offset, qside, kside)
+    live = _plane(spec, live) & real
     logits = jnp.where(live, _plane(spec, logits), NEG_INF)
     m_new = jnp.maximum(m, jnp.max(logits, axis=1))
     e = jnp.where(live, jnp.exp(logits - m_new[:, None]), 0.0)
@@ -335,22 +403,30 @@ def _forward_kernel(spec: _Spec, *refs):
     alpha = jnp.exp(m - m_new)
     acc = acc * alpha[:, None] + _dot(spec, w.astype(spec.dtype),
                                               kside.v.astype(spec.dtype))
-    return m_new, l * alpha + jnp.sum(w, axis=1), acc
+    return m_new, l * alpha + jnp.sum(w, axis=1), acc, rows
 
   init = (jnp.full((b,), NEG_INF, jnp.float32), jnp.zeros((b,), jnp.float32),
-          jnp.zeros((b, out_ref.shape[-1]), jnp.float32))
-  m, l, acc = jax.lax.fori_loop(0, ins.count[qt], step, init)
+          jnp.zeros((b, out_ref.shape[-1]), jnp.float32), jnp.zeros((b,), jnp.float32))
+  m, l, acc, rows = jax.lax.fori_loop(0, ins.count[qt], step, init)
   seen = l > 0
   safe = jnp.where(seen, l, 1.0)
   out_ref[...] = jnp.where(seen[:, None], acc / safe[:, None], 0.0).astype(out_ref.dtype)
   lse_ref[...] = jnp.where(seen, m + jnp.log(safe), NEG_INF)
+  if rows_ref is not None:
+    rows_ref[...] = rows
 
 
-def _row_spec(a):
+def _row_spec(a, shared: bool = False):
   """BlockSpec of an array (batch, heads, length, d) or (batch, heads, length): the
-  program's (batch row, head), every position (a tile is read by pl.ds in the kernel)."""
+  program's (batch row, head), every position (a tile is read by pl.ds in the kernel).
+  `shared`: an array of one head that every head's program reads."""
   return pl.BlockSpec((None, None) + a.shape[2:],
-                      lambda bi, h, x: (bi, h) + (0,) * (a.ndim - 2))
+                      lambda bi, h, x: (bi, 0 if shared else h) + (0,) * (a.ndim - 2))
+
+
+def _batch_row_spec(a):
+  """BlockSpec of an array (batch, ...): the program's batch row, whole."""
+  return pl.BlockSpec((None,) + a.shape[1:], lambda bi, h, x: (bi,) + (0,) * (a.ndim - 1))
 
 
 def _tile_spec(a, size: int):
@@ -374,58 +450,164 @@ def _param_spec(a, names):
                                                     else 0 for n in names))
 
 
-def _inputs(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, order, count, extra=()):
-  """in_specs and inputs of a kernel (_Refs' order)."""
+def _inputs(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, order, count, extra=(), state=()):
+  """in_specs and inputs of a kernel (_Refs' order). `extra`: arrays (batch, heads, ...) read
+  per program; `state`: the state's arrays (batch, ...) read per batch row (_STATE_INPUTS)."""
   rows = jnp.asarray(spec.tiles.rows)
   order, count = jnp.asarray(order), jnp.asarray(count)
-  seg = lambda a: pl.BlockSpec((None, a.shape[1]), lambda bi, h, x: (bi, 0))  # noqa: E731
-  in_specs = ([_row_spec(a) for a in (*qs, *ks, v)] + [seg(seg_q), seg(seg_k)]
+  shared = (*spec.q_shared, *spec.k_shared, False)
+  in_specs = ([_row_spec(a, one) for a, one in zip((*qs, *ks, v), shared)]
+              + [_batch_row_spec(seg_q), _batch_row_spec(seg_k)]
               + [_whole(rows), _whole(order), _whole(count)]
               + [_param_spec(a, names) for a, names in zip(leaves, spec.param_axes)]
-              + [_row_spec(a) for a in extra])
-  return in_specs, [*qs, *ks, v, seg_q, seg_k, rows, order, count, *leaves, *extra]
+              + [_row_spec(a) for a in extra] + [_batch_row_spec(a) for a in state])
+  return in_specs, [*qs, *ks, v, seg_q, seg_k, rows, order, count, *leaves, *extra, *state]
 
 
 def _compiler_params(stages: int = NUM_STAGES):
   return plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=stages)
 
 
-def _forward(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves):
+def _states(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, carry, starts):
+  """The state each query tile reads at every key, (batch, query tiles, nk_pad) float32; a
+  key tile the query tile does not visit is left unwritten. Its programs, one per (batch row,
+  key tile), compute the increments from the tiles of head 0 (which they equal: see
+  _check_state)."""
+  t = spec.tiles
+  batch = v.shape[0]
+  in_specs, inputs = _inputs(spec, qs, ks, v, seg_q, seg_k, leaves, t.qs, t.q_steps,
+                             state=(carry, starts))
+  out = jax.ShapeDtypeStruct((batch, t.q_tiles, carry.shape[1]), jnp.float32)
+  return pl.pallas_call(
+      functools.partial(_states_kernel, spec), grid=(batch, 1, t.key_tiles),
+      in_specs=in_specs, out_specs=_batch_row_spec(out), out_shape=out,
+      compiler_params=_compiler_params(), interpret=spec.interpret,
+      name='score_hook_gpu_states')(*inputs)
+
+
+def _forward(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, starts=None, states=None):
+  """(output, log-sum-exp, rows' sums or None) of every (batch row, head, query tile)."""
   t = spec.tiles
   batch, heads, n_pad, d = qs[0].shape
-  in_specs, inputs = _inputs(spec, qs, ks, v, seg_q, seg_k, leaves, t.kv, t.steps)
+  heads = v.shape[1]
+  state = (starts, states) if spec.stateful else ()
+  in_specs, inputs = _inputs(spec, qs, ks, v, seg_q, seg_k, leaves, t.kv, t.steps,
+                             state=state)
   out_shape = [jax.ShapeDtypeStruct((batch, heads, n_pad, v.shape[3]), spec.out_dtype),
                jax.ShapeDtypeStruct((batch, heads, n_pad), jnp.float32)]
-  return pl.pallas_call(
+  if spec.has_rows:
+    out_shape.append(jax.ShapeDtypeStruct((batch, heads, n_pad), jnp.float32))
+  outs = pl.pallas_call(
       functools.partial(_forward_kernel, spec), grid=(batch, heads, t.q_tiles),
       in_specs=in_specs, out_specs=[_tile_spec(a, t.q_tile) for a in out_shape],
       out_shape=out_shape, compiler_params=_compiler_params(), interpret=spec.interpret,
       name='score_hook_gpu_fwd')(*inputs)
+  # Every head's program sums the same rows (they read no head's own array): head 0's.
+  return outs[0], outs[1], outs[2][:, 0] if spec.has_rows else None
 
 
 # ---------------------------------------------------------------------------------------------
 # Backward.
 
 
-def _tile_grads(spec: _Spec, params, offset, qside, kside, do, lse, delta):
-  """One tile's backward: the weights P (B, C) and the hook's VJP of (d logits, d gate):
-  (P, dq, dk, dparams)."""
-  def f(q, k, params):
-    logits, live, gate = _score(spec, params, offset, qside, kside, q, k)
-    return (logits, gate), live
+class _TileState(NamedTuple):
+  """What a stateful score's tile backward reads besides the tile."""
+  ctx: blockloop.Context  # the state the tile read (its keys), its pairs, its keys' starts
+  d_increment: object     # (C,) the cotangent of the tile's increment
+  d_rows: object          # (B,) the cotangent of its queries' rows' sums
+
+
+def _tile_grads(spec: _Spec, params, offset, qside, kside, do, lse, delta, state=None,
+                state_only: bool = False):
+  """One tile's backward: the weights P (B, C) and the hook's VJP of (d logits, d gate[,
+  d increment, d rows]): (P, dq, dk, dparams), and with `state` (a _TileState) also the
+  gradient of the state the tile read (C,). `state_only`: (P, that gradient) alone."""
+  real = _pairs(spec, qside, kside)
+  if state is None:
+    def f(q, k, params):
+      logits, live, gate = _score(spec, params, offset, qside, kside, q, k)
+      return (logits, gate), live
+    primals = (qside.q, kside.k, params)
+  elif state_only:
+    def f(carried):
+      logits, live, gate, increment, row = _score(
+          spec, params, offset, qside, kside, ctx=state.ctx._replace(carried=carried))
+      return (logits, gate, increment, row), live
+    primals = (state.ctx.carried,)
+  else:
+    def f(q, k, params, carried):
+      logits, live, gate, increment, row = _score(
+          spec, params, offset, qside, kside, q, k, state.ctx._replace(carried=carried))
+      return (logits, gate, increment, row), live
+    primals = (qside.q, kside.k, params, state.ctx.carried)
 
   with blockloop.in_kernel(offset, kind='triton', precision=spec.precision):
-    (logits, gate), vjp, live = jax.vjp(f, qside.q, kside.k, params, has_aux=True)
-  live = _plane(spec, live) & _pairs(spec, qside, kside)
+    outputs, vjp, live = jax.vjp(f, *primals, has_aux=True)
+  logits, gate = outputs[:2]
+  live = _plane(spec, live) & real
   e = jnp.where(live, jnp.exp(jnp.where(live, _plane(spec, logits), NEG_INF) - lse[:, None]),
                 0.0)
   p = e if gate is None else e * _plane(spec, gate)
   dp = _dot(spec, do, kside.v.astype(jnp.float32), ((1,), (1,)))
   g_s = dp - delta[:, None]
   d_gate = None if gate is None else _sum_to(jnp.where(live, e * g_s, 0.0), gate.shape)
+  cot = ((p * g_s).reshape(logits.shape), d_gate)
+  if state is not None:
+    increment, row = outputs[2:]
+    d_row = None if row is None else jnp.where(
+        real, state.d_rows[:, None], 0.0).reshape(row.shape)
+    cot += (state.d_increment.reshape(increment.shape), d_row)
   with blockloop.in_kernel(offset, kind='triton', precision=spec.precision):
-    dq, dk, dparams = vjp(((p * g_s).reshape(logits.shape), d_gate))
-  return p, dq, dk, dparams
+    grads = vjp(cot)
+  if state_only:
+    return p, grads[0].reshape(-1)
+  if state is not None:
+    return (p, *grads[:3], grads[3].reshape(-1))
+  return (p, *grads)
+
+
+def _tile_state(spec: _Spec, ins: _Refs, qt, c, real, first_head, *, with_g: bool = True):
+  """A stateful score's _TileState of tile (qt, c) from the refs: the increment's cotangent
+  G (the gradient of the state the later query tiles read) and the rows' in head 0's
+  programs only (`first_head`: the program's is head 0), whose increments and rows the
+  forward kept."""
+  w, b = spec.tiles.key_tile, spec.tiles.q_tile
+  ctx = _context(spec, ins, c, real, _state_at(spec, ins.states, qt, c))
+  if with_g:
+    g = jnp.where(first_head, _state_at(spec, ins.g, qt, c), 0.0)
+  else:
+    g = jnp.zeros((w,), jnp.float32)
+  if spec.has_rows:
+    d_rows = jnp.where(first_head, ins.d_rows[pl.ds(qt * b, b)], 0.0)
+  else:
+    d_rows = jnp.zeros((b,), jnp.float32)
+  return _TileState(ctx, g, d_rows)
+
+
+def _d_states_kernel(spec: _Spec, *refs):
+  """The gradient of the state each (batch row, head, query tile) reads, at the key tiles it
+  visits: its logits' and rows' part (a tile's increment does not depend on the state it
+  reads: _check_state)."""
+  ins, (ds_ref,) = _unpack(spec, refs, backward=True, state=('starts', 'states', 'd_rows'))
+  b, w = spec.tiles.q_tile, spec.tiles.key_tile
+  qt, first_head = pl.program_id(2), pl.program_id(1) == 0
+  qside = _query_side(spec, ins, qt)
+  at = pl.ds(qt * b, b)
+  do = ins.do[at, :].astype(jnp.float32)
+  lse, delta = ins.lse[at], ins.delta[at]
+
+  def step(s, _):
+    c = ins.order[qt, s]
+    kside = _key_side(spec, ins, c)
+    params, _, offset = _tile_params(spec, ins.params, qt, c)
+    state = _tile_state(spec, ins, qt, c, _pairs(spec, qside, kside), first_head,
+                        with_g=False)
+    _, d_state = _tile_grads(spec, params, offset, qside, kside, do, lse, delta, state,
+                             state_only=True)
+    ds_ref[pl.ds(c * w, w)] = jnp.where(kside.j < spec.keys, d_state, 0.0)
+    return ()
+
+  jax.lax.fori_loop(0, ins.count[qt], step, ())
 
 
 def _barrier(spec: _Spec):
@@ -435,11 +617,15 @@ def _barrier(spec: _Spec):
     plgpu.debug_barrier()
 
 
+_BACKWARD_STATE = ('starts', 'states', 'g', 'd_rows')
+
+
 def _dq_kernel(spec: _Spec, *refs):
-  ins, refs = _unpack(spec, refs, backward=True)
+  ins, refs = _unpack(spec, refs, backward=True,
+                      state=_BACKWARD_STATE if spec.stateful else ())
   dq_refs, dp_refs = refs[:spec.n_q], refs[spec.n_q:]
   b = spec.tiles.q_tile
-  qt = pl.program_id(2)
+  qt, first_head = pl.program_id(2), pl.program_id(1) == 0
   qside = _query_side(spec, ins, qt)
   at = pl.ds(qt * b, b)
   do = ins.do[at, :].astype(jnp.float32)
@@ -464,7 +650,10 @@ def _dq_kernel(spec: _Spec, *refs):
     c = ins.order[qt, s]
     kside = _key_side(spec, ins, c)
     params, start, offset = _tile_params(spec, ins.params, qt, c)
-    _, dq_t, _, dp_t = _tile_grads(spec, params, offset, qside, kside, do, lse, delta)
+    state = (_tile_state(spec, ins, qt, c, _pairs(spec, qside, kside), first_head)
+             if spec.stateful else None)
+    _, dq_t, _, dp_t = _tile_grads(spec, params, offset, qside, kside, do, lse, delta,
+                                   state)[:4]
     dq = [a + x.reshape(a.shape).astype(jnp.float32) for a, x in zip(dq, dq_t)]
     out = []
     for r, names, acc, x in zip(dp_refs, spec.param_axes, dparams, jax.tree.leaves(dp_t)):
@@ -490,10 +679,11 @@ def _dq_kernel(spec: _Spec, *refs):
 
 
 def _dkv_kernel(spec: _Spec, *refs):
-  ins, refs = _unpack(spec, refs, backward=True)
+  ins, refs = _unpack(spec, refs, backward=True,
+                      state=_BACKWARD_STATE if spec.stateful else ())
   dk_refs, dv_ref = refs[:spec.n_k], refs[spec.n_k]
   b = spec.tiles.q_tile
-  c = pl.program_id(2)
+  c, first_head = pl.program_id(2), pl.program_id(1) == 0
   kside = _key_side(spec, ins, c)
 
   def step(s, carry):
@@ -503,8 +693,10 @@ def _dkv_kernel(spec: _Spec, *refs):
     at = pl.ds(qt * b, b)
     do = ins.do[at, :].astype(jnp.float32)
     params, _, offset = _tile_params(spec, ins.params, qt, c)
+    state = (_tile_state(spec, ins, qt, c, _pairs(spec, qside, kside), first_head)
+             if spec.stateful else None)
     p, _, dk_t, _ = _tile_grads(spec, params, offset, qside, kside, do, ins.lse[at],
-                                ins.delta[at])
+                                ins.delta[at], state)[:4]
     dv = dv + _dot(spec, p.astype(spec.dtype), do.astype(spec.dtype), ((0,), (0,)))
     return [a + x.reshape(a.shape).astype(jnp.float32) for a, x in zip(dk, dk_t)], dv
 
@@ -525,12 +717,41 @@ def _grad_tile(spec: _Spec, a, names):
                for x, s in zip(names, a.shape))
 
 
-def _backward(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, do, lse, delta):
+def _d_states(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, do, lse, delta, starts, states,
+              d_rows):
+  """(G, d carry): the gradient of the state each query tile leaves to the later ones, G
+  (batch, query tiles, nk_pad), and of the initial state (batch, nk_pad). The programs write
+  each (row, head, query tile)'s gradient of the state it read; the sums over heads and over
+  the later query tiles run in XLA, in a fixed order."""
   t = spec.tiles
   batch, heads = v.shape[:2]
-  f32 = lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32)  # noqa: E731
+  nk_pad = states.shape[-1]
+  in_specs, inputs = _inputs(spec, qs, ks, v, seg_q, seg_k, leaves, t.kv, t.steps,
+                             (do, lse, delta), state=(starts, states, d_rows))
+  out = jax.ShapeDtypeStruct((batch, heads, t.q_tiles, nk_pad), jnp.float32)
+  read = pl.pallas_call(
+      functools.partial(_d_states_kernel, spec), grid=(batch, heads, t.q_tiles),
+      in_specs=in_specs,
+      out_specs=pl.BlockSpec((None, None, None, nk_pad), lambda bi, h, x: (bi, h, x, 0)),
+      out_shape=out, compiler_params=_compiler_params(), interpret=spec.interpret,
+      name='score_hook_gpu_dstates')(*inputs)
+  visits = np.zeros((t.q_tiles, t.key_tiles), bool)  # the tiles the programs wrote
+  for qt in range(t.q_tiles):
+    visits[qt, t.kv[qt, :t.steps[qt]]] = True
+  visited = jnp.repeat(jnp.asarray(visits), t.key_tile, axis=1)
+  read = jnp.sum(jnp.where(visited, read, 0.0), axis=1)     # (batch, query tiles, nk_pad)
+  after = jnp.flip(jnp.cumsum(jnp.flip(read, 1), axis=1), 1)  # tiles qt and later
+  return after - read, after[:, 0]
+
+
+def _backward(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, do, lse, delta, state=()):
+  """(dq, dk, dv, dparams). `state`: a stateful score's (starts, states, G, d rows)."""
+  t = spec.tiles
+  batch, heads = v.shape[:2]
+  f32 = lambda a: jax.ShapeDtypeStruct((batch, heads) + a.shape[2:], jnp.float32)  # noqa
   extra = (do, lse, delta)
-  in_specs, inputs = _inputs(spec, qs, ks, v, seg_q, seg_k, leaves, t.kv, t.steps, extra)
+  in_specs, inputs = _inputs(spec, qs, ks, v, seg_q, seg_k, leaves, t.kv, t.steps, extra,
+                             state)
   shares = [jax.ShapeDtypeStruct((batch, heads, t.q_tiles) + _grad_tile(spec, a, names),
                                  jnp.float32) for a, names in zip(leaves, spec.param_axes)]
   share_specs = [pl.BlockSpec((None, None, None) + s.shape[3:],
@@ -545,14 +766,19 @@ def _backward(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, do, lse, delta):
       out_shape=[f32(a) for a in qs] + shares, compiler_params=_compiler_params(stages),
       interpret=spec.interpret, name='score_hook_gpu_dq')(*inputs)
   dq, shares = outs[:spec.n_q], outs[spec.n_q:]
-  in_specs, inputs = _inputs(spec, qs, ks, v, seg_q, seg_k, leaves, t.qs, t.q_steps, extra)
+  in_specs, inputs = _inputs(spec, qs, ks, v, seg_q, seg_k, leaves, t.qs, t.q_steps, extra,
+                             state)
   dkv = pl.pallas_call(
       functools.partial(_dkv_kernel, spec), grid=(batch, heads, t.key_tiles),
       in_specs=in_specs, out_specs=[_tile_spec(a, t.key_tile) for a in (*ks, v)],
       out_shape=[f32(a) for a in (*ks, v)], compiler_params=_compiler_params(),
       interpret=spec.interpret, name='score_hook_gpu_dkv')(*inputs)
   dparams = [_assemble(g, names) for g, names in zip(shares, spec.param_axes)]
-  return dq, dkv[:spec.n_k], dkv[spec.n_k], dparams
+  # An array of one head that every head's program read: the sum of the heads' shares.
+  heads_sum = lambda xs, shared: [jnp.sum(x, axis=1, keepdims=True) if one else x  # noqa
+                                  for x, one in zip(xs, shared)]
+  return (heads_sum(dq, spec.q_shared), heads_sum(dkv[:spec.n_k], spec.k_shared),
+          dkv[spec.n_k], dparams)
 
 
 def _assemble(g, names):
@@ -577,24 +803,35 @@ def _assemble(g, names):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _call(spec, qs, ks, v, seg_q, seg_k, leaves):
-  return tuple(_forward(spec, qs, ks, v, seg_q, seg_k, leaves))
+def _call(spec, qs, ks, v, seg_q, seg_k, leaves, carry, starts):
+  return _call_fwd(spec, qs, ks, v, seg_q, seg_k, leaves, carry, starts)[0]
 
 
-def _call_fwd(spec, qs, ks, v, seg_q, seg_k, leaves):
-  out, lse = _forward(spec, qs, ks, v, seg_q, seg_k, leaves)
-  return (out, lse), (qs, ks, v, seg_q, seg_k, leaves, out, lse)
+def _call_fwd(spec, qs, ks, v, seg_q, seg_k, leaves, carry, starts):
+  states = (_states(spec, qs, ks, v, seg_q, seg_k, leaves, carry, starts) if spec.stateful
+            else None)
+  out, lse, rows = _forward(spec, qs, ks, v, seg_q, seg_k, leaves, starts, states)
+  return (out, lse, rows), (qs, ks, v, seg_q, seg_k, leaves, out, lse, starts, states)
 
 
 def _call_bwd(spec, residuals, cotangents):
-  qs, ks, v, seg_q, seg_k, leaves, out, lse = residuals
-  d_out, d_lse = cotangents
+  qs, ks, v, seg_q, seg_k, leaves, out, lse, starts, states = residuals
+  d_out, d_lse, d_rows = cotangents
   d_out = d_out.astype(jnp.float32)
   delta = jnp.sum(d_out * out.astype(jnp.float32), axis=-1) - d_lse
   lse = jnp.where(lse > NEG_INF / 2, lse, jnp.inf)  # no keys: nothing pushed back
-  dq, dk, dv, dparams = _backward(spec, qs, ks, v, seg_q, seg_k, leaves, d_out, lse, delta)
+  state, d_carry = (), None
+  if spec.stateful:
+    d_rows = (jnp.zeros(seg_q.shape, jnp.float32) if d_rows is None
+              else d_rows.astype(jnp.float32))
+    g, d_carry = _d_states(spec, qs, ks, v, seg_q, seg_k, leaves, d_out, lse, delta, starts,
+                           states, d_rows)
+    state = (starts, states, g, d_rows)
+  dq, dk, dv, dparams = _backward(spec, qs, ks, v, seg_q, seg_k, leaves, d_out, lse, delta,
+                                  state)
   cast = lambda xs, like: tuple(a.astype(b.dtype) for a, b in zip(xs, like))  # noqa: E731
-  return (cast(dq, qs), cast(dk, ks), dv.astype(v.dtype), None, None, cast(dparams, leaves))
+  return (cast(dq, qs), cast(dk, ks), dv.astype(v.dtype), None, None, cast(dparams, leaves),
+          d_carry, None)
 
 
 _call.defvjp(_call_fwd, _call_bwd)
@@ -658,24 +895,25 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
   Args:
     q, k, v, q_segments, k_segments, params, table, q_block, score, dtype, out_dtype,
     param_axes, distance_origin: as pallas_kernel.attention.
-    carry: must be None: a carried state is not computed here (see REFUSED).
+    carry: None, or a state (batch, keys) carried across the query tiles, as
+      blockloop.attention's (see the module's docstring and _check_state).
     key_block: keys per tile (default: the query tile).
     interpret: run as plain JAX (a CPU target: the tests).
     q_tile: queries per tile (default tile_size: 64, 32 with a distance table).
 
   Returns:
-    As blockloop.attention: (output, log-sum-exp).
+    As blockloop.attention: (output, log-sum-exp), with `carry` also the rows' sums.
   """
-  if carry is not None:
-    raise ValueError('the Pallas Triton kernel computes no carried state (selective '
-                     "attention's F): " + REFUSED['SelectiveAttention'])
   qs = tuple(q) if isinstance(q, tuple) else (q,)
   ks = tuple(k) if isinstance(k, tuple) else (k,)
   heads = v.shape[1]
-  if any(a.shape[1] != heads for a in (*qs, *ks)):
+  if any(a.shape[1] not in (heads, 1) for a in (*qs, *ks)):
     raise ValueError('the Pallas Triton kernel computes one head per program: every query '
-                     f'and key array needs the {heads} heads of v, got '
-                     f'{[a.shape for a in (*qs, *ks)]}')
+                     f'and key array has the {heads} heads of v or one head that every head '
+                     f'reads, got {[a.shape for a in (*qs, *ks)]}')
+  if carry is not None and carry.ndim != 2:
+    raise ValueError('the Pallas Triton kernel carries a state of one value per key, (batch, '
+                     f'keys); got shape {carry.shape}')
   n, nk = qs[0].shape[2], v.shape[2]
   leaves, treedef = jax.tree.flatten(params)
   names = pallas_kernel._names_axes  # pylint: disable=protected-access
@@ -699,18 +937,20 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
   full = str(jax.config.jax_default_matmul_precision).lower() in splash.FULL_PRECISION
   flags = dict(q_tuple=isinstance(q, tuple), k_tuple=isinstance(k, tuple))
 
-  def run(qs, ks, v, q_segments, k_segments, leaves):
-    return _attention(qs, ks, v, q_segments, k_segments, leaves, tiles=t, treedef=treedef,
-                      param_axes=tuple(axes), score=score, dtype=dtype, out_dtype=out_dtype,
-                      interpret=bool(interpret), keys=nk, window=window,
+  def run(qs, ks, v, q_segments, k_segments, leaves, carry):
+    return _attention(qs, ks, v, q_segments, k_segments, leaves, carry, tiles=t,
+                      treedef=treedef, param_axes=tuple(axes), score=score, dtype=dtype,
+                      out_dtype=out_dtype, interpret=bool(interpret), keys=nk, window=window,
                       table_rows=max(rows, default=0), distance_origin=int(distance_origin),
                       precision=jax.lax.Precision.HIGHEST if full else None, **flags)
 
   layout = splash.mesh_layout()
   if layout is None:
-    return run(qs, ks, v, q_segments, k_segments, tuple(leaves))
+    return run(qs, ks, v, q_segments, k_segments, tuple(leaves), carry)
   mesh, batch_axes, head_axes = layout
   batch_axes = splash.divisible_axes(mesh, batch_axes, v.shape[0])
+  if carry is not None:  # the state's gradient sums over every head: a device holds them all
+    head_axes = ()
   shards = int(np.prod([mesh.shape[a] for a in head_axes])) if head_axes else 1
   if heads % shards:
     raise ValueError(f'{heads} heads cannot be split over the mesh axes {head_axes} '
@@ -718,20 +958,84 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
   batch_spec, head_spec = batch_axes or None, head_axes or None
   name = {'batch': batch_spec, 'heads': head_spec}
   row = P(batch_spec)
+  tile = lambda a: P(batch_spec, head_spec if a.shape[1] == heads else None)  # noqa: E731
+  out_specs = (P(batch_spec, head_spec), P(batch_spec, head_spec))
+  if carry is not None:
+    out_specs += (row,)
   return jax.shard_map(
       run, mesh=mesh, check_vma=False,
-      in_specs=(tuple(P(batch_spec, head_spec) for _ in qs),
-                tuple(P(batch_spec, head_spec) for _ in ks), P(batch_spec, head_spec), row,
-                row, tuple(P(*(name.get(x) for x in a)) for a in axes)),
-      out_specs=(P(batch_spec, head_spec), P(batch_spec, head_spec)))(
-          qs, ks, v, q_segments, k_segments, tuple(leaves))
+      in_specs=(tuple(tile(a) for a in qs), tuple(tile(a) for a in ks), tile(v), row, row,
+                tuple(P(*(name.get(x) for x in a)) for a in axes),
+                None if carry is None else row),
+      out_specs=out_specs)(qs, ks, v, q_segments, k_segments, tuple(leaves), carry)
 
 
-def _attention(qs, ks, v, q_segments, k_segments, leaves, *, tiles: Tiles, treedef, param_axes,
-               score, dtype, out_dtype, interpret, keys, window, table_rows, distance_origin,
-               precision, q_tuple, k_tuple):
+def _dependencies(jaxpr) -> list[set[int]]:
+  """For each output of a jaxpr, the inputs (their indices) it is computed from: an
+  equation's outputs from all of its inputs (a nested jaxpr taken whole, which can only add
+  inputs)."""
+  deps = {v: {x} for x, v in enumerate(jaxpr.invars)}
+  for eqn in jaxpr.eqns:
+    used = set().union(*(deps.get(v, set()) for v in eqn.invars
+                         if not isinstance(v, jax.extend.core.Literal)))
+    for v in eqn.outvars:
+      deps[v] = used
+  return [set() if isinstance(v, jax.extend.core.Literal) else deps.get(v, set())
+          for v in jaxpr.outvars]
+
+
+def _check_state(spec: _Spec, qs, ks, leaves) -> bool:
+  """Raises ValueError where the kernel cannot carry a stateful score's state; returns
+  whether the score has rows. A program holds one head, so the state's increment and the
+  rows, which the kernel takes from head 0's programs, must not read a head's own query, key
+  or parameter; and G, the increment's cotangent, is known before the tiles' backward only
+  if the increment does not read the state (selective attention's increment, the column sums
+  of S, does not: F does)."""
+  t = spec.tiles
+  sd = jax.ShapeDtypeStruct
+  tile = lambda a, n: sd((1, 1, n, a.shape[3]), a.dtype)  # noqa: E731
+  q_tiles = [tile(a, t.q_tile) for a in qs]
+  k_tiles = [tile(a, t.key_tile) for a in ks]
+  params = [sd(tuple(spec.window if x == 'distance' else s for x, s in
+                     zip(names or (None,) * a.ndim, _grad_tile(spec, a, names))), a.dtype)
+            for a, names in zip(leaves, spec.param_axes)]
+  ctx = blockloop.Context(sd((1, t.key_tile), jnp.float32),
+                          sd((1, t.q_tile, t.key_tile), bool), sd((1, t.key_tile), bool))
+  i, j = sd((t.q_tile,), jnp.int32), sd((t.key_tile,), jnp.int32)
+
+  def f(q_tiles, k_tiles, params, carried, real, starts, i, j):
+    with blockloop.in_kernel(0, kind='triton', precision=spec.precision):
+      out = spec.score(jax.tree.unflatten(spec.treedef, params), _wrap(spec.q_tuple, q_tiles),
+                       _wrap(spec.k_tuple, k_tiles), i, j,
+                       blockloop.Context(carried, real, starts))
+    return out[3], out[4]
+
+  reads = _dependencies(jax.make_jaxpr(f)(q_tiles, k_tiles, params, *ctx, i, j).jaxpr)
+  has_rows = len(reads) == 2                              # rows None: one output
+  increment, rows = reads[0], reads[1] if has_rows else set()
+  own = ([x for x, one in enumerate(spec.q_shared) if not one]
+         + [len(qs) + x for x, one in enumerate(spec.k_shared) if not one]
+         + [len(qs) + len(ks) + x for x, names in enumerate(spec.param_axes)
+            if 'heads' in (names or ())])
+  carried = len(qs) + len(ks) + len(leaves)
+  for what, reads in (('increment', increment), ('rows', rows)):
+    if set(own) & reads:
+      raise ValueError(f"the Pallas Triton kernel takes a carried state's {what} from head "
+                       "0's programs: it must read only arrays of one head (a one-head query "
+                       "or key array, as selective attention's S), not a head's own")
+  if carried in increment:
+    raise ValueError('the Pallas Triton kernel computes the gradient of a carried state '
+                     "before the tiles' backward: the state's increment must not read the "
+                     'state itself')
+  return has_rows
+
+
+def _attention(qs, ks, v, q_segments, k_segments, leaves, carry, *, tiles: Tiles, treedef,
+               param_axes, score, dtype, out_dtype, interpret, keys, window, table_rows,
+               distance_origin, precision, q_tuple, k_tuple):
   """`attention` on one device's arrays: padded to whole tiles, through the kernels."""
   t = tiles
+  heads = v.shape[1]
   n = qs[0].shape[2]
   n_pad, nk_pad = t.q_tiles * t.q_tile, t.key_tiles * t.key_tile
   pad_len = lambda a, to: jnp.pad(a, ((0, 0), (0, 0), (0, to - a.shape[2]), (0, 0)))  # noqa
@@ -756,14 +1060,25 @@ def _attention(qs, ks, v, q_segments, k_segments, leaves, *, tiles: Tiles, treed
     return a
 
   padded = tuple(fitted(a, names) for a, names in zip(leaves, param_axes))
+  stateful = carry is not None
   spec = _Spec(t, score, jnp.dtype(dtype), jnp.dtype(out_dtype or dtype), keys, q_tuple,
                k_tuple, len(qs), len(ks), treedef, param_axes, table_rows, window,
-               distance_origin, precision, interpret)
+               distance_origin, precision, interpret,
+               q_shared=tuple(heads > 1 and a.shape[1] == 1 for a in qs),
+               k_shared=tuple(heads > 1 and a.shape[1] == 1 for a in ks), stateful=stateful)
+  carry_p = starts = None
+  if stateful:
+    spec = dataclasses.replace(spec, has_rows=_check_state(spec, qs, ks, padded))
+    prev = jnp.pad(k_segments[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+    starts = jnp.pad((k_segments != prev).astype(jnp.int32), ((0, 0), (0, nk_pad - keys)))
+    carry_p = jnp.pad(carry.astype(jnp.float32), ((0, 0), (0, nk_pad - keys)))
   if not interpret:
     _compiled_checks(spec, qs_p, ks_p, v_p, padded)
   # The parameters' gradients come back through the padding (XLA differentiates it).
-  out, lse = _call(spec, qs_p, ks_p, v_p, seg_q, seg_k, padded)
-  return out[:, :, :n], lse[:, :, :n]
+  out, lse, rows = _call(spec, qs_p, ks_p, v_p, seg_q, seg_k, padded, carry_p, starts)
+  if not stateful:
+    return out[:, :, :n], lse[:, :, :n]
+  return out[:, :, :n], lse[:, :, :n], None if rows is None else rows[:, :n]
 
 
 blockloop.register_kernel('pallas_gpu', attention)

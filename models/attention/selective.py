@@ -207,9 +207,9 @@ def _blocked_score(*, scale: float, separate: bool, shift: bool, relu: bool, mas
     (qh, sq), (kh, sk) = (qb, kb) if separate else ((qb, None), (kb, None))
     logits = blockloop.head_einsum('bhqd,bhkd->bhqk', qh, kh,
                                    preferred_element_type=jnp.float32) * scale
-    if separate:                                            # S: its own form (A.3)
-      s = jnp.einsum('bqd,bkd->bqk', sq[:, 0], sk[:, 0],
-                     preferred_element_type=jnp.float32) * scale
+    if separate:                          # S: its own form (A.3), or head 0's on a GPU
+      s = blockloop.head_einsum('bhqd,bhkd->bhqk', sq, sk,
+                                preferred_element_type=jnp.float32)[:, 0] * scale
     else:
       s = logits[:, 0]                                      # S: head 0 (3.1)
     causal = i[:, None] >= j[None, :]
@@ -220,7 +220,10 @@ def _blocked_score(*, scale: float, separate: bool, shift: bool, relu: bool, mas
     rows = None
     if tau is not None:
       rows = jnp.where(causal[None], 1.0 - jnp.minimum(f, tau) / tau, 0.0)
-    return _minus_f(logits, f), causal[None, None], None, increment, rows
+    # The Triton kernel lowers no custom VJP; its tiles are one head, where F's gradient is
+    # minus the logits' anyway.
+    minus_f = (lambda a, b: a - b[:, None]) if blockloop.inside_triton_kernel() else _minus_f
+    return minus_f(logits, f), causal[None, None], None, increment, rows
 
   return score
 
@@ -235,11 +238,16 @@ def _sums_over_queries(s, *, exclusive: bool):
   layers of 136 + 1 MB at the Variable Assignment recipe's 2,048 rows: 16 s to lower its train
   step, now 1.5 s)."""
   b, t, c = s.shape
+  exact = jax.lax.Precision.HIGHEST  # F sums many S: no reduced-precision passes on a GPU.
+  if blockloop.inside_triton_kernel():  # One row, and a Triton matmul has no batch axis:
+    # the tile's T x T triangle at once (T is at most pallas_gpu.TILE).
+    prefix = jnp.dot(_triangle((t, t), s.dtype, strict=exclusive), s[0], precision=exact,
+                     preferred_element_type=jnp.float32)
+    return prefix[None], jnp.sum(s, axis=1)
   g = math.gcd(t, 16)
   before = _triangle((b, t // g, t // g), s.dtype, strict=True)
   groups = s.reshape(b, t // g, g, c)
   totals = jnp.sum(groups, axis=2)                          # (b, T / g, C)
-  exact = jax.lax.Precision.HIGHEST  # F sums many S: no reduced-precision passes on a GPU.
   if blockloop.inside_kernel():  # One batch axis: Mosaic takes a matmul with one.
     within = _triangle((b * (t // g), g, g), s.dtype, strict=exclusive)
     prefix = jnp.einsum('zxy,zyc->zxc', within, groups.reshape(b * (t // g), g, c),
@@ -358,6 +366,10 @@ class SelectiveAttention(base.MultiHeadAttention):
       raise ValueError(f'attention block size must be >= 1, got {self.block_size}')
     batch, n = q.shape[:2]
     lmem = self.option('lmem_eps') > 0
+    if selection is None and self.engine().get('kernel') == 'pallas_gpu':
+      # A GPU kernel's program holds one head: head 0's S comes as a one-head query and key
+      # that every head's program reads (the same products; their gradients reach head 0).
+      selection = (q[:, :, 0], k[:, :, 0])
     # At most n (a short row is one block of its own length); its blocks read every earlier
     # key, as dense's do, so a CPU's long rows take dense's larger block.
     block = self.loop_block(n, prefix=True)

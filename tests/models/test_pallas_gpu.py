@@ -10,12 +10,15 @@ No GPU runs here. What is checked is what a CPU host can check:
   a per-row, per-head, per-query parameter. Tiles of 16 queries straddle the table's query
   blocks of 8, so each query is masked by its own block's row of the table.
 * Two backward runs give bit-identical gradients (no atomics).
-* Every variant the GPU kernel computes trains through it in interpret mode: a one-layer
-  model's loss and every gradient equal those of attention_impl='blocksparse'.
-* Every variant the GPU kernel computes lowers its one-layer model's train step (loss and
-  gradients) for ('cuda',) with the forward, dq and dk/dv kernels as Triton custom calls;
-  what it does not compute (selective attention, a head width Triton cannot tile) is refused
-  with the reason when the config is built.
+* A carried state (selective attention's F, and its L_mem rows) through the pre-pass and the
+  gradient pass equals the engine; a state whose increment reads a head's own array (each
+  program holds one head) is refused.
+* Every variant trains through it in interpret mode: a one-layer model's loss and every
+  gradient equal those of attention_impl='blocksparse'.
+* Every variant lowers its one-layer model's train step (loss and gradients) for ('cuda',)
+  with the forward, dq and dk/dv kernels (and selective's state passes) as Triton custom
+  calls; a head width Triton cannot tile is refused with the reason when the config is
+  built.
 
 Tolerances are those of test_pallas_kernel.py (splash's: float32 1e-5 on outputs, 1e-4 on
 gradients; bfloat16 2e-2), whose cases and helpers these tests reuse.
@@ -33,7 +36,7 @@ import numpy as np
 import pytest
 
 from models import transformer
-from models.attention import base, blockloop, pallas_gpu
+from models.attention import base, blockloop, pallas_gpu, selective
 from tests.models import test_pallas_kernel as tpk
 from tests.models.test_pallas_kernel import B, D, H, N, SEGMENTS, TOL
 
@@ -177,18 +180,65 @@ def test_a_distance_table_read_by_windows_gives_the_engine_s_results(per_head):
   _assert_grads_close(got_grads, want_grads, 1e-4)
 
 
-def test_a_carried_state_is_refused():
-  with pytest.raises(ValueError, match='carried state'):
-    q = jnp.zeros((B, H, N, D))
-    pallas_gpu.attention(q, q, q, jnp.asarray(SEGMENTS), jnp.asarray(SEGMENTS), None,
-                         table=blockloop.Table.runs([0], [1], 8), q_block=8, score=None,
-                         dtype=jnp.float32, carry=jnp.zeros((B, N)), interpret=True)
+def _carried(kernel, separate: bool, tau):
+  """Selective attention's score (blockloop.attention with a carried state: F's column
+  sums, and with `tau` the rows of L_mem) on two documents in a row at a ragged length, with
+  a random initial state. `separate`: S from a one-head query and key (what the model passes
+  the GPU kernel: head 0's), else from head 0's logits (a head's own arrays)."""
+  table = blockloop.Table.runs(np.zeros(-(-N // 8)), np.arange(1, -(-N // 8) + 1), 8)
+  score = selective._blocked_score(scale=D ** -0.5, separate=separate, shift=True, relu=True,
+                                   mask_bos=True, mask_diag=True, tau=tau)
+  seg = jnp.asarray(SEGMENTS)
+  engine = dict(kernel='pallas_gpu', interpret=True) if kernel == 'pallas_gpu' else {}
+
+  def f(q, k, v, carry):
+    qs, ks = ((q, q[:, :1]), (k, k[:, :1])) if separate else (q, k)
+    return blockloop.attention(qs, ks, v, seg, seg, None, table=table, q_block=8, score=score,
+                               dtype=jnp.float32, carry=carry, **engine)
+
+  def loss(*args):
+    out, lse, rows = f(*args)
+    total = jnp.sum(jnp.sin(out)) + 0.1 * jnp.sum(jnp.where(lse > -1e9, lse, 0.0))
+    return total + (0.0 if rows is None else 0.3 * jnp.sum(jnp.cos(rows)))
+
+  return jax.jit(lambda *a: (f(*a), jax.grad(loss, argnums=range(4))(*a)))
+
+
+def _carried_inputs():
+  keys = jax.random.split(jax.random.key(4), 4)
+  q, k, v = (jax.random.normal(x, (B, H, N, 16)) for x in keys[:3])
+  return q, k, v, 0.1 * jax.random.normal(keys[3], (B, N))
+
+
+@pytest.mark.parametrize('tau', [None, 0.5])
+def test_a_carried_state_gives_the_engine_s_results(tau):
+  """Selective attention's F through the GPU kernel: the state each query tile reads comes
+  from a pre-pass over the key tiles, its gradient G from the heads' and later tiles' sums;
+  outputs, log-sum-exps, the rows' sums and the gradients of q, k (the one-head S's summed
+  into head 0's), v and the initial state equal the engine's. Tiles of 16 queries straddle
+  the table's blocks of 8."""
+  args = _carried_inputs()
+  got, got_grads = _carried('pallas_gpu', True, tau)(*args)
+  want, want_grads = _carried('xla', True, tau)(*args)
+  assert (got[2] is None) == (tau is None)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+  _assert_grads_close(got_grads, want_grads, 1e-4)
+  again = _carried('pallas_gpu', True, tau)(*args)[1]
+  for a, b in zip(got_grads, again):  # deterministic: the sums run in a fixed order
+    np.testing.assert_array_equal(a, b)
+
+
+def test_a_state_that_reads_a_head_s_own_array_is_refused():
+  """A program holds one head: an increment computed from head 0's own logits (selective's
+  S without the one-head arrays the model passes) would be each head's in its programs."""
+  with pytest.raises(ValueError, match="state's increment from head 0's programs"):
+    _carried('pallas_gpu', False, None)(*_carried_inputs())
 
 
 # test_pallas_kernel's options, but fixed attention's heads read distinct summary blocks: they
 # see different keys, which the GPU kernel tells apart by a per-head parameter.
-# The variants the GPU kernel computes, and those it refuses (pallas_gpu.REFUSED).
-GPU_VARIANTS = tuple(v for v in tpk.VARIANTS if v != 'selective')
+GPU_VARIANTS = tpk.VARIANTS
 OPTIONS = {**tpk.OPTIONS, 'fixed': {**tpk.OPTIONS['fixed'], 'distinct_heads': True}}
 
 
@@ -317,7 +367,8 @@ def test_every_supported_variant_s_train_step_lowers_to_triton_kernels(variant):
   text = jax.jit(step).trace(params, tokens).lower(lowering_platforms=('cuda',)).as_text()
   layers = 2 if variant == 'local_global' else 1
   assert len(TRITON_CALL.findall(text)) >= 3 * layers, variant
-  for kernel in ('fwd', 'dq', 'dkv'):
+  kernels = ('fwd', 'dq', 'dkv') + (('states', 'dstates') if variant == 'selective' else ())
+  for kernel in kernels:
     assert f'score_hook_gpu_{kernel}' in text, (variant, kernel)
   assert 'mosaic' not in text
   assert transformer.implementations(_gpu_config(variant, 'pallas')) == ['pallas'] * layers
@@ -327,11 +378,9 @@ WIDTHS = r'its tiles take head widths that are powers of two of at least 16 \(Tr
 
 
 @pytest.mark.parametrize('variant,d_model,why', [
-    ('selective', 64, 'selective attention carries F'), ('dense', 48, f'{WIDTHS} 24'),
-    ('txl', 16, f'{WIDTHS} 8')])
+    ('dense', 48, f'{WIDTHS} 24'), ('txl', 16, f'{WIDTHS} 8'), ('selective', 16, f'{WIDTHS} 8')])
 def test_what_the_gpu_kernel_cannot_compute_is_refused_with_the_reason(variant, d_model, why):
-  """When the config is built: selective attention (its carried state), and heads that
-  Triton's tiles cannot take."""
+  """When the config is built: heads that Triton's tiles cannot take."""
   with pytest.raises(ValueError, match=f"Attention: attention_impl='pallas' cannot run on a "
                                        f'GPU: {why}'):
     transformer.implementations(_gpu_config(variant, 'pallas', d_model))
