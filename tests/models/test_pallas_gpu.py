@@ -256,12 +256,13 @@ def _cpu_model(variant, impl, dtype='float32'):
 @pytest.mark.parametrize('variant,dtype', [(v, 'float32') for v in GPU_VARIANTS if v != 'local']
                          + [('txl', 'bfloat16')])
 def test_a_model_trains_through_the_gpu_kernel_in_interpret_mode(variant, dtype, monkeypatch):
-  """Each supported variant's one-layer model through the GPU kernel in interpret mode (the
-  engine's kernel switched to 'pallas_gpu' for this CPU target): loss and every gradient
-  equal 'blocksparse''s. Fixed attention's heads see different keys (each head's mask chosen
-  by a parameter), adaptive span's table is shared by the heads, dynamic span's z is per row,
+  """Each variant's one-layer model through the GPU kernel in interpret mode (the engine's
+  kernel switched to 'pallas_gpu' for this CPU target): loss and every gradient equal
+  'blocksparse''s. Fixed attention's heads see different keys (each head's mask chosen by a
+  parameter), adaptive span's table is shared by the heads, dynamic span's z is per row,
   head and query, Transformer-XL reads two query arrays and a distance table per head (and
-  in bfloat16 its matmuls' backward casts the float32 cotangent to the operands' dtype)."""
+  in bfloat16 its matmuls' backward casts the float32 cotangent to the operands' dtype),
+  selective reads head 0's S as one-head arrays and carries F, with L_mem's rows."""
   engine = base.MultiHeadAttention.engine
   monkeypatch.setattr(base.MultiHeadAttention, 'engine', lambda self: (
       {'kernel': 'pallas_gpu', 'interpret': True} if self.impl == 'pallas' else engine(self)))
@@ -321,6 +322,31 @@ def test_under_a_mesh_each_device_computes_its_rows_and_heads():
     for rows in (1, 2):
       assert jax.eval_shape(f, jax.ShapeDtypeStruct((rows, 4, 16, 16), jnp.float32),
                             w).shape == (rows, 4, 16, 16)
+
+
+def test_under_a_mesh_a_carried_state_keeps_a_row_s_heads_on_one_device():
+  """With a carried state the kernels run under shard_map over the batch axes only (the
+  state's gradient sums over every head), the one-head S arrays and the state by row; the
+  gradients of q (S's summed into head 0's) and of the initial state trace."""
+  mesh = jax.sharding.AbstractMesh((2, 1, 2), ('data', 'fsdp', 'tensor'),
+                                   axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  table = blockloop.Table.runs([0, 0], [1, 2], 8)
+  score = selective._blocked_score(scale=0.25, separate=True, shift=True, relu=True,
+                                   mask_bos=True, mask_diag=True, tau=0.5)
+
+  def f(q, carry):
+    seg = jnp.ones(q.shape[:1] + (16,), jnp.int32)
+    out, _, rows = pallas_gpu.attention((q, q[:, :1]), (q, q[:, :1]), q, seg, seg, None,
+                                        table=table, q_block=8, score=score,
+                                        dtype=jnp.float32, carry=carry, interpret=True)
+    return jnp.sum(out) + jnp.sum(rows)
+
+  q = jax.ShapeDtypeStruct((2, 4, 16, 16), jnp.float32)
+  carry = jax.ShapeDtypeStruct((2, 16), jnp.float32)
+  with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(
+      (('batch', ('data', 'fsdp')), ('heads', 'tensor'))):
+    dq, d_carry = jax.eval_shape(jax.grad(f, argnums=(0, 1)), q, carry)
+  assert dq.shape == q.shape and d_carry.shape == carry.shape
 
 
 GPU_N = 48  # a ragged row: one query tile of 64 (32 with a distance table: two)
