@@ -21,8 +21,10 @@
 #      loss and gradients against 'blocksparse' at 1K, bf16; PALLAS_CHECK_S seconds), then
 #      NAME@pallas rows beside part 1's dense (cuDNN in bf16) and engine rows: issue 68's bar
 #      (dense at >= 85% of cuDNN's TFLOP/s, every learned variant >= 3x the engine at 16K).
-#      No GPU has run the kernel yet: its first lease may find a Triton compile error (a row
-#      then fails alone, with the log), so run it alone:
+#      No GPU has run the kernel yet. Its kernels compile to sm_90 cubins with triton 3.9.0
+#      on a CPU (benchmarks/triton_sm90.py), but XLA compiles them with its own Triton: the
+#      first lease may still find a compile error (a row then fails alone, with the log),
+#      so run it alone:
 #        GIT_COMMIT=... PART1_S=0 BEFORE= bash benchmarks/gpu_variant_speed.sh
 # Settings (environment): SHAPES, VARIANTS (part 1's, default every one; dense always runs),
 # BEFORE (a folder under .before/, '' to skip part 2), PALLAS (part 3's variants, '' to skip),

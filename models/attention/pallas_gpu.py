@@ -70,15 +70,34 @@ from jax.sharding import PartitionSpec as P
 from models.attention import blockloop, pallas_kernel, splash
 from models.attention.reference import NEG_INF
 
-# Queries and keys of a tile: TILE; RELATIVE_TILE for a score with a distance table, whose
-# relative term holds B x C x W selects for a window of W >= B + C - 1 rows (32 x 32 x 64:
-# 64K, where 64 x 64 x 128 would be 512K values for one program).
+# Queries and keys of a tile, and warps of a program, chosen by what ptxas reports of the
+# kernels compiled for sm_90 (H100, H200: benchmarks/triton_sm90.py, results/triton_sm90.json;
+# no GPU has timed them):
+#   TILE           dense and the static patterns: no spill at 4 warps with heads of 64; heads
+#                  of 128 take 8 (the dk/dv kernel spilled 1.2 KB a thread at 4, 0.4 at 8).
+#   RELATIVE_TILE  a score with a distance table, whose relative term holds B x C x W selects
+#                  for a window of W >= B + C - 1 rows: at 32 x 32 x 64 (64K values a program)
+#                  every kernel spilled 11-19 KB a thread at 4 warps, 0.5-2.3 KB at 16. Tiles
+#                  of 16 spill nothing at 4 warps (and a pair takes half the selects), but each
+#                  dq program writes its own copy of the table's gradient, and they would
+#                  double those copies (docs/pallas_kernel.md: not yet).
+#   STATE_TILE     a carried state (selective's F: S, its triangular prefix and F beside the
+#                  logits): at 64 the kernels spilled 4-11 KB a thread at 4 warps and 1-3 KB
+#                  at 8; at 32, at most 0.1 KB at 8.
 TILE = 64
 RELATIVE_TILE = 32
+STATE_TILE = 32
 # Triton's matmul (tl.dot) takes operands at least 16 wide along each dimension.
 MIN_DOT = 16
-NUM_WARPS = 4
 NUM_STAGES = 2
+
+
+def num_warps(relative: bool, stateful: bool, head_width: int) -> int:
+  """Warps of a program (see TILE): 16 for a score with a distance table, 8 for a carried
+  state or heads wider than 64, else 4."""
+  if relative:
+    return 16
+  return 8 if stateful or head_width > 64 else 4
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Tiles:
@@ -173,6 +192,7 @@ class _Spec:
   distance_origin: int    # the distance-table row of pair (query 0, key 0)
   precision: object       # of the kernel's own matmuls
   interpret: bool
+  warps: int = 4          # per program (num_warps)
   q_shared: tuple = ()    # per query array: one head, read by every head's program
   k_shared: tuple = ()    # per key array
   stateful: bool = False  # a state per key carried across the query tiles (see _states)
@@ -464,8 +484,8 @@ def _inputs(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, order, count, extra=()
   return in_specs, [*qs, *ks, v, seg_q, seg_k, rows, order, count, *leaves, *extra, *state]
 
 
-def _compiler_params(stages: int = NUM_STAGES):
-  return plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=stages)
+def _compiler_params(spec: _Spec, stages: int = NUM_STAGES):
+  return plgpu.CompilerParams(num_warps=spec.warps, num_stages=stages)
 
 
 def _states(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, carry, starts):
@@ -481,7 +501,7 @@ def _states(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, carry, starts):
   return pl.pallas_call(
       functools.partial(_states_kernel, spec), grid=(batch, 1, t.key_tiles),
       in_specs=in_specs, out_specs=_batch_row_spec(out), out_shape=out,
-      compiler_params=_compiler_params(), interpret=spec.interpret,
+      compiler_params=_compiler_params(spec), interpret=spec.interpret,
       name='score_hook_gpu_states')(*inputs)
 
 
@@ -500,7 +520,7 @@ def _forward(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, starts=None, states=N
   outs = pl.pallas_call(
       functools.partial(_forward_kernel, spec), grid=(batch, heads, t.q_tiles),
       in_specs=in_specs, out_specs=[_tile_spec(a, t.q_tile) for a in out_shape],
-      out_shape=out_shape, compiler_params=_compiler_params(), interpret=spec.interpret,
+      out_shape=out_shape, compiler_params=_compiler_params(spec), interpret=spec.interpret,
       name='score_hook_gpu_fwd')(*inputs)
   # Every head's program sums the same rows (they read no head's own array): head 0's.
   return outs[0], outs[1], outs[2][:, 0] if spec.has_rows else None
@@ -733,7 +753,7 @@ def _d_states(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, do, lse, delta, star
       functools.partial(_d_states_kernel, spec), grid=(batch, heads, t.q_tiles),
       in_specs=in_specs,
       out_specs=pl.BlockSpec((None, None, None, nk_pad), lambda bi, h, x: (bi, h, x, 0)),
-      out_shape=out, compiler_params=_compiler_params(), interpret=spec.interpret,
+      out_shape=out, compiler_params=_compiler_params(spec), interpret=spec.interpret,
       name='score_hook_gpu_dstates')(*inputs)
   visits = np.zeros((t.q_tiles, t.key_tiles), bool)  # the tiles the programs wrote
   for qt in range(t.q_tiles):
@@ -763,7 +783,7 @@ def _backward(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, do, lse, delta, stat
   outs = pl.pallas_call(
       functools.partial(_dq_kernel, spec), grid=(batch, heads, t.q_tiles),
       in_specs=in_specs, out_specs=[_tile_spec(a, t.q_tile) for a in qs] + share_specs,
-      out_shape=[f32(a) for a in qs] + shares, compiler_params=_compiler_params(stages),
+      out_shape=[f32(a) for a in qs] + shares, compiler_params=_compiler_params(spec, stages),
       interpret=spec.interpret, name='score_hook_gpu_dq')(*inputs)
   dq, shares = outs[:spec.n_q], outs[spec.n_q:]
   in_specs, inputs = _inputs(spec, qs, ks, v, seg_q, seg_k, leaves, t.qs, t.q_steps, extra,
@@ -771,7 +791,7 @@ def _backward(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, do, lse, delta, stat
   dkv = pl.pallas_call(
       functools.partial(_dkv_kernel, spec), grid=(batch, heads, t.key_tiles),
       in_specs=in_specs, out_specs=[_tile_spec(a, t.key_tile) for a in (*ks, v)],
-      out_shape=[f32(a) for a in (*ks, v)], compiler_params=_compiler_params(),
+      out_shape=[f32(a) for a in (*ks, v)], compiler_params=_compiler_params(spec),
       interpret=spec.interpret, name='score_hook_gpu_dkv')(*inputs)
   dparams = [_assemble(g, names) for g, names in zip(shares, spec.param_axes)]
   # An array of one head that every head's program read: the sum of the heads' shares.
@@ -841,10 +861,12 @@ def _pow2(x: int) -> int:
   return 1 << max(0, int(x) - 1).bit_length()
 
 
-def tile_size(q_block: int, relative: bool) -> int:
+def tile_size(q_block: int, relative: bool, stateful: bool = False) -> int:
   """Queries (and keys) of a tile: the table's query block rounded up to a power of two, at
-  least MIN_DOT, at most TILE (RELATIVE_TILE for a score with a distance table)."""
-  return min(RELATIVE_TILE if relative else TILE, max(MIN_DOT, _pow2(q_block)))
+  least MIN_DOT, at most TILE (RELATIVE_TILE for a score with a distance table, STATE_TILE
+  for a carried state)."""
+  largest = RELATIVE_TILE if relative else STATE_TILE if stateful else TILE
+  return min(largest, max(MIN_DOT, _pow2(q_block)))
 
 
 def unusable_head_dim(head_dim: int) -> str | None:
@@ -899,7 +921,8 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
       blockloop.attention's (see the module's docstring and _check_state).
     key_block: keys per tile (default: the query tile).
     interpret: run as plain JAX (a CPU target: the tests).
-    q_tile: queries per tile (default tile_size: 64, 32 with a distance table).
+    q_tile: queries per tile (default tile_size: 64; 32 with a distance table or a carried
+      state).
 
   Returns:
     As blockloop.attention: (output, log-sum-exp), with `carry` also the rows' sums.
@@ -931,7 +954,7 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
   if len(rows) > 1:  # a tile reads every table at one window (blockloop.in_kernel's offset)
     raise ValueError(f'distance tables of different lengths {sorted(rows)}: the kernel reads '
                      'every distance table of a score at the same rows')
-  q_tile = q_tile or tile_size(q_block, bool(rows))
+  q_tile = q_tile or tile_size(q_block, bool(rows), carry is not None)
   t = tiles(table, q_block, n, nk, q_tile, key_block or q_tile)
   window = _pow2(t.q_tile + t.key_tile - 1)
   full = str(jax.config.jax_default_matmul_precision).lower() in splash.FULL_PRECISION
@@ -1065,7 +1088,9 @@ def _attention(qs, ks, v, q_segments, k_segments, leaves, carry, *, tiles: Tiles
                k_tuple, len(qs), len(ks), treedef, param_axes, table_rows, window,
                distance_origin, precision, interpret,
                q_shared=tuple(heads > 1 and a.shape[1] == 1 for a in qs),
-               k_shared=tuple(heads > 1 and a.shape[1] == 1 for a in ks), stateful=stateful)
+               k_shared=tuple(heads > 1 and a.shape[1] == 1 for a in ks), stateful=stateful,
+               warps=num_warps(bool(table_rows), stateful,
+                               max(a.shape[3] for a in (*qs, *ks, v))))
   carry_p = starts = None
   if stateful:
     spec = dataclasses.replace(spec, has_rows=_check_state(spec, qs, ks, padded))
