@@ -19,10 +19,12 @@ computes the same attention, with the same hook and the same arguments, in Trito
   backward  flash attention's: the scores are recomputed from q, k and the log-sum-exp, and
             the hook's own VJP (jax.vjp inside the kernel) turns d logits and d gate into the
             gradients of q, k and the hook's parameters.
-              dq      grid (batch, heads, query tiles), dq in the loop's carry. Each program
-                      writes its own share of the parameters' gradient and XLA sums the
-                      shares afterwards; a distance table's share is the program's own copy
-                      of the table, a tile's window added in place, a barrier between steps;
+              dq      grid (batch, heads, query tiles), dq in the loop's carry (with a
+                      distance table, DQ_GROUP query tiles a program, one after the other).
+                      Each program writes its own share of the parameters' gradient and XLA
+                      sums the shares afterwards; a distance table's share is the program's
+                      own copy of the table, a tile's window added in place, a barrier
+                      between steps;
               dk, dv  grid (batch, heads, key tiles) over the transposed tiles.
             No atomics: every sum runs in a fixed order, and two runs give bit-identical
             gradients.
@@ -77,27 +79,29 @@ from models.attention.reference import NEG_INF
 #                  of 128 take 8 (the dk/dv kernel spilled 1.2 KB a thread at 4, 0.4 at 8).
 #   RELATIVE_TILE  a score with a distance table, whose relative term holds B x C x W selects
 #                  for a window of W >= B + C - 1 rows: at 32 x 32 x 64 (64K values a program)
-#                  every kernel spilled 11-19 KB a thread at 4 warps, 0.5-2.3 KB at 16. Tiles
-#                  of 16 spill nothing at 4 warps (and a pair takes half the selects), but each
-#                  dq program writes its own copy of the table's gradient, and they would
-#                  double those copies (docs/pallas_kernel.md: not yet).
+#                  every kernel spilled 11-19 KB a thread at 4 warps, 0.5-2.3 KB at 16. At
+#                  16 x 16 x 32 none spills at 4 warps, and a pair takes half the selects (a
+#                  dq program runs DQ_GROUP tiles: 128 queries a copy of the table's gradient).
 #   STATE_TILE     a carried state (selective's F: S, its triangular prefix and F beside the
 #                  logits): at 64 the kernels spilled 4-11 KB a thread at 4 warps and 1-3 KB
 #                  at 8; at 32, at most 0.1 KB at 8.
 TILE = 64
-RELATIVE_TILE = 32
+RELATIVE_TILE = 16
 STATE_TILE = 32
+# Query tiles of one dq program where the score has a distance table: each dq program writes
+# its own copy of the table's gradient (no atomics), so fewer programs write fewer copies (at
+# 16K tokens, 8 heads and a table of 8K rows of 64: 17 GB a layer with one tile of 16 queries
+# a program, 2.2 GB with 8), and 128 queries a program leave 128 programs a row and head.
+DQ_GROUP = 8
 # Triton's matmul (tl.dot) takes operands at least 16 wide along each dimension.
 MIN_DOT = 16
 NUM_STAGES = 2
 
 
 def num_warps(relative: bool, stateful: bool, head_width: int) -> int:
-  """Warps of a program (see TILE): 16 for a score with a distance table, 8 for a carried
-  state or heads wider than 64, else 4."""
-  if relative:
-    return 16
-  return 8 if stateful or head_width > 64 else 4
+  """Warps of a program (see TILE): 8 for a carried state or for heads wider than 64 (but a
+  distance table's tiles of 16), else 4."""
+  return 8 if stateful or (head_width > 64 and not relative) else 4
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Tiles:
@@ -132,17 +136,21 @@ class Tiles:
 
 
 def tiles(table: blockloop.Table, q_block: int, queries: int, keys: int, q_tile: int,
-          key_tile: int) -> Tiles:
+          key_tile: int, group: int = 1) -> Tiles:
   """The Tiles of `table` (query blocks of `q_block`) over `queries` queries in tiles of
-  `q_tile` and `keys` keys in tiles of `key_tile`."""
+  `q_tile` and `keys` keys in tiles of `key_tile`; the query tiles a whole number of `group`s
+  (the tiles past the queries visit no key)."""
   p = pallas_kernel.plan(table, q_block, keys, key_tile)
   if p.q_blocks * q_block < queries:
     raise ValueError(f'the table has {p.q_blocks} query blocks of {q_block}, fewer than the '
                      f'{queries} queries')
-  nqt = max(1, -(-queries // q_tile))
+  nqt = -(-max(1, -(-queries // q_tile)) // group) * group
   visits = []
   for qt in range(nqt):
     first, last = qt * q_tile, max(qt * q_tile, min((qt + 1) * q_tile, queries) - 1)
+    if qt and first >= queries:  # a tile of padding
+      visits.append([])
+      continue
     seen = set()
     for b in range(first // q_block, min(last // q_block, p.q_blocks - 1) + 1):
       seen.update(p.kv[b, :p.steps[b]].tolist())
@@ -193,6 +201,7 @@ class _Spec:
   precision: object       # of the kernel's own matmuls
   interpret: bool
   warps: int = 4          # per program (num_warps)
+  dq_group: int = 1       # query tiles of a dq program (DQ_GROUP with a distance table)
   q_shared: tuple = ()    # per query array: one head, read by every head's program
   k_shared: tuple = ()    # per key array
   stateful: bool = False  # a state per key carried across the query tiles (see _states)
@@ -641,16 +650,17 @@ _BACKWARD_STATE = ('starts', 'states', 'g', 'd_rows')
 
 
 def _dq_kernel(spec: _Spec, *refs):
+  """dq of `spec.dq_group` query tiles, one after the other, and the program's share of the
+  parameters' gradient: a per-query parameter's at its tiles' rows, a distance table's as
+  the program's own copy of the table (windows added in place, a barrier between steps),
+  any other summed over its tiles."""
   ins, refs = _unpack(spec, refs, backward=True,
                       state=_BACKWARD_STATE if spec.stateful else ())
   dq_refs, dp_refs = refs[:spec.n_q], refs[spec.n_q:]
   b = spec.tiles.q_tile
-  qt, first_head = pl.program_id(2), pl.program_id(1) == 0
-  qside = _query_side(spec, ins, qt)
-  at = pl.ds(qt * b, b)
-  do = ins.do[at, :].astype(jnp.float32)
-  lse, delta = ins.lse[at], ins.delta[at]
+  group, first_head = pl.program_id(2), pl.program_id(1) == 0
   tables = ['distance' in names for names in spec.param_axes]
+  per_query = ['queries' in (names or ()) for names in spec.param_axes]
   for r, names in zip(dp_refs, spec.param_axes):
     if 'distance' in names:  # the program's copy of a table's gradient, zeroed by windows
       chunks = r.shape[names.index('distance')] // spec.window
@@ -664,38 +674,59 @@ def _dq_kernel(spec: _Spec, *refs):
       jax.lax.fori_loop(0, chunks, zero, ())
   if any(tables):
     _barrier(spec)
+  # A tile's accumulator of each parameter's gradient (None: a table's, added in place).
+  tile_shapes = [None if table else tuple(b if n == 'queries' else x for n, x in
+                                          zip(names or (None,) * len(r.shape), r.shape))
+                 for r, names, table in zip(dp_refs, spec.param_axes, tables)]
 
-  def step(s, carry):
-    dq, dparams = carry
-    c = ins.order[qt, s]
-    kside = _key_side(spec, ins, c)
-    params, start, offset = _tile_params(spec, ins.params, qt, c)
-    state = (_tile_state(spec, ins, qt, c, _pairs(spec, qside, kside), first_head)
-             if spec.stateful else None)
-    _, dq_t, _, dp_t = _tile_grads(spec, params, offset, qside, kside, do, lse, delta,
-                                   state)[:4]
-    dq = [a + x.reshape(a.shape).astype(jnp.float32) for a, x in zip(dq, dq_t)]
+  def tile(u, summed):
+    qt = group * spec.dq_group + u
+    qside = _query_side(spec, ins, qt)
+    at = pl.ds(qt * b, b)
+    do = ins.do[at, :].astype(jnp.float32)
+    lse, delta = ins.lse[at], ins.delta[at]
+
+    def step(s, carry):
+      dq, dparams = carry
+      c = ins.order[qt, s]
+      kside = _key_side(spec, ins, c)
+      params, start, offset = _tile_params(spec, ins.params, qt, c)
+      state = (_tile_state(spec, ins, qt, c, _pairs(spec, qside, kside), first_head)
+               if spec.stateful else None)
+      _, dq_t, _, dp_t = _tile_grads(spec, params, offset, qside, kside, do, lse, delta,
+                                     state)[:4]
+      dq = [a + x.reshape(a.shape).astype(jnp.float32) for a, x in zip(dq, dq_t)]
+      out = []
+      for r, names, acc, x in zip(dp_refs, spec.param_axes, dparams, jax.tree.leaves(dp_t)):
+        if acc is None:  # a distance table's window, added in place
+          index = _param_index(spec, names, 0, start)
+          r[index] = r[index] + x.astype(jnp.float32)
+          out.append(None)
+        else:
+          out.append(acc + x.reshape(acc.shape).astype(jnp.float32))
+      if any(tables):
+        _barrier(spec)
+      return dq, out
+
+    init = ([jnp.zeros((b, r.shape[-1]), jnp.float32) for r in ins.q],
+            [None if shape is None else jnp.zeros(shape, jnp.float32)
+             for shape in tile_shapes])
+    dq, dparams = jax.lax.fori_loop(0, ins.count[qt], step, init)
+    for r, x in zip(dq_refs, dq):
+      r[pl.ds(u * b, b), :] = x.astype(r.dtype)
     out = []
-    for r, names, acc, x in zip(dp_refs, spec.param_axes, dparams, jax.tree.leaves(dp_t)):
-      if acc is None:  # a distance table's window, added in place
-        index = _param_index(spec, names, 0, start)
-        r[index] = r[index] + x.astype(jnp.float32)
-        out.append(None)
-      else:
-        out.append(acc + x.astype(jnp.float32))
-    if any(tables):
-      _barrier(spec)
-    return dq, out
+    for r, names, x, total, own in zip(dp_refs, spec.param_axes, dparams, summed, per_query):
+      if x is not None and own:  # its tile's rows of the program's share
+        r[_param_index(spec, names, u, 0)] = x
+      out.append(None if x is None or own else total + x)
+    return out
 
-  init = ([jnp.zeros((b, r.shape[-1]), jnp.float32) for r in ins.q],
-          [None if table else jnp.zeros(r.shape, jnp.float32)
-           for r, table in zip(dp_refs, tables)])
-  dq, dparams = jax.lax.fori_loop(0, ins.count[qt], step, init)
-  for r, x in zip(dq_refs, dq):
-    r[...] = x.astype(r.dtype)
-  for r, x in zip(dp_refs, dparams):
+  summed = [None if shape is None or own else jnp.zeros(shape, jnp.float32)
+            for shape, own in zip(tile_shapes, per_query)]
+  summed = jax.lax.fori_loop(0, spec.dq_group, tile, summed)
+  for r, x in zip(dp_refs, summed):
     if x is not None:
-      r[...] = x.reshape(r.shape)
+      r[...] = x
 
 
 def _dkv_kernel(spec: _Spec, *refs):
@@ -728,12 +759,14 @@ def _dkv_kernel(spec: _Spec, *refs):
     r[...] = x.astype(r.dtype)
 
 
-def _grad_tile(spec: _Spec, a, names):
-  """The shape of a program's share of a parameter's gradient: one row and head, its query
-  tile's rows, a distance table whole (padded)."""
+def _grad_tile(spec: _Spec, a, names, rows: int | None = None):
+  """The shape of a parameter as a tile reads it, and of a program's share of its gradient:
+  one row and head, `rows` queries (default: a query tile's), a distance table whole
+  (padded)."""
   if not names:
     return a.shape
-  return tuple(1 if x in ('batch', 'heads') else spec.tiles.q_tile if x == 'queries' else s
+  rows = rows or spec.tiles.q_tile
+  return tuple(1 if x in ('batch', 'heads') else rows if x == 'queries' else s
                for x, s in zip(names, a.shape))
 
 
@@ -772,7 +805,8 @@ def _backward(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, do, lse, delta, stat
   extra = (do, lse, delta)
   in_specs, inputs = _inputs(spec, qs, ks, v, seg_q, seg_k, leaves, t.kv, t.steps, extra,
                              state)
-  shares = [jax.ShapeDtypeStruct((batch, heads, t.q_tiles) + _grad_tile(spec, a, names),
+  groups, rows = t.q_tiles // spec.dq_group, spec.dq_group * t.q_tile
+  shares = [jax.ShapeDtypeStruct((batch, heads, groups) + _grad_tile(spec, a, names, rows),
                                  jnp.float32) for a, names in zip(leaves, spec.param_axes)]
   share_specs = [pl.BlockSpec((None, None, None) + s.shape[3:],
                               lambda bi, h, x, n=len(s.shape) - 3: (bi, h, x) + (0,) * n)
@@ -781,8 +815,8 @@ def _backward(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, do, lse, delta, stat
   # pipelining there, which could load a step's window before the last step stored it.
   stages = 1 if spec.table_rows else NUM_STAGES
   outs = pl.pallas_call(
-      functools.partial(_dq_kernel, spec), grid=(batch, heads, t.q_tiles),
-      in_specs=in_specs, out_specs=[_tile_spec(a, t.q_tile) for a in qs] + share_specs,
+      functools.partial(_dq_kernel, spec), grid=(batch, heads, groups),
+      in_specs=in_specs, out_specs=[_tile_spec(a, rows) for a in qs] + share_specs,
       out_shape=[f32(a) for a in qs] + shares, compiler_params=_compiler_params(spec, stages),
       interpret=spec.interpret, name='score_hook_gpu_dq')(*inputs)
   dq, shares = outs[:spec.n_q], outs[spec.n_q:]
@@ -921,8 +955,8 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
       blockloop.attention's (see the module's docstring and _check_state).
     key_block: keys per tile (default: the query tile).
     interpret: run as plain JAX (a CPU target: the tests).
-    q_tile: queries per tile (default tile_size: 64; 32 with a distance table or a carried
-      state).
+    q_tile: queries per tile (default tile_size: 64; 16 with a distance table, 32 with a
+      carried state).
 
   Returns:
     As blockloop.attention: (output, log-sum-exp), with `carry` also the rows' sums.
@@ -955,7 +989,8 @@ def attention(q, k, v, q_segments, k_segments, params, *, table: blockloop.Table
     raise ValueError(f'distance tables of different lengths {sorted(rows)}: the kernel reads '
                      'every distance table of a score at the same rows')
   q_tile = q_tile or tile_size(q_block, bool(rows), carry is not None)
-  t = tiles(table, q_block, n, nk, q_tile, key_block or q_tile)
+  group = DQ_GROUP if rows else 1
+  t = tiles(table, q_block, n, nk, q_tile, key_block or q_tile, group)
   window = _pow2(t.q_tile + t.key_tile - 1)
   full = str(jax.config.jax_default_matmul_precision).lower() in splash.FULL_PRECISION
   flags = dict(q_tuple=isinstance(q, tuple), k_tuple=isinstance(k, tuple))
@@ -1090,7 +1125,8 @@ def _attention(qs, ks, v, q_segments, k_segments, leaves, carry, *, tiles: Tiles
                q_shared=tuple(heads > 1 and a.shape[1] == 1 for a in qs),
                k_shared=tuple(heads > 1 and a.shape[1] == 1 for a in ks), stateful=stateful,
                warps=num_warps(bool(table_rows), stateful,
-                               max(a.shape[3] for a in (*qs, *ks, v))))
+                               max(a.shape[3] for a in (*qs, *ks, v))),
+               dq_group=DQ_GROUP if table_rows else 1)
   carry_p = starts = None
   if stateful:
     spec = dataclasses.replace(spec, has_rows=_check_state(spec, qs, ks, padded))

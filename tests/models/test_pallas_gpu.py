@@ -180,6 +180,22 @@ def test_a_distance_table_read_by_windows_gives_the_engine_s_results(per_head):
   _assert_grads_close(got_grads, want_grads, 1e-4)
 
 
+def test_dq_programs_of_several_query_tiles_give_the_engine_s_gradients(monkeypatch):
+  """With a distance table each dq program runs DQ_GROUP query tiles (fewer copies of the
+  table's gradient); at 2, the 3 query tiles of 16 are padded to 4: two programs a row and
+  head, the second with a tile of padding. The per-query z's gradient goes to each tile's
+  rows of its program's share, the table's to its copy."""
+  monkeypatch.setattr(pallas_gpu, 'DQ_GROUP', 2)
+  keys = jax.random.split(jax.random.key(5), 5)
+  q = jax.random.normal(keys[0], (B, H, N, D))
+  k, v = (jax.random.normal(x, (B, H, MEMORY + N, D)) for x in keys[1:3])
+  table = jax.random.normal(keys[3], (H, TABLE_ROWS, D))
+  z = jax.random.normal(keys[4], (B, H, -(-N // 8) * 8, 1))
+  got = _relative('pallas_gpu', True)(q, k, v, table, z)[1]
+  want = _relative('xla', True)(q, k, v, table, z)[1]
+  _assert_grads_close(got, want, 1e-4)
+
+
 def _carried(kernel, separate: bool, tau):
   """Selective attention's score (blockloop.attention with a carried state: F's column
   sums, and with `tau` the rows of L_mem) on two documents in a row at a ragged length, with
@@ -349,7 +365,7 @@ def test_under_a_mesh_a_carried_state_keeps_a_row_s_heads_on_one_device():
   assert dq.shape == q.shape and d_carry.shape == carry.shape
 
 
-GPU_N = 48  # a ragged row: one query tile of 64 (32 with a distance table: two)
+GPU_N = 48  # a ragged row: one query tile of 64 (of 16 with a distance table: three)
 
 
 def _gpu_config(variant, impl, d_model=64):
