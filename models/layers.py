@@ -169,14 +169,12 @@ def _swiglu_mlp_bwd(residuals, dy):
   silu = gate * sig
   dact = jnp.dot(dy2, w_out.T)
   # d silu(g)/dg = sigmoid(g) + g sigmoid(g) (1 - sigmoid(g)).
-  dh = jnp.stack([dact * up * (sig + silu * (1 - sig)), dact * silu], axis=1)
-  # d(x) as a 2-D matmul: the 3-D einsum form makes XLA write d(h) twice, once transposed.
-  if can_flatten('mlp'):
-    dx = jnp.dot(dh.reshape(n, -1), w_in.reshape(d, -1).T)
-  else:
-    dx = jnp.einsum('ngf,dgf->nd', dh, w_in)
-  dx = dx.reshape(dy.shape[:-1] + (d,))
-  dw_in = jnp.einsum('nd,ngf->dgf', x2, dh)
+  d_gate, d_up = dact * up * (sig + silu * (1 - sig)), dact * silu
+  # Each part's products on its own, as 2-D matmuls: d(h) stacked as (tokens, 2, hidden)
+  # was written once more (the 3-D einsum form wrote it twice, once transposed).
+  dx = (jnp.dot(d_gate, w_in[:, 0].T) + jnp.dot(d_up, w_in[:, 1].T)).reshape(
+      dy.shape[:-1] + (d,))
+  dw_in = jnp.stack([jnp.dot(x2.T, d_gate), jnp.dot(x2.T, d_up)], axis=1)
   dw_out = jnp.dot(act.T, dy2)
   return dx, dw_in, dw_out
 
