@@ -8,7 +8,7 @@ At the paper's scale, on a TPU slice (compiled ahead of time from a CPU host by
 `python -m benchmarks.tpu_compile --recipes adaptive_span_enwik8`, committed in
 results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
   slice:    v5e-8 (compile_topology 'v5e:2x4'), mesh data=8, remat 'full'
-  memory:   3.97 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
+  memory:   3.99 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
   speed:    ~553,000 steps/day: a step of 156 ms, compute-bound, MFU 3% (FLOPs run: 61%)
             (the roofline estimate of the compiled step, not measured): 900,000 steps in ~1.6 days
 

@@ -10,8 +10,8 @@ At the paper's scale, on a TPU slice (compiled ahead of time from a CPU host by
 `python -m benchmarks.tpu_compile --recipes reformer_enwik8`, committed in
 results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
   slice:    v5e-8 (compile_topology 'v5e:2x4'), mesh data=8, remat 'none'
-  memory:   10.57 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
-  speed:    ~55,600 steps/day: a step of 1.55 s, memory-bound, MFU 226% (FLOPs run: 30%)
+  memory:   10.54 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
+  speed:    ~55,400 steps/day: a step of 1.56 s, memory-bound, MFU 225% (FLOPs run: 30%)
             (the roofline estimate of the compiled step, not measured): 20,000 steps in ~0.36 days
 
   python main.py --config=configs/reformer_enwik8.py --mode=compile --workdir=/tmp/reformer

@@ -6,9 +6,9 @@ At the paper's scale, on a TPU slice (compiled ahead of time from a CPU host by
 `python -m benchmarks.tpu_compile --recipes selective_c4`, committed in
 results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
   slice:    v5e-4 (compile_topology 'v5e:2x2'), mesh data=4, remat 'full'
-  memory:   4.40 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
-  speed:    ~376,000 steps/day: a step of 230 ms, memory-bound, MFU 44% (FLOPs run: 55%)
-            (the roofline estimate of the compiled step, not measured): 524,288 steps in ~1.4 days
+  memory:   4.12 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
+  speed:    ~417,000 steps/day: a step of 207 ms, memory-bound, MFU 49% (FLOPs run: 62%)
+            (the roofline estimate of the compiled step, not measured): 524,288 steps in ~1.3 days
 
   python main.py --config=configs/selective_c4.py --mode=compile --workdir=/tmp/sel_c4
   python main.py --config=configs/selective_c4.py --workdir=gs://BUCKET/runs/sel_c4 \

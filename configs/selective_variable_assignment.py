@@ -7,8 +7,8 @@ At the paper's scale, on a TPU slice (compiled ahead of time from a CPU host by
 results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
   slice:    v5e-4 (compile_topology 'v5e:2x2'), mesh data=4, remat 'none'
   memory:   5.16 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
-  speed:    ~1,740,000 steps/day: a step of 49.5 ms, memory-bound, MFU 15% (FLOPs run: 17%)
-            (the roofline estimate of the compiled step, not measured): 65,536 steps in ~0.038 days
+  speed:    ~1,780,000 steps/day: a step of 48.5 ms, memory-bound, MFU 15% (FLOPs run: 18%)
+            (the roofline estimate of the compiled step, not measured): 65,536 steps in ~0.037 days
 
   python main.py --config=configs/selective_variable_assignment.py --mode=compile --workdir=/tmp/va
   python main.py --config=configs/selective_variable_assignment.py --workdir=gs://BUCKET/runs/va

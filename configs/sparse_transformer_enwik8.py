@@ -10,8 +10,8 @@ At the paper's scale, on a TPU slice (compiled ahead of time from a CPU host by
 results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
   slice:    v5e-4 (compile_topology 'v5e:2x2'), mesh data=4, remat 'full'
   memory:   6.43 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
-  speed:    ~77,800 steps/day: a step of 1.11 s, memory-bound, MFU 64% (FLOPs run: 63%)
-            (the roofline estimate of the compiled step, not measured): 36,622 steps in ~0.47 days
+  speed:    ~79,300 steps/day: a step of 1.09 s, memory-bound, MFU 65% (FLOPs run: 64%)
+            (the roofline estimate of the compiled step, not measured): 36,622 steps in ~0.46 days
 
   python main.py --config=configs/sparse_transformer_enwik8.py --mode=compile --workdir=/tmp/st
   python main.py --config=configs/sparse_transformer_enwik8.py --workdir=gs://BUCKET/runs/st \

@@ -10,9 +10,9 @@ At the paper's scale, on a TPU slice (compiled ahead of time from a CPU host by
 `python -m benchmarks.tpu_compile --recipes transformer_xl_enwik8`, committed in
 results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
   slice:    v5e-4 (compile_topology 'v5e:2x2'), mesh data=2,tensor=2, remat 'none'
-  memory:   1.92 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
-  speed:    ~4,350,000 steps/day: a step of 19.8 ms, compute-bound, MFU 19% (FLOPs run: 42%)
-            (the roofline estimate of the compiled step, not measured): 400,000 steps in ~0.092 days
+  memory:   1.95 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
+  speed:    ~4,370,000 steps/day: a step of 19.8 ms, compute-bound, MFU 19% (FLOPs run: 42%)
+            (the roofline estimate of the compiled step, not measured): 400,000 steps in ~0.091 days
 
   python main.py --config=configs/transformer_xl_enwik8.py --mode=compile --workdir=/tmp/txl
   python main.py --config=configs/transformer_xl_enwik8.py --workdir=gs://BUCKET/runs/txl \

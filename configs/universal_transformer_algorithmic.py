@@ -10,8 +10,8 @@ At the paper's scale, on a TPU slice (compiled ahead of time from a CPU host by
 results/tpu_compile_recipes.json; `--mode=compile` prints the same report):
   slice:    v5e-4 (compile_topology 'v5e:2x2'), mesh data=4, remat 'none'
   memory:   1.19 GiB per chip of 16 GiB (the train step, by the TPU compiler's estimate)
-  speed:    ~15,900,000 steps/day: a step of 5.45 ms, memory-bound, MFU 7% (FLOPs run: 8%)
-            (the roofline estimate of the compiled step, not measured): 100,000 steps in ~0.0063 days
+  speed:    ~14,900,000 steps/day: a step of 5.78 ms, memory-bound, MFU 6% (FLOPs run: 8%)
+            (the roofline estimate of the compiled step, not measured): 100,000 steps in ~0.0067 days
 
   python main.py --config=configs/universal_transformer_algorithmic.py --mode=compile \
       --workdir=/tmp/ut
