@@ -252,6 +252,29 @@ def test_a_state_that_reads_a_head_s_own_array_is_refused():
     _carried('pallas_gpu', False, None)(*_carried_inputs())
 
 
+def test_a_state_whose_increment_reads_the_state_is_refused():
+  """G, the cotangent of a tile's increment, is summed before the tiles' backward from the
+  gradients of the states they read: an increment that reads the state would need them in
+  order."""
+  table = blockloop.Table.runs([0], [1], 16)
+
+  def score(params, qb, kb, i, j, ctx):
+    del params
+    (qh, sq), (kh, sk) = qb, kb
+    logits = blockloop.head_einsum('bhqd,bhkd->bhqk', qh, kh,
+                                   preferred_element_type=jnp.float32)
+    s = blockloop.head_einsum('bhqd,bhkd->bhqk', sq, sk, preferred_element_type=jnp.float32)
+    increment = jnp.sum(s[:, 0], axis=1) * ctx.carried      # reads the state
+    return logits, (i[:, None] >= j[None, :])[None, None], None, increment, None
+
+  q = jnp.zeros((1, H, 16, 16))
+  seg = jnp.ones((1, 16), jnp.int32)
+  with pytest.raises(ValueError, match='must not read the state itself'):
+    pallas_gpu.attention((q, q[:, :1]), (q, q[:, :1]), q, seg, seg, None, table=table,
+                         q_block=16, score=score, dtype=jnp.float32,
+                         carry=jnp.zeros((1, 16)), interpret=True)
+
+
 # test_pallas_kernel's options, but fixed attention's heads read distinct summary blocks: they
 # see different keys, which the GPU kernel tells apart by a per-head parameter.
 GPU_VARIANTS = tpk.VARIANTS
