@@ -137,6 +137,13 @@ class Context(NamedTuple):
   starts: jax.Array
 
 
+def document_starts(segment_ids):
+  """(batch, n) bool: the position starts a document (its segment id differs from the
+  previous position's; position 0 always starts one): a packed row's <BOS>."""
+  prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+  return segment_ids != prev
+
+
 def head_einsum(subscripts: str, a, b, **kwargs):
   """jnp.einsum of two (batch, heads, ...) tiles pair by pair of (batch, head), e.g.
   'bhqd,bhkd->bhqk'. Inside the fused Pallas kernel the two axes are merged into one: Mosaic
@@ -455,9 +462,8 @@ class _Keys:
     pad = ((0, 0), (0, 0), (lo, hi), (0, 0))
     self.k, self.v = tuple(jnp.pad(a, pad) for a in _queries(k)), jnp.pad(v, pad)
     self.seg = jnp.pad(k_segments, ((0, 0), (lo, hi)), constant_values=-1)
-    if spec.stateful:  # Document starts, as the segments change (position 0 starts one).
-      prev = jnp.pad(k_segments[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
-      self.starts = self.pad_keys(k_segments != prev)
+    if spec.stateful:
+      self.starts = self.pad_keys(document_starts(k_segments))
     self.start, self.stride, self.count = (jnp.asarray(a, jnp.int32)
                                            for a in (t.start, t.stride, t.count))
     self.first = jnp.asarray(np.cumsum(t.count, axis=1) - t.count, jnp.int32)

@@ -103,6 +103,7 @@ def num_warps(relative: bool, stateful: bool, head_width: int) -> int:
   distance table's tiles of 16), else 4."""
   return 8 if stateful or (head_width > 64 and not relative) else 4
 
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Tiles:
   """The key tiles each query tile visits, and its transpose, from a blockloop.Table.
@@ -517,8 +518,7 @@ def _states(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, carry, starts):
 def _forward(spec: _Spec, qs, ks, v, seg_q, seg_k, leaves, starts=None, states=None):
   """(output, log-sum-exp, rows' sums or None) of every (batch row, head, query tile)."""
   t = spec.tiles
-  batch, heads, n_pad, d = qs[0].shape
-  heads = v.shape[1]
+  (batch, heads), n_pad = v.shape[:2], qs[0].shape[2]
   state = (starts, states) if spec.stateful else ()
   in_specs, inputs = _inputs(spec, qs, ks, v, seg_q, seg_k, leaves, t.kv, t.steps,
                              state=state)
@@ -1130,8 +1130,8 @@ def _attention(qs, ks, v, q_segments, k_segments, leaves, carry, *, tiles: Tiles
   carry_p = starts = None
   if stateful:
     spec = dataclasses.replace(spec, has_rows=_check_state(spec, qs, ks, padded))
-    prev = jnp.pad(k_segments[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
-    starts = jnp.pad((k_segments != prev).astype(jnp.int32), ((0, 0), (0, nk_pad - keys)))
+    starts = jnp.pad(blockloop.document_starts(k_segments).astype(jnp.int32),
+                     ((0, 0), (0, nk_pad - keys)))
     carry_p = jnp.pad(carry.astype(jnp.float32), ((0, 0), (0, nk_pad - keys)))
   if not interpret:
     _compiled_checks(spec, qs_p, ks_p, v_p, padded)

@@ -1039,8 +1039,7 @@ def _attention(qs, ks, v, q_segments, k_segments, leaves, carry, *, plan: Plan, 
   starts = carry_p = None
   has_rows = False
   if stateful:
-    prev = jnp.pad(k_segments[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
-    starts = jnp.pad((k_segments != prev).astype(jnp.int32),
+    starts = jnp.pad(blockloop.document_starts(k_segments).astype(jnp.int32),
                      ((0, 0), (0, nk_pad - keys)))[:, None]
     carry_p = jnp.pad(carry.astype(jnp.float32), ((0, 0), (0, nk_pad - keys)))[:, None]
     tile_params = jax.tree.unflatten(treedef, [_tile_of(a, names, q_block)

@@ -62,8 +62,7 @@ _NEG = -jnp.inf
 
 def bos_flags(segment_ids):
   """(batch, n) bool: the first token of each document of a packed row (its <BOS>)."""
-  prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
-  return segment_ids != prev
+  return blockloop.document_starts(segment_ids)
 
 
 def selection_gate(s, mask, bos_k, i, j, *, relu: bool, mask_bos: bool, mask_diag: bool):
