@@ -9,8 +9,8 @@ import numpy as np
 
 from models import layers
 from models import options as options_lib
-from models.attention import (blockloop, blocksparse, cpu_kernel, dispatch, memory, patterns,
-                              splash)
+from models.attention import (blockloop, blocksparse, cpu_kernel, decoding, dispatch, memory,
+                              patterns, splash)
 # The shared math, under the names the variants use (base.reference_attention, ...).
 from models.attention.reference import (NEG_INF, causal_segment_mask,  # noqa: F401
                                         masked_softmax, reference_attention)
@@ -33,75 +33,10 @@ IMPLEMENTATIONS = ('auto', 'xla', 'blocksparse', 'cpu_kernel', 'fused', 'cudnn',
 # that fills the decoding caches.
 PREFILL = 'prefill'
 
-# The slots a decoding step reads at a time (`over_live_slots`): LIVE_CHUNK, or the capacity
-# over MAX_ROUNDS where that is more (a loop step on an accelerator has a fixed cost: a long
-# cache is read in at most MAX_ROUNDS steps). Its work is the live slots rounded up to a
-# multiple of the chunk, and its program holds one chunk's attention.
-LIVE_CHUNK = 64
-MAX_ROUNDS = 16
-
-
-def over_live_slots(live, q, keys, values, scores, *, scale: float, dtype):
-  """A decoding step's attention over the live part of its cache, its first `live` slots
-  (the rest are empty): the step's work follows the text length, as a growing cache's would.
-
-  softmax(logits over the allowed slots) . values, computed a chunk of slots at a time (see
-  LIVE_CHUNK) in a loop over the chunks that hold live slots (the chunks past them are
-  not read), with an online softmax (a running max, sum and unnormalized output, as flash
-  attention's): the program holds one chunk's attention whatever the capacity (a cache of at
-  most LIVE_CHUNK slots is one chunk, with no loop). Decoding is not differentiated: the loop
-  (a while loop: its trip count is traced) has no reverse-mode rule.
-
-  Args:
-    live: int32 scalar, may be traced: slots >= live are empty (`scores` allows none of
-      them); the loop stops at the chunk that holds slot live - 1.
-    q: (batch, heads, head_dim) the step's queries.
-    keys, values: (batch, heads, capacity, head_dim) the cache.
-    scores: (logits, start, size) -> (logits, allowed) for the slots [start, start + size)
-      (a traced start, a static size; always inside the cache): given their float32 logits
-      scale q . k, (batch, heads, size), the logits to use and which of the slots may be
-      attended to (bool, broadcastable to (batch, heads, size)).
-    scale: logit multiplier.
-    dtype: dtype of the (unnormalized) probabilities fed to the value matmul.
-
-  Returns:
-    (batch, heads, head_dim) float32; zeros for a row that may attend to no slot.
-  """
-  b, h, capacity, d = keys.shape
-  size = min(capacity, max(LIVE_CHUNK, -(-capacity // MAX_ROUNDS)))
-  chunks = -(-capacity // size)
-
-  def chunk(i, carry):
-    top, total, out = carry
-    first = i * size
-    # The last chunk of a capacity that `size` does not divide ends at the cache's end
-    # (dynamic_slice would move it there silently): it skips the slots before `first`,
-    # which the chunk before it took.
-    start = jnp.minimum(first, capacity - size)
-    k = jax.lax.dynamic_slice_in_dim(keys, start, size, axis=2)
-    v = jax.lax.dynamic_slice_in_dim(values, start, size, axis=2)
-    logits = jnp.einsum('bhd,bhcd->bhc', q, k, preferred_element_type=jnp.float32) * scale
-    logits, allowed = scores(logits, start, size)
-    allowed = allowed & (start + jnp.arange(size) >= first)
-    logits = jnp.where(allowed, logits, NEG_INF)
-    new_top = jnp.maximum(top, logits.max(axis=-1))
-    p = jnp.where(allowed, jnp.exp(logits - new_top[..., None]), 0)
-    fade = jnp.exp(top - new_top)  # Rescales what the earlier chunks summed.
-    total = total * fade + p.sum(axis=-1)
-    out = out * fade[..., None] + jnp.einsum('bhc,bhcd->bhd', p.astype(dtype), v,
-                                             preferred_element_type=jnp.float32)
-    return new_top, total, out
-
-  # NEG_INF, not -inf: fade stays finite (1) while no slot has been allowed yet.
-  init = (jnp.full((b, h), NEG_INF, jnp.float32), jnp.zeros((b, h), jnp.float32),
-          jnp.zeros((b, h, d), jnp.float32))
-  if chunks == 1:
-    _, total, out = chunk(0, init)
-  else:
-    rounds = jnp.minimum((jnp.asarray(live, jnp.int32) + size - 1) // size, chunks)
-    _, total, out = jax.lax.fori_loop(0, rounds, chunk, init)
-  # total >= 1 where a slot is allowed (the max's own term); out is 0 where none is.
-  return out / jnp.where(total > 0, total, 1)[..., None]
+# A decoding step's attention over its cache's live slots (models/attention/decoding.py), under
+# the names the variants use (base.over_live_slots, base.LIVE_CHUNK).
+LIVE_CHUNK, MAX_ROUNDS = decoding.LIVE_CHUNK, decoding.MAX_ROUNDS
+over_live_slots = decoding.over_live_slots
 
 
 def check_known(impl: str) -> None:

@@ -875,6 +875,27 @@ def _triton_precision():
   return _KERNEL_KIND[-1][1]
 
 
+# Non-empty while a score traces for one decoding step (models/attention/decoding.py): its j
+# are the positions a cache's slots hold, in slot order, not a contiguous run.
+_DECODING: list = []
+
+
+@contextlib.contextmanager
+def decoding():
+  """Scores traced in this context score one decoding step's query against a cache
+  (decoding.step): relative_term_at reads each pair's row by a gather, and query_rows gives a
+  per-query parameter whole (the step's own)."""
+  _DECODING.append(True)
+  try:
+    yield
+  finally:
+    _DECODING.pop()
+
+
+def inside_decoding() -> bool:
+  return bool(_DECODING)
+
+
 def first(positions):
   """The first of a score's positions (i or j: a contiguous increasing run), e.g. for
   relative_term's at0. Inside the Triton kernel, which slices no value, their minimum (a
@@ -887,10 +908,32 @@ def first(positions):
 def query_rows(a, i, axis: int):
   """A per-query parameter at the block's queries i (a contiguous run) along `axis`, e.g.
   dynamic spans: this engine gives a score the whole array, the Pallas kernel the block's
-  slice already (param axis 'queries'; Mosaic slices no value at a traced offset)."""
-  if inside_kernel():
+  slice already (param axis 'queries'; Mosaic slices no value at a traced offset), and a
+  decoding step the step's own (blockloop.decoding)."""
+  if inside_kernel() or inside_decoding():
     return a
   return jax.lax.dynamic_slice_in_dim(a, i[0], i.shape[0], axis=axis)
+
+
+def relative_term_at(q, table, i, j, *, origin, form: str = 'shift'):
+  """q_r . table[origin + i_r - j_t] at every pair (r, t): a score's relative-position term at
+  its query and key positions i and j, where the table row is the pair's distance plus
+  `origin` (adaptive span's p_{x-1}: origin -1; Transformer-XL's r_x: 0; plus the memory's
+  length m where i counts the queries from the first current position). Rows off the table
+  read zeros.
+
+  On a training tile, whose i and j are contiguous runs, this is relative_term with
+  at0 = origin + i[0] - j[0] (its forms and kernels). In a decoding step (`decoding`) the
+  keys are a cache's slots, in any order: each pair's row is gathered, then multiplied by its
+  query (one query reads as many table rows as it has keys, no more)."""
+  if not inside_decoding():
+    return relative_term(q, table, origin + first(i) - first(j), j.shape[0], form=form)
+  rows = table.shape[-2]
+  row = origin + i[:, None] - j[None, :]                                 # (B, keys)
+  picked = jnp.take(table, jnp.clip(row, 0, rows - 1), axis=table.ndim - 2).astype(q.dtype)
+  spec = 'bhqd,qkd->bhqk' if table.ndim == 2 else 'bhqd,hqkd->bhqk'
+  term = jnp.einsum(spec, q, picked, preferred_element_type=jnp.float32)
+  return jnp.where((row >= 0) & (row < rows), term, 0.0)
 
 
 def relative_term(q, table, at0, keys: int, *, form: str = 'shift'):
