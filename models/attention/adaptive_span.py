@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import host
-from models.attention import base, blockloop, memory, traits
+from models.attention import base, blockloop, decoding, memory, traits
 from models.attention import registry
 from models.attention.registry import register
 
@@ -119,22 +119,8 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
   if pallas:
     z = z[..., None] if per_token else z[None, :, None, None]
 
-  def score(params, qb, kb, i, j):
-    p, z = params
-    x = (m + i)[:, None] - j[None, :]  # distances (B, W); i and j are contiguous runs
-    logits = blockloop.head_einsum('bhqd,bhkd->bhqk', qb, kb, preferred_element_type=jnp.float32)
-    # q . p_{x-1} (eq. 1's relative term); pairs outside [1, T] are not live.
-    form = blockloop.relative_form(platform, p.shape[0], qb.shape[2], kb.shape[2])
-    at0 = m + blockloop.first(i) - blockloop.first(j) - 1
-    logits = (logits + blockloop.relative_term(qb, p, at0, kb.shape[2], form=form)) * scale
-    if per_token:
-      z_block = blockloop.query_rows(z, i, axis=2)
-      z_block = z_block if pallas else z_block[..., None]
-    else:
-      z_block = z if pallas else z[None, :, None, None]
-    live = (x >= 1) & (x <= span) & (x < ramp + z_block)  # m_z(x) > 0
-    return logits, live, soft_mask(x, z_block, ramp)
-
+  score = span_score(m=m, span=span, ramp=ramp, scale=scale, platform=platform,
+                     per_token=per_token, pallas=pallas)
   qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # (b, h, len, d)
   out, _ = blockloop.attention(qh, kh, vh, q_segments, k_segments,
                                (rel[:span].astype(dtype), z), table=table, q_block=block,
@@ -146,6 +132,35 @@ def span_attention(q, k, v, q_segments, k_segments, rel, z, *, ramp: float, span
                                            else (None, 'heads', None, None)) if pallas else None,
                                distance_origin=m - 1)
   return jnp.swapaxes(out, 1, 2)
+
+
+def span_score(*, m: int, span: int, ramp: float, scale: float, platform: str,
+               per_token: bool, pallas: bool = False):
+  """Eq. 1-3 as the score of the blocked engine, the Pallas kernels and decoding
+  (blockloop.attention's `score`; decoding.step): params (p, z), the relative embeddings
+  (row x - 1 is distance x) and the spans, (b, h, queries) per token (plus a trailing axis of
+  1 for the Pallas kernels, `pallas`) or per head ((1, h, 1, 1) for the kernels, else (h,)).
+
+  Query i is key m + i (m cached positions precede the queries): the pair's distance is
+  x = m + i - j. A pair is live for
+  1 <= x <= span (T) and m_z(x) > 0, and weighs m_z(x) exp(s)."""
+  def score(params, qb, kb, i, j):
+    p, z = params
+    x = (m + i)[:, None] - j[None, :]  # distances (B, W)
+    logits = blockloop.head_einsum('bhqd,bhkd->bhqk', qb, kb, preferred_element_type=jnp.float32)
+    # q . p_{x-1} (eq. 1's relative term); pairs outside [1, T] are not live.
+    form = blockloop.relative_form(platform, p.shape[0], qb.shape[2], kb.shape[2])
+    logits = (logits + blockloop.relative_term_at(qb, p, i, j, origin=m - 1,
+                                                  form=form)) * scale
+    if per_token:
+      z_block = blockloop.query_rows(z, i, axis=2)
+      z_block = z_block if pallas else z_block[..., None]
+    else:
+      z_block = z if pallas else z[None, :, None, None]
+    live = (x >= 1) & (x <= span) & (x < ramp + z_block)  # m_z(x) > 0
+    return logits, live, soft_mask(x, z_block, ramp)
+
+  return score
 
 
 def span_report(config, head_spans: np.ndarray) -> dict:
@@ -295,29 +310,23 @@ class AdaptiveSpanAttention(base.MultiHeadAttention):
     """
     del positions
     z, rel = extra
-    b, t, h, d = q.shape
+    d = q.shape[-1]
     trim = self.trim
     cache = self.kv_cache(q, k, v, trim, (trim,))
     if cache is None:
       return jnp.zeros_like(q)
     ck, cv, pos, index = cache
     step = index.value
-    x = (step - pos.value).astype(jnp.float32)  # (trim,) distances of the cached keys
-    live = (pos.value >= 0)[None, None, :]
     z = jnp.asarray(z, jnp.float32)
-    z = z[None, :, None] if z.ndim == 1 else z[:, 0, :, None]  # (b or 1, h, 1)
-    live = live & (x[None, None, :] < self.option('ramp') + z)
-    qp = jnp.einsum('bhd,xd->bhx', q[:, 0], rel[:trim].astype(q.dtype),
-                    preferred_element_type=jnp.float32)
-    slot_distance = jnp.clip(x.astype(jnp.int32) - 1, 0, trim - 1)
-    logits = (jnp.einsum('bhd,bhcd->bhc', q[:, 0], ck.value, preferred_element_type=jnp.float32)
-              + qp[:, :, slot_distance]) * d ** -0.5
-    logits = jnp.where(live, logits, base.NEG_INF)
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    w = jnp.where(live, soft_mask(x[None, None], z, self.option('ramp'))
-                  * jnp.exp(logits - top), 0.0)
-    s = jnp.sum(w, axis=-1, keepdims=True)
-    out = jnp.einsum('bhc,bhcd->bhd', (w / jnp.where(s > 0, s, 1.0)).astype(self.dtype), cv.value)
+    per_token = z.ndim != 1
+    # The cache holds the last T positions, so no distance exceeds T. The score is the
+    # training tiles' (span_score); slots 0 .. min(step, T) - 1 are filled.
+    score = span_score(m=0, span=trim, ramp=self.option('ramp'), scale=d ** -0.5,
+                       platform=self.target_platform(), per_token=per_token)
+    out = decoding.step(jnp.swapaxes(q, 1, 2), ck.value, cv.value,
+                        (rel[:trim], jnp.swapaxes(z, 1, 2) if per_token else z), score=score,
+                        query_position=step, key_positions=pos.value,
+                        live=jnp.minimum(step, trim), dtype=self.dtype)
     # The token joins the cache after attending (it does not see itself).
     slot = step % trim
     ck.value = ck.value.at[:, :, slot].set(k[:, 0])
