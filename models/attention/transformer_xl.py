@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import layers
-from models.attention import base, blockloop, memory, traits
+from models.attention import base, blockloop, decoding, memory, traits
 from models.attention.registry import register
 
 
@@ -108,6 +108,25 @@ def relative_attention(q, k, v, q_segments, k_segments, pos_keys, u, v_bias, *, 
                      f'reach {farthest}')
   pk = jnp.swapaxes(pos_keys, 0, 1).astype(q.dtype)  # W_R r_x head-major
 
+  qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # (b, h, len, d)
+  queries = (qh + u[None, :, None, :].astype(qh.dtype),
+             qh + v_bias[None, :, None, :].astype(qh.dtype))
+  score = relative_score(m=m, reach=reach, scale=scale)
+  out, _ = blockloop.attention(queries, kh, vh, q_segments, k_segments, pk, table=table,
+                               q_block=block, score=score, dtype=dtype, per_step=per_step,
+                               param_axes=('heads', 'distance', None), distance_origin=m,
+                               **(engine or {}))
+  return jnp.swapaxes(out, 1, 2)
+
+
+def relative_score(*, m: int, reach: int | None, scale: float):
+  """The four-term score as the score of the blocked engine, the Pallas kernels and decoding
+  (blockloop.attention's `score`; decoding.step): queries (q + u, q + v), params the
+  positional table, row x for distance x (W_R r_x per head, (heads, L, head_dim); or any
+  table whose product with the position query gives (q + v) W_R r_x, see decode_step).
+
+  Query i is key m + i (m memory positions precede the queries): the pair's distance is
+  x = m + i - j, live for 0 <= x (<= reach)."""
   def score(params, qb, kb, i, j):
     q_content, q_position = qb
     x = (m + i)[:, None] - j[None, :]  # (B, keys) distances
@@ -115,22 +134,13 @@ def relative_attention(q, k, v, q_segments, k_segments, pos_keys, u, v_bias, *, 
                                    preferred_element_type=jnp.float32)
     # (q_i + v) W_R r_x once per query and distance of the step, shifted to each key
     # (blockloop.relative_term; x outside [0, reach] is masked).
-    logits = (logits + blockloop.relative_term(q_position, params,
-                                               m + blockloop.first(i) - blockloop.first(j),
-                                               kb.shape[2])) * scale
+    logits = (logits + blockloop.relative_term_at(q_position, params, i, j, origin=m)) * scale
     live = x >= 0
     if reach is not None:
       live &= x <= reach
     return logits, live[None, None], None
 
-  qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # (b, h, len, d)
-  queries = (qh + u[None, :, None, :].astype(qh.dtype),
-             qh + v_bias[None, :, None, :].astype(qh.dtype))
-  out, _ = blockloop.attention(queries, kh, vh, q_segments, k_segments, pk, table=table,
-                               q_block=block, score=score, dtype=dtype, per_step=per_step,
-                               param_axes=('heads', 'distance', None), distance_origin=m,
-                               **(engine or {}))
-  return jnp.swapaxes(out, 1, 2)
+  return score
 
 
 _COUNT = base.Range(base.INTEGER, 0)  # A length or distance: 0 or more.
@@ -215,7 +225,7 @@ class TransformerXLAttention(base.MultiHeadAttention):
       (batch, 1, heads, head_dim).
     """
     del positions
-    b, t, h, d = q.shape
+    d = q.shape[-1]
     if self.max_len < 1:
       raise ValueError('decoding needs the attention module to know max_len')
     capacity = self.option('mem_len') + self.max_len
@@ -229,22 +239,20 @@ class TransformerXLAttention(base.MultiHeadAttention):
     cv.value = cv.value.at[:, :, slot].set(v[:, 0])
     pos.value = pos.value.at[slot].set(step)
     index.value = step + 1
-    distance = step - pos.value  # (capacity,); the token itself is at distance 0.
-    live = pos.value >= 0
-    reach = self.reach
-    if reach is not None:
-      live &= distance <= reach
     u, v_bias = self.biases()
-    q0 = q[:, 0]  # (b, h, d)
-    content = jnp.einsum('bhd,bhcd->bhc', q0 + u.astype(q0.dtype), ck.value,
-                         preferred_element_type=jnp.float32)
-    by_distance = jnp.einsum('bhd,xhd->bhx', q0 + v_bias.astype(q0.dtype),
-                             self.position_keys(extra, capacity),
-                             preferred_element_type=jnp.float32)
-    positional = by_distance[:, :, jnp.clip(distance, 0, capacity - 1)]
-    logits = (content + positional) * d ** -0.5
-    probs = base.masked_softmax(logits, live[None, None], self.dtype)
-    out = jnp.einsum('bhc,bhcd->bhd', probs, cv.value)
+    qh = jnp.swapaxes(q, 1, 2)  # (b, h, 1, d)
+    # The training tiles' score (relative_score) with the positional term reassociated:
+    # (q + v) . (W_R r_x) = ((q + v) W_R^T) . r_x, so a step projects its query to d_model once
+    # and reads r_x at its keys' distances, instead of projecting every r_x by W_R (capacity x
+    # d_model x heads x head_dim multiply-adds a step, head_dim times the attention's).
+    r = sinusoid(distance_table(capacity, self.option('clamp_len')), extra.shape[0])
+    w_r = extra.astype(self.dtype)
+    position = jnp.einsum('bhqd,ehd->bhqe', qh + v_bias[None, :, None, :].astype(qh.dtype), w_r)
+    queries = (qh + u[None, :, None, :].astype(qh.dtype), position)
+    out = decoding.step(queries, ck.value, cv.value, r.astype(self.dtype),
+                        score=relative_score(m=0, reach=self.reach, scale=d ** -0.5),
+                        query_position=step, key_positions=pos.value,
+                        live=jnp.minimum(step + 1, capacity), dtype=self.dtype)
     return out[:, None].astype(self.dtype)
 
 
