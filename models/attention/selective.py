@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import layers
-from models.attention import base, blockloop, dispatch, traits
+from models.attention import base, blockloop, decoding, dispatch, traits
 from models.attention.registry import register
 
 Option = base.Option
@@ -440,29 +440,21 @@ class SelectiveAttention(base.MultiHeadAttention):
     if selection is not None:
       cks.value = cks.value.at[rows, slot].set(selection[1][:, 0])
     pos.value = pos.value.at[rows, slot].set(step)
-    f = fc.value.at[rows, slot].set(0.0)
     index.value = step + 1
-    live = pos.value >= 0  # (b, cap)
-    scale = d ** -0.5
-    logits = jnp.einsum('bhd,bhcd->bhc', q[:, 0], ck.value,
-                        preferred_element_type=jnp.float32) * scale
-    if selection is None:
-      s = logits[:, 0]
-    else:
-      s = jnp.einsum('bd,bcd->bc', selection[0][:, 0], cks.value,
-                     preferred_element_type=jnp.float32) * scale
-    s = jnp.where(live, s, 0.0)
-    if self.option('relu'):
-      s = jax.nn.relu(s)
-    if self.option('mask_bos'):
-      s = jnp.where(pos.value == 0, 0.0, s)
-    if self.option('mask_diag'):
-      s = jnp.where(pos.value == step, 0.0, s)
-    if not self.option('shift'):
-      f = f + s                       # F_{t,j} = sum_{k <= t} S_{k,j}
-    probs = base.masked_softmax(logits - f[:, None], live[:, None], self.dtype)
-    out = jnp.einsum('bhc,bhcd->bhd', probs, cv.value)
-    fc.value = f + s if self.option('shift') else f  # F_{t+1,j} for the next token
+    # The training tiles' score (_blocked_score) over the kept slots, F carried at each: the
+    # step's S joins F after its own logits with the shift (A.4), before them without. The
+    # new token's slot starts at F = 0; position 0 is the row's <BOS> (one document a row).
+    score = _blocked_score(scale=d ** -0.5, separate=selection is not None,
+                           shift=bool(self.option('shift')), relu=bool(self.option('relu')),
+                           mask_bos=bool(self.option('mask_bos')),
+                           mask_diag=bool(self.option('mask_diag')), tau=None)
+    queries, keys = jnp.swapaxes(q, 1, 2), ck.value
+    if selection is not None:
+      queries, keys = (queries, selection[0][:, None]), (keys, cks.value[:, None])
+    out, fc.value = decoding.step(
+        queries, keys, cv.value, None, score=score, query_position=step,
+        key_positions=pos.value, live=jnp.minimum(step + 1, cap), dtype=self.dtype,
+        carry=(fc.value.at[rows, slot].set(0.0), pos.value == 0))
     return out[:, None].astype(self.dtype)
 
 

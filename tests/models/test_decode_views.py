@@ -5,7 +5,9 @@
   back inside the cache and skips the slots the chunk before it took); the chunks past slot
   live - 1 are not read, and a row that may attend to nothing gives zeros.
 * Decoding through the plain-JAX path (CPU kernel library off) past several chunks, with a
-  capacity LIVE_CHUNK does not divide, equals the forward pass: a static pattern and LSH.
+  capacity LIVE_CHUNK does not divide, equals the forward pass: a static pattern, LSH, and the
+  variants whose decode_step runs their training score (decoding.step: adaptive and dynamic
+  span over a ring that wraps, Transformer-XL, selective's per-row cache with F carried).
 * The step's program does not grow with the capacity (lowering only): one chunk's attention
   in a loop, not one branch per cache view.
 """
@@ -90,7 +92,17 @@ LONG = 150
     ('dense', dict(attention_impl='blocksparse')),
     # One chunk (chunk_len >= the length): the forward pass attends to the whole bucket, as
     # decoding does (tests/models/test_lsh_decode.py).
-    ('lsh', dict(attention_options={'lsh': dict(chunk_len=160, n_buckets=4, n_hashes=2)}))])
+    ('lsh', dict(attention_options={'lsh': dict(chunk_len=160, n_buckets=4, n_hashes=2)})),
+    # The variants whose decode_step runs their training score (decoding.step): a ring of the
+    # last 96 keys that wraps (two chunks, the second moved back), and a span of 58 + 8 keys.
+    ('adaptive_span', dict(position_embedding='none', attention_options={
+        'adaptive_span': dict(limit=96, ramp=8, init=0.6, trim_multiple=32)})),
+    ('dynamic_span', dict(position_embedding='none', attention_options={
+        'adaptive_span': dict(limit=96, ramp=8, trim_multiple=32),
+        'dynamic_span': dict(bias=0.0)})),
+    ('txl', dict(position_embedding='none',
+                 attention_options={'txl': dict(mem_len=0, clamp_len=100)})),
+    ('selective', {})])
 def test_decoding_past_several_chunks_equals_the_forward_pass(plain_jax, name, extra):
   model = _model(name, LONG, **extra)
   tokens = jnp.asarray(np.random.default_rng(3).integers(3, VOCAB, (2, LONG)), jnp.int32)
@@ -118,6 +130,9 @@ def _step_program_chars(model) -> int:
     ('local', dict(max_len=2048, attention_options={'local': dict(window=128)}),
      dict(max_len=2048, attention_options={'local': dict(window=2048)})),
     ('lsh', dict(max_len=128), dict(max_len=16384)),  # Was 1.73x.
+    ('txl', dict(max_len=128, position_embedding='none'),
+     dict(max_len=2048, position_embedding='none')),
+    ('selective', dict(max_len=128), dict(max_len=2048)),
 ])
 def test_the_step_program_does_not_grow_with_the_capacity(plain_jax, name, small, large):
   impl = dict(attention_impl='blocksparse') if name != 'lsh' else {}
