@@ -16,7 +16,8 @@ own). A cache whose rows hold different positions (selective attention's pruned 
 scored row by row (a vmap), since a score takes one `j` for the whole batch.
 
 The work follows the text, not the cache's capacity: the slots are read a chunk at a time
-(LIVE_CHUNK) with an online softmax, and the chunks past the last live slot are not read.
+(LIVE_CHUNK; STEP_CHUNK for a variant's score) with an online softmax, and the chunks past the
+last live slot are not read.
 """
 
 from __future__ import annotations
@@ -35,15 +36,26 @@ from models.attention.reference import NEG_INF
 # program holds one chunk's attention.
 LIVE_CHUNK = 64
 MAX_ROUNDS = 16
+# The slots a chunk of `step` (a variant's score) holds at least. A loop trip has a fixed cost
+# (a GPU's while loop reads its trip count back on the host, about 35 us on an H200), and the
+# loop copies each chunk's slice of the cache where one pass reads the cache in place. On a
+# CPU, the d=4 model's decoding step at batch 8 (benchmarks/decode.py's shape) over
+# selective's 512 slots took 2.9-3.0 ms in one pass and 3.3-6.4 ms in chunks of 128 (60 and
+# 440 tokens in); over Transformer-XL's 640, 4.2-4.4 ms against 3.0-6.9. A cache of up to
+# STEP_CHUNK slots is one pass (one query's products over 8K slots are a few microseconds of
+# an accelerator's bandwidth); a longer one is read in chunks of it, which bounds the step's
+# temporaries (the relative term's gathered rows: a chunk's slots x d_model).
+STEP_CHUNK = 8192
 
 
-def over_chunks(live, capacity: int, values, chunk_scores: Callable, *, dtype, state=None):
+def over_chunks(live, capacity: int, values, chunk_scores: Callable, *, dtype, state=None,
+                chunk: int = LIVE_CHUNK):
   """softmax(logits over the allowed slots) . values for one query per (row, head), a chunk of
-  slots at a time (see LIVE_CHUNK) in a loop over the chunks that hold live slots, with an
-  online softmax (a running max, sum and unnormalized output, as flash attention's): the
-  program holds one chunk's attention whatever the capacity (a cache of at most LIVE_CHUNK
-  slots is one chunk, with no loop). Decoding is not differentiated: the loop (a while loop:
-  its trip count is traced) has no reverse-mode rule.
+  slots at a time (at least `chunk` slots, see LIVE_CHUNK) in a loop over the chunks that hold
+  live slots, with an online softmax (a running max, sum and unnormalized output, as flash
+  attention's): the program holds one chunk's attention whatever the capacity (a cache of at
+  most `chunk` slots is one chunk, with no loop). Decoding is not differentiated: the loop (a
+  while loop: its trip count is traced) has no reverse-mode rule.
 
   Args:
     live: int32 scalar, may be traced: slots >= live are empty (`chunk_scores` allows none of
@@ -65,10 +77,10 @@ def over_chunks(live, capacity: int, values, chunk_scores: Callable, *, dtype, s
     state after the last chunk.
   """
   b, h, _, d = values.shape
-  size = min(capacity, max(LIVE_CHUNK, -(-capacity // MAX_ROUNDS)))
+  size = min(capacity, max(chunk, -(-capacity // MAX_ROUNDS)))
   chunks = -(-capacity // size)
 
-  def chunk(c, carry):
+  def one(c, carry):
     top, total, out, state = carry
     first = c * size
     start = jnp.minimum(first, capacity - size)
@@ -91,10 +103,10 @@ def over_chunks(live, capacity: int, values, chunk_scores: Callable, *, dtype, s
   init = (jnp.full((b, h), NEG_INF, jnp.float32), jnp.zeros((b, h), jnp.float32),
           jnp.zeros((b, h, d), jnp.float32), state)
   if chunks == 1:
-    _, total, out, state = chunk(0, init)
+    _, total, out, state = one(0, init)
   else:
     rounds = jnp.minimum((jnp.asarray(live, jnp.int32) + size - 1) // size, chunks)
-    _, total, out, state = jax.lax.fori_loop(0, rounds, chunk, init)
+    _, total, out, state = jax.lax.fori_loop(0, rounds, one, init)
   # total > 0 where a slot with a non-zero weight is allowed; out is 0 where none is.
   return out / jnp.where(total > 0, total, 1)[..., None], state
 
@@ -147,7 +159,8 @@ def step(q, k, v, params, *, score: Callable, query_position, key_positions, liv
     query_position: int32 scalar (may be traced): the step's position, in the keys' numbering.
     key_positions: (capacity,) int32 position held by each slot (-1: empty), or (batch,
       capacity) when the rows hold different positions (each row is then scored on its own).
-    live: int32 scalar (may be traced): slots >= live are empty and not read.
+    live: int32 scalar (may be traced): slots >= live are empty; the chunks (STEP_CHUNK)
+      past the one that holds slot live - 1 are not read.
     dtype: dtype of the weights fed to the value matmul.
     carry: None, or (state, starts): the variant's state at each slot (batch, capacity)
       float32 (selective attention's F: the column sums over the earlier queries) and whether
@@ -188,5 +201,6 @@ def step(q, k, v, params, *, score: Callable, query_position, key_positions, liv
     return logits[:, :, 0], first(allowed) & real, gate, state
 
   out, state = over_chunks(live, capacity, v, chunk_scores, dtype=dtype,
-                           state=None if carry is None else carry[0].astype(jnp.float32))
+                           state=None if carry is None else carry[0].astype(jnp.float32),
+                           chunk=STEP_CHUNK)
   return out if carry is None else (out, state)

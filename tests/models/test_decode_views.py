@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from models import decode, transformer
-from models.attention import base, cpu_kernel
+from models.attention import base, cpu_kernel, decoding
 
 VOCAB = 50
 
@@ -103,7 +103,9 @@ LONG = 150
     ('txl', dict(position_embedding='none',
                  attention_options={'txl': dict(mem_len=0, clamp_len=100)})),
     ('selective', {})])
-def test_decoding_past_several_chunks_equals_the_forward_pass(plain_jax, name, extra):
+def test_decoding_past_several_chunks_equals_the_forward_pass(plain_jax, monkeypatch, name,
+                                                              extra):
+  monkeypatch.setattr(decoding, 'STEP_CHUNK', CHUNK)  # A variant's score in chunks of 64 too.
   model = _model(name, LONG, **extra)
   tokens = jnp.asarray(np.random.default_rng(3).integers(3, VOCAB, (2, LONG)), jnp.int32)
   params = jax.jit(model.init)(jax.random.key(0), tokens)['params']  # Jitted: op by op was slower.
