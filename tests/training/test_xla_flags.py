@@ -42,6 +42,9 @@ def test_matmuls_go_to_ynnpack_dot_fusions_on_the_checked_jaxlib_releases(monkey
   # The user's own fusion types win.
   given = '--xla_cpu_experimental_ynn_fusion_type=dot'
   assert _defaults(monkeypatch, given, first) == given
+  # None under the tests' fast compile (optimization level 0), where they computed wrong
+  # results.
+  assert 'ynn' not in _defaults(monkeypatch, xla_flags.FAST_COMPILE, first)
 
 
 def test_fast_compile_names_the_fusion_emitter_flag_only_on_checked_releases(monkeypatch):
