@@ -16,6 +16,10 @@ TEST_XLA_FLAGS = (xla_flags.FAST_COMPILE if os.environ.get('JAX_PLATFORMS') == '
                   and not os.environ.get('ZOO_TEST_OPTIMIZED') else '')
 if TEST_XLA_FLAGS not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} {TEST_XLA_FLAGS}'.strip()
+# And the CPU defaults main.py sets (xla_flags.set_cpu_defaults). A test module that imports
+# experiments.harness sets them too, at collection: without this line a run's flags depended
+# on which files it collected (a run of one file had none of them, CI's workers all).
+xla_flags.set_cpu_defaults()
 
 # attention_impl='auto' on a CPU runs the C++ kernel where it was measured faster on this CPU
 # (models/attention/cpu_choice.py). The suite does not read this machine's measurement: it
