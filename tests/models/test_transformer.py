@@ -543,7 +543,11 @@ def test_swiglu_activation_matches_autodiff():
   np.testing.assert_allclose(g, g_plain, rtol=1e-5, atol=1e-6)
 
 
-def test_swiglu_mlp_matches_autodiff():
+@pytest.mark.parametrize('hidden_split', [False, True])
+def test_swiglu_mlp_matches_autodiff(monkeypatch, hidden_split):
+  # The backward takes a per-part form, or the stacked 3-D form where the mesh splits the
+  # hidden axis (layers.can_flatten('mlp') is False): both against autodiff.
+  monkeypatch.setattr(layers, 'can_flatten', lambda axis: not hidden_split)
   k = jax.random.split(jax.random.key(5), 4)
   x = jax.random.normal(k[0], (2, 5, 6))
   w_in = jax.random.normal(k[1], (6, 2, 7)) * 0.5
