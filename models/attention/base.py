@@ -35,7 +35,7 @@ PREFILL = 'prefill'
 
 # A decoding step's attention over its cache's live slots (models/attention/decoding.py), under
 # the names the variants use (base.over_live_slots, base.LIVE_CHUNK).
-LIVE_CHUNK, MAX_ROUNDS = decoding.LIVE_CHUNK, decoding.MAX_ROUNDS
+LIVE_CHUNK = decoding.LIVE_CHUNK
 over_live_slots = decoding.over_live_slots
 
 
